@@ -1,0 +1,97 @@
+"""One error hierarchy for the whole system, and the one place it maps to gRPC status codes.
+
+Raise a `Dsv4Error` subclass for anything caused by input, peers or resources; `assert` only
+for internal invariants. Servicers call `to_grpc_status` once, at the boundary.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class Dsv4Error(Exception):
+    """Base class. `grpc_code` names a `grpc.StatusCode` member; the message says what to fix."""
+
+    grpc_code = "INTERNAL"
+
+    def __init__(self, message: str, *, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.retry_after_s = retry_after_s
+
+
+class ConfigError(Dsv4Error):
+    """A configuration value is wrong: names the field, the value and the fix."""
+
+    grpc_code = "INVALID_ARGUMENT"
+
+    def __init__(self, field_name: str, value: Any, fix: str) -> None:
+        super().__init__(f"config field {field_name!r} = {value!r}: {fix}")
+        self.field_name = field_name
+        self.value = value
+
+
+class CheckpointError(Dsv4Error):
+    """A checkpoint is missing, corrupted, truncated or does not match the config."""
+
+    grpc_code = "FAILED_PRECONDITION"
+
+
+class InvalidRequest(Dsv4Error):
+    grpc_code = "INVALID_ARGUMENT"
+
+
+class ResourceExhausted(Dsv4Error):
+    """Admission is full or a client is over its rate; `retry_after_s` hints when to retry."""
+
+    grpc_code = "RESOURCE_EXHAUSTED"
+
+
+class OutOfBlocks(ResourceExhausted):
+    """The KV block pool cannot satisfy an allocation."""
+
+
+class Unavailable(Dsv4Error):
+    """No healthy worker, a peer died, or a transfer could not be completed."""
+
+    grpc_code = "UNAVAILABLE"
+
+
+class TransferError(Unavailable):
+    """A KV transfer failed or its peer vanished."""
+
+
+class LayoutMismatch(Dsv4Error):
+    """Prefill and decode workers disagree on the KV layout compatibility hash."""
+
+    grpc_code = "FAILED_PRECONDITION"
+
+
+class NotFound(Dsv4Error):
+    """A request id, lease or handle is unknown (already finished, released or expired)."""
+
+    grpc_code = "NOT_FOUND"
+
+
+class DeadlineExceeded(Dsv4Error):
+    grpc_code = "DEADLINE_EXCEEDED"
+
+
+class Cancelled(Dsv4Error):
+    grpc_code = "CANCELLED"
+
+
+class Unauthenticated(Dsv4Error):
+    grpc_code = "UNAUTHENTICATED"
+
+
+def to_grpc_status(exc: BaseException) -> tuple[Any, str]:
+    """Map any exception to `(grpc.StatusCode, message)`; unknown errors become INTERNAL."""
+    import grpc
+
+    if isinstance(exc, Dsv4Error):
+        message = exc.message
+        if exc.retry_after_s is not None:
+            message = f"{message} (retry after {exc.retry_after_s:.1f} s)"
+        return getattr(grpc.StatusCode, exc.grpc_code), message
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
