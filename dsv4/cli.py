@@ -1,0 +1,125 @@
+"""`dsv4` console script: one subcommand per job; each parses its configuration once.
+
+Heavy imports (torch, grpc) happen inside the subcommand that needs them, so `dsv4 --help` and the
+router stay light.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Callable
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+def _cmd_make_tiny(args: argparse.Namespace) -> int:
+    from dsv4.model.tiny import shape_config, write_checkpoint
+
+    cfg = shape_config(args.shape, args.linear_dtype, args.expert_dtype)
+    if args.layers:
+        ratios = tuple(int(r) for r in args.layers.split(","))
+        cfg = cfg.with_overrides(num_hidden_layers=len(ratios), compress_ratios=ratios)
+    out = write_checkpoint(args.out_dir, cfg, seed=args.seed)
+    print(f"wrote {args.shape} checkpoint to {out}")
+    return 0
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError as exc:
+        raise SystemExit(f"--prompt-ids takes comma-separated integers: {exc}") from exc
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from dsv4.model.generate import generate
+    from dsv4.model.tokenizer import TextCodec
+    from dsv4.model.weights import load_model
+
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    model, cfg = load_model(args.model, dtype=getattr(torch, args.dtype))
+    codec = TextCodec.from_dir(args.model)
+    prompt_ids = _parse_ids(args.prompt_ids) if args.prompt_ids else codec.encode(args.prompt)
+    if not prompt_ids:
+        raise SystemExit("the prompt is empty: pass --prompt TEXT or --prompt-ids 1,2,3")
+    output_ids = generate(
+        model,
+        prompt_ids,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop_token_ids=(cfg.eos_token_id,) if not args.ignore_eos else (),
+    )
+    text = codec.decode(output_ids)
+    if args.json:
+        print(
+            json.dumps(
+                {"prompt_token_ids": prompt_ids, "output_token_ids": output_ids, "text": text}
+            )
+        )
+    else:
+        print(text)
+    return 0
+
+
+def _add_make_tiny(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("make-tiny", help="write a deterministic random checkpoint")
+    p.add_argument("out_dir")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--shape", choices=["tiny", "flash"], default="tiny")
+    p.add_argument("--linear-dtype", choices=["fp8", "bf16"], default="fp8")
+    p.add_argument("--expert-dtype", choices=["fp4", "fp8", "bf16"], default="fp4")
+    p.add_argument("--layers", default="", help="comma-separated compress ratios, e.g. 0,4,128,4")
+    p.set_defaults(handler=_cmd_make_tiny)
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="offline generation with the reference model")
+    p.add_argument("--model", required=True, help="checkpoint directory")
+    group = p.add_mutually_exclusive_group(required=True)
+    group.add_argument("--prompt")
+    group.add_argument("--prompt-ids", help="comma-separated token ids")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--json", action="store_true", help="print prompt/output ids and text as JSON")
+    p.set_defaults(handler=_cmd_generate)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dsv4", description=__doc__)
+    parser.add_argument("--log-level", default="WARNING")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_make_tiny(sub)
+    _add_generate(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    from dsv4.errors import Dsv4Error
+
+    try:
+        return int(args.handler(args))
+    except Dsv4Error as exc:
+        print(f"dsv4 {args.command}: error: {exc.message}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""`dsv4 make-tiny`: a deterministic random DeepSeek-V4 checkpoint stored as the real ones are.
+
+The checkpoint has every layer kind (ratios 0, 4, 128), a hash layer with a non-trivial
+token-to-expert table, the MTP layer, FP8 block-scaled linears and MXFP4 experts (or bf16, on
+request), sharded safetensors with an index file, and a byte-level BPE `tokenizer.json`.
+`--shape flash` writes V4-Flash dimensions with few layers for GPU benchmarks.
+
+Initialisation keeps activations O(1) through the stack: linears ~ N(0, 1/fan_in), norms near 1,
+small hyper-connection logits, sinks and position biases of order 0.1-1.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from dsv4.model.config import ModelConfig, flash_config, tiny_config
+from dsv4.model.inventory import TensorSpec, checkpoint_tensors, model_tensors, quantized_kind
+from dsv4.model.quant import fp8_block_quantize, mxfp4_quantize
+from dsv4.model.tokenizer import build_tokenizer
+
+DEFAULT_SHARD_BYTES = 4 * 1024 * 1024
+
+
+def random_tensor(spec: TensorSpec, cfg: ModelConfig, gen: torch.Generator) -> torch.Tensor:
+    """A deterministic random value for one logical weight (fp32, or int64 for tid2eid)."""
+    shape = spec.shape
+    if spec.role == "linear":
+        return torch.randn(shape, generator=gen) / shape[-1] ** 0.5
+    if spec.role == "embed":
+        return torch.randn(shape, generator=gen)
+    if spec.role == "norm":
+        return 1.0 + 0.1 * torch.randn(shape, generator=gen)
+    if spec.role == "hc_fn":
+        return torch.randn(shape, generator=gen) * 0.5 / shape[-1] ** 0.5
+    if spec.role == "hc_base":
+        return 0.5 * torch.randn(shape, generator=gen)
+    if spec.role == "hc_scale":
+        return 1.0 + 0.25 * torch.rand(shape, generator=gen)
+    if spec.role in ("sink", "ape"):
+        return 0.5 * torch.randn(shape, generator=gen)
+    if spec.role == "gate_bias":
+        return 0.1 * torch.randn(shape, generator=gen)
+    if spec.role == "tid2eid":
+        # k distinct experts per token, drawn independently per vocabulary id.
+        scores = torch.rand(cfg.vocab_size, cfg.n_routed_experts, generator=gen)
+        return scores.argsort(dim=1)[:, : cfg.num_experts_per_tok].to(torch.int64)
+    raise ValueError(f"no initialiser for role {spec.role!r} of {spec.name}")
+
+
+_STORE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "int64": torch.int64}
+
+
+def encode_tensor(
+    name: str, value: torch.Tensor, fmt: str, cfg: ModelConfig
+) -> dict[str, torch.Tensor]:
+    """One logical weight -> the stored tensors (`weight` [+ `scale`])."""
+    kind = quantized_kind(name, cfg)
+    stem = name[: -len(".weight")] if name.endswith(".weight") else name
+    if kind == "fp8":
+        codes, scale = fp8_block_quantize(value, cfg.fp8_block_size)
+        return {name: codes, f"{stem}.scale": scale}
+    if kind == "fp4":
+        packed, scale = mxfp4_quantize(value)
+        return {name: packed, f"{stem}.scale": scale}
+    return {name: value.to(_STORE_DTYPES[fmt]).contiguous()}
+
+
+def write_checkpoint(
+    out_dir: str | Path,
+    cfg: ModelConfig,
+    seed: int = 0,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    with_tokenizer: bool = True,
+) -> Path:
+    """Write config.json, sharded safetensors + index, and tokenizer.json into `out_dir`."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(seed)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    shard_bytes = 0
+    for spec in model_tensors(cfg):
+        stored = encode_tensor(spec.name, random_tensor(spec, cfg, gen), spec.fmt, cfg)
+        size = sum(t.numel() * t.element_size() for t in stored.values())
+        if shards[-1] and shard_bytes + size > max_shard_bytes:
+            shards.append({})
+            shard_bytes = 0
+        shards[-1].update(stored)
+        shard_bytes += size
+    weight_map: dict[str, str] = {}
+    total_bytes = 0
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out / fname), metadata={"format": "pt"})
+        for key, tensor in shard.items():
+            weight_map[key] = fname
+            total_bytes += tensor.numel() * tensor.element_size()
+    expected = {s.name for s in checkpoint_tensors(cfg)}
+    assert expected == set(weight_map), "writer and inventory disagree"
+    index = {
+        "metadata": {"total_size": total_bytes},
+        "weight_map": dict(sorted(weight_map.items())),
+    }
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+    (out / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=1))
+    if with_tokenizer:
+        tok = build_tokenizer(cfg.vocab_size, bos_id=cfg.bos_token_id, eos_id=cfg.eos_token_id)
+        tok.save(str(out / "tokenizer.json"))
+        (out / "tokenizer_config.json").write_text(
+            json.dumps(
+                {
+                    "tokenizer_class": "PreTrainedTokenizerFast",
+                    "bos_token": "<bos>",
+                    "eos_token": "<eos>",
+                }
+            )
+        )
+    return out
+
+
+def shape_config(shape: str, linear_dtype: str, expert_dtype: str) -> ModelConfig:
+    """'tiny' (CPU tests) or 'flash' (V4-Flash dims, 4 layers) with the chosen storage formats."""
+    base = {"tiny": tiny_config, "flash": flash_config}.get(shape)
+    if base is None:
+        raise ValueError(f"unknown shape {shape!r}: use tiny or flash")
+    return base().with_overrides(linear_dtype=linear_dtype, expert_dtype=expert_dtype)
