@@ -1,0 +1,230 @@
+"""`dsv4 loadtest` / `python -m loadgen`: flags modelled on `vllm bench serve`.
+
+Exit status: 0 when the run(s) finished and at least one request succeeded, 1 when every
+request failed (each failure is still counted by status code and reported), 2 for bad flags or
+unreadable dataset files. Server errors never raise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import math
+import sys
+from collections.abc import Callable
+from typing import IO, Any
+
+from loadgen.arrivals import ARRIVAL_MODES
+from loadgen.config import (
+    DATASET_NAMES,
+    LoadtestConfig,
+    LoadtestConfigError,
+    build_requests,
+    config_from_args,
+    rate_from_text,
+)
+from loadgen.grpc_client import GrpcClientOptions, GrpcRouterClient
+from loadgen.metrics import RunSummary, summarize
+from loadgen.progress import ProgressBar
+from loadgen.report import (
+    METRIC_FOOTNOTE,
+    RunInfo,
+    format_summary_table,
+    format_sweep_table,
+    summary_to_json,
+    write_per_request_jsonl,
+    write_result_json,
+)
+from loadgen.runner import RunResult, run_once, run_warmups
+from loadgen.workloads import DEFAULT_VOCAB_SIZE
+
+ClientFactory = Callable[[GrpcClientOptions], Any]
+IN_FLIGHT_WARNING_THRESHOLD = 1000
+
+
+def add_loadtest_args(parser: argparse.ArgumentParser) -> None:
+    """Add every `dsv4 loadtest` flag to `parser`."""
+    g = parser.add_argument_group("target")
+    g.add_argument("--target", default="127.0.0.1:50051", help="router HOST:PORT")
+    g.add_argument("--tls-ca", default=None, metavar="FILE", help="root CA (PEM): use TLS")
+    g.add_argument("--api-key", default=None, help="sent as `authorization: Bearer KEY`")
+    g.add_argument("--timeout-s", type=float, default=600.0, help="per-request deadline")
+    g.add_argument(
+        "--vocab-size", type=int, default=None, help="default: ask GetModelInfo, else 129280"
+    )
+    g.add_argument("--temperature", type=float, default=None, help="default: server's")
+    g.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="generate exactly the requested output length (default on)",
+    )
+    d = parser.add_argument_group("workload")
+    d.add_argument("--dataset-name", choices=DATASET_NAMES, default="random")
+    d.add_argument("--dataset-path", default=None, help="ShareGPT JSON or Mooncake JSONL")
+    d.add_argument("--num-prompts", type=int, default=1000)
+    d.add_argument("--random-input-len", type=int, default=1024, help="also shared-prefix suffix")
+    d.add_argument("--random-output-len", type=int, default=128)
+    d.add_argument("--random-range-ratio", type=float, default=0.0, help="lengths in mean*(1±r)")
+    d.add_argument("--prefix-len", type=int, default=512, help="shared-prefix: prefix tokens")
+    d.add_argument("--prefix-num-groups", type=int, default=4, help="shared-prefix: groups")
+    d.add_argument("--sharegpt-output-len", type=int, default=None, help="fixed output length")
+    d.add_argument("--tokenizer", default=None, help="tokenizer.json for exact ShareGPT lengths")
+    d.add_argument("--trace-block-size", type=int, default=512, help="tokens per trace hash id")
+    d.add_argument("--trace-time-scale", type=float, default=1.0, help="0.5 = replay 2x faster")
+    d.add_argument(
+        "--trace-timestamps",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="replay trace timestamps (off: use --request-rate)",
+    )
+    a = parser.add_argument_group("load")
+    a.add_argument("--request-rate", type=rate_from_text, default=math.inf, help="req/s or inf")
+    a.add_argument("--request-rate-mode", choices=ARRIVAL_MODES, default="poisson")
+    a.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
+    a.add_argument("--max-concurrency", type=int, default=None)
+    a.add_argument("--num-warmups", type=int, default=0)
+    a.add_argument("--seed", type=int, default=0)
+    a.add_argument("--sweep-rates", default=None, metavar="R1,R2,..", help="one run per rate")
+    o = parser.add_argument_group("output")
+    o.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el")
+    o.add_argument(
+        "--metric-percentiles", "--percentiles", default="90,99", help="p90, p99 always included"
+    )
+    o.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS", help="ttft/tpot/e2el")
+    o.add_argument("--result-json", default=None, metavar="FILE")
+    o.add_argument("--per-request-jsonl", default=None, metavar="FILE")
+    o.add_argument("--plot", default=None, metavar="FILE.png")
+    o.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    o.add_argument("--label", default="dsv4-loadtest")
+
+
+async def _resolve_vocab_size(config: LoadtestConfig, client: Any, err: IO[str]) -> int:
+    if config.vocab_size is not None:
+        return config.vocab_size
+    fetch = getattr(client, "fetch_model_info", None)
+    info = await fetch() if fetch is not None else None
+    if info is not None and info.vocab_size > 0:
+        return int(info.vocab_size)
+    err.write(f"loadtest: GetModelInfo unavailable, using --vocab-size {DEFAULT_VOCAB_SIZE}\n")
+    return DEFAULT_VOCAB_SIZE
+
+
+def _warn_in_flight(config: LoadtestConfig, num_requests: int, err: IO[str]) -> None:
+    cap = config.max_concurrency or num_requests
+    if min(cap, num_requests) > IN_FLIGHT_WARNING_THRESHOLD:
+        err.write(
+            "loadtest: more than 1000 requests may be in flight; a grpc.aio server without a "
+            "raised grpc.server.max_pending_requests CANCELs some (counted as CANCELLED). "
+            "Consider --max-concurrency.\n"
+        )
+
+
+async def _run(
+    config: LoadtestConfig, client_factory: ClientFactory, out: IO[str], err: IO[str]
+) -> tuple[list[RunResult], list[RunSummary]]:
+    client = client_factory(config.client)
+    try:
+        vocab_size = await _resolve_vocab_size(config, client, err)
+        wl = config.workload
+        requests = build_requests(wl, wl.num_prompts, vocab_size, config.arrivals.seed)
+        if not requests:
+            raise LoadtestConfigError(f"the {wl.dataset_name} workload produced no requests")
+        _warn_in_flight(config, len(requests), err)
+        if config.num_warmups > 0:
+            warm = build_requests(
+                wl, config.num_warmups, vocab_size, config.arrivals.seed + 1, "warmup"
+            )
+            records = await run_warmups(client, warm, config.max_concurrency)
+            num_failed = sum(not r.is_success for r in records)
+            err.write(f"loadtest: {len(records)} warm-up requests done, {num_failed} failed\n")
+        results, summaries = [], []
+        for rate in config.rates:
+            spec = dataclasses.replace(config.arrivals, request_rate=rate)
+            label = f"rate {rate:g}"
+            progress = (
+                ProgressBar(len(requests), err, label=label) if config.show_progress else None
+            )
+            result = await run_once(client, requests, spec, config.max_concurrency, progress)
+            summary = summarize(
+                result.records,
+                result.duration_s,
+                result.run_start_s,
+                rate,
+                config.max_concurrency,
+                config.percentiles,
+                config.goodput,
+            )
+            results.append(result)
+            summaries.append(summary)
+        return results, summaries
+    finally:
+        close = getattr(client, "close", None)
+        if close is not None:
+            await close()
+
+
+def _write_outputs(
+    config: LoadtestConfig,
+    results: list[RunResult],
+    summaries: list[RunSummary],
+    out: IO[str],
+    err: IO[str],
+) -> None:
+    info = RunInfo(
+        target=config.client.target,
+        dataset_name=config.workload.dataset_name,
+        num_prompts=len(results[0].records),
+        request_rate_mode=config.arrivals.mode,
+        burstiness=config.arrivals.burstiness,
+        seed=config.arrivals.seed,
+        num_warmups=config.num_warmups,
+        percentile_metrics=config.percentile_metrics,
+        label=config.label,
+    )
+    for summary in summaries:
+        out.write(format_summary_table(summary, info) + "\n")
+    out.write(METRIC_FOOTNOTE + "\n")
+    if len(summaries) > 1:
+        out.write(format_sweep_table(summaries) + "\n")
+    if config.result_json:
+        objects = [summary_to_json(s, info) for s in summaries]
+        write_result_json(config.result_json, objects, is_sweep=bool(config.sweep_rates))
+    if config.per_request_jsonl:
+        with open(config.per_request_jsonl, "w", encoding="utf-8") as f:
+            for result in results:
+                write_per_request_jsonl(f, result.records, result.run_start_s, result.request_rate)
+    if config.plot_path:
+        try:
+            from loadgen.plot import write_plot
+
+            write_plot(config.plot_path, results, summaries)
+        except ImportError as exc:
+            err.write(f"loadtest: --plot skipped, matplotlib is missing ({exc})\n")
+
+
+def run_loadtest(
+    args: argparse.Namespace,
+    client_factory: ClientFactory = GrpcRouterClient,
+    out: IO[str] | None = None,
+    err: IO[str] | None = None,
+) -> int:
+    """Run the load test the flags describe; returns the process exit status."""
+    out = out or sys.stdout
+    err = err or sys.stderr
+    try:
+        config = config_from_args(args)
+        results, summaries = asyncio.run(_run(config, client_factory, out, err))
+    except (ValueError, OSError, ImportError) as exc:  # incl. LoadtestConfigError
+        err.write(f"loadtest: {exc}\n")
+        return 2
+    _write_outputs(config, results, summaries, out, err)
+    return 0 if any(s.completed for s in summaries) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `python -m loadgen`."""
+    parser = argparse.ArgumentParser(prog="dsv4 loadtest", description=__doc__.splitlines()[0])
+    add_loadtest_args(parser)
+    return run_loadtest(parser.parse_args(argv))
