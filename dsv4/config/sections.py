@@ -1,0 +1,256 @@
+"""The frozen `ServeConfig` tree: one section per concern, each field declared with `setting`.
+
+"auto" and 0-means-derive values are resolved by `dsv4.config.resolve.resolve_auto`, which
+returns a new object. Components receive only their section.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from dsv4.config.fields import Section, setting
+
+KERNEL_BACKENDS = ("ref", "triton", "flashinfer")
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+_ADDRESS = re.compile(r"[^\s:]+:\d{1,5}|\[[0-9a-fA-F:.]+\]:\d{1,5}")
+PORT = {"min": 0, "max": 65535}
+
+
+@dataclass(frozen=True)
+class ModelSection(Section):
+    SECTION = "model"
+    path: str = setting(
+        "tiny", "checkpoint dir, or 'tiny' for the random test model", flag="--model"
+    )
+    tokenizer: str = setting("", "tokenizer.json file or dir; empty: the checkpoint's own")
+    dtype: str = setting("auto", "activation dtype", choices=("auto", "bf16", "fp16", "fp32"))
+    device: str = setting("auto", "auto | cpu | cuda | cuda:N")
+    kernels: str = setting("auto", "kernel backend for every op", choices=("auto", "ref", "triton"))
+    kernel_overrides: tuple[str, ...] = setting(
+        (), "per-op backend, op=ref|triton|flashinfer (repeatable)", flag="--kernel-override"
+    )
+    max_model_len: int = setting(0, "prompt + output token limit; 0: the model's", min=0)
+    tensor_parallel_size: int = setting(1, "GPUs per model replica", min=1)
+    seed: int = setting(0, "seed of model init ('tiny') and default sampling", min=0)
+
+    def check(self) -> None:
+        if not _DEVICE.fullmatch(self.device):
+            self.fail("device", "use auto, cpu, cuda or cuda:N")
+        for item in self.kernel_overrides:
+            op, _, backend = item.partition("=")
+            if not op or backend not in KERNEL_BACKENDS:
+                self.fail("kernel_overrides", f"write op=backend, backend in {KERNEL_BACKENDS}")
+
+    def backend_for(self, op: str) -> str:
+        """The kernel backend of one op: its override if any, else `kernels`."""
+        for item in self.kernel_overrides:
+            name, _, backend = item.partition("=")
+            if name == op:
+                return backend
+        return self.kernels
+
+
+@dataclass(frozen=True)
+class CacheSection(Section):
+    SECTION = "cache"
+    block_size: int = setting(256, "tokens per KV block, a multiple of 128", min=128, max=8192)
+    kv_dtype: str = setting("auto", "KV entry format", choices=("auto", "fp8", "bf16"))
+    indexer_key_dtype: str = setting(
+        "mxfp4", "indexer key rows: mxfp4 (68 B, #48993) or fp8 (132 B)", choices=("mxfp4", "fp8")
+    )
+    memory_fraction: float = setting(0.9, "share of device memory for weights+KV", min=0.01, max=1)
+    memory_budget_bytes: int = setting(0, "KV memory budget; 0: use memory_fraction", min=0)
+    num_blocks: int = setting(0, "KV blocks; 0: derive from the memory budget", min=0)
+
+    def check(self) -> None:
+        if self.block_size % 128:
+            self.fail("block_size", "use a multiple of 128 (whole C128 entries); 256 is standard")
+
+
+@dataclass(frozen=True)
+class SchedulerSection(Section):
+    SECTION = "scheduler"
+    max_num_batched_tokens: int = setting(16384, "token budget of one engine step", min=1)
+    max_num_seqs: int = setting(256, "requests running at once", min=1)
+    prefill_chunk_plan: str = setting(
+        "area", "prefill attention chunking (#45061); fixed = baseline", choices=("area", "fixed")
+    )
+    chunk_area_budget: int = setting(0, "area budget per prefill chunk; 0: derived", min=0)
+    prefill_chunk_group_size: int = setting(4, "requests per chunk when the plan is fixed", min=1)
+
+
+@dataclass(frozen=True)
+class SpeculativeSection(Section):
+    SECTION = "speculative"
+    method: str = setting(
+        "none", "speculative decoding", flag="--spec-method", choices=("none", "mtp")
+    )
+    num_speculative_tokens: int = setting(1, "draft tokens per step", min=1, max=3)
+    budget: str = setting(
+        "adaptive",
+        "spec token budget (#51725); static = baseline",
+        flag="--spec-budget",
+        choices=("adaptive", "static"),
+    )
+
+
+@dataclass(frozen=True)
+class FeatureSwitches(Section):
+    """Every speed feature (OPTIMIZATIONS.md), on by default except IndexCache; off = baseline.
+
+    Elsewhere: scheduler.prefill_chunk_plan (#45061), speculative.budget (#51725),
+    cache.indexer_key_dtype (#48993), model.kernels / kernel_overrides (kernel backends).
+    """
+
+    SECTION = "features"
+    index_cache: bool = setting(False, "IndexCache: Shared C4 layers reuse a Full layer's top-k")
+    index_topk_freq: int = setting(2, "with index_cache: every Nth C4 layer is Full", min=1)
+    index_topk_pattern: str = setting("", "with index_cache: F/S per C4 layer, e.g. FSFS")
+    skip_topk: bool = setting(True, "skip indexer top-k and router when not needed (#49486)")
+    shared_sparse_metadata: bool = setting(True, "build sparse index metadata once a step (#45863)")
+    router_kernel: str = setting(
+        "fused", "MoE routing kernel (#47463, #48660)", choices=("fused", "reference")
+    )
+    cached_token_to_req_indices: bool = setting(True, "cache token->request indices (#47474)")
+    skip_empty_compressor_launch: bool = setting(
+        True, "launch C128 compressor only when due (#48957)"
+    )
+    packed_kv: bool = setting(True, "one contiguous region per block for all layers (#44577)")
+    fused_mhc: bool = setting(True, "mHC without repeat/copy of the embedding (#48137)")
+    skip_q_head_padding: bool = setting(True, "no q-head padding for sparse MLA (#48047)")
+    skip_redundant_fill: bool = setting(True, "no redundant full() in metadata (#50298)")
+    cuda_graphs: bool = setting(True, "capture decode steps in CUDA graphs (GPU only)")
+
+    def check(self) -> None:
+        pattern = self.index_topk_pattern
+        if pattern and (set(pattern) - {"F", "S"} or pattern[0] != "F"):
+            self.fail("index_topk_pattern", "use only F and S, starting with F (e.g. FSFS)")
+
+
+@dataclass(frozen=True)
+class TransferSection(Section):
+    SECTION = "transfer"
+    transport: str = setting(
+        "auto", "KV transport P->D", choices=("auto", "nixl", "cuda_ipc", "local")
+    )
+    transport_port: int = setting(0, "port of the transport listener; 0: pick one", **PORT)
+    lease_ttl_s: float = setting(30.0, "P frees unpulled KV after this", min=0.1)
+    pull_timeout_s: float = setting(10.0, "D gives up a KV pull after this", min=0.1)
+    pull_failure_policy: str = setting(
+        "recompute", "after a failed pull", choices=("recompute", "fail")
+    )
+
+    def check(self) -> None:
+        if self.pull_timeout_s >= self.lease_ttl_s:
+            self.fail("pull_timeout_s", f"must be below lease_ttl_s ({self.lease_ttl_s:g})")
+
+
+@dataclass(frozen=True)
+class DiscoverySection(Section):
+    SECTION = "discovery"
+    prefill_addresses: tuple[str, ...] = setting((), "static prefill host:port", flag="--prefill")
+    decode_addresses: tuple[str, ...] = setting((), "static decode host:port", flag="--decode")
+    redis_url: str = setting("", "Redis registry, e.g. redis://host:6379/0", flag="--redis")
+    redis_key_prefix: str = setting("dsv4", "namespace of the registry keys")
+    heartbeat_s: float = setting(1.0, "workers publish their info this often", min=0.05)
+    ttl_s: float = setting(5.0, "a worker silent this long is dropped", flag="--discovery-ttl-s")
+
+    def check(self) -> None:
+        for name in ("prefill_addresses", "decode_addresses"):
+            for address in getattr(self, name):
+                if not _ADDRESS.fullmatch(address):
+                    self.fail(name, f"{address!r} is not host:port")
+        if self.redis_url and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+            self.fail("redis_url", "start with redis://, rediss:// or unix://")
+        if self.ttl_s < 2 * self.heartbeat_s:
+            self.fail("ttl_s", f"must be >= 2 x heartbeat_s ({self.heartbeat_s:g} s)")
+
+
+@dataclass(frozen=True)
+class RouterSection(Section):
+    SECTION = "router"
+    host: str = setting("127.0.0.1", "router bind address (0.0.0.0 in containers)")
+    port: int = setting(50051, "router gRPC port", **PORT)
+    request_timeout_s: float = setting(600.0, "deadline when the client sets none", min=0.1)
+    prefill_timeout_s: float = setting(60.0, "one prefill attempt's deadline", min=0.1)
+    max_prefill_retries: int = setting(2, "retries of the prefill leg on another P", min=0)
+    max_message_bytes: int = setting(16 << 20, "largest gRPC message", min=1024)
+    max_inflight_requests: int = setting(
+        1024, "admission limit; more get RESOURCE_EXHAUSTED", min=1
+    )
+    rate_limit_rps: float = setting(0.0, "requests/s per client; 0: off", min=0)
+    rate_limit_burst: int = setting(0, "burst per client; 0: ceil(rate_limit_rps)", min=0)
+    api_keys: tuple[str, ...] = setting(
+        (), "accepted API keys; none: open", flag="--api-key", secret=True
+    )
+    default_max_new_tokens: int = setting(256, "max_new_tokens when unset", min=1)
+    max_new_tokens_limit: int = setting(0, "largest max_new_tokens; 0: max_model_len", min=0)
+    migrate_on_decode_failure: bool = setting(False, "re-run on another pair when D dies")
+
+    def check(self) -> None:
+        if self.max_new_tokens_limit and self.default_max_new_tokens > self.max_new_tokens_limit:
+            self.fail("default_max_new_tokens", "must not exceed max_new_tokens_limit")
+
+
+@dataclass(frozen=True)
+class WorkerSection(Section):
+    SECTION = "worker"
+    role: str = setting(
+        "colocated", "what this worker does", choices=("prefill", "decode", "colocated")
+    )
+    host: str = setting("127.0.0.1", "worker bind address", flag="--worker-host")
+    port: int = setting(0, "worker gRPC port; 0: pick a free one", flag="--worker-port", **PORT)
+    worker_id: str = setting("", "unique id; empty: role-host-pid")
+    advertise_address: str = setting("", "host:port peers dial; empty: host:bound port")
+    drain_timeout_s: float = setting(30.0, "graceful drain limit on shutdown", min=0)
+
+
+@dataclass(frozen=True)
+class SecuritySection(Section):
+    SECTION = "security"
+    tls_cert_path: str = setting(
+        "", "server certificate (PEM); empty: plaintext", flag="--tls-cert"
+    )
+    tls_key_path: str = setting("", "server private key (PEM)", flag="--tls-key")
+    tls_ca_path: str = setting("", "CA bundle to verify peers (PEM)", flag="--tls-ca")
+    require_client_cert: bool = setting(False, "mutual TLS on the worker APIs")
+    shared_secret: str = setting("", "token the router sends to workers", secret=True)
+
+    def check(self) -> None:
+        if bool(self.tls_cert_path) != bool(self.tls_key_path):
+            self.fail("tls_key_path", "set tls_cert_path and tls_key_path together")
+        if self.require_client_cert and not (self.tls_ca_path and self.tls_cert_path):
+            self.fail("require_client_cert", "mutual TLS needs tls_cert/key_path and tls_ca_path")
+        for name in ("tls_cert_path", "tls_key_path", "tls_ca_path"):
+            path = getattr(self, name)
+            if path and not Path(path).is_file():
+                self.fail(name, "no such file: fix the path or mount the secret")
+
+
+@dataclass(frozen=True)
+class MetricsSection(Section):
+    """Prometheus metrics and logs."""
+
+    SECTION = "metrics"
+    prometheus_port: int = setting(0, "port of /metrics; 0: off", flag="--metrics-port", **PORT)
+    log_level: str = setting("info", "log level", choices=("debug", "info", "warning", "error"))
+    log_format: str = setting("text", "log line format", choices=("text", "json"))
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """The whole configuration, built once per process by `load_config` / `config_from_args`."""
+
+    model: ModelSection = ModelSection()
+    cache: CacheSection = CacheSection()
+    scheduler: SchedulerSection = SchedulerSection()
+    speculative: SpeculativeSection = SpeculativeSection()
+    features: FeatureSwitches = FeatureSwitches()
+    transfer: TransferSection = TransferSection()
+    discovery: DiscoverySection = DiscoverySection()
+    router: RouterSection = RouterSection()
+    worker: WorkerSection = WorkerSection()
+    security: SecuritySection = SecuritySection()
+    metrics: MetricsSection = MetricsSection()

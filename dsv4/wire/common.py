@@ -1,0 +1,150 @@
+"""Conversions for the types shared by every service: enums, sampling, usage, stream chunks."""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+from dsv4.errors import InvalidRequest
+from dsv4.rpc.v1 import common_pb2, kv_pb2, worker_pb2
+from dsv4.types import (
+    FinishReason,
+    PullFailurePolicy,
+    RequestLimits,
+    SamplingParams,
+    StreamChunk,
+    TransportKind,
+    Usage,
+    WorkerRole,
+)
+from dsv4.wire.validate import check_sampling
+
+E = TypeVar("E")
+
+FINISH_REASON_TO_PB = {
+    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
+}
+WORKER_ROLE_TO_PB = {
+    WorkerRole.PREFILL: common_pb2.WORKER_ROLE_PREFILL,
+    WorkerRole.DECODE: common_pb2.WORKER_ROLE_DECODE,
+    WorkerRole.COLOCATED: common_pb2.WORKER_ROLE_COLOCATED,
+}
+TRANSPORT_KIND_TO_PB = {
+    TransportKind.NIXL: kv_pb2.TRANSPORT_KIND_NIXL,
+    TransportKind.CUDA_IPC: kv_pb2.TRANSPORT_KIND_CUDA_IPC,
+    TransportKind.LOCAL: kv_pb2.TRANSPORT_KIND_LOCAL,
+}
+PULL_FAILURE_POLICY_TO_PB = {
+    PullFailurePolicy.RECOMPUTE: worker_pb2.PULL_FAILURE_POLICY_RECOMPUTE,
+    PullFailurePolicy.FAIL: worker_pb2.PULL_FAILURE_POLICY_FAIL,
+}
+
+
+def enum_from_pb(table: dict[E, int], value: int, field_name: str) -> E:
+    """Map a proto enum number back to our enum; UNSPECIFIED and unknown numbers are errors."""
+    for ours, number in table.items():
+        if number == value:
+            return ours
+    names = ", ".join(str(getattr(e, "value", e)) for e in table)
+    raise InvalidRequest(
+        f"{field_name} = {value} is unspecified or unknown: set one of {names} "
+        "(a peer on a newer API version may send values this one does not know)"
+    )
+
+
+def finish_reason_from_pb(value: int) -> FinishReason | None:
+    if value == common_pb2.FINISH_REASON_UNSPECIFIED:
+        return None
+    return enum_from_pb(FINISH_REASON_TO_PB, value, "finish_reason")
+
+
+# ---- sampling ---------------------------------------------------------------------------------
+
+
+def sampling_to_proto(sampling: SamplingParams) -> common_pb2.SamplingParams:
+    """Every field set explicitly, so the receiver applies no defaults of its own."""
+    msg = common_pb2.SamplingParams(
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k,
+        max_new_tokens=sampling.max_new_tokens,
+        stop_token_ids=sampling.stop_token_ids,
+        stop=sampling.stop_strings,
+        ignore_eos=sampling.ignore_eos,
+    )
+    if sampling.seed is not None:
+        msg.seed = sampling.seed
+    return msg
+
+
+def sampling_from_proto(
+    msg: common_pb2.SamplingParams, limits: RequestLimits, num_prompt_tokens: int
+) -> SamplingParams:
+    """Validate; unset optional fields take the defaults (max_new_tokens from `limits`)."""
+    defaults = SamplingParams()
+    return check_sampling(
+        temperature=msg.temperature if msg.HasField("temperature") else defaults.temperature,
+        top_p=msg.top_p if msg.HasField("top_p") else defaults.top_p,
+        top_k=msg.top_k,
+        max_new_tokens=msg.max_new_tokens if msg.HasField("max_new_tokens") else None,
+        seed=msg.seed if msg.HasField("seed") else None,
+        stop_token_ids=list(msg.stop_token_ids),
+        stop_strings=list(msg.stop),
+        ignore_eos=msg.ignore_eos,
+        num_prompt_tokens=num_prompt_tokens,
+        limits=limits,
+    )
+
+
+# ---- usage and stream chunks ------------------------------------------------------------------
+
+_USAGE_FIELDS = tuple(Usage.__dataclass_fields__)
+
+
+def usage_to_proto(usage: Usage) -> common_pb2.Usage:
+    return common_pb2.Usage(**{name: getattr(usage, name) for name in _USAGE_FIELDS})
+
+
+def usage_from_proto(msg: common_pb2.Usage) -> Usage:
+    return Usage(**{name: getattr(msg, name) for name in _USAGE_FIELDS})
+
+
+def fill_chunk_proto(msg: Any, chunk: StreamChunk) -> Any:
+    """Fill a GenerateResponse or DecodeResponse (same field names) from a StreamChunk."""
+    msg.token_ids.extend(chunk.token_ids)
+    msg.text = chunk.text
+    if chunk.finish_reason is not None:
+        msg.finish_reason = FINISH_REASON_TO_PB[chunk.finish_reason]
+    if chunk.usage is not None:
+        msg.usage.CopyFrom(usage_to_proto(chunk.usage))
+    return msg
+
+
+def chunk_from_proto(msg: Any) -> StreamChunk:
+    """Read a GenerateResponse or DecodeResponse into a StreamChunk."""
+    return StreamChunk(
+        token_ids=tuple(msg.token_ids),
+        text=msg.text,
+        finish_reason=finish_reason_from_pb(msg.finish_reason),
+        usage=usage_from_proto(msg.usage) if msg.HasField("usage") else None,
+    )
+
+
+def abort_request_to_proto(request_id: str) -> common_pb2.AbortRequest:
+    return common_pb2.AbortRequest(request_id=request_id)
+
+
+def abort_request_from_proto(msg: common_pb2.AbortRequest) -> str:
+    """The id to abort; an empty id is an error (unknown ids are not: Abort answers was_found)."""
+    if not msg.request_id:
+        raise InvalidRequest("AbortRequest.request_id is empty: name the request to cancel")
+    return msg.request_id
+
+
+def abort_response_to_proto(was_found: bool) -> common_pb2.AbortResponse:
+    return common_pb2.AbortResponse(was_found=was_found)
+
+
+def abort_response_from_proto(msg: common_pb2.AbortResponse) -> bool:
+    return msg.was_found

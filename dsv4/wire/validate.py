@@ -1,0 +1,150 @@
+"""Request validation: every check raises InvalidRequest with a message that says what to fix.
+
+Limits come from a `RequestLimits` argument (built from the model and the config), never from
+globals. These functions see plain Python values, not protos.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import uuid
+from collections.abc import Sequence
+
+from dsv4.errors import InvalidRequest
+from dsv4.types import RequestLimits, SamplingParams
+
+_REQUEST_ID_CHARS = re.compile(r"[A-Za-z0-9._:/=+@-]+")
+
+
+def check_request_id(request_id: str, limits: RequestLimits, *, may_assign: bool) -> str:
+    """Return a valid request id; an empty one is replaced by a random id when may_assign."""
+    if not request_id:
+        if may_assign:
+            return uuid.uuid4().hex
+        raise InvalidRequest("request_id is empty: the router must forward its request id")
+    if len(request_id) > limits.max_request_id_chars:
+        raise InvalidRequest(
+            f"request_id has {len(request_id)} characters: use at most "
+            f"{limits.max_request_id_chars} (a UUID is fine)"
+        )
+    if not _REQUEST_ID_CHARS.fullmatch(request_id):
+        raise InvalidRequest(
+            f"request_id {request_id!r} has characters outside [A-Za-z0-9._:/=+@-]: "
+            "use letters, digits and those separators only"
+        )
+    return request_id
+
+
+def check_prompt_token_ids(ids: Sequence[int], limits: RequestLimits) -> tuple[int, ...]:
+    """The prompt must be non-empty, fit the context and use only in-vocabulary ids."""
+    if len(ids) == 0:
+        raise InvalidRequest("prompt is empty: send non-empty text or at least one token id")
+    if len(ids) >= limits.max_model_len:
+        raise InvalidRequest(
+            f"prompt has {len(ids)} tokens but max_model_len is {limits.max_model_len}: "
+            f"shorten the prompt to at most {limits.max_model_len - 1} tokens"
+        )
+    check_token_ids_in_vocab("prompt_token_ids", ids, limits.vocab_size)
+    return tuple(ids)
+
+
+def check_token_ids_in_vocab(field_name: str, ids: Sequence[int], vocab_size: int) -> None:
+    if not ids or (min(ids) >= 0 and max(ids) < vocab_size):
+        return
+    index, value = next((i, v) for i, v in enumerate(ids) if not 0 <= v < vocab_size)
+    raise InvalidRequest(
+        f"{field_name}[{index}] = {value} is outside the vocabulary: "
+        f"token ids must be in [0, {vocab_size})"
+    )
+
+
+def check_sampling(
+    *,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    max_new_tokens: int | None,
+    seed: int | None,
+    stop_token_ids: Sequence[int],
+    stop_strings: Sequence[str],
+    ignore_eos: bool,
+    num_prompt_tokens: int,
+    limits: RequestLimits,
+) -> SamplingParams:
+    """Validate sampling values and fill the default max_new_tokens (clipped to the context)."""
+    if not math.isfinite(temperature) or temperature < 0:
+        raise InvalidRequest(
+            f"sampling.temperature = {temperature}: use 0 for greedy decoding or a finite "
+            "positive value (1.0 samples from the model's distribution)"
+        )
+    if not 0.0 < top_p <= 1.0:  # also rejects NaN
+        raise InvalidRequest(
+            f"sampling.top_p = {top_p}: must be in (0, 1]; use 1.0 to turn nucleus sampling off"
+        )
+    if not 0 <= top_k <= limits.vocab_size:
+        raise InvalidRequest(
+            f"sampling.top_k = {top_k}: must be 0 (off) or in [1, {limits.vocab_size}] "
+            "(the vocabulary size)"
+        )
+    return SamplingParams(
+        temperature=float(temperature),
+        top_p=float(top_p),
+        top_k=int(top_k),
+        max_new_tokens=_check_max_new_tokens(max_new_tokens, num_prompt_tokens, limits),
+        seed=seed,
+        stop_token_ids=_check_stop_token_ids(stop_token_ids, limits),
+        stop_strings=_check_stop_strings(stop_strings, limits),
+        ignore_eos=bool(ignore_eos),
+    )
+
+
+def _check_max_new_tokens(
+    max_new_tokens: int | None, num_prompt_tokens: int, limits: RequestLimits
+) -> int:
+    room = limits.max_model_len - num_prompt_tokens
+    limit = limits.effective_max_new_tokens
+    if max_new_tokens is None:
+        return max(1, min(limits.default_max_new_tokens, limit, room))
+    if max_new_tokens < 1:
+        raise InvalidRequest(
+            f"sampling.max_new_tokens = {max_new_tokens}: must be at least 1 "
+            "(leave it unset for the server's default)"
+        )
+    if max_new_tokens > limit:
+        raise InvalidRequest(
+            f"sampling.max_new_tokens = {max_new_tokens}: this server allows at most {limit}"
+        )
+    if max_new_tokens > room:
+        raise InvalidRequest(
+            f"sampling.max_new_tokens = {max_new_tokens} does not fit: the prompt has "
+            f"{num_prompt_tokens} tokens and max_model_len is {limits.max_model_len}, so at "
+            f"most {room} new tokens fit; lower max_new_tokens or shorten the prompt"
+        )
+    return max_new_tokens
+
+
+def _check_stop_token_ids(ids: Sequence[int], limits: RequestLimits) -> tuple[int, ...]:
+    if len(ids) > limits.max_stop_token_ids:
+        raise InvalidRequest(
+            f"sampling.stop_token_ids has {len(ids)} entries: send at most "
+            f"{limits.max_stop_token_ids}"
+        )
+    check_token_ids_in_vocab("sampling.stop_token_ids", ids, limits.vocab_size)
+    return tuple(ids)
+
+
+def _check_stop_strings(stop: Sequence[str], limits: RequestLimits) -> tuple[str, ...]:
+    if len(stop) > limits.max_stop_strings:
+        raise InvalidRequest(
+            f"sampling.stop has {len(stop)} strings: send at most {limits.max_stop_strings}"
+        )
+    for i, s in enumerate(stop):
+        if not s:
+            raise InvalidRequest(f"sampling.stop[{i}] is empty: remove it or give some text")
+        if len(s) > limits.max_stop_string_chars:
+            raise InvalidRequest(
+                f"sampling.stop[{i}] has {len(s)} characters: use at most "
+                f"{limits.max_stop_string_chars}"
+            )
+    return tuple(stop)
