@@ -1,0 +1,149 @@
+"""DeepSeek-V4 attention: shared K=V MQA over a sliding window plus compressed entries, with
+a per-head sink and a grouped low-rank output projection (DSV4_ARCH.md §6).
+
+The three kinds, by compress ratio r (§6.1):
+- r = 0: window only, plain rope (rope_theta);
+- r = 4: window + the indexer's top-k of the overlapping ratio-4 compressed entries;
+- r = 128: window + every available ratio-128 entry (i < floor((p + 1) / 128)).
+Compressed layers use the YaRN rope of compress_rope_theta for q, kv, entries and indexer.
+All candidates share one softmax with the sink; values are the keys (incl. roped dims), and the
+output's rope dims are rotated back by the query position before the output projection.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dsv4.model.compressor import Compressor
+from dsv4.model.config import ModelConfig
+from dsv4.model.indexer import Indexer
+from dsv4.model.layers import RMSNorm, hot_op, linear, rms_norm
+from dsv4.model.rope import apply_rope, inv_freq, rope_cos_sin
+from dsv4.model.state import LayerState
+
+
+@hot_op("sparse_attention")
+def sparse_attention(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    visible: torch.Tensor,
+    sink: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """q [S, H, d], kv [L, d] (key = value), visible [S, L] bool, sink [H] -> o [S, H, d] fp32.
+
+    o_h = sum_j e^{l_j} kv_j / (sum_j e^{l_j} + e^{sink_h}), l_j = scale * q_h . kv_j over the
+    visible j (§6.6).
+    """
+    logits = torch.einsum("shd,ld->hsl", q.float(), kv.float()) * scale  # [H, S, L]
+    logits = logits.masked_fill(~visible, float("-inf"))
+    sinks = sink.float().view(-1, 1, 1).expand(-1, q.shape[0], 1)  # [H, S, 1]
+    probs = torch.cat((logits, sinks), dim=-1).softmax(dim=-1)[..., :-1]
+    return torch.einsum("hsl,ld->shd", probs, kv.float())
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.ratio = cfg.layer_ratio(layer_id)
+        h, hd, d = cfg.num_attention_heads, cfg.head_dim, cfg.hidden_size
+        self.wq_a = linear(d, cfg.q_lora_rank)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.wq_b = linear(cfg.q_lora_rank, h * hd)
+        self.wkv = linear(d, hd)
+        self.kv_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.wo_a = linear(h * hd // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank)
+        self.wo_b = linear(cfg.o_groups * cfg.o_lora_rank, d)
+        self.attn_sink = nn.Parameter(torch.zeros(h))
+        self.compressor = Compressor(cfg, self.ratio, hd) if self.ratio else None
+        self.indexer = Indexer(cfg) if self.ratio == 4 else None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        states: list[LayerState] | None,
+    ) -> torch.Tensor:
+        """x [B, S, D] (attn_norm applied), positions [B, S] contiguous per row -> [B, S, D].
+
+        With `states` (one per row) the rows continue their cached prefix and the states are
+        advanced; without, every row starts at position 0.
+        """
+        cfg = self.cfg
+        b, s, _ = x.shape
+        h, hd = cfg.num_attention_heads, cfg.head_dim
+        cos, sin = rope_cos_sin(positions, inv_freq(cfg, self.ratio, x.device))  # [B, S, r/2]
+        qr = self.q_norm(self.wq_a(x))  # [B, S, q_lora]
+        q = rms_norm(self.wq_b(qr).view(b, s, h, hd), None, cfg.rms_norm_eps)
+        kv = self.kv_norm(self.wkv(x))  # [B, S, hd]
+        out = x.new_empty(b, s, h, hd)
+        for row in range(b):
+            q_row = apply_rope(q[row], cos[row], sin[row])  # [S, H, hd]
+            kv_row = apply_rope(kv[row], cos[row], sin[row])  # [S, hd]
+            state = None if states is None else states[row]
+            o = self._attend_row(
+                x[row], qr[row], q_row, kv_row, positions[row], state, cos[row], sin[row]
+            )
+            out[row] = apply_rope(o, cos[row], sin[row], inverse=True).to(x.dtype)
+        return self._project_out(out)
+
+    def _attend_row(
+        self,
+        x: torch.Tensor,
+        qr: torch.Tensor,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        positions: torch.Tensor,
+        state: LayerState | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> torch.Tensor:
+        """One sequence: q [S, H, hd], kv [S, hd] (roped) -> o [S, H, hd] fp32."""
+        w = self.cfg.sliding_window
+        start = int(positions[0])
+        past = kv.new_zeros(0, kv.shape[-1])
+        if state is not None and state.window is not None:
+            past = state.window
+        keys = torch.cat((past, kv))  # [Wp + S, hd]
+        key_pos = torch.arange(start - past.shape[0], start + kv.shape[0], device=kv.device)
+        diff = positions.unsqueeze(-1) - key_pos  # [S, Wp + S]
+        visible = (diff >= 0) & (diff < w)
+        if state is not None:
+            state.window = keys[-(w - 1) :].clone() if w > 1 else keys[:0]
+        if self.compressor is not None:
+            entries, entry_visible = self._compressed(x, qr, positions, state, cos, sin)
+            keys = torch.cat((keys, entries))
+            visible = torch.cat((visible, entry_visible), dim=-1)
+        return sparse_attention(q, keys, visible, self.attn_sink, self.cfg.head_dim**-0.5)
+
+    def _compressed(
+        self,
+        x: torch.Tensor,
+        qr: torch.Tensor,
+        positions: torch.Tensor,
+        state: LayerState | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> entries [N, hd] and which of them each query attends to [S, N] bool."""
+        start = int(positions[0])
+        entries = self.compressor(x, start, None if state is None else state.compressor)
+        n = entries.shape[0]
+        if self.indexer is None:  # ratio 128: every available entry
+            available = (positions + 1) // self.ratio
+            return entries, torch.arange(n, device=x.device) < available.unsqueeze(-1)
+        chosen = self.indexer(x, qr, positions, cos, sin, None if state is None else state.indexer)
+        visible = torch.zeros(positions.shape[0], n + 1, dtype=torch.bool, device=x.device)
+        visible.scatter_(1, torch.where(chosen >= 0, chosen, n), True)  # -1 -> dummy column n
+        return entries, visible[:, :n]
+
+    def _project_out(self, o: torch.Tensor) -> torch.Tensor:
+        """o [B, S, H, hd] -> grouped low-rank projection (§6.8) -> [B, S, D]."""
+        cfg = self.cfg
+        b, s = o.shape[:2]
+        grouped = o.reshape(b, s, cfg.o_groups, -1)  # [B, S, G, (H/G)*hd]
+        wo_a = self.wo_a.weight.view(cfg.o_groups, cfg.o_lora_rank, -1)  # [G, o_lora, (H/G)*hd]
+        z = torch.einsum("bsgk,gok->bsgo", grouped, wo_a)  # [B, S, G, o_lora]
+        return self.wo_b(z.flatten(2))

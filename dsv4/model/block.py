@@ -1,0 +1,61 @@
+"""One DeepSeek-V4 block (DSV4_ARCH.md §3): mHC around attention, then mHC around MoE.
+
+u, post, comb = hc_pre(X; hc_attn_*);  X = hc_post(attn(attn_norm(u)), X, post, comb)
+u, post, comb = hc_pre(X; hc_ffn_*);   X = hc_post(moe(ffn_norm(u)), X, post, comb)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dsv4.model.attention import Attention
+from dsv4.model.config import ModelConfig
+from dsv4.model.hyper import hc_post, hc_post_first, hc_pre, hc_pre_first
+from dsv4.model.layers import RMSNorm
+from dsv4.model.moe import MoE
+from dsv4.model.state import LayerState
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.layer_id = layer_id
+        d, m = cfg.hidden_size, cfg.hc_mult
+        mix = (2 + m) * m
+        self.attn_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.ffn_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.hc_attn_fn = nn.Parameter(torch.zeros(mix, m * d))
+        self.hc_attn_base = nn.Parameter(torch.zeros(mix))
+        self.hc_attn_scale = nn.Parameter(torch.ones(3))
+        self.hc_ffn_fn = nn.Parameter(torch.zeros(mix, m * d))
+        self.hc_ffn_base = nn.Parameter(torch.zeros(mix))
+        self.hc_ffn_scale = nn.Parameter(torch.ones(3))
+        self.attn = Attention(cfg, layer_id)
+        self.ffn = MoE(cfg, layer_id)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        states: list[LayerState] | None,
+        is_embedding: bool = False,
+    ) -> torch.Tensor:
+        """x [B, S, M, D] streams, or the embedding [B, S, D] when `is_embedding` (first block:
+        the M streams are identical copies, never materialised) -> [B, S, M, D]."""
+        cfg = self.cfg
+        hc = (cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
+        attn_params = (self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base)
+        if is_embedding:
+            u, post, comb = hc_pre_first(x, *attn_params, cfg.hc_mult, *hc)
+            y = self.attn(self.attn_norm(u), positions, states)
+            x = hc_post_first(y, x, post, comb)
+        else:
+            u, post, comb = hc_pre(x, *attn_params, *hc)
+            y = self.attn(self.attn_norm(u), positions, states)
+            x = hc_post(y, x, post, comb)
+        u, post, comb = hc_pre(x, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, *hc)
+        y = self.ffn(self.ffn_norm(u), token_ids)
+        return hc_post(y, x, post, comb)

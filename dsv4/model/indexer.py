@@ -1,0 +1,78 @@
+"""Lightning indexer of the ratio-4 layers (DSV4_ARCH.md §6.5).
+
+score(p, i) = sum_h w_h(p) * ReLU(q_h(p) . k_i),  w = weights_proj(x) * d_I^-1/2 * H_I^-1/2,
+over the indexer's own compressed keys k_i (a ratio-4 `Compressor` with d' = index_head_dim);
+entries i >= floor((p + 1) / 4) are not yet available. Each query keeps the top
+`index_topk` available entries (local entry indices, -1 padded).
+
+NOTE: ties are broken towards the lower entry index (stable sort), so the selection does
+not depend on how many entries exist beyond the query, i.e. on the chunking. ReLU makes
+exact ties (score 0) common; `torch.topk` breaks them shape-dependently (PLATFORM_NOTES §4).
+We keep the reference's numerics otherwise: no Hadamard rotation and no FP4 simulation of
+q and k (transformers does neither; DSV4_ARCH.md §16.2).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dsv4.model.compressor import Compressor
+from dsv4.model.config import ModelConfig
+from dsv4.model.layers import hot_op, linear
+from dsv4.model.rope import apply_rope
+from dsv4.model.state import CompressorState
+
+
+@hot_op("indexer_scores")
+def indexer_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """q [S, H_I, d_I], keys [N, d_I], weights [S, H_I] (already scaled) -> [S, N] fp32."""
+    dots = torch.einsum("shd,nd->shn", q.float(), keys.float()).relu()  # [S, H_I, N]
+    return (dots * weights.float().unsqueeze(-1)).sum(dim=1)
+
+
+@hot_op("indexer_topk")
+def indexer_topk(
+    scores: torch.Tensor, positions: torch.Tensor, ratio: int, topk: int
+) -> torch.Tensor:
+    """scores [S, N], positions [S] -> indices [S, min(topk, N)] int64, -1 = no entry.
+
+    Entry i is available to the query at p iff i < (p + 1) // ratio.
+    """
+    n = scores.shape[-1]
+    k = min(topk, n)
+    available = torch.arange(n, device=scores.device) < ((positions + 1) // ratio).unsqueeze(-1)
+    masked = scores.masked_fill(~available, float("-inf"))
+    order = torch.sort(masked, dim=-1, descending=True, stable=True).indices[:, :k]  # [S, k]
+    chosen_ok = available.gather(-1, order)
+    return torch.where(chosen_ok, order, torch.full_like(order, -1))
+
+
+class Indexer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.num_heads = cfg.index_n_heads
+        self.head_dim = cfg.index_head_dim
+        self.wq_b = linear(cfg.q_lora_rank, self.num_heads * self.head_dim)
+        self.weights_proj = linear(cfg.hidden_size, self.num_heads)
+        self.compressor = Compressor(cfg, 4, self.head_dim)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        qr: torch.Tensor,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        state: CompressorState | None,
+    ) -> torch.Tensor:
+        """One sequence: x [S, D], qr [S, q_lora], positions [S] (contiguous), cos/sin of the
+        compressed-layer rope at `positions` -> top-k entry indices [S, k] (-1 padded)."""
+        keys = self.compressor(x, int(positions[0]), state)  # [N, d_I]
+        q = self.wq_b(qr).view(x.shape[0], self.num_heads, self.head_dim)
+        q = apply_rope(q, cos, sin)  # [S, H_I, d_I]
+        scale = (self.head_dim * self.num_heads) ** -0.5
+        weights = self.weights_proj(x).float() * scale  # [S, H_I]
+        scores = indexer_scores(q, keys, weights)
+        return indexer_topk(scores, positions, 4, self.cfg.index_topk)

@@ -1,0 +1,117 @@
+"""Mixture of experts (DSV4_ARCH.md §8): every layer (and the MTP layer) is MoE.
+
+Router: g = W_g u (fp32), s = sqrt(softplus(g)).
+- hash layers (layer_id < num_hash_layers): experts = tid2eid[token id] (no bias);
+- scored layers: experts = top-k of s + bias (the bias only selects).
+Weights: the unbiased s of the chosen experts, renormalised, times routed_scaling_factor.
+Experts are SwiGLU with the gate clamped above and the up-projection clamped to +-limit;
+the shared expert is clamped too unless `cfg.clamp_shared_expert` is False (§16.1).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsv4.model.config import ModelConfig
+from dsv4.model.layers import hot_op, linear, linear_fp32
+
+
+@hot_op("route")
+def route(
+    logits: torch.Tensor,
+    bias: torch.Tensor | None,
+    token_ids: torch.Tensor,
+    tid2eid: torch.Tensor | None,
+    top_k: int,
+    routed_scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] fp32 -> (weights [T, K] fp32, expert ids [T, K] int64).
+
+    `tid2eid` [V, K] given: hash routing by token id; else top-k of scores + `bias`.
+    """
+    scores = F.softplus(logits).sqrt()  # [T, E]
+    if tid2eid is not None:
+        ids = tid2eid[token_ids].long()
+    else:
+        biased = scores if bias is None else scores + bias.float()
+        ids = biased.topk(top_k, dim=-1).indices
+    weights = scores.gather(-1, ids)
+    weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * routed_scaling_factor, ids
+
+
+class Gate(nn.Module):
+    """`ffn.gate.weight` [E, D]; `.bias` [E] fp32 (scored) or `.tid2eid` [V, K] int64 (hash)."""
+
+    def __init__(self, cfg: ModelConfig, is_hash: bool) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.is_hash = is_hash
+        self.weight = nn.Parameter(torch.zeros(cfg.n_routed_experts, cfg.hidden_size))
+        if is_hash:
+            table = torch.zeros(cfg.vocab_size, cfg.num_experts_per_tok, dtype=torch.int64)
+            self.register_buffer("tid2eid", table)
+            self.bias = None
+        else:
+            self.bias = nn.Parameter(torch.zeros(cfg.n_routed_experts))
+
+    def forward(
+        self, u: torch.Tensor, token_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """u [T, D], token_ids [T] -> (weights [T, K] fp32, ids [T, K])."""
+        logits = linear_fp32(u, self.weight)
+        table = self.tid2eid if self.is_hash else None
+        cfg = self.cfg
+        return route(
+            logits, self.bias, token_ids, table, cfg.num_experts_per_tok, cfg.routed_scaling_factor
+        )
+
+
+class Expert(nn.Module):
+    """SwiGLU: w2(silu(min(w1 u, limit)) * clamp(w3 u, -limit, limit)); limit None = no clamp."""
+
+    def __init__(self, dim: int, inter: int, limit: float | None) -> None:
+        super().__init__()
+        self.w1 = linear(dim, inter)
+        self.w2 = linear(inter, dim)
+        self.w3 = linear(dim, inter)
+        self.limit = limit
+
+    def forward(self, u: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w1(u).float(), self.w3(u).float()
+        if self.limit is not None:
+            gate = gate.clamp(max=self.limit)
+            up = up.clamp(-self.limit, self.limit)
+        return self.w2((F.silu(gate) * up).to(u.dtype))
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        d, inter = cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate = Gate(cfg, cfg.is_hash_layer(layer_id))
+        self.experts = nn.ModuleList(
+            Expert(d, inter, cfg.swiglu_limit) for _ in range(cfg.n_routed_experts)
+        )
+        self.shared_experts = None
+        if cfg.n_shared_experts:
+            limit = cfg.swiglu_limit if cfg.clamp_shared_expert else None
+            self.shared_experts = Expert(d, inter * cfg.n_shared_experts, limit)
+
+    def forward(self, u: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        """u [..., D] (ffn_norm applied), token_ids [...] -> [..., D]."""
+        shape = u.shape
+        flat = u.reshape(-1, shape[-1])  # [T, D]
+        weights, ids = self.gate(flat, token_ids.reshape(-1))  # [T, K]
+        out = torch.zeros(flat.shape, dtype=torch.float32, device=u.device)
+        # NOTE: dispatch by expert (token lists per expert), fp32 accumulation.
+        for e in ids.unique().tolist():
+            token_idx, slot = torch.where(ids == e)
+            y = self.experts[e](flat[token_idx]).float() * weights[token_idx, slot].unsqueeze(-1)
+            out.index_add_(0, token_idx, y)
+        if self.shared_experts is not None:
+            out += self.shared_experts(flat).float()
+        return out.to(u.dtype).view(shape)

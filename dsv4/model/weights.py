@@ -1,0 +1,201 @@
+"""Load HF-format DeepSeek-V4 checkpoints (config.json + safetensors) into `DeepseekV4`.
+
+Accepted layouts: one `model.safetensors`, shards listed by `model.safetensors.index.json`, or
+(no index) every `*.safetensors` in the directory. Accepted names:
+- official (DSV4_ARCH.md §13): `embed.weight`, `layers.{i}.attn.kv_norm.weight`, per-expert
+  `ffn.experts.{e}.w1.weight`, `mtp.0.*`, quantised weights with a `.scale` companion;
+- the hybrid names transformers' `save_pretrained` writes: a `model.` prefix,
+  `model.embed_tokens.weight`, `model.hc_head.hc_fn`, and `attn.norm.weight` for the
+  attention's kv_norm. Such checkpoints hold no MTP weights (`load_model` then builds the model
+  without the MTP layer).
+
+FP8 linears (e4m3 + 128x128 e8m0 `.scale`) and MXFP4 experts (int8 packed e2m1 + e8m0 `.scale`
+per 32) are dequantised to the parameter dtype, one tensor at a time.
+
+All-or-nothing: every file header is read and every name, shape and dtype validated before the
+first byte is copied, so a missing, unexpected, mis-shaped tensor or an unreadable file raises
+`CheckpointError` with the model untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from dsv4.errors import CheckpointError
+from dsv4.model.config import ModelConfig
+from dsv4.model.deepseek_v4 import DeepseekV4
+from dsv4.model.inventory import quantized_kind
+from dsv4.model.quant import fp8_block_dequantize, mxfp4_dequantize
+
+__all__ = ["checkpoint_files", "load_into", "load_model", "official_name", "quantized_kind"]
+
+log = logging.getLogger(__name__)
+
+_HYBRID_RENAMES = (
+    (re.compile(r"^embed_tokens\.weight$"), "embed.weight"),
+    (re.compile(r"^lm_head\.weight$"), "head.weight"),
+    (re.compile(r"^hc_head\.hc_(fn|base|scale)$"), r"hc_head_\1"),
+    (re.compile(r"^((?:layers|mtp)\.\d+)\.attn\.norm\.weight$"), r"\1.attn.kv_norm.weight"),
+)
+_FLOAT_DTYPES = {"F32", "BF16", "F16", "F64"}
+_INT_DTYPES = {"I64", "I32"}
+_SCALE_DTYPES = {"F8_E8M0", "F32"}
+
+
+def official_name(stored: str) -> str:
+    """Map a stored tensor name (official or transformers' hybrid) to the official name."""
+    name = stored[len("model.") :] if stored.startswith("model.") else stored
+    for pattern, repl in _HYBRID_RENAMES:
+        name = pattern.sub(repl, name)
+    return name
+
+
+def checkpoint_files(path: str | Path) -> list[Path]:
+    """The safetensors files of a checkpoint directory (or a single file)."""
+    path = Path(path)
+    if path.is_file():
+        return [path]
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{index}: not a valid safetensors index ({exc})") from exc
+        files = [path / f for f in sorted(set(weight_map.values()))]
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{path}: no *.safetensors files")
+    for f in files:
+        if not f.exists():
+            raise CheckpointError(f"{f}: listed in the index but missing")
+    return files
+
+
+@dataclass(frozen=True)
+class _Stored:
+    file: Path
+    key: str  # name inside the file
+    dtype: str  # safetensors dtype string, e.g. "BF16", "F8_E4M3"
+    shape: tuple[int, ...]
+
+
+def _read_headers(files: list[Path]) -> dict[str, _Stored]:
+    """official name -> where it is stored; raises on unreadable files and duplicates."""
+    stored: dict[str, _Stored] = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt", device="cpu") as handle:
+                for key in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    sl = handle.get_slice(key)
+                    name = official_name(key)
+                    if name in stored:
+                        raise CheckpointError(f"tensor {name!r} is stored twice ({f.name})")
+                    stored[name] = _Stored(f, key, sl.get_dtype(), tuple(sl.get_shape()))
+        except CheckpointError:
+            raise
+        except Exception as exc:  # safetensors raises its own error types for bad files
+            raise CheckpointError(
+                f"{f}: unreadable safetensors file (truncated or corrupted?): {exc}"
+            ) from exc
+    return stored
+
+
+def checkpoint_names(path: str | Path) -> set[str]:
+    """Official names of every tensor stored in the checkpoint at `path`."""
+    return set(_read_headers(checkpoint_files(path)))
+
+
+Decode = Callable[[dict[str, torch.Tensor]], torch.Tensor]
+
+
+def _plan_one(
+    name: str, target: torch.Tensor, stored: dict[str, _Stored], block: int
+) -> tuple[list[str], Decode]:
+    """Validate one model tensor against the headers -> (stored names used, decoder)."""
+    entry = stored.get(name)
+    if entry is None:
+        raise CheckpointError(f"missing tensor {name!r} (expected shape {tuple(target.shape)})")
+    want = tuple(target.shape)
+    scale = stored.get(name[: -len(".weight")] + ".scale") if name.endswith(".weight") else None
+
+    def bad_shape(got: tuple[int, ...], expected: tuple[int, ...], what: str = name) -> None:
+        if got != expected:
+            raise CheckpointError(f"tensor {what!r} has shape {got}, expected {expected}")
+
+    if entry.dtype in ("F8_E4M3", "I8", "U8") and target.is_floating_point():
+        if scale is None or scale.dtype not in _SCALE_DTYPES:
+            raise CheckpointError(f"tensor {name!r} is quantised ({entry.dtype}) without a .scale")
+        scale_name = name[: -len(".weight")] + ".scale"
+        rows, cols = want
+        if entry.dtype == "F8_E4M3":
+            bad_shape(entry.shape, want)
+            bad_shape(scale.shape, (-(-rows // block), -(-cols // block)), scale_name)
+            return [name, scale_name], lambda t: fp8_block_dequantize(
+                t[name], t[scale_name], block, target.dtype
+            )
+        bad_shape(entry.shape, (rows, cols // 2))
+        bad_shape(scale.shape, (rows, cols // 32), scale_name)
+        return [name, scale_name], lambda t: mxfp4_dequantize(
+            t[name].view(torch.int8), t[scale_name], target.dtype
+        )
+    allowed = _FLOAT_DTYPES if target.is_floating_point() else _INT_DTYPES
+    if entry.dtype not in allowed:
+        raise CheckpointError(f"tensor {name!r} has dtype {entry.dtype}, expected one of {allowed}")
+    bad_shape(entry.shape, want)
+    return [name], lambda t: t[name]
+
+
+def load_into(model: DeepseekV4, path: str | Path) -> None:
+    """Copy the checkpoint at `path` into `model` (validated first; all-or-nothing)."""
+    stored = _read_headers(checkpoint_files(path))
+    targets = model.state_dict(keep_vars=True)
+    plan: list[tuple[torch.Tensor, list[str], Decode]] = []
+    used: set[str] = set()
+    for name, target in targets.items():
+        names, decode = _plan_one(name, target, stored, model.cfg.fp8_block_size)
+        used.update(names)
+        plan.append((target, names, decode))
+    unexpected = sorted(set(stored) - used)
+    if unexpected:
+        more = f" (+{len(unexpected) - 5} more)" if len(unexpected) > 5 else ""
+        raise CheckpointError(f"unexpected tensor(s) {unexpected[:5]}{more} in {path}")
+    with ExitStack() as stack, torch.no_grad():
+        handles: dict[Path, Any] = {}
+        for target, names, decode in plan:
+            tensors = {}
+            for n in names:
+                where = stored[n]
+                if where.file not in handles:
+                    handles[where.file] = stack.enter_context(
+                        safe_open(str(where.file), framework="pt", device="cpu")
+                    )
+                tensors[n] = handles[where.file].get_tensor(where.key)
+            target.copy_(decode(tensors))
+
+
+def load_model(
+    path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> tuple[DeepseekV4, ModelConfig]:
+    """Build a `DeepseekV4` for the checkpoint dir `path` and load its weights."""
+    cfg = ModelConfig.from_file(path)
+    names = checkpoint_names(path)
+    if cfg.has_mtp and not any(n.startswith("mtp.") for n in names):
+        log.warning("%s holds no mtp.* tensors (a transformers save?): building without MTP", path)
+        cfg = cfg.with_overrides(num_nextn_predict_layers=0)
+    with torch.device("meta"):
+        model = DeepseekV4(cfg)
+    model.cast_(dtype)
+    model.to_empty(device=device)
+    load_into(model, path)
+    return model.eval(), cfg
