@@ -127,3 +127,23 @@ def shape_config(shape: str, linear_dtype: str, expert_dtype: str) -> ModelConfi
     if base is None:
         raise ValueError(f"unknown shape {shape!r}: use tiny or flash")
     return base().with_overrides(linear_dtype=linear_dtype, expert_dtype=expert_dtype)
+
+
+def random_model(
+    cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32, device: str = "cpu"
+):
+    """A model filled in memory from the same initialisers as the checkpoint writer (no I/O).
+
+    GPU benchmarks use this for Flash-shaped models that would take minutes to write to disk.
+    """
+    from dsv4.model.deepseek_v4 import DeepseekV4
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.device("meta"):
+        model = DeepseekV4(cfg)
+    model = model.to_empty(device=device)
+    state = model.state_dict()
+    with torch.no_grad():
+        for spec in model_tensors(cfg, include_mtp=bool(len(model.mtp))):
+            state[spec.name].copy_(random_tensor(spec, cfg, gen))
+    return model.cast_(dtype).eval()

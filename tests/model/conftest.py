@@ -8,8 +8,7 @@ import torch
 
 from dsv4.model.config import ModelConfig, tiny_config
 from dsv4.model.deepseek_v4 import DeepseekV4
-from dsv4.model.inventory import model_tensors
-from dsv4.model.tiny import random_tensor
+from dsv4.model.tiny import random_model
 
 # Keys of ModelConfig.to_hf_dict() that transformers' DeepseekV4Config does not know.
 OUR_EXTRA_KEYS = ("clamp_shared_expert", "expert_dtype")
@@ -25,19 +24,8 @@ def _one_thread():
     torch.set_num_threads(previous)
 
 
-def randomize_ours(model: DeepseekV4, seed: int = 0) -> DeepseekV4:
-    """Fill every tensor of our model from the checkpoint writer's initialisers (inventory)."""
-    gen = torch.Generator().manual_seed(seed)
-    state = model.state_dict()
-    with torch.no_grad():
-        for spec in model_tensors(model.cfg, include_mtp=bool(len(model.mtp))):
-            state[spec.name].copy_(random_tensor(spec, model.cfg, gen))
-    return model
-
-
 def tiny_model(cfg: ModelConfig | None = None, seed: int = 0) -> DeepseekV4:
-    torch.manual_seed(seed)
-    return randomize_ours(DeepseekV4(cfg or tiny_config()), seed).eval()
+    return random_model(cfg or tiny_config(), seed)
 
 
 def randomize_hf(model: torch.nn.Module, seed: int = 0) -> None:

@@ -1,0 +1,173 @@
+"""The engine loop body shared by both pools: schedule -> execute -> update, on ONE thread.
+
+`EngineCore` is synchronous and not thread-safe; `dsv4.engine.AsyncEngine` owns one on a
+dedicated thread and bridges it to asyncio. Three ways a request enters:
+
+- `add_request`: a whole request (colocated serving, `dsv4 generate`);
+- `add_request(..., prefill_only=True)`: the prefill pool. When the prompt's last chunk samples
+  the first token, the request's blocks are retained under a hold (`held`) so a decode worker
+  can pull them; `release_hold` drops it (after the pull, or when the lease expires);
+- `adopt` + `activate`: the decode pool. `adopt` allocates blocks for a pulled prompt and returns
+  them in hand-off order; after the transfer lands, `activate` lets the request decode from its
+  first token.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from dsv4.cache.manager import KVCacheManager
+from dsv4.errors import InvalidRequest
+from dsv4.runner.model_runner import ModelRunner
+from dsv4.scheduler.batch import RequestOutput
+from dsv4.scheduler.request import Request
+from dsv4.scheduler.scheduler import Scheduler
+
+
+@dataclass(frozen=True)
+class HeldBlocks:
+    """A finished prefill's blocks, kept for a KV pull (block ids in hand-off order)."""
+
+    request_id: str
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    first_token: int
+    held_since_s: float
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """What the router and the registry read about a worker."""
+
+    num_free_blocks: int
+    num_total_blocks: int
+    num_running: int
+    num_waiting: int
+    num_queued_prefill_tokens: int
+    num_held: int
+
+
+class EngineCore:
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner) -> None:
+        self.scheduler = scheduler
+        self.runner = runner
+        self.kv: KVCacheManager = scheduler.kv
+        self._prefill_only: set[str] = set()
+        self._adopted: dict[str, Request] = {}
+        self.held: dict[str, HeldBlocks] = {}
+        self.num_steps = 0
+
+    # ---- requests in -----------------------------------------------------------------------
+    def add_request(self, request: Request, *, prefill_only: bool = False) -> None:
+        if prefill_only:
+            request.max_new_tokens = 1
+        self.scheduler.add_request(request)
+        if prefill_only:
+            self._prefill_only.add(request.request_id)
+
+    def adopt(self, request: Request) -> tuple[int, ...]:
+        """Allocate blocks for `request`'s pulled prompt KV; returns them in hand-off order.
+
+        `request.output_token_ids` must hold the first token sampled by the prefill worker.
+        Raises `OutOfBlocks` when the blocks are not free (nothing is taken then)."""
+        rid = request.request_id
+        if rid in self._adopted or self.scheduler.get_request(rid) is not None:
+            raise InvalidRequest(f"request id {rid!r} is already in use")
+        if len(request.output_token_ids) != 1:
+            raise InvalidRequest(f"request {rid!r}: adopt needs exactly the first token")
+        block_ids = self.kv.adopt(rid, request.num_prompt_tokens)
+        self._adopted[rid] = request
+        return block_ids
+
+    def activate(self, request_id: str) -> None:
+        """The pulled KV has landed: decode from the first token."""
+        request = self._adopted.pop(request_id)
+        self.scheduler.add_adopted(request)
+
+    def abandon(self, request_id: str) -> None:
+        """An adopted request whose pull failed or was cancelled: free its blocks."""
+        if self._adopted.pop(request_id, None) is not None:
+            self.kv.free(request_id)
+
+    def abort(self, request_id: str) -> bool:
+        """Abort wherever the request is (queued, running, adopted, or held after prefill)."""
+        found = self.scheduler.abort(request_id)
+        self._prefill_only.discard(request_id)
+        if request_id in self._adopted:
+            self.abandon(request_id)
+            found = True
+        return self.release_hold(request_id) or found
+
+    def release_hold(self, request_id: str) -> bool:
+        held = self.held.pop(request_id, None)
+        if held is None:
+            return False
+        self.kv.release(held.block_ids)
+        return True
+
+    # ---- the step --------------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            return []
+        output = self.runner.execute(batch)
+        self.num_steps += 1
+        # Retain finished prefills' blocks before update() frees the requests.
+        sampled = {o.request_id: o.new_token_ids for o in output.outputs if o.new_token_ids}
+        for req in batch.requests:
+            rid = req.request_id
+            if rid in self._prefill_only and req.samples_token and rid in sampled:
+                self.held[rid] = HeldBlocks(
+                    rid, self.kv.retain(rid), req.end_position, sampled[rid][0], time.monotonic()
+                )
+                self._prefill_only.discard(rid)
+        return self.scheduler.update(output)
+
+    # ---- introspection -----------------------------------------------------------------------
+    def load(self) -> EngineLoad:
+        sched = self.scheduler
+        queued = sum(
+            r.num_uncomputed_tokens
+            for r in (sched.get_request(rid) for rid in sched.request_ids())
+            if r is not None and not r.is_decoding
+        )
+        return EngineLoad(
+            num_free_blocks=self.kv.num_free_blocks,
+            num_total_blocks=self.kv.num_blocks,
+            num_running=sched.num_running,
+            num_waiting=sched.num_waiting,
+            num_queued_prefill_tokens=queued,
+            num_held=len(self.held),
+        )
+
+    def find_leaks(self) -> list[str]:
+        leaks = self.scheduler.find_leaks()
+        if self.held:
+            leaks.append(f"{len(self.held)} prefill holds: {sorted(self.held)[:8]}")
+        if self._adopted:
+            leaks.append(f"{len(self._adopted)} adopted requests never activated")
+        return leaks
+
+
+def build_engine_core(
+    model: object,
+    cache_options: object,
+    scheduler_config: object,
+    *,
+    num_blocks: int,
+    device: str = "cpu",
+    stop_checker: object = None,
+) -> EngineCore:
+    """Layout -> paged cache -> runner + KV manager -> scheduler, for one model replica."""
+    from dsv4.cache.layout import KVLayout
+    from dsv4.runner.paged_cache import PagedKVCache
+
+    layout = KVLayout.build(model.cfg, cache_options)
+    cache = PagedKVCache(layout, num_blocks, device=device)
+    kv = KVCacheManager(layout, num_blocks)
+    scheduler = Scheduler(scheduler_config, kv, stop_checker=stop_checker)
+    return EngineCore(scheduler, ModelRunner(model, cache))

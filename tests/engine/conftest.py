@@ -1,0 +1,49 @@
+"""Engine test helpers: a random tiny model shared per module, and a run-to-completion loop."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4.cache.packing import CacheOptions
+from dsv4.engine_core import EngineCore, build_engine_core
+from dsv4.model.config import tiny_config
+from dsv4.model.tiny import random_model
+from dsv4.scheduler.config import SchedulerConfig
+from dsv4.scheduler.request import Request
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return random_model(tiny_config().with_overrides(num_nextn_predict_layers=0), seed=3)
+
+
+def make_core(model, *, kv="fp32", index="fp32", budget=4096, num_blocks=64, **sched) -> EngineCore:
+    options = CacheOptions(block_size=128, kv_dtype=kv, index_dtype=index)
+    cfg = SchedulerConfig(
+        max_num_batched_tokens=budget, max_num_seqs=sched.pop("max_num_seqs", 16),
+        max_model_len=2048, **sched,
+    )  # fmt: skip
+    return build_engine_core(model, options, cfg, num_blocks=num_blocks)
+
+
+def run_to_completion(core: EngineCore, max_steps: int = 2000) -> dict[str, list[int]]:
+    outputs: dict[str, list[int]] = {}
+    for _ in range(max_steps):
+        if not core.has_work():
+            return outputs
+        for out in core.step():
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+    raise AssertionError(f"engine still busy after {max_steps} steps")
+
+
+def greedy_request(rid: str, prompt: list[int], n: int) -> Request:
+    return Request(rid, tuple(prompt), max_new_tokens=n, eos_token_id=None)
