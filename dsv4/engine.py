@@ -1,0 +1,236 @@
+"""`AsyncEngine`: one `EngineCore` on its own thread, bridged to asyncio for the gRPC services.
+
+The engine thread owns the core: every mutation (add, abort, adopt, release) is a command that
+runs there between steps, so the core needs no locks. Results travel back through
+`loop.call_soon_threadsafe` into one `asyncio.Queue` per request. A step that raises fails the
+requests it touched with that error (logged once) and the loop goes on with the rest.
+
+Who calls what: servicers (asyncio thread) call the async methods; nothing else touches the core.
+`stop()` aborts every live request, ends the thread and joins it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from dsv4.engine_core import EngineCore, EngineLoad, HeldBlocks
+from dsv4.errors import Cancelled, Dsv4Error, Unavailable
+from dsv4.scheduler.batch import RequestOutput
+from dsv4.scheduler.request import FinishReason, Request
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+_IDLE_WAIT_S = 0.05
+
+
+@dataclass(frozen=True)
+class PrefillOutcome:
+    """What a prefill-only request produced: the first token and, unless the request already
+    finished with it, the blocks held for the decode worker's pull."""
+
+    first_token: int
+    finish_reason: FinishReason | None
+    held: HeldBlocks | None
+
+
+class _Stream:
+    """Per-request delivery from the engine thread to one asyncio consumer."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+
+    def push(self, item: RequestOutput | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncEngine:
+    def __init__(self, core: EngineCore, name: str = "engine") -> None:
+        self.core = core
+        self.name = name
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._load = core.load()
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name=f"{self.name}-loop", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        if self._thread is None:
+            return
+        await self.call(self._abort_all)
+        self._stopping.set()
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 10.0)
+        self._thread = None
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def load(self) -> EngineLoad:
+        """The load as of the last step (read from any thread)."""
+        return self._load
+
+    # ---- commands ------------------------------------------------------------------------
+    async def call(self, fn: Callable[[], T]) -> T:
+        """Run `fn` on the engine thread between steps; its result or exception comes back."""
+        if not self.is_running:
+            raise Unavailable(f"{self.name} is not running")
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+
+        def run() -> None:
+            try:
+                result = fn()
+            except BaseException as exc:  # delivered to the awaiting caller
+                loop.call_soon_threadsafe(_set_exception, future, exc)
+            else:
+                loop.call_soon_threadsafe(_set_result, future, result)
+
+        self._commands.put(run)
+        return await future
+
+    async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
+        """Run a whole request; yields its outputs until the finishing one."""
+        stream = self._open(request.request_id)
+        try:
+            await self.call(lambda: self.core.add_request(request))
+        except BaseException:
+            self._streams.pop(request.request_id, None)
+            raise
+        async for out in self._drain(request.request_id, stream):
+            yield out
+
+    async def prefill(self, request: Request) -> PrefillOutcome:
+        """Prefill only; the blocks stay held for a pull unless the first token ended it."""
+        rid = request.request_id
+        stream = self._open(rid)
+        try:
+            await self.call(lambda: self.core.add_request(request, prefill_only=True))
+        except BaseException:
+            self._streams.pop(rid, None)
+            raise
+        first: RequestOutput | None = None
+        async for out in self._drain(rid, stream):
+            first = out
+        assert first is not None and first.new_token_ids
+        held = await self.call(lambda: self.core.held.get(rid))
+        return PrefillOutcome(first.new_token_ids[0], first.finish_reason, held)
+
+    async def adopt(self, request: Request) -> tuple[int, ...]:
+        """Decode side: blocks for the pulled prompt (hand-off order)."""
+        return await self.call(lambda: self.core.adopt(request))
+
+    async def activate(self, request_id: str) -> AsyncIterator[RequestOutput]:
+        """Decode side, after the pull landed: stream the request's tokens."""
+        stream = self._open(request_id)
+        try:
+            await self.call(lambda: self.core.activate(request_id))
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        async for out in self._drain(request_id, stream):
+            yield out
+
+    async def abandon(self, request_id: str) -> None:
+        await self.call(lambda: self.core.abandon(request_id))
+
+    async def abort(self, request_id: str) -> bool:
+        def run() -> bool:
+            found = self.core.abort(request_id)
+            self._fail(request_id, Cancelled(f"request {request_id!r} was aborted"))
+            return found
+
+        return await self.call(run)
+
+    async def release_hold(self, request_id: str) -> bool:
+        return await self.call(lambda: self.core.release_hold(request_id))
+
+    # ---- delivery --------------------------------------------------------------------------
+    def _open(self, request_id: str) -> _Stream:
+        if request_id in self._streams:
+            raise Dsv4Error(f"request id {request_id!r} is already streaming")
+        stream = _Stream(asyncio.get_running_loop())
+        self._streams[request_id] = stream
+        return stream
+
+    async def _drain(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True  # the engine side already ended the request
+                    raise item
+                finished = item.is_finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if self._streams.get(request_id) is stream:
+                del self._streams[request_id]
+            if not finished and self.is_running:  # the consumer left early: stop the work
+                self._commands.put(lambda: self.core.abort(request_id))
+
+    def _fail(self, request_id: str, exc: BaseException) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.push(exc)
+
+    # ---- the engine thread -----------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            self._run_commands(block=not self.core.has_work())
+            if not self.core.has_work():
+                continue
+            try:
+                outputs = self.core.step()
+            except Exception as exc:  # a bug or a device fault: fail what was running
+                log.exception("%s: engine step failed", self.name)
+                self._abort_all(Unavailable(f"{self.name}: engine step failed: {exc}"))
+                continue
+            for out in outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is not None:
+                    stream.push(out)
+            self._load = self.core.load()
+
+    def _run_commands(self, block: bool) -> None:
+        try:
+            command = self._commands.get(timeout=_IDLE_WAIT_S) if block else None
+        except queue.Empty:
+            return
+        while True:
+            if command is not None:
+                command()
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+        self._load = self.core.load()
+
+    def _abort_all(self, exc: BaseException | None = None) -> None:
+        for request_id in list(self.core.scheduler.request_ids()):
+            self.core.abort(request_id)
+        for request_id in list(self._streams):
+            self._fail(request_id, exc or Unavailable(f"{self.name} is shutting down"))
+
+
+def _set_result(future: asyncio.Future[Any], result: Any) -> None:
+    if not future.done():
+        future.set_result(result)
+
+
+def _set_exception(future: asyncio.Future[Any], exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)
