@@ -37,35 +37,37 @@ def _parse_ids(text: str) -> list[int]:
 def _cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
-    from dsv4.model.generate import generate
     from dsv4.model.tokenizer import TextCodec
     from dsv4.model.weights import load_model
+    from dsv4.offline import generate_batch
+    from dsv4.runner.sampler import SamplingSpec
 
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     model, cfg = load_model(args.model, dtype=getattr(torch, args.dtype))
     codec = TextCodec.from_dir(args.model)
-    prompt_ids = _parse_ids(args.prompt_ids) if args.prompt_ids else codec.encode(args.prompt)
-    if not prompt_ids:
-        raise SystemExit("the prompt is empty: pass --prompt TEXT or --prompt-ids 1,2,3")
-    output_ids = generate(
+    prompts = [codec.encode(text) for text in args.prompt or ()]
+    prompts += [_parse_ids(ids) for ids in args.prompt_ids or ()]
+    if not prompts or any(not p for p in prompts):
+        raise SystemExit("every prompt must be non-empty: pass --prompt TEXT or --prompt-ids 1,2,3")
+    spec = SamplingSpec(args.temperature, args.top_p, args.top_k, args.seed)
+    results = generate_batch(
         model,
-        prompt_ids,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
-        stop_token_ids=(cfg.eos_token_id,) if not args.ignore_eos else (),
+        prompts,
+        [spec] * len(prompts),
+        args.max_new_tokens,
+        stop_token_ids=() if args.ignore_eos else (cfg.eos_token_id,),
     )
-    text = codec.decode(output_ids)
-    if args.json:
-        print(
-            json.dumps(
-                {"prompt_token_ids": prompt_ids, "output_token_ids": output_ids, "text": text}
-            )
-        )
-    else:
-        print(text)
+    for result in results:
+        text = codec.decode(list(result.output_token_ids))
+        if args.json:
+            record = {
+                "prompt_token_ids": list(result.prompt_token_ids),
+                "output_token_ids": list(result.output_token_ids),
+                "text": text,
+                "finish_reason": result.finish_reason,
+            }
+            print(json.dumps(record))
+        else:
+            print(text)
     return 0
 
 
@@ -81,11 +83,12 @@ def _add_make_tiny(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="offline generation with the reference model")
+    p = sub.add_parser(
+        "generate", help="offline generation on the paged engine (one or many prompts)"
+    )
     p.add_argument("--model", required=True, help="checkpoint directory")
-    group = p.add_mutually_exclusive_group(required=True)
-    group.add_argument("--prompt")
-    group.add_argument("--prompt-ids", help="comma-separated token ids")
+    p.add_argument("--prompt", action="append", help="a text prompt (repeat for a batch)")
+    p.add_argument("--prompt-ids", action="append", help="comma-separated token ids (repeatable)")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -93,7 +96,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--json", action="store_true", help="print prompt/output ids and text as JSON")
+    p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     p.set_defaults(handler=_cmd_generate)
 
 

@@ -13,6 +13,7 @@ import torch
 
 from dsv4.errors import InvalidRequest
 from dsv4.model.deepseek_v4 import DeepseekV4
+from dsv4.runner.sampler import SamplingSpec, filtered_probs
 
 
 def sample_next(
@@ -22,21 +23,11 @@ def sample_next(
     top_k: int,
     generator: torch.Generator | None,
 ) -> int:
-    """logits [V] fp32 -> one token id."""
-    if temperature <= 0:
+    """logits [V] fp32 -> one token id (the engine sampler's filters, one generator)."""
+    spec = SamplingSpec(temperature=temperature, top_p=top_p, top_k=top_k)
+    if spec.is_greedy:
         return int(logits.argmax())
-    scaled = logits.float() / temperature
-    if 0 < top_k < scaled.shape[-1]:
-        kth = scaled.topk(top_k).values[-1]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    probs = scaled.softmax(dim=-1)
-    if top_p < 1:
-        sorted_probs, order = probs.sort(descending=True)
-        # keep the smallest prefix whose mass reaches top_p (always at least one token)
-        drop = sorted_probs.cumsum(-1) - sorted_probs >= top_p
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
-    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+    return int(torch.multinomial(filtered_probs(logits, spec).cpu(), 1, generator=generator))
 
 
 @torch.no_grad()

@@ -1,0 +1,77 @@
+"""Offline batch generation on the paged engine (`dsv4 generate` with one or many prompts)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dsv4.cache.layout import KVLayout
+from dsv4.cache.packing import CacheOptions
+from dsv4.engine_core import build_engine_core
+from dsv4.model.deepseek_v4 import DeepseekV4
+from dsv4.runner.sampler import SamplingSpec
+from dsv4.scheduler.config import SchedulerConfig
+from dsv4.scheduler.request import Request
+
+
+@dataclass(frozen=True)
+class OfflineResult:
+    prompt_token_ids: tuple[int, ...]
+    output_token_ids: tuple[int, ...]
+    finish_reason: str
+
+
+def default_cache_options(dtype: torch.dtype, block_size: int = 256) -> CacheOptions:
+    """fp32 models keep an exact fp32 cache (reference runs); others use the served formats."""
+    if dtype == torch.float32:
+        return CacheOptions(block_size=block_size, kv_dtype="fp32", index_dtype="fp32")
+    return CacheOptions(block_size=block_size, kv_dtype="fp8", index_dtype="mxfp4")
+
+
+def generate_batch(
+    model: DeepseekV4,
+    prompts: list[list[int]],
+    specs: list[SamplingSpec],
+    max_new_tokens: int,
+    *,
+    stop_token_ids: tuple[int, ...] = (),
+    cache_options: CacheOptions | None = None,
+    max_num_batched_tokens: int = 16384,
+) -> list[OfflineResult]:
+    """Run every prompt to completion with continuous batching; results in prompt order."""
+    device = model.embed.weight.device
+    options = cache_options or default_cache_options(model.embed.weight.dtype)
+    layout = KVLayout.build(model.cfg, options)
+    longest = max(len(p) for p in prompts) + max_new_tokens
+    num_blocks = sum(layout.num_blocks_for_request(len(p) + max_new_tokens) for p in prompts)
+    sched = SchedulerConfig(
+        max_num_batched_tokens=max(max_num_batched_tokens, len(prompts)),
+        max_num_seqs=len(prompts),
+        max_model_len=longest,
+    )
+    core = build_engine_core(model, options, sched, num_blocks=num_blocks, device=str(device))
+    eos = model.cfg.eos_token_id if model.cfg.eos_token_id in stop_token_ids else None
+    for i, (prompt, spec) in enumerate(zip(prompts, specs)):
+        core.add_request(
+            Request(
+                f"offline-{i}",
+                tuple(prompt),
+                max_new_tokens=max_new_tokens,
+                sampling_params=spec,
+                eos_token_id=eos,
+                stop_token_ids=frozenset(stop_token_ids),
+            )
+        )
+    outputs: dict[str, list[int]] = {}
+    reasons: dict[str, str] = {}
+    while core.has_work():
+        for out in core.step():
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.finish_reason is not None:
+                reasons[out.request_id] = out.finish_reason.value
+    assert not core.find_leaks(), core.find_leaks()
+    return [
+        OfflineResult(tuple(p), tuple(outputs.get(f"offline-{i}", ())), reasons[f"offline-{i}"])
+        for i, p in enumerate(prompts)
+    ]
