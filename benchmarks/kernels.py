@@ -1,0 +1,231 @@
+"""Kernel micro-benchmarks on one GPU: each kernel against its slow path on the same inputs.
+
+    python benchmarks/kernels.py                 # on an H200: writes results/kernels-h200.json
+    python benchmarks/kernels.py --dry-run --out /tmp/k.json   # CPU smoke: tiny shapes, ref only
+
+Times are medians of many timed repeats: `triton.testing.do_bench_cudagraph` (CUDA-graph
+replay, no Python launch overhead) where the callable can be captured, else `do_bench`.
+Each record: {"name", "shape", "time_us", "baseline", "baseline_time_us", "speedup",
+"pct_roofline"}; pct_roofline is the larger of achieved bandwidth / 4.3 TB/s and achieved
+FLOP/s / 790 TFLOP/s, counting each kernel's minimum (compulsory) traffic and work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+# Run as a script, this file's folder comes first on sys.path and its name would shadow the
+# `kernels` package: put the repository root there instead.
+if sys.path and Path(sys.path[0] or ".").resolve() == Path(__file__).resolve().parent:
+    sys.path[0] = str(ROOT)
+elif str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from kernels import metadata, mhc, routing  # noqa: E402
+
+PEAK_BYTES_PER_S = 4.3e12
+PEAK_FLOPS = 790e12
+DEFAULT_OUT = ROOT / "benchmarks" / "results" / "kernels-h200.json"
+M, ITERS, EPS = 4, 20, 1e-6
+
+
+@dataclass
+class Case:
+    name: str
+    shape: str
+    fn: Callable[[], object]
+    baseline: str
+    baseline_fn: Callable[[], object]
+    num_bytes: float
+    flops: float = 0.0
+    graph: bool = True  # time by CUDA-graph replay (False: host work in the baseline)
+
+
+def _route_cases(dev, sizes, dry) -> Iterator[Case]:
+    for num_experts, scale in sizes["experts"]:
+        for t in sizes["route_tokens"]:
+            logits = torch.randn(t, num_experts, device=dev) * 2
+            bias = 8.0 + torch.rand(num_experts, device=dev) * 0.2
+            fused = routing.route_ref if dry else routing.route
+            yield Case("route", f"T={t},E={num_experts},k=6",
+                       lambda f=fused, a=(logits, bias, 6, scale): f(*a),
+                       "route_ref (unfused torch)",
+                       lambda a=(logits, bias, 6, scale): routing.route_ref(*a),
+                       t * num_experts * 4 + t * 6 * 8)  # fmt: skip
+            tid2eid = torch.randint(0, num_experts, (129280, 6), device=dev, dtype=torch.int32)
+            ids = torch.randint(0, 129280, (t,), device=dev)
+            fused = routing.hash_route_ref if dry else routing.hash_route
+            yield Case("hash_route", f"T={t},E={num_experts},k=6",
+                       lambda f=fused, a=(logits, ids, tid2eid, scale): f(*a),
+                       "hash_route_ref (unfused torch)",
+                       lambda a=(logits, ids, tid2eid, scale): routing.hash_route_ref(*a),
+                       t * (6 * 4 * 2 + 8 + 6 * 8))  # fmt: skip
+
+
+def _mhc_cases(dev, sizes, dry) -> Iterator[Case]:
+    d = sizes["hidden"]
+    fn = torch.randn(24, M * d, device=dev) / (M * d) ** 0.5
+    scale, base = torch.tensor([0.8, 1.2, 1.0], device=dev), torch.randn(24, device=dev) * 0.3
+    h_fn, h_scale, h_base = fn[:M].contiguous(), scale[:1], base[:M]
+    for t in sizes["hc_tokens"]:
+        x = torch.randn(t, M, d, device=dev).bfloat16()
+        y = torch.randn(t, d, device=dev).bfloat16()
+        e = x[:, 0].contiguous()
+        post, comb = torch.rand(t, M, device=dev), torch.rand(t, M, M, device=dev) / M
+        pre_args = (x, fn, scale, base, ITERS, EPS, EPS)
+        first_args = (e, fn, scale, base, ITERS, EPS, EPS)
+        gemv = 2.0 * t * 24 * M * d
+        yield Case("hc_pre", f"T={t},M=4,D={d}",
+                   lambda a=pre_args: (mhc.hc_pre_ref if dry else mhc.hc_pre)(*a),
+                   "hc_pre_ref (unfused torch)", lambda a=pre_args: mhc.hc_pre_ref(*a),
+                   t * M * d * 2 + 24 * M * d * 4 + t * d * 2, gemv)  # fmt: skip
+        yield Case("hc_pre_first_layer", f"T={t},M=4,D={d}",
+                   lambda a=first_args: (mhc.hc_pre_first_layer_ref if dry
+                                         else mhc.hc_pre_first_layer)(*a),
+                   "repeat to 4 streams + fused hc_pre",
+                   lambda a=first_args: (mhc.hc_pre_first_layer_ref if dry
+                                         else mhc.hc_pre_first_layer_repeat)(*a),
+                   t * d * 2 + 24 * M * d * 4 + t * d * 2, gemv)  # fmt: skip
+        post_args = (y, x, post, comb)
+        yield Case("hc_post", f"T={t},M=4,D={d}",
+                   lambda a=post_args: (mhc.hc_post_ref if dry else mhc.hc_post)(*a),
+                   "hc_post_ref (torch)", lambda a=post_args: mhc.hc_post_ref(*a),
+                   t * M * d * 2 * 2 + t * d * 2)  # fmt: skip
+        head_args = (x, h_fn, h_scale, h_base, EPS, EPS)
+        yield Case("hc_head", f"T={t},M=4,D={d}",
+                   lambda a=head_args: (mhc.hc_head_ref if dry else mhc.hc_head)(*a),
+                   "hc_head_ref (unfused torch)", lambda a=head_args: mhc.hc_head_ref(*a),
+                   t * M * d * 2 + M * M * d * 4 + t * d * 2, 2.0 * t * M * M * d)  # fmt: skip
+
+
+def _metadata_cases(dev, sizes, dry) -> Iterator[Case]:
+    for name, query_lens in sizes["batches"]:
+        qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+        qsl, t = qsl.to(dev), sum(query_lens)
+        yield Case("token_to_req_indices", f"{name},T={t}",
+                   lambda q=qsl, n=t: (metadata.token_to_req_indices_ref if dry
+                                       else metadata.token_to_req_indices)(q, n),
+                   "per builder: CPU repeat_interleave + H2D, x3",
+                   lambda q=qsl, n=t: metadata.token_to_req_indices_per_builder(q, n),
+                   t * 4, graph=False)  # fmt: skip
+    t, w, width = sizes["prefill_tokens"], sizes["window"], sizes["c128_width"]
+    pos = torch.arange(32768, 32768 + t, device=dev)
+    t2r = torch.zeros(t, dtype=torch.int32, device=dev)
+    table = torch.randperm(16384, device=dev)[: (32768 + t) // 64 + 1].int().view(1, -1)
+    ref = dry  # dry run: the torch references stand in for both sides
+    win = (pos, t2r, table, w, 64)
+    yield Case("window_slot_table", f"T={t},window={w}",
+               lambda a=win: (metadata.window_slot_table_ref if ref
+                              else metadata.window_slot_table)(*a),
+               "torch.full(-1) pre-fill + kernel",
+               lambda a=win: (metadata.window_slot_table_ref if ref
+                              else metadata.window_slot_table_prefill)(*a),
+               t * w * 4 + t * 16)  # fmt: skip
+    c128 = (pos, t2r, table, width, 2)
+    yield Case("c128_index_table", f"T={t},width={width}",
+               lambda a=c128: (metadata.c128_index_table_ref if ref
+                               else metadata.c128_index_table)(*a),
+               "torch.full(-1) pre-fill + kernel",
+               lambda a=c128: (metadata.c128_index_table_ref if ref
+                               else metadata.c128_index_table_prefill)(*a),
+               t * width * 4 + t * 16)  # fmt: skip
+    t4, topk = sizes["c4_tokens"], sizes["topk"]
+    local = torch.randint(-1, 8192, (t4, topk), device=dev, dtype=torch.int32)
+    t2r4 = torch.arange(t4, device=dev, dtype=torch.int32) % 64
+    table4 = torch.randperm(64 * 256, device=dev)[: 64 * 128].int().view(64, 128)
+    c4 = (local, t2r4, table4, 64)
+    yield Case("c4_global_topk_slots", f"T={t4},topk={topk},E=64",
+               lambda a=c4: (metadata.c4_global_topk_slots_ref if dry
+                             else metadata.c4_global_topk_slots)(*a),
+               "torch gather/where sequence", lambda a=c4: metadata.c4_global_topk_slots_ref(*a),
+               t4 * topk * 8 + t4 * 8)  # fmt: skip
+
+
+GPU_SIZES = {
+    "experts": [(256, 1.5), (384, 2.5)],
+    "route_tokens": [1, 64, 512, 8192],
+    "hidden": 4096,
+    "hc_tokens": [1, 64, 512, 8192],
+    "batches": [("decode bs32", [1] * 32), ("decode bs256", [1] * 256),
+                ("decode bs512", [1] * 512), ("mixed", [1] * 64 + [700, 300, 1024])],
+    "prefill_tokens": 8192, "window": 128, "c128_width": 8192,
+    "c4_tokens": 512, "topk": 512,
+}  # fmt: skip
+DRY_SIZES = {
+    "experts": [(16, 1.5)], "route_tokens": [1, 5], "hidden": 32, "hc_tokens": [1, 3],
+    "batches": [("decode bs4", [1] * 4), ("mixed", [1, 7])],
+    "prefill_tokens": 9, "window": 8, "c128_width": 16, "c4_tokens": 5, "topk": 8,
+}  # fmt: skip
+
+
+def _time_us(fn: Callable[[], object], dry_run: bool, graph: bool) -> float:
+    """Median GPU time. Replayed from a CUDA graph when the callable can be captured (as the
+    server's decode steps are), so launch-bound kernels are timed without Python launch
+    overhead; callables with host work (CPU builds, H2D copies, syncs) fall back to do_bench."""
+    if dry_run:
+        fn()
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e6
+    import triton.testing
+
+    if graph:
+        return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median") * 1e3
+    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3
+
+
+def run(dry_run: bool, only: str = "") -> list[dict]:
+    dev = "cpu" if dry_run else "cuda"
+    sizes = DRY_SIZES if dry_run else GPU_SIZES
+    torch.manual_seed(0)
+    if not dry_run:  # bring the clocks up from idle before the first timing
+        a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+        for _ in range(1500):  # ~2 s of bf16 GEMMs
+            a @ a
+        torch.cuda.synchronize()
+    records = []
+    for gen in (_route_cases, _mhc_cases, _metadata_cases):
+        for case in gen(dev, sizes, dry_run):
+            if only and only not in case.name:
+                continue
+            t_us = _time_us(case.fn, dry_run, case.graph)
+            base_us = _time_us(case.baseline_fn, dry_run, case.graph)
+            pct = max(case.num_bytes / (t_us * 1e-6) / PEAK_BYTES_PER_S,
+                      case.flops / (t_us * 1e-6) / PEAK_FLOPS) * 100  # fmt: skip
+            records.append({
+                "name": case.name, "shape": case.shape, "time_us": round(t_us, 3),
+                "baseline": case.baseline, "baseline_time_us": round(base_us, 3),
+                "speedup": round(base_us / t_us, 3), "pct_roofline": round(pct, 2),
+            })  # fmt: skip
+            print(f"{case.name:22s} {case.shape:28s} {t_us:10.2f} us  base {base_us:10.2f} us"
+                  f"  x{base_us / t_us:6.2f}  {pct:6.2f}% roofline", flush=True)  # fmt: skip
+    return records
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, ref path only")
+    parser.add_argument("--out", type=Path, default=None, help=f"default {DEFAULT_OUT}")
+    parser.add_argument("--only", default="", help="run the cases whose name contains this")
+    args = parser.parse_args(argv)
+    if not args.dry_run and not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU (or --dry-run)")
+    records = run(args.dry_run, args.only)
+    out = args.out or DEFAULT_OUT
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(records, indent=1) + "\n")
+    print(f"wrote {len(records)} records to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,26 @@
+"""Kernel tests run the Triton kernels on CPU under the interpreter when there is no GPU.
+
+TRITON_INTERPRET must be set before `@triton.jit` runs, so this file sets it before any test
+module imports `kernels`; if another test package imported `kernels` earlier without it, the
+kernel modules are reloaded so their kernels are re-decorated for the interpreter.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+    if "kernels.routing" in sys.modules:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        if not isinstance(sys.modules["kernels.routing"]._route_kernel, InterpretedFunction):
+            for name in ("kernels.routing", "kernels.mhc", "kernels.metadata"):
+                importlib.reload(sys.modules[name])
+            importlib.reload(sys.modules["kernels"])
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
