@@ -39,6 +39,11 @@ def register_kernel(name: str, fn: Callable[..., Any], backend: str = "triton") 
     _KERNELS.setdefault(backend, {})[name] = fn
 
 
+def set_kernels(backend: str, impls: dict[str, Callable[..., Any]]) -> None:
+    """Replace every `backend` implementation at once (start-up from the frozen config)."""
+    _KERNELS[backend] = dict(impls)
+
+
 def hot_op(name: str) -> Callable[[F], F]:
     """Mark a reference function as swappable by the kernel switch."""
 
