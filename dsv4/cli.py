@@ -55,6 +55,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         [spec] * len(prompts),
         args.max_new_tokens,
         stop_token_ids=() if args.ignore_eos else (cfg.eos_token_id,),
+        stop_strings=tuple(args.stop or ()),
+        codec=codec,
     )
     for result in results:
         text = codec.decode(list(result.output_token_ids))
@@ -95,6 +97,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--stop", action="append", help="a stop string (repeatable)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     p.set_defaults(handler=_cmd_generate)

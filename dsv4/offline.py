@@ -10,9 +10,12 @@ from dsv4.cache.layout import KVLayout
 from dsv4.cache.packing import CacheOptions
 from dsv4.engine_core import build_engine_core
 from dsv4.model.deepseek_v4 import DeepseekV4
+from dsv4.model.tokenizer import TextCodec
 from dsv4.runner.sampler import SamplingSpec
+from dsv4.runner.stop import TextStopChecker
 from dsv4.scheduler.config import SchedulerConfig
 from dsv4.scheduler.request import Request
+from dsv4.types import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,8 @@ def generate_batch(
     max_new_tokens: int,
     *,
     stop_token_ids: tuple[int, ...] = (),
+    stop_strings: tuple[str, ...] = (),
+    codec: TextCodec | None = None,
     cache_options: CacheOptions | None = None,
     max_num_batched_tokens: int = 16384,
 ) -> list[OfflineResult]:
@@ -50,7 +55,12 @@ def generate_batch(
         max_num_seqs=len(prompts),
         max_model_len=longest,
     )
-    core = build_engine_core(model, options, sched, num_blocks=num_blocks, device=str(device))
+    if stop_strings and codec is None:
+        raise ValueError("stop strings need the tokenizer (codec) to detokenize outputs")
+    checker = TextStopChecker(codec) if stop_strings else None
+    core = build_engine_core(
+        model, options, sched, num_blocks=num_blocks, device=str(device), stop_checker=checker
+    )
     eos = model.cfg.eos_token_id if model.cfg.eos_token_id in stop_token_ids else None
     for i, (prompt, spec) in enumerate(zip(prompts, specs)):
         core.add_request(
@@ -58,7 +68,14 @@ def generate_batch(
                 f"offline-{i}",
                 tuple(prompt),
                 max_new_tokens=max_new_tokens,
-                sampling_params=spec,
+                sampling_params=SamplingParams(
+                    temperature=spec.temperature,
+                    top_p=spec.top_p,
+                    top_k=spec.top_k,
+                    seed=spec.seed,
+                    max_new_tokens=max_new_tokens,
+                    stop_strings=stop_strings,
+                ),
                 eos_token_id=eos,
                 stop_token_ids=frozenset(stop_token_ids),
             )

@@ -1,0 +1,29 @@
+"""Stop strings: the detokenizing `StopChecker` the scheduler calls after each new token.
+
+A request ends with FinishReason.STOP_STRING once the text of its output tokens contains one of
+its stop strings. Only the tail that a new token can have completed is searched: the last
+`len(longest stop) + len(new text)` characters.
+"""
+
+from __future__ import annotations
+
+from dsv4.model.tokenizer import TextCodec
+from dsv4.scheduler.request import Request
+
+
+class TextStopChecker:
+    """Reads `request.sampling_params.stop_strings` (any object with that field)."""
+
+    def __init__(self, codec: TextCodec) -> None:
+        self._codec = codec
+
+    def __call__(self, request: Request, new_token_ids: tuple[int, ...]) -> bool:
+        stops = tuple(getattr(request.sampling_params, "stop_strings", ()) or ())
+        if not stops:
+            return False
+        outputs = request.output_token_ids
+        text = self._codec.decode(list(outputs))
+        before = self._codec.decode(list(outputs[: len(outputs) - len(new_token_ids)]))
+        window = max(len(s) for s in stops) + max(0, len(text) - len(before))
+        tail = text[-window:]
+        return any(stop in tail for stop in stops)
