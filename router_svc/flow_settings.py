@@ -1,0 +1,43 @@
+"""Settings and shared dependencies of request flows (built once by the RouterServer)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dsv4.config import ServeConfig
+from dsv4.types import PullFailurePolicy
+from router_svc.clients import WorkerClients
+from router_svc.live import TaskOwner
+from router_svc.pool import WorkerPool
+from router_svc.text_model import TextModel
+
+
+@dataclass(frozen=True, slots=True)
+class FlowSettings:
+    prefill_timeout_s: float = 60.0
+    max_prefill_retries: int = 2  # also bounds D replacements before D's first message
+    pull_failure_policy: PullFailurePolicy = PullFailurePolicy.RECOMPUTE
+    migrate_on_decode_failure: bool = False
+    max_migrations: int = 1
+    control_timeout_s: float = 2.0  # background Release / Abort calls
+
+    @classmethod
+    def from_config(cls, cfg: ServeConfig) -> FlowSettings:
+        r = cfg.router
+        return cls(
+            prefill_timeout_s=r.prefill_timeout_s,
+            max_prefill_retries=r.max_prefill_retries,
+            pull_failure_policy=PullFailurePolicy(cfg.transfer.pull_failure_policy),
+            migrate_on_decode_failure=r.migrate_on_decode_failure,
+        )
+
+
+@dataclass(frozen=True)
+class FlowDeps:
+    """What every flow shares; built once by the RouterServer."""
+
+    pool: WorkerPool
+    clients: WorkerClients
+    settings: FlowSettings
+    text: TextModel
+    cleanup: TaskOwner

@@ -1,0 +1,121 @@
+"""Owners for what outlives a single await: live requests and fire-and-forget cleanup calls.
+
+`LiveRequests` maps request ids to running flows, so Router.Abort and the pool's "worker down"
+signal can reach them. `TaskOwner` keeps a reference to every background task (Abort on D,
+Release on P after a request ended abnormally), logs its failure, and is drained at shutdown.
+Both are used only on the router's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Coroutine
+from typing import Any, Protocol
+
+from dsv4.errors import InvalidRequest
+from router_svc.clients import WorkerCall
+
+logger = logging.getLogger(__name__)
+
+
+class Interruptible(Protocol):
+    request_id: str
+
+    def abort(self) -> None: ...
+
+    def fail_worker(self, address: str, reason: str) -> None: ...
+
+
+class RequestAborted(Exception):
+    """Router.Abort reached this request: its stream ends with FINISH_REASON_ABORT."""
+
+
+class ActiveCall:
+    """The one worker call a request has in flight, so Abort and "worker down" can cancel it."""
+
+    def __init__(self) -> None:
+        self.call: WorkerCall | None = None
+        self.is_aborted = False
+
+    def abort(self) -> None:
+        self.is_aborted = True
+        if self.call is not None:
+            self.call.interrupt("aborted by Router.Abort")
+
+    def fail_worker(self, address: str, reason: str) -> None:
+        if self.call is not None and self.call.address == address:
+            self.call.interrupt(reason)
+
+    def check_aborted(self) -> None:
+        """Raise RequestAborted once Router.Abort was called (between calls and messages)."""
+        if self.is_aborted:
+            raise RequestAborted()
+
+
+class LiveRequests:
+    def __init__(self) -> None:
+        self._flows: dict[str, Interruptible] = {}
+
+    def __len__(self) -> int:
+        return len(self._flows)
+
+    def add(self, flow: Interruptible) -> None:
+        """Register a flow; a request id that is already running is the client's error."""
+        if flow.request_id in self._flows:
+            raise InvalidRequest(
+                f"request_id {flow.request_id!r} is already running: use a unique id per request"
+            )
+        self._flows[flow.request_id] = flow
+
+    def remove(self, flow: Interruptible) -> None:
+        if self._flows.get(flow.request_id) is flow:
+            del self._flows[flow.request_id]
+
+    def abort(self, request_id: str) -> bool:
+        """Router.Abort: True when the request was running (its stream ends with ABORT)."""
+        flow = self._flows.get(request_id)
+        if flow is None:
+            return False
+        flow.abort()
+        return True
+
+    def fail_worker(self, address: str, reason: str) -> None:
+        """The pool marked a worker down: every flow with a call on it gives up that call."""
+        for flow in list(self._flows.values()):
+            flow.fail_worker(address, reason)
+
+    def find_leaks(self) -> list[str]:
+        return [f"request {rid} still registered" for rid in self._flows]
+
+
+class TaskOwner:
+    """Holds background tasks until they finish; `close()` waits a bounded time, then cancels."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> None:
+        task = asyncio.get_running_loop().create_task(coro, name=f"{self._name}: {name}")
+        self._tasks.add(task)
+        task.add_done_callback(self._on_done)
+
+    def _on_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("%s failed", task.get_name(), exc_info=task.exception())
+
+    async def close(self, timeout_s: float) -> None:
+        if not self._tasks:
+            return
+        _, pending = await asyncio.wait(set(self._tasks), timeout=timeout_s)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+
+    def find_leaks(self) -> list[str]:
+        return [f"task {t.get_name()} still running" for t in self._tasks]

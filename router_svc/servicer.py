@@ -1,0 +1,178 @@
+"""`dsv4.v1.Router` servicer: the boundary where protos become dataclasses and errors become
+gRPC statuses (always through `dsv4.errors.to_grpc_status`).
+
+Per Generate call, on the server's event loop: API key -> rate limit -> admission -> limits
+from the pool's Info answers -> validate + tokenize (`dsv4.wire`) -> deadline -> `RequestFlow`,
+whose chunks are written as they come. RESOURCE_EXHAUSTED answers carry the standard
+`grpc-retry-pushback-ms` trailer besides the hint in the message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from contextlib import aclosing
+
+import grpc
+
+from dsv4 import wire
+from dsv4.config import ServeConfig, request_limits
+from dsv4.errors import Dsv4Error, Unavailable, to_grpc_status
+from dsv4.rpc.v1 import router_pb2, router_pb2_grpc
+from dsv4.types import GenerateRequest, ModelInfo, RequestLimits, WorkerRole
+from router_svc.admission import (
+    AdmissionGate,
+    AdmissionTicket,
+    TokenBucketLimiter,
+    check_api_key,
+    client_key,
+)
+from router_svc.choice import explain_no_route
+from router_svc.deadline import Deadline
+from router_svc.flow import RequestFlow
+from router_svc.flow_settings import FlowDeps
+from router_svc.live import LiveRequests
+
+logger = logging.getLogger(__name__)
+
+LONG_PROMPT_CHARS = 16_384  # longer text is tokenized off the event loop
+RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"
+
+
+def _set_error(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+    code, message = to_grpc_status(exc)
+    context.set_code(code)
+    context.set_details(message)
+    retry_after_s = getattr(exc, "retry_after_s", None)
+    if retry_after_s is not None:
+        pushback_ms = str(max(1, math.ceil(retry_after_s * 1000)))
+        context.set_trailing_metadata(((RETRY_PUSHBACK_KEY, pushback_ms),))
+
+
+class RouterServicer(router_pb2_grpc.RouterServicer):
+    """Built by RouterServer; every method runs on the server's event loop."""
+
+    def __init__(
+        self,
+        cfg: ServeConfig,
+        deps: FlowDeps,
+        live: LiveRequests,
+        gate: AdmissionGate,
+        limiter: TokenBucketLimiter,
+    ) -> None:
+        self._cfg, self._deps, self._live = cfg, deps, live
+        self._gate, self._limiter = gate, limiter
+
+    # ---- Generate -----------------------------------------------------------------------------
+
+    async def Generate(
+        self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> None:
+        received_at_s = time.monotonic()
+        try:
+            ticket = self._admit(context)
+        except Dsv4Error as exc:
+            _set_error(context, exc)
+            return
+        with ticket:
+            try:
+                deadline = self._deadline(context)
+                validated = await self._validate(request, deadline)
+                flow = RequestFlow(validated, deadline, self._deps, received_at_s)
+                self._live.add(flow)
+            except Dsv4Error as exc:
+                _set_error(context, exc)
+                return
+            try:
+                async with aclosing(flow.run()) as chunks:
+                    async for chunk in chunks:
+                        await context.write(wire.generate_response_to_proto(chunk))
+            except Dsv4Error as exc:
+                logger.info("request %s failed: %s", flow.request_id, exc)
+                _set_error(context, exc)
+            except Exception as exc:
+                logger.exception("request %s: unexpected error", flow.request_id)
+                _set_error(context, exc)
+            finally:
+                self._live.remove(flow)
+
+    def _admit(self, context: grpc.aio.ServicerContext) -> AdmissionTicket:
+        api_key = check_api_key(context.invocation_metadata() or (), self._cfg.router.api_keys)
+        self._limiter.acquire(client_key(api_key, context.peer() or ""))
+        return self._gate.admit()
+
+    def _limits(self) -> RequestLimits:
+        snapshot = self._deps.pool.snapshot()
+        facts = snapshot.model_facts()
+        if facts is None:
+            raise Unavailable(
+                "no worker has reported its model limits yet: "
+                + explain_no_route(snapshot, frozenset(), frozenset())
+            )
+        max_model_len = facts.max_model_len or self._cfg.model.max_model_len
+        if self._cfg.model.max_model_len:
+            max_model_len = min(max_model_len, self._cfg.model.max_model_len)
+        return request_limits(self._cfg, vocab_size=facts.vocab_size, max_model_len=max_model_len)
+
+    async def _validate(
+        self, request: router_pb2.GenerateRequest, deadline: Deadline
+    ) -> GenerateRequest:
+        limits = self._limits()
+        codec = self._deps.text.codec
+        tokenize = codec.encode if codec is not None else None
+        is_text = request.WhichOneof("input") == "prompt"
+        if codec is not None and is_text and len(request.prompt) > LONG_PROMPT_CHARS:
+            ids = await asyncio.to_thread(codec.encode, request.prompt)
+            tokenize = lambda _text: ids  # noqa: E731
+        return wire.generate_request_from_proto(
+            request, limits, tokenize=tokenize, deadline_unix_ms=deadline.expires_at_unix_ms
+        )
+
+    def _deadline(self, context: grpc.aio.ServicerContext) -> Deadline:
+        return Deadline.start(
+            config_timeout_s=self._cfg.router.request_timeout_s,
+            client_remaining_s=context.time_remaining(),
+            now_s=time.monotonic(),
+            now_unix_s=time.time(),
+        )
+
+    # ---- Abort, GetModelInfo ------------------------------------------------------------------
+
+    async def Abort(self, request, context: grpc.aio.ServicerContext):
+        try:
+            check_api_key(context.invocation_metadata() or (), self._cfg.router.api_keys)
+            request_id = wire.abort_request_from_proto(request)
+        except Dsv4Error as exc:
+            _set_error(context, exc)
+            return wire.abort_response_to_proto(False)
+        return wire.abort_response_to_proto(self._live.abort(request_id))
+
+    async def GetModelInfo(self, request, context: grpc.aio.ServicerContext):
+        try:
+            check_api_key(context.invocation_metadata() or (), self._cfg.router.api_keys)
+            info = self.model_info()
+        except Dsv4Error as exc:
+            _set_error(context, exc)
+            return router_pb2.ModelInfo()
+        return wire.model_info_to_proto(info)
+
+    def model_info(self) -> ModelInfo:
+        """What GetModelInfo answers; raises Unavailable when no worker has reported yet."""
+        limits = self._limits()
+        snapshot = self._deps.pool.snapshot()
+        facts = snapshot.model_facts()
+        text = self._deps.text
+        return ModelInfo(
+            model_name=facts.model_name if facts else "",
+            vocab_size=limits.vocab_size,
+            max_model_len=limits.max_model_len,
+            max_new_tokens_limit=limits.effective_max_new_tokens,
+            eos_token_id=text.eos_token_id,
+            bos_token_id=text.bos_token_id,
+            num_prefill_workers=len(snapshot.routable(WorkerRole.PREFILL)),
+            num_decode_workers=len(snapshot.routable(WorkerRole.DECODE))
+            + len(snapshot.routable(WorkerRole.COLOCATED)),
+            speculative_method=self._cfg.speculative.method,
+        )

@@ -1,0 +1,100 @@
+"""A RouterServer in front of scripted workers, for tests and demos of the router's control flow.
+
+`scripted_cluster(prefills, decodes, **config)` starts the workers, a router on a free loopback
+port (static discovery, fast probes, the tiny tokenizer) and a client channel; on exit it stops
+everything and asserts the router leaked nothing (live requests, cleanup tasks, admission slots).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from dsv4.config import load_config
+from dsv4.discovery.static import StaticWorkerRegistry
+from dsv4.model.tokenizer import TextCodec, build_tokenizer
+from dsv4.rpc.v1 import common_pb2, router_pb2, router_pb2_grpc
+from router_svc.fakes import ScriptedDecodeWorker, ScriptedPrefillWorker
+from router_svc.pool import PoolSettings
+from router_svc.server import RouterServer
+from router_svc.text_model import TextModel
+
+FAST_PROBES = PoolSettings(probe_interval_s=0.05, probe_timeout_s=0.2, num_failures_to_down=2)
+_TEXT_MODELS: dict[int, TextModel] = {}
+
+
+def tiny_text_model(vocab_size: int = 1000) -> TextModel:
+    """The deterministic tiny tokenizer (built once per vocabulary size)."""
+    if vocab_size not in _TEXT_MODELS:
+        _TEXT_MODELS[vocab_size] = TextModel(TextCodec(build_tokenizer(vocab_size)), source="tiny")
+    return _TEXT_MODELS[vocab_size]
+
+
+@dataclass
+class ScriptedCluster:
+    server: RouterServer
+    stub: router_pb2_grpc.RouterStub
+    channel: grpc.aio.Channel
+    prefills: list[ScriptedPrefillWorker]
+    decodes: list[ScriptedDecodeWorker]
+
+
+@asynccontextmanager
+async def scripted_cluster(
+    prefills: Sequence[ScriptedPrefillWorker] = (),
+    decodes: Sequence[ScriptedDecodeWorker] = (),
+    *,
+    pool_settings: PoolSettings = FAST_PROBES,
+    metadata: tuple[tuple[str, str], ...] = (),
+    **config: Any,
+) -> AsyncIterator[ScriptedCluster]:
+    """`config`: ServeConfig overrides with "__" for "." (router__max_inflight_requests=2)."""
+    for worker in (*prefills, *decodes):
+        await worker.start()
+    overrides = {"router.port": 0, "router.prefill_timeout_s": 5.0}
+    overrides |= {key.replace("__", "."): value for key, value in config.items()}
+    registry = StaticWorkerRegistry([p.address for p in prefills], [d.address for d in decodes])
+    server = RouterServer(
+        load_config(overrides),
+        registry=registry,
+        pool_settings=pool_settings,
+        text_model=tiny_text_model(),
+    )
+    try:
+        await server.start()
+        channel = grpc.aio.insecure_channel(server.address)
+        try:
+            yield ScriptedCluster(
+                server, router_pb2_grpc.RouterStub(channel), channel, [*prefills], [*decodes]
+            )
+        finally:
+            await channel.close()
+    finally:
+        await server.stop(0.5)
+        for worker in (*prefills, *decodes):
+            await worker.stop()
+    leaks = server.find_leaks()
+    assert not leaks, leaks
+
+
+def generate_request(
+    max_new_tokens: int,
+    prompt: Sequence[int] | str,
+    *,
+    request_id: str = "",
+    **sampling: Any,
+) -> router_pb2.GenerateRequest:
+    """A Router.GenerateRequest with token ids or text; `sampling`: SamplingParams fields."""
+    msg = router_pb2.GenerateRequest(
+        request_id=request_id,
+        sampling=common_pb2.SamplingParams(max_new_tokens=max_new_tokens, **sampling),
+    )
+    if isinstance(prompt, str):
+        msg.prompt = prompt
+    else:
+        msg.prompt_token_ids.ids.extend(prompt)
+    return msg

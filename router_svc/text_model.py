@@ -1,0 +1,96 @@
+"""The router's tokenizer and special token ids, loaded without torch.
+
+The router reads only `tokenizer.json` (through the `tokenizers` package, via
+`dsv4.model.tokenizer.TextCodec`, whose module imports no torch) and `config.json` for the
+BOS/EOS ids. Which tokenizer, in order:
+1. `model.tokenizer` (a tokenizer.json file or a directory holding one): missing is an error;
+2. `model.path == "tiny"`: the deterministic tiny tokenizer (BOS 0, EOS 1);
+3. `model.path` is a checkpoint directory with tokenizer.json;
+4. otherwise none: text prompts are refused (send prompt_token_ids) and responses carry the
+   workers' text, if they detokenize. The router pod often has no checkpoint, so this is a
+   warning, not an error.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+from dsv4.config import ModelSection
+from dsv4.errors import CheckpointError
+from dsv4.model.tokenizer import TextCodec, build_tokenizer
+
+logger = logging.getLogger(__name__)
+
+# DeepSeek-V4 (and the tiny model) put BOS and EOS at ids 0 and 1.
+DEFAULT_BOS_TOKEN_ID = 0
+DEFAULT_EOS_TOKEN_ID = 1
+TINY_VOCAB_SIZE = 1024  # dsv4.model.config.tiny_config().vocab_size
+
+
+@dataclass(frozen=True)
+class TextModel:
+    """What the router needs to turn text into ids and back."""
+
+    codec: TextCodec | None
+    bos_token_id: int = DEFAULT_BOS_TOKEN_ID
+    eos_token_id: int = DEFAULT_EOS_TOKEN_ID
+    source: str = "none"  # for logs: where the tokenizer came from
+
+
+def _tokenizer_file(path: Path) -> Path:
+    return path / "tokenizer.json" if path.is_dir() else path
+
+
+def _special_ids(model_dir: Path) -> tuple[int, int]:
+    config_path = model_dir / "config.json"
+    if not config_path.is_file():
+        return DEFAULT_BOS_TOKEN_ID, DEFAULT_EOS_TOKEN_ID
+    try:
+        raw = json.loads(config_path.read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{config_path} does not parse as JSON: {exc}") from exc
+    eos = raw.get("eos_token_id", DEFAULT_EOS_TOKEN_ID)
+    eos = eos[0] if isinstance(eos, list) and eos else eos
+    bos = raw.get("bos_token_id", DEFAULT_BOS_TOKEN_ID)
+    return (
+        int(bos if bos is not None else DEFAULT_BOS_TOKEN_ID),
+        int(eos if eos is not None else DEFAULT_EOS_TOKEN_ID),
+    )
+
+
+def load_text_model(model: ModelSection) -> TextModel:
+    """Called once by the RouterServer at construction; raises CheckpointError when an
+    explicitly configured tokenizer is missing or broken."""
+    model_dir = Path(model.path)
+    bos, eos = _special_ids(model_dir) if model_dir.is_dir() else (0, 1)
+    if model.tokenizer:
+        path = _tokenizer_file(Path(model.tokenizer))
+        if not path.is_file():
+            raise CheckpointError(
+                f"model.tokenizer = {model.tokenizer!r}: no tokenizer.json there; fix the path"
+            )
+        return TextModel(_codec_from_file(path), bos, eos, str(path))
+    if model.path == "tiny":
+        codec = TextCodec(build_tokenizer(TINY_VOCAB_SIZE))
+        return TextModel(codec, DEFAULT_BOS_TOKEN_ID, DEFAULT_EOS_TOKEN_ID, "tiny")
+    path = model_dir / "tokenizer.json"
+    if path.is_file():
+        return TextModel(_codec_from_file(path), bos, eos, str(path))
+    logger.warning(
+        "router: no tokenizer at %s; text prompts will be refused (send prompt_token_ids) "
+        "and stop strings are left to the workers; set model.tokenizer to fix",
+        path,
+    )
+    return TextModel(None, bos, eos)
+
+
+def _codec_from_file(path: Path) -> TextCodec:
+    try:
+        return TextCodec(Tokenizer.from_file(str(path)))
+    except Exception as exc:  # the tokenizers package raises a bare Exception on bad JSON
+        raise CheckpointError(f"{path} is not a valid tokenizer.json: {exc}") from exc

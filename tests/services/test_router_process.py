@@ -1,0 +1,117 @@
+"""`dsv4 router` as a process (signals, exit codes) and TLS on both sides of the router,
+against scripted peers (router_svc.fakes)."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from dsv4.config import load_config
+from dsv4.discovery.static import StaticWorkerRegistry
+from dsv4.rpc.v1 import router_pb2_grpc
+from router_svc.fakes import ScriptedDecodeWorker, ScriptedPrefillWorker
+from router_svc.server import RouterServer, main
+from router_svc.testing import FAST_PROBES, generate_request, tiny_text_model
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_main_serves_until_sigterm_and_exits_cleanly() -> None:
+    port = free_port()
+    code = "import sys; from router_svc.server import main; sys.exit(main(sys.argv[1:]))"
+    args = ["--port", str(port), "--prefill", "127.0.0.1:9", "--decode", "127.0.0.1:9"]
+    process = subprocess.Popen(
+        [sys.executable, "-c", code, *args], cwd=REPO, stderr=subprocess.PIPE, text=True
+    )
+    try:
+
+        async def wait_serving() -> None:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                health = health_pb2_grpc.HealthStub(channel)
+                for _ in range(100):
+                    try:
+                        answer = await health.Check(health_pb2.HealthCheckRequest(), timeout=0.5)
+                        if answer.status == health_pb2.HealthCheckResponse.SERVING:
+                            return
+                    except grpc.aio.AioRpcError:
+                        await asyncio.sleep(0.05)
+                raise AssertionError("the router never answered its health check")
+
+        asyncio.run(wait_serving())
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=5) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert "serving dsv4.v1.Router" in process.stderr.read()
+
+
+def test_main_rejects_a_bad_config_with_exit_code_2() -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["--prefill", "not-an-address"])
+    assert info.value.code == 2
+
+
+def _self_signed(tmp_path: Path) -> tuple[Path, Path]:
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+         "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=localhost",
+         "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
+        check=True, capture_output=True, timeout=30,
+    )  # fmt: skip
+    return cert, key
+
+
+def test_tls_from_client_to_router_to_workers(tmp_path: Path) -> None:
+    cert, key = _self_signed(tmp_path)
+    creds = grpc.ssl_server_credentials([(key.read_bytes(), cert.read_bytes())])
+
+    async def body() -> None:
+        prefill, decode = ScriptedPrefillWorker("p0"), ScriptedDecodeWorker("d0")
+        await prefill.start(creds)
+        await decode.start(creds)
+        cfg = load_config(
+            {
+                "router.port": 0,
+                "security.tls_cert_path": str(cert),
+                "security.tls_key_path": str(key),
+                "security.tls_ca_path": str(cert),
+            }
+        )
+        registry = StaticWorkerRegistry([prefill.address], [decode.address])
+        server = RouterServer(
+            cfg, registry=registry, pool_settings=FAST_PROBES, text_model=tiny_text_model()
+        )
+        await server.start()
+        try:
+            client_creds = grpc.ssl_channel_credentials(cert.read_bytes())
+            async with grpc.aio.secure_channel(server.address, client_creds) as channel:
+                stub = router_pb2_grpc.RouterStub(channel)
+                messages = [m async for m in stub.Generate(generate_request(3, [5, 6, 7]))]
+                assert sum(len(m.token_ids) for m in messages) == 3
+            async with grpc.aio.insecure_channel(server.address) as plain:
+                health = health_pb2_grpc.HealthStub(plain)
+                with pytest.raises(grpc.aio.AioRpcError):
+                    await health.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+        finally:
+            await server.stop(0.5)
+            await prefill.stop()
+            await decode.stop()
+
+    asyncio.run(asyncio.wait_for(body(), 8.0))
