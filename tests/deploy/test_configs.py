@@ -1,0 +1,98 @@
+"""Every ServeConfig YAML under deploy/ loads with `dsv4.config.load_config`, and every dsv4 pod
+of every overlay builds a valid config from what it is given (mounted YAML + DSV4_* env + flags)
+that agrees with its manifest: ports, probes, advertised address, Redis Service, role."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+from k8s_objects import (
+    DEPLOY,
+    OVERLAYS,
+    WORKER_ROLES,
+    config_text,
+    deployments,
+    effective_config,
+    find,
+    main_container,
+)
+
+from dsv4.config import load_config
+from dsv4.config.load import env_layer
+
+CONFIG_FILES = sorted(DEPLOY.glob("configs/*.yaml")) + sorted(DEPLOY.glob("k8s/**/config.yaml"))
+
+
+def test_there_are_example_configs():
+    names = {p.name for p in DEPLOY.glob("configs/*.yaml")}
+    assert {"local-1p1d.yaml", "multi-host-redis.yaml", "baseline-switches-off.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda p: str(p.relative_to(DEPLOY)))
+def test_config_file_loads(path: Path):
+    config = load_config(None, str(path), {})
+    assert config.transfer.pull_timeout_s < config.transfer.lease_ttl_s
+
+
+def test_local_example_is_a_static_1p1d():
+    config = load_config(None, str(DEPLOY / "configs" / "local-1p1d.yaml"), {})
+    assert len(config.discovery.prefill_addresses) == len(config.discovery.decode_addresses) == 1
+    assert not config.discovery.redis_url
+
+
+def test_baseline_example_switches_every_feature_off():
+    config = load_config(None, str(DEPLOY / "configs" / "baseline-switches-off.yaml"), {})
+    f = config.features
+    assert not (f.index_cache or f.skip_topk or f.packed_kv or f.fused_mhc or f.cuda_graphs)
+    assert f.router_kernel == "reference" and config.scheduler.prefill_chunk_plan == "fixed"
+    assert config.speculative.budget == "static"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_dsv4_env_var_names_a_config_field(rendered, overlay):
+    for dep in deployments(rendered[overlay]):
+        for container in dep["spec"]["template"]["spec"]["containers"]:
+            names = {e["name"] for e in container.get("env", []) if e["name"].startswith("DSV4_")}
+            env_layer(dict.fromkeys(names - {"DSV4_CONFIG"}, "1"))  # unknown ones raise
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("component", ("router", *WORKER_ROLES))
+def test_pod_config_loads_and_matches_its_manifest(rendered, overlay, component, tmp_path):
+    objs = rendered[overlay]
+    dep = find(objs, "Deployment", f"dsv4-{component}")
+    config = effective_config(objs, dep, tmp_path)
+    container = main_container(dep)
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert config.metrics.prometheus_port == ports["metrics"]
+    annotations = dep["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/port"] == str(ports["metrics"])
+    redis = urlsplit(config.discovery.redis_url)
+    redis_service = find(objs, "Service", "dsv4-redis")
+    assert redis.hostname == redis_service["metadata"]["name"]
+    assert redis.port == redis_service["spec"]["ports"][0]["port"]
+    if component == "router":
+        assert config.router.host == "0.0.0.0" and config.router.port == ports["grpc"]
+        grace_s = dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+        assert grace_s > config.worker.drain_timeout_s, "router stop grace must fit the pod's"
+        service = find(objs, "Service", "dsv4-router")
+        assert {p["targetPort"] for p in service["spec"]["ports"]} <= set(ports)
+        return
+    assert config.worker.role == component
+    assert config.worker.host == "0.0.0.0" and config.worker.port == ports["grpc"]
+    assert config.worker.advertise_address == f"10.0.0.7:{ports['grpc']}"  # $(POD_IP):port
+    assert config.worker.worker_id == "dsv4-pod-0"  # $(POD_NAME)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_pods_share_one_config(rendered, overlay):
+    objs = rendered[overlay]
+    text = config_text(objs)
+    (name,) = [o["metadata"]["name"] for o in objs if o["kind"] == "ConfigMap"]
+    for dep in deployments(objs):
+        volumes = dep["spec"]["template"]["spec"]["volumes"]
+        if dep["metadata"]["name"] != "dsv4-redis":
+            assert {"name": "config", "configMap": {"name": name}} in volumes
+    assert text.strip()
