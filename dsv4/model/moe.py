@@ -10,6 +10,9 @@ the shared expert is clamped too unless `cfg.clamp_shared_expert` is False (§16
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -69,6 +72,30 @@ class Gate(nn.Module):
         )
 
 
+def swiglu(
+    u: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, limit: float | None
+) -> torch.Tensor:
+    """w2(silu(min(w1 u, limit)) * clamp(w3 u, -limit, limit)); limit None = no clamp."""
+    gate, up = F.linear(u, w1).float(), F.linear(u, w3).float()
+    if limit is not None:
+        gate = gate.clamp(max=limit)
+        up = up.clamp(-limit, limit)
+    return F.linear((F.silu(gate) * up).to(u.dtype), w2)
+
+
+class ExpertStore(Protocol):
+    """Where `MoE.forward` gets routed experts when they are not its resident `experts`
+    modules (`dsv4.model.offload`). Called from the forward, on the model's thread."""
+
+    def prepare(self, ids: torch.Tensor) -> None:
+        """Once per forward with the routed ids [T, K], before any `expert` call: start
+        fetching the selected experts that are not on the device."""
+
+    def expert(self, e: int, num_tokens: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        """Expert `e` as a function u [n, D] -> [n, D] with `swiglu`'s math; waits for its
+        weights if they are still in flight."""
+
+
 class Expert(nn.Module):
     """SwiGLU: w2(silu(min(w1 u, limit)) * clamp(w3 u, -limit, limit)); limit None = no clamp."""
 
@@ -80,11 +107,7 @@ class Expert(nn.Module):
         self.limit = limit
 
     def forward(self, u: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w1(u).float(), self.w3(u).float()
-        if self.limit is not None:
-            gate = gate.clamp(max=self.limit)
-            up = up.clamp(-self.limit, self.limit)
-        return self.w2((F.silu(gate) * up).to(u.dtype))
+        return swiglu(u, self.w1.weight, self.w2.weight, self.w3.weight, self.limit)
 
 
 class MoE(nn.Module):
@@ -100,6 +123,8 @@ class MoE(nn.Module):
         if cfg.n_shared_experts:
             limit = cfg.swiglu_limit if cfg.clamp_shared_expert else None
             self.shared_experts = Expert(d, inter * cfg.n_shared_experts, limit)
+        # None: the `experts` modules above; else an offloaded store (dsv4.model.offload).
+        self.expert_store: ExpertStore | None = None
 
     def forward(self, u: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         """u [..., D] (ffn_norm applied), token_ids [...] -> [..., D]."""
@@ -107,10 +132,15 @@ class MoE(nn.Module):
         flat = u.reshape(-1, shape[-1])  # [T, D]
         weights, ids = self.gate(flat, token_ids.reshape(-1))  # [T, K]
         out = torch.zeros(flat.shape, dtype=torch.float32, device=u.device)
-        # NOTE: dispatch by expert (token lists per expert), fp32 accumulation.
+        store = self.expert_store
+        if store is not None:
+            store.prepare(ids)
+        # NOTE: dispatch by expert (token lists per expert), fp32 accumulation; the order is
+        # the same with a store, so offloaded outputs equal resident ones bit for bit.
         for e in ids.unique().tolist():
             token_idx, slot = torch.where(ids == e)
-            y = self.experts[e](flat[token_idx]).float() * weights[token_idx, slot].unsqueeze(-1)
+            expert = self.experts[e] if store is None else store.expert(e, token_idx.numel())
+            y = expert(flat[token_idx]).float() * weights[token_idx, slot].unsqueeze(-1)
             out.index_add_(0, token_idx, y)
         if self.shared_experts is not None:
             out += self.shared_experts(flat).float()

@@ -1,0 +1,173 @@
+"""The memory plan of one GPU and its verdict: fits / fits with K experts per layer offloaded
+to pinned host memory / does not fit (and by how much).
+
+    plan = plan_memory(PlanRequest(shape_config("flash"), num_gpus=1, gpu_mem_gib=141,
+                                   host_mem_gib=512))
+    print(plan.message)
+    check_fits(plan)  # worker start-up: raises PlanDoesNotFit before anything is loaded
+
+Usable device memory = gpu_mem x memory_fraction - runtime_reserve (CUDA context, cuBLAS and
+NCCL workspaces, allocator slack). KV is sized for max_num_seqs requests of max_model_len
+tokens each (no preemption needed). Offload keeps, per MoE layer, `E_local - K` experts
+resident plus `cache_slots` device slots through which the K cold experts (held in pinned host
+memory) are fetched; K is the smallest count that makes the plan fit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from dsv4.cache.packing import CacheOptions
+from dsv4.errors import ConfigError, Dsv4Error
+from dsv4.model.config import ModelConfig
+from dsv4.plan.budget import (
+    Buffer,
+    KVPlan,
+    area_budget_rows,
+    cuda_graph_pool,
+    kv_plan,
+    mtp_buffers,
+    step_workspace,
+)
+from dsv4.plan.verdict import DOES_NOT_FIT, FITS, decide
+from dsv4.plan.weights import WeightFormats, WeightItem, expert_bytes, experts_per_gpu, weight_items
+
+GIB = 1024**3
+
+
+class PlanDoesNotFit(Dsv4Error):
+    """The model, cache and workspaces do not fit the GPUs (and host) given; names the shortfall."""
+
+    grpc_code = "RESOURCE_EXHAUSTED"
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    model: ModelConfig
+    num_gpus: int = 1
+    gpu_mem_gib: float = 80.0
+    host_mem_gib: float = 0.0  # 0: no expert offload
+    tp: int = 0  # 0: num_gpus
+    ep: int = 0  # 0: num_gpus (1 GPU: no EP)
+    max_model_len: int = 65536
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 16384
+    num_speculative_tokens: int = 0  # > 0: MTP on (its weights, KV and draft buffers count)
+    cuda_graphs: bool = True
+    memory_fraction: float = 0.9
+    runtime_reserve_gib: float = 1.0
+    host_mem_fraction: float = 0.8  # share of host RAM that may be pinned for experts
+    cache_slots: int = 0  # device slots per layer for cold experts; 0: num_experts_per_tok
+    h2d_gb_per_s: float = 25.0  # pinned host->device bandwidth for the fetch estimate
+    formats: WeightFormats = field(default_factory=WeightFormats)
+    cache: CacheOptions = field(default_factory=CacheOptions)
+
+    def resolved(self) -> PlanRequest:
+        """Fill the 0-means-derive fields and validate; raises ConfigError."""
+        tp = self.tp or self.num_gpus
+        ep = self.ep or self.num_gpus
+        cfg = self.model
+        if self.num_gpus < 1 or self.num_gpus % tp or self.num_gpus % ep:
+            raise ConfigError("tp/ep", (tp, ep), f"each must divide --gpus {self.num_gpus}")
+        if cfg.num_attention_heads % tp or cfg.o_groups % tp:
+            raise ConfigError("tp", tp, f"must divide o_groups={cfg.o_groups} (and the heads)")
+        if ep > cfg.n_routed_experts:
+            raise ConfigError("ep", ep, f"at most n_routed_experts={cfg.n_routed_experts}")
+        if self.gpu_mem_gib <= 0 or self.host_mem_gib < 0:
+            raise ConfigError("gpu_mem_gib", self.gpu_mem_gib, "give device memory in GiB (> 0)")
+        slots = self.cache_slots or cfg.num_experts_per_tok
+        cache = replace(self.cache, num_speculative_tokens=self.num_speculative_tokens)
+        return replace(self, tp=tp, ep=ep, cache_slots=slots, cache=cache)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    request: PlanRequest  # resolved
+    weights: tuple[WeightItem, ...]
+    expert_bytes: int  # one routed expert as held on one GPU (its TP shard without EP)
+    experts_per_layer: int  # routed experts per MoE layer on one GPU
+    num_moe_layers: int  # main layers (+ the MTP layer when speculative decoding is on)
+    kv: KVPlan
+    buffers: tuple[Buffer, ...]  # workspaces, CUDA graph pool, MTP draft buffers
+    usable_bytes: int
+    verdict: str
+    offloaded_per_layer: int  # K (for DOES_NOT_FIT: the K that was tried)
+    cache_slots: int  # device slots per layer for cold experts (0 without offload)
+    host_bytes: int  # pinned host memory for the offloaded experts
+    host_usable_bytes: int
+    message: str
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(w.per_gpu_bytes for w in self.weights)
+
+    @property
+    def routed_expert_bytes(self) -> int:
+        return sum(w.per_gpu_bytes for w in self.weights if w.kind == "routed_experts")
+
+    @property
+    def buffer_bytes(self) -> int:
+        return sum(b.nbytes for b in self.buffers)
+
+    @property
+    def device_expert_bytes(self) -> int:
+        """Routed expert bytes on the device after offload (resident + cache slots)."""
+        slots = self.experts_per_layer - self.offloaded_per_layer + self.cache_slots
+        return self.num_moe_layers * slots * self.expert_bytes
+
+    @property
+    def needed_bytes(self) -> int:
+        """Device bytes of this plan (after offload, if any)."""
+        fixed = self.weight_bytes - self.routed_expert_bytes + self.buffer_bytes
+        return fixed + self.device_expert_bytes + self.kv.total_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.verdict != DOES_NOT_FIT
+
+
+def plan_memory(request: PlanRequest) -> MemoryPlan:
+    """The per-GPU plan for `request` (pure arithmetic; loads nothing)."""
+    req = request.resolved()
+    cfg, tp, ep = req.model, req.tp, req.ep
+    spec_on = req.num_speculative_tokens > 0
+    served = cfg if spec_on else cfg.with_overrides(num_nextn_predict_layers=0)
+    moe_tp = tp if ep == 1 else 1
+    weights = weight_items(served, tp, ep, include_mtp=spec_on, formats=req.formats)
+    kv = kv_plan(served, req.cache, req.max_model_len, req.max_num_seqs)
+    area = area_budget_rows(served, req.max_model_len, req.max_num_batched_tokens)
+    buffers = list(
+        step_workspace(
+            served, req.max_num_batched_tokens, req.max_num_seqs, tp, moe_tp,
+            req.max_model_len, area,
+        )
+    )  # fmt: skip
+    k = req.num_speculative_tokens
+    if req.cuda_graphs:
+        buffers.append(cuda_graph_pool(served, req.max_num_seqs, k, tp, moe_tp))
+    if spec_on:
+        buffers.append(mtp_buffers(served, req.max_num_seqs, k, tp))
+    base = MemoryPlan(
+        request=req,
+        weights=weights,
+        expert_bytes=expert_bytes(served, req.formats) // moe_tp,
+        experts_per_layer=experts_per_gpu(served, ep),
+        num_moe_layers=served.num_hidden_layers + (1 if spec_on else 0),
+        kv=kv,
+        buffers=tuple(buffers),
+        usable_bytes=int((req.gpu_mem_gib * req.memory_fraction - req.runtime_reserve_gib) * GIB),
+        verdict=FITS,
+        offloaded_per_layer=0,
+        cache_slots=0,
+        host_bytes=0,
+        host_usable_bytes=int(req.host_mem_gib * req.host_mem_fraction * GIB),
+        message="",
+    )
+    return decide(base)
+
+
+def check_fits(plan: MemoryPlan) -> MemoryPlan:
+    """Start-up guard: raise `PlanDoesNotFit` with the plan's message unless it fits."""
+    if not plan.fits:
+        raise PlanDoesNotFit(plan.message)
+    return plan

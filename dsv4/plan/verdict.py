@@ -1,0 +1,133 @@
+"""The verdict of a memory plan and the message that explains it, with the numbers.
+
+Offloading K routed experts per MoE layer to pinned host memory saves `K - slots` experts of
+device memory per layer: the `slots` device cache slots per layer (through which the selected
+cold experts are fetched) cost memory too. So the smallest K that fits is
+    K = slots + ceil(deficit / (num_moe_layers * expert_bytes)),
+and it must not exceed the experts a GPU holds per layer, nor its host copy the pinned budget.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dsv4.plan.planner import MemoryPlan
+
+FITS, FITS_WITH_OFFLOAD, DOES_NOT_FIT = "fits", "fits_with_offload", "does_not_fit"
+_GIB = 1024**3
+
+
+def gib(nbytes: float) -> str:
+    return f"{nbytes / _GIB:.2f} GiB"
+
+
+def decide(plan: MemoryPlan) -> MemoryPlan:
+    """`plan` without offload -> the same plan with its verdict, K and message filled in."""
+    if plan.needed_bytes <= plan.usable_bytes:
+        return replace(plan, verdict=FITS, message=_fits_message(plan))
+    req = plan.request
+    layers, per_expert = plan.num_moe_layers, plan.expert_bytes
+    deficit = plan.needed_bytes - plan.usable_bytes
+    slots = min(req.cache_slots, plan.experts_per_layer)
+    k = slots + math.ceil(deficit / (layers * per_expert))
+    if k > plan.experts_per_layer:  # even all-offloaded does not fit: report that extreme
+        k = plan.experts_per_layer
+        slots = min(slots, k)
+    attempt = replace(
+        plan, offloaded_per_layer=k, cache_slots=slots, host_bytes=layers * k * per_expert
+    )
+    device_ok = attempt.needed_bytes <= attempt.usable_bytes
+    host_ok = attempt.host_bytes <= attempt.host_usable_bytes
+    if device_ok and host_ok:
+        return replace(attempt, verdict=FITS_WITH_OFFLOAD, message=_offload_message(attempt))
+    return replace(attempt, verdict=DOES_NOT_FIT, message=_no_fit_message(plan, attempt, device_ok))
+
+
+def _where(plan: MemoryPlan) -> str:
+    req = plan.request
+    return (
+        f"{plan.request.model.num_hidden_layers}-layer model on {req.num_gpus} x "
+        f"{req.gpu_mem_gib:g} GiB (tp={req.tp}, ep={req.ep})"
+    )
+
+
+def _breakdown(plan: MemoryPlan) -> str:
+    req = plan.request
+    extras = ", ".join(f"{b.name} {gib(b.nbytes)}" for b in plan.buffers)
+    non_expert = plan.weight_bytes - plan.routed_expert_bytes
+    return (
+        f"per GPU: weights {gib(non_expert)} + routed experts {gib(plan.device_expert_bytes)}"
+        f" + KV {gib(plan.kv.total_bytes)} ({req.max_num_seqs} seqs x {req.max_model_len} tokens"
+        f" x {gib(plan.kv.bytes_per_request)}) + {extras}"
+        f" = {gib(plan.needed_bytes)} of {gib(plan.usable_bytes)} usable"
+        f" ({req.gpu_mem_gib:g} GiB x {req.memory_fraction:g} - {req.runtime_reserve_gib:g} GiB"
+        " reserve)"
+    )
+
+
+def max_seqs_that_fit(plan: MemoryPlan) -> int:
+    """Full-length sequences whose KV fits next to everything else of `plan`."""
+    room = plan.usable_bytes - (plan.needed_bytes - plan.kv.total_bytes)
+    return max(0, room // plan.kv.bytes_per_request)
+
+
+def max_len_that_fits(plan: MemoryPlan) -> int:
+    """Tokens of ONE sequence whose KV fits next to everything else of `plan` (0: none)."""
+    room = plan.usable_bytes - (plan.needed_bytes - plan.kv.total_bytes)
+    kv = plan.kv
+    blocks = room // kv.block_stride_bytes - kv.num_ring_blocks
+    return max(0, blocks * kv.block_size)
+
+
+def _fits_message(plan: MemoryPlan) -> str:
+    spare = max_seqs_that_fit(plan) - plan.request.max_num_seqs
+    return f"fits: {_where(plan)}; {_breakdown(plan)}; room for {spare} more full-length seqs"
+
+
+def _offload_message(plan: MemoryPlan) -> str:
+    req = plan.request
+    e, k = plan.experts_per_layer, plan.offloaded_per_layer
+    top_k = req.model.num_experts_per_tok
+    # Uniform routing: a decode token misses top_k * K / E experts per layer (an upper bound:
+    # the hot-expert cache and skewed routing only lower it).
+    per_token = plan.num_moe_layers * top_k * k / e * plan.expert_bytes
+    ms = per_token / (req.h2d_gb_per_s * 1e9) * 1e3
+    return (
+        f"fits with {k} of {e} experts per layer offloaded to pinned host memory: {_where(plan)};"
+        f" {_breakdown(plan)}; host holds {gib(plan.host_bytes)} of {gib(plan.host_usable_bytes)}"
+        f" pinnable; device keeps {e - k} resident + {plan.cache_slots} cache slots per layer;"
+        f" uniform-routing fetch <= {ms:.1f} ms per decode token at {req.h2d_gb_per_s:g} GB/s"
+    )
+
+
+def _no_fit_message(plan: MemoryPlan, attempt: MemoryPlan, device_ok: bool) -> str:
+    req = plan.request
+    short = plan.needed_bytes - plan.usable_bytes
+    lines = [f"does not fit: {_where(plan)}; {_breakdown(plan)}; short by {gib(short)} per GPU."]
+    k, e = attempt.offloaded_per_layer, attempt.experts_per_layer
+    if device_ok:
+        lines.append(
+            f"Offloading {k} of {e} experts per layer would fit the device but needs"
+            f" {gib(attempt.host_bytes)} of pinned host memory; --host-mem {req.host_mem_gib:g}"
+            f" allows {gib(attempt.host_usable_bytes)} (x {req.host_mem_fraction:g}): give"
+            f" --host-mem >= {math.ceil(attempt.host_bytes / req.host_mem_fraction / _GIB)}."
+        )
+    else:
+        lines.append(
+            f"Even with all {e} experts per layer offloaded the rest needs"
+            f" {gib(attempt.needed_bytes)} per GPU, short by"
+            f" {gib(attempt.needed_bytes - attempt.usable_bytes)}."
+        )
+    best = attempt if attempt.host_bytes <= attempt.host_usable_bytes else plan
+    fit_seqs = max_seqs_that_fit(best)
+    if fit_seqs:
+        fix = f"--max-num-seqs {fit_seqs} (full-length sequences whose KV fits)"
+    elif max_len_that_fits(best):
+        fix = f"--max-model-len {max_len_that_fits(best)} (for one sequence)"
+    else:
+        fix = "fewer --max-num-batched-tokens (smaller workspaces); no KV fits as planned"
+    lines.append(f"Fixes: more GPUs, or {fix}.")
+    return " ".join(lines)

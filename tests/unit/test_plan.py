@@ -1,0 +1,204 @@
+"""The memory planner against hand-computed V4-Flash and V4-Pro figures (DSV4_ARCH.md §1, §7,
+§11, §15), its verdicts, the start-up refusal and the `dsv4 plan` command."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from dsv4.errors import Dsv4Error
+from dsv4.plan import (
+    DOES_NOT_FIT,
+    FITS,
+    FITS_WITH_OFFLOAD,
+    PlanDoesNotFit,
+    PlanRequest,
+    check_fits,
+    expert_bytes,
+    full_flash_config,
+    full_pro_config,
+    plan_memory,
+)
+
+GIB = 1024**3
+FLASH, PRO = full_flash_config(), full_pro_config()
+
+
+def per_gpu(plan, kind, dtype=None):
+    return sum(w.per_gpu_bytes for w in plan.weights if w.kind == kind and dtype in (None, w.dtype))
+
+
+def total(plan, kind, dtype=None):
+    return sum(w.total_bytes for w in plan.weights if w.kind == kind and dtype in (None, w.dtype))
+
+
+def test_configs_have_the_real_layer_mix():
+    assert FLASH.compress_ratios.count(0) == 2 and FLASH.compress_ratios.count(4) == 21
+    assert FLASH.compress_ratios.count(128) == 20 and FLASH.compress_ratios[-1] == 4
+    assert PRO.compress_ratios.count(4) == 30 and PRO.compress_ratios.count(128) == 31
+
+
+def test_flash_weights_by_hand():
+    # One MXFP4 expert: 3 matrices of 2048 x 4096 values at half a byte, + one UE8M0 byte per 32.
+    one_expert = 3 * 2048 * 4096 // 2 + 3 * 2048 * 4096 // 32
+    assert one_expert == 13_369_344 == expert_bytes(FLASH)  # 12.75 MiB (DSV4_ARCH §15)
+    assert one_expert / 2**20 == 12.75
+    plan = plan_memory(PlanRequest(FLASH, num_gpus=1, gpu_mem_gib=141))
+    assert total(plan, "routed_experts") == 43 * 256 * one_expert  # 137.06 GiB
+    assert total(plan, "embed") == total(plan, "head") == 129280 * 4096 * 2
+    # Attention FP8 per layer: wq_a 1024x4096, wq_b 32768x1024, wkv 512x4096, wo_a 8192x4096,
+    # wo_b 4096x8192; scales one byte per 128x128 block.
+    fp8 = 1024 * 4096 + 32768 * 1024 + 512 * 4096 + 8192 * 4096 + 4096 * 8192
+    scales = 8 * 32 + 256 * 8 + 4 * 32 + 64 * 32 + 32 * 64
+    assert total(plan, "attention", "fp8") == 43 * fp8 == 43 * 106_954_752
+    assert total(plan, "attention", "e8m0") == 43 * scales
+    assert total(plan, "shared_experts", "fp8") == 43 * 3 * 2048 * 4096
+    assert total(plan, "indexer", "fp8") == 21 * 8192 * 1024  # C4 layers only
+    # Compressors (bf16 wkv + wgate): C4 main 1024 wide (overlap 2) + indexer 256; C128 512.
+    comp = 21 * 2 * (1024 + 256) * 4096 * 2 + 20 * 2 * 512 * 4096 * 2
+    assert total(plan, "compressor", "bf16") == comp
+    assert total(plan, "router", "int64") == 3 * 129280 * 6 * 8  # tid2eid of the hash layers
+    assert total(plan, "router", "fp32") == 40 * 256 * 4  # biases of the scored layers
+    hc = 43 * 2 * (24 * 4 * 4096 + 24 + 3) * 4 + (4 * 4 * 4096 + 4 + 1) * 4
+    assert total(plan, "hc") == hc
+    everything = (
+        43 * 256 * one_expert + 2 * 129280 * 4096 * 2 + 43 * (fp8 + scales)
+        + 43 * (3 * 2048 * 4096 + 3 * 16 * 32) + 21 * (8192 * 1024 + 64 * 8) + comp
+        + 43 * 256 * 4096 * 2 + 3 * 129280 * 6 * 8 + 40 * 256 * 4 + hc
+        + 21 * 64 * 4096 * 2  # indexer weights_proj bf16
+        + (21 * (4 * 1024 + 4 * 256) + 20 * 128 * 512) * 4  # ape fp32
+        + 43 * 64 * 4  # attn_sink fp32
+        + (43 * (4096 * 2 + 1024 + 512) + 21 * (512 + 128) + 20 * 512 + 4096) * 2  # norms
+    )  # fmt: skip
+    assert plan.weight_bytes == everything
+    # DSV4_ARCH §15: ~3.3 GiB per layer, ~2 x 1 GiB embed/head; "about 150 GB" in all.
+    per_layer = (everything - 2 * 129280 * 4096 * 2) / 43 / GIB
+    assert 3.2 < per_layer < 3.4 and 145 < everything / GIB < 146
+
+
+def test_pro_weights_by_hand():
+    one_expert = 3 * 3072 * 7168 // 2 + 3 * 3072 * 7168 // 32
+    assert one_expert == 35_094_528 == expert_bytes(PRO)  # 33.47 MiB
+    plan = plan_memory(PlanRequest(PRO, num_gpus=8, gpu_mem_gib=141))
+    assert total(plan, "routed_experts") == 61 * 384 * one_expert  # 765.6 GiB
+    assert per_gpu(plan, "routed_experts") == 61 * (384 // 8) * one_expert  # EP 8: 48 each
+    assert per_gpu(plan, "embed") == 129280 * 7168 * 2 // 8  # vocab-parallel
+    fp8 = 1536 * 7168 + 65536 * 1536 + 512 * 7168 + 16384 * 4096 + 7168 * 16384
+    assert total(plan, "attention", "fp8") == 61 * fp8
+    per_layer = (plan_total := sum(w.total_bytes for w in plan.weights)) - 2 * 129280 * 7168 * 2
+    assert 12.7 < per_layer / 61 / GIB < 13.1  # DSV4_ARCH §15: ~12.9 GiB per layer
+    assert 790 < plan_total / GIB < 800  # ~1.6 T parameters, mostly 4-bit
+
+
+def test_flash_kv_by_hand():
+    plan = plan_memory(PlanRequest(FLASH, gpu_mem_gib=141, max_model_len=65536, max_num_seqs=4))
+    kinds = {k.kind: k for k in plan.kv.kinds}
+    # fp8_ds_mla entry 584 B (448 e4m3 + 64 bf16 rope + 8 scale bytes); MXFP4 indexer key 68 B.
+    assert kinds["c4"].paged_bytes_per_token == 584 / 4 + 68 / 4 == 163
+    assert kinds["c128"].paged_bytes_per_token == 584 / 128
+    assert kinds["swa"].paged_bytes_per_token == 0
+    window = 128 * 584
+    assert kinds["swa"].ring_bytes_per_request == window
+    assert kinds["c4"].ring_bytes_per_request == window + 8 * 8192 + 8 * 2048  # fp32 states
+    assert kinds["c128"].ring_bytes_per_request == window + 128 * 4096
+    assert (kinds["c4"].num_layers, kinds["c128"].num_layers, kinds["swa"].num_layers) == (
+        21, 20, 2,
+    )  # fmt: skip
+    slab = 21 * (64 * 584 + 64 * 68) + 20 * 2 * 584  # one 256-token block of every layer
+    assert plan.kv.block_stride_bytes == -(-slab // 1168) * 1168 == 900_528
+    ring_total = 43 * window + 21 * (8 * 8192 + 8 * 2048) + 20 * 128 * 4096
+    assert plan.kv.num_ring_blocks >= -(-ring_total // 900_528)
+    assert plan.kv.bytes_per_request == (plan.kv.num_ring_blocks + 256) * 900_528
+    assert plan.kv.total_bytes == 4 * plan.kv.bytes_per_request
+
+
+def test_flash_on_eight_h200_fits_and_shards():
+    plan = plan_memory(PlanRequest(FLASH, num_gpus=8, gpu_mem_gib=141))
+    assert plan.verdict == FITS and plan.offloaded_per_layer == 0
+    assert per_gpu(plan, "routed_experts") == 43 * 32 * expert_bytes(FLASH)
+    assert plan.needed_bytes <= plan.usable_bytes
+    assert plan.message.startswith("fits:")
+
+
+def test_flash_on_one_h200_needs_offload_with_minimal_k():
+    req = PlanRequest(FLASH, gpu_mem_gib=141, host_mem_gib=128, max_num_seqs=16)
+    plan = plan_memory(req)
+    assert plan.verdict == FITS_WITH_OFFLOAD
+    k, slots, eb = plan.offloaded_per_layer, plan.cache_slots, plan.expert_bytes
+    assert slots == FLASH.num_experts_per_tok
+    assert plan.device_expert_bytes == 43 * (256 - k + slots) * eb
+    assert plan.host_bytes == 43 * k * eb <= 0.8 * 128 * GIB
+    assert plan.needed_bytes <= plan.usable_bytes
+    assert plan.needed_bytes + 43 * eb > plan.usable_bytes  # K - 1 would not fit: K is minimal
+    assert f"{k} of 256 experts per layer offloaded" in plan.message
+    check_fits(plan)
+
+
+def test_plan_that_does_not_fit_refuses_to_start_naming_the_shortfall():
+    plan = plan_memory(PlanRequest(FLASH, gpu_mem_gib=141, host_mem_gib=0, max_num_seqs=16))
+    assert plan.verdict == DOES_NOT_FIT
+    full = plan_memory(PlanRequest(FLASH, gpu_mem_gib=141, host_mem_gib=0, max_num_seqs=16))
+    with pytest.raises(PlanDoesNotFit) as err:
+        check_fits(full)
+    assert isinstance(err.value, Dsv4Error)
+    message = err.value.message
+    resident = 43 * 256 * expert_bytes(FLASH) + plan.weight_bytes - plan.routed_expert_bytes
+    short = resident + plan.kv.total_bytes + plan.buffer_bytes - plan.usable_bytes
+    assert f"short by {short / GIB:.2f} GiB per GPU" in message
+    assert "--host-mem >= " in message and "pinned host memory" in message
+
+
+def test_pro_on_one_80gb_gpu_does_not_fit_even_fully_offloaded():
+    plan = plan_memory(PlanRequest(PRO, gpu_mem_gib=80, host_mem_gib=4096, max_num_seqs=256))
+    assert plan.verdict == DOES_NOT_FIT
+    assert "Even with all 384 experts per layer offloaded" in plan.message
+    assert "Fixes:" in plan.message
+
+
+def test_mtp_counts_only_when_speculative_decoding_is_on():
+    off = plan_memory(PlanRequest(FLASH, num_gpus=8, gpu_mem_gib=141))
+    on = plan_memory(PlanRequest(FLASH, num_gpus=8, gpu_mem_gib=141, num_speculative_tokens=2))
+    assert not any(w.is_mtp for w in off.weights) and on.num_moe_layers == 44
+    mtp_experts = sum(w.total_bytes for w in on.weights if w.is_mtp and w.kind == "routed_experts")
+    assert mtp_experts == 256 * expert_bytes(FLASH)
+    assert "mtp_draft" in {b.name for b in on.buffers} - {b.name for b in off.buffers}
+    swa_on, swa_off = (next(k for k in p.kv.kinds if k.kind == "swa") for p in (on, off))
+    assert (swa_on.num_layers, swa_off.num_layers) == (3, 2)  # the MTP layer's window
+    assert swa_on.ring_bytes_per_request == (128 + 2) * 584  # + k draft slots per ring
+
+
+def test_cli_json_and_exit_status(capsys):
+    from dsv4.cli import main
+
+    assert main(["plan", "--shape", "flash", "--gpus", "8", "--gpu-mem", "141", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["verdict"] == FITS and out["expert_bytes"] == 13_369_344
+    assert main(["plan", "--shape", "pro", "--gpus", "1", "--gpu-mem", "80"]) == 1
+    text = capsys.readouterr().out
+    assert "routed_experts [fp4]" in text and "verdict: does_not_fit" in text
+
+
+def test_bad_parallel_sizes_are_config_errors():
+    from dsv4.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="tp"):
+        plan_memory(PlanRequest(FLASH, num_gpus=8, tp=3, gpu_mem_gib=80))
+
+
+def test_planner_imports_without_torch():
+    code = "import sys, dsv4.plan, dsv4.plan_cli; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_cli_reads_a_checkpoint_config(tmp_path, capsys):
+    from dsv4.cli import main
+    from dsv4.model.config import tiny_config
+
+    (tmp_path / "config.json").write_text(json.dumps(tiny_config().to_hf_dict()))
+    argv = ["plan", "--model", str(tmp_path), "--gpu-mem", "4", "--max-num-seqs", "4", "--json"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["verdict"] == FITS and out["experts_per_layer"] == 8 and out["num_moe_layers"] == 4
