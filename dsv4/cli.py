@@ -27,6 +27,14 @@ def _cmd_make_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_train_tiny(args: argparse.Namespace) -> int:
+    from dsv4.train_tiny import train_tiny
+
+    report = train_tiny(args.out_dir, minutes=args.minutes, seed=args.seed, steps=args.steps)
+    print(json.dumps(report.summary()))
+    return 0
+
+
 def _parse_ids(text: str) -> list[int]:
     try:
         return [int(t) for t in text.split(",") if t.strip()]
@@ -84,6 +92,15 @@ def _add_make_tiny(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_cmd_make_tiny)
 
 
+def _add_train_tiny(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train-tiny", help="train the tiny model + MTP layer on stdlib source")
+    p.add_argument("out_dir")
+    p.add_argument("--minutes", type=float, default=3.0, help="wall-time budget")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=None, help="stop after N steps (default: time)")
+    p.set_defaults(handler=_cmd_train_tiny)
+
+
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "generate", help="offline generation on the paged engine (one or many prompts)"
@@ -103,18 +120,82 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_cmd_generate)
 
 
+def _cmd_worker(role: str) -> Handler:
+    def run(args: argparse.Namespace) -> int:
+        import os
+
+        from dsv4.config import config_from_args
+        from dsv4.worker.main import run_worker
+
+        chosen = getattr(args, "worker.role", None)
+        forced = {} if role == "decode" and chosen == "colocated" else {"worker.role": role}
+        config = config_from_args(args, os.environ, forced=forced)
+        logging.getLogger().setLevel(config.metrics.log_level.upper())
+        return run_worker(config)
+
+    return run
+
+
+def _cmd_router(args: argparse.Namespace) -> int:
+    from router_svc.server import main as router_main
+
+    # Flags the sub-parser did not claim arrive in extra_args (argparse leaves leading options
+    # out of REMAINDER); the router parses them all itself.
+    return int(router_main([*args.extra_args, *args.router_args]))
+
+
+def _cmd_loadtest(args: argparse.Namespace) -> int:
+    from loadgen.cli import run_loadtest
+
+    return run_loadtest(args)
+
+
+def _add_services(sub: argparse._SubParsersAction) -> None:
+    from dsv4.config import add_config_args
+
+    for role, text in (
+        ("prefill", "serve a prefill worker (dsv4.v1.PrefillWorker)"),
+        ("decode", "serve a decode worker (dsv4.v1.DecodeWorker; --role colocated: no P needed)"),
+    ):
+        p = sub.add_parser(role, help=text)
+        add_config_args(p)
+        p.set_defaults(handler=_cmd_worker(role))
+    p = sub.add_parser(
+        "router", add_help=False, help="serve the router (dsv4.v1.Router); flags: dsv4 router -h"
+    )
+    p.add_argument("router_args", nargs=argparse.REMAINDER)
+    p.set_defaults(handler=_cmd_router, accepts_extra_args=True)
+    from loadgen.cli import add_loadtest_args
+
+    p = sub.add_parser("loadtest", help="load-test a router (vLLM metric names, SLO goodput)")
+    add_loadtest_args(p)
+    p.set_defaults(handler=_cmd_loadtest)
+    from dsv4.cluster_cli import add_demo_args, add_up_args
+
+    add_up_args(sub.add_parser("up", help="start a local cluster: router + prefill + decode"))
+    add_demo_args(sub.add_parser("demo", help="up + a short load test + report + shutdown"))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dsv4", description=__doc__)
     parser.add_argument("--log-level", default="WARNING")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_make_tiny(sub)
+    _add_train_tiny(sub)
     _add_generate(sub)
+    from dsv4.plan_cli import add_plan_parser
+
+    add_plan_parser(sub)
+    _add_services(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "accepts_extra_args", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.extra_args = extra
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

@@ -130,6 +130,7 @@ class KVHandle:
     num_tokens: int
     lease_id: str
     lease_expires_at_unix_ms: int  # P's clock
+    prefill_address: str = ""  # P's gRPC host:port, where D sends Release after the pull
     # Opaque, possibly large: NIXL agent metadata / CUDA IPC handles, serialized descriptors.
     transport_metadata: bytes = field(default=b"", repr=False)
     serialized_descriptors: bytes = field(default=b"", repr=False)

@@ -39,6 +39,7 @@ def kv_handle_to_proto(handle: KVHandle) -> kv_pb2.KVHandle:
         num_tokens=handle.num_tokens,
         lease_id=handle.lease_id,
         lease_expires_at_unix_ms=handle.lease_expires_at_unix_ms,
+        prefill_address=handle.prefill_address,
     )
 
 
@@ -62,6 +63,7 @@ def kv_handle_from_proto(msg: kv_pb2.KVHandle) -> KVHandle:
         num_tokens=msg.num_tokens,
         lease_id=msg.lease_id,
         lease_expires_at_unix_ms=msg.lease_expires_at_unix_ms,
+        prefill_address=msg.prefill_address,
         transport_metadata=msg.transport_metadata,
         serialized_descriptors=msg.serialized_descriptors,
     )

@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10\x64sv4/v1/kv.proto\x12\x07\x64sv4.v1\"k\n\x0cKVLayoutInfo\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x13\n\x0b\x63ompat_hash\x18\x02 \x01(\t\x12\x1a\n\x12\x62lock_stride_bytes\x18\x03 \x01(\x04\x12\x19\n\x11\x62lock_size_tokens\x18\x04 \x01(\r\"\xb1\x02\n\x08KVHandle\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11prefill_worker_id\x18\x02 \x01(\t\x12.\n\x0etransport_kind\x18\x03 \x01(\x0e\x32\x16.dsv4.v1.TransportKind\x12\x1a\n\x12transport_endpoint\x18\x04 \x01(\t\x12\x1a\n\x12transport_metadata\x18\x05 \x01(\x0c\x12\x1e\n\x16serialized_descriptors\x18\x06 \x01(\x0c\x12\x11\n\tblock_ids\x18\x07 \x03(\x05\x12\x13\n\x0blayout_hash\x18\x08 \x01(\t\x12\x12\n\nnum_tokens\x18\t \x01(\x05\x12\x10\n\x08lease_id\x18\n \x01(\t\x12 \n\x18lease_expires_at_unix_ms\x18\x0b \x01(\x03*\x7f\n\rTransportKind\x12\x1e\n\x1aTRANSPORT_KIND_UNSPECIFIED\x10\x00\x12\x17\n\x13TRANSPORT_KIND_NIXL\x10\x01\x12\x1b\n\x17TRANSPORT_KIND_CUDA_IPC\x10\x02\x12\x18\n\x14TRANSPORT_KIND_LOCAL\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10\x64sv4/v1/kv.proto\x12\x07\x64sv4.v1\"k\n\x0cKVLayoutInfo\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x13\n\x0b\x63ompat_hash\x18\x02 \x01(\t\x12\x1a\n\x12\x62lock_stride_bytes\x18\x03 \x01(\x04\x12\x19\n\x11\x62lock_size_tokens\x18\x04 \x01(\r\"\xca\x02\n\x08KVHandle\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11prefill_worker_id\x18\x02 \x01(\t\x12.\n\x0etransport_kind\x18\x03 \x01(\x0e\x32\x16.dsv4.v1.TransportKind\x12\x1a\n\x12transport_endpoint\x18\x04 \x01(\t\x12\x1a\n\x12transport_metadata\x18\x05 \x01(\x0c\x12\x1e\n\x16serialized_descriptors\x18\x06 \x01(\x0c\x12\x11\n\tblock_ids\x18\x07 \x03(\x05\x12\x13\n\x0blayout_hash\x18\x08 \x01(\t\x12\x12\n\nnum_tokens\x18\t \x01(\x05\x12\x10\n\x08lease_id\x18\n \x01(\t\x12 \n\x18lease_expires_at_unix_ms\x18\x0b \x01(\x03\x12\x17\n\x0fprefill_address\x18\x0c \x01(\t*\x7f\n\rTransportKind\x12\x1e\n\x1aTRANSPORT_KIND_UNSPECIFIED\x10\x00\x12\x17\n\x13TRANSPORT_KIND_NIXL\x10\x01\x12\x1b\n\x17TRANSPORT_KIND_CUDA_IPC\x10\x02\x12\x18\n\x14TRANSPORT_KIND_LOCAL\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'dsv4.rpc.v1.kv_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TRANSPORTKIND']._serialized_start=446
-  _globals['_TRANSPORTKIND']._serialized_end=573
+  _globals['_TRANSPORTKIND']._serialized_start=471
+  _globals['_TRANSPORTKIND']._serialized_end=598
   _globals['_KVLAYOUTINFO']._serialized_start=29
   _globals['_KVLAYOUTINFO']._serialized_end=136
   _globals['_KVHANDLE']._serialized_start=139
-  _globals['_KVHANDLE']._serialized_end=444
+  _globals['_KVHANDLE']._serialized_end=469
 # @@protoc_insertion_point(module_scope)

@@ -31,7 +31,7 @@ class KVLayoutInfo(_message.Message):
     def __init__(self, version: _Optional[int] = ..., compat_hash: _Optional[str] = ..., block_stride_bytes: _Optional[int] = ..., block_size_tokens: _Optional[int] = ...) -> None: ...
 
 class KVHandle(_message.Message):
-    __slots__ = ("request_id", "prefill_worker_id", "transport_kind", "transport_endpoint", "transport_metadata", "serialized_descriptors", "block_ids", "layout_hash", "num_tokens", "lease_id", "lease_expires_at_unix_ms")
+    __slots__ = ("request_id", "prefill_worker_id", "transport_kind", "transport_endpoint", "transport_metadata", "serialized_descriptors", "block_ids", "layout_hash", "num_tokens", "lease_id", "lease_expires_at_unix_ms", "prefill_address")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_KIND_FIELD_NUMBER: _ClassVar[int]
@@ -43,6 +43,7 @@ class KVHandle(_message.Message):
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRES_AT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prefill_worker_id: str
     transport_kind: TransportKind
@@ -54,4 +55,5 @@ class KVHandle(_message.Message):
     num_tokens: int
     lease_id: str
     lease_expires_at_unix_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., prefill_worker_id: _Optional[str] = ..., transport_kind: _Optional[_Union[TransportKind, str]] = ..., transport_endpoint: _Optional[str] = ..., transport_metadata: _Optional[bytes] = ..., serialized_descriptors: _Optional[bytes] = ..., block_ids: _Optional[_Iterable[int]] = ..., layout_hash: _Optional[str] = ..., num_tokens: _Optional[int] = ..., lease_id: _Optional[str] = ..., lease_expires_at_unix_ms: _Optional[int] = ...) -> None: ...
+    prefill_address: str
+    def __init__(self, request_id: _Optional[str] = ..., prefill_worker_id: _Optional[str] = ..., transport_kind: _Optional[_Union[TransportKind, str]] = ..., transport_endpoint: _Optional[str] = ..., transport_metadata: _Optional[bytes] = ..., serialized_descriptors: _Optional[bytes] = ..., block_ids: _Optional[_Iterable[int]] = ..., layout_hash: _Optional[str] = ..., num_tokens: _Optional[int] = ..., lease_id: _Optional[str] = ..., lease_expires_at_unix_ms: _Optional[int] = ..., prefill_address: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,234 @@
+"""`dsv4 up` and `dsv4 demo`: a local cluster of real processes (router + N prefill + M decode).
+
+`LocalCluster` starts each service as `python -m dsv4.cli <role> ...` in its own session (so a
+terminal Ctrl-C reaches the launcher, which then stops the services in order: router first,
+then workers), logs each to `<log_dir>/<name>.log`, waits until every one answers
+grpc.health.v1 SERVING, and `stop()`s them: SIGTERM, then SIGKILL after `grace_s`. On Linux
+the children also get SIGTERM if the launcher itself dies (PR_SET_PDEATHSIG), so a killed test
+run leaves nothing behind. Discovery is the static --prefill/--decode lists unless `--redis`.
+`--model tiny` writes the deterministic tiny checkpoint once into the cache dir (every process
+then loads the same bytes). Flags `dsv4 up` does not know are passed to every service (for
+example `--num-blocks 64 --shared-secret S`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dsv4.errors import Unavailable
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "dsv4"
+HEALTH_POLL_INTERVAL_S = 0.2
+ROUTER_HEALTH_NAME = "dsv4.v1.Router"  # SERVING once some request can be routed (readiness)
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    model_dir: str
+    host: str = "127.0.0.1"
+    router_port: int = 50051
+    num_prefill: int = 1
+    num_decode: int = 1
+    redis_url: str = ""
+    service_args: tuple[str, ...] = ()  # passed to every service
+    log_dir: str = ""  # empty: a temporary directory
+    grace_s: float = 10.0
+    with_router: bool = True  # False: workers only (worker tests call them directly)
+
+
+@dataclass
+class _Service:
+    name: str
+    role: str
+    address: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    def log_tail(self, num_lines: int = 30) -> str:
+        with contextlib.suppress(OSError):
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-num_lines:])
+        return ""
+
+
+@dataclass
+class LocalCluster:
+    spec: ClusterSpec
+    services: list[_Service] = field(default_factory=list)
+    _tmp: tempfile.TemporaryDirectory[str] | None = None
+
+    @property
+    def router_address(self) -> str:
+        return f"{self.spec.host}:{self.spec.router_port}"
+
+    def addresses(self, role: str) -> list[str]:
+        return [s.address for s in self.services if s.role == role]
+
+    def service(self, name: str) -> _Service:
+        return next(s for s in self.services if s.name == name)
+
+    def __enter__(self) -> LocalCluster:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self, ready_timeout_s: float = 120.0) -> None:
+        """Start every service and wait until all are SERVING; raises `Unavailable` (with the
+        failing service's log tail) after stopping whatever started."""
+        spec = self.spec
+        if spec.log_dir:
+            log_dir = Path(spec.log_dir)
+            log_dir.mkdir(parents=True, exist_ok=True)
+        else:
+            self._tmp = tempfile.TemporaryDirectory(prefix="dsv4-cluster-")
+            log_dir = Path(self._tmp.name)
+        common = [
+            "--model",
+            spec.model_dir,
+            *(["--redis", spec.redis_url] if spec.redis_url else []),
+        ]
+        try:
+            for role, count in (("prefill", spec.num_prefill), ("decode", spec.num_decode)):
+                for i in range(count):
+                    port = free_port(spec.host)
+                    args = [*common, "--worker-host", spec.host, "--worker-port", str(port)]
+                    args += ["--worker-id", f"{role}-{i}", *spec.service_args]
+                    self._spawn(f"{role}-{i}", role, f"{spec.host}:{port}", args, log_dir)
+            if not spec.with_router:
+                self.wait_ready(ready_timeout_s)
+                return
+            router_args = [*common, "--host", spec.host, "--port", str(spec.router_port)]
+            if not spec.redis_url:
+                for role in ("prefill", "decode"):
+                    router_args += [f"--{role}", ",".join(self.addresses(role))]
+            self._spawn(
+                "router", "router", self.router_address, [*router_args, *spec.service_args], log_dir
+            )
+            self.wait_ready(ready_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _spawn(self, name: str, role: str, address: str, args: list[str], log_dir: Path) -> None:
+        log_path = log_dir / f"{name}.log"
+        command = [sys.executable, "-m", "dsv4.cli", role, *args]
+        logger.info("starting %s: %s", name, " ".join(command))
+        with open(log_path, "wb") as log_file:
+            process = subprocess.Popen(
+                command, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True, preexec_fn=_die_with_parent,
+            )  # fmt: skip
+        self.services.append(_Service(name, role, address, process, log_path))
+
+    def wait_ready(self, timeout_s: float, services: list[_Service] | None = None) -> None:
+        """Poll grpc.health.v1 of each service until SERVING; a service that exits fails."""
+        give_up_s = time.monotonic() + timeout_s
+        for service in services or self.services:
+            health_name = ROUTER_HEALTH_NAME if service.role == "router" else ""
+            while not is_serving(service.address, health_name):
+                if service.process.poll() is not None:
+                    raise Unavailable(
+                        f"{service.name} exited with {service.process.returncode} during start-up:"
+                        f"\n{service.log_tail()}"
+                    )
+                if time.monotonic() > give_up_s:
+                    raise Unavailable(
+                        f"{service.name} not SERVING after {timeout_s:.0f} s:\n{service.log_tail()}"
+                    )
+                time.sleep(HEALTH_POLL_INTERVAL_S)
+
+    def dead_services(self) -> list[_Service]:
+        return [s for s in self.services if s.process.poll() is not None]
+
+    def stop(self) -> None:
+        """Router first, then workers: SIGTERM, then SIGKILL after `grace_s`. Idempotent."""
+        routers = [s for s in self.services if s.role == "router"]
+        workers = [s for s in self.services if s.role != "router"]
+        for group in (routers, workers):
+            for service in group:
+                terminate(service.process, signal.SIGTERM)
+            give_up_s = time.monotonic() + self.spec.grace_s
+            for service in group:
+                try:
+                    service.process.wait(timeout=max(0.0, give_up_s - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    logger.warning(
+                        "%s did not stop in %.0f s: killing it", service.name, self.spec.grace_s
+                    )
+                    terminate(service.process, signal.SIGKILL)
+                    service.process.wait(timeout=10)
+        self.services.clear()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+
+def terminate(process: subprocess.Popen[bytes], sig: int) -> None:
+    if process.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            process.send_signal(sig)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def is_serving(address: str, service_name: str = "", timeout_s: float = 1.0) -> bool:
+    """grpc.health.v1 says SERVING for `service_name` ("" = the process)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=service_name), timeout=timeout_s
+            )
+        except grpc.RpcError:
+            return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def _die_with_parent() -> None:
+    with contextlib.suppress(OSError, AttributeError):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def ensure_tiny_checkpoint(cache_dir: Path, layers: str, seed: int = 0) -> Path:
+    """The tiny checkpoint for `layers` (compress ratios, e.g. "0,4,128,4"), written once."""
+    name = f"tiny-seed{seed}" + (f"-layers{layers.replace(',', '_')}" if layers else "")
+    out = cache_dir / name
+    if (out / "config.json").exists():
+        return out
+    from dsv4.model.tiny import shape_config, write_checkpoint
+
+    cfg = shape_config("tiny", "fp8", "fp4")
+    if layers:
+        ratios = tuple(int(r) for r in layers.split(","))
+        cfg = cfg.with_overrides(num_hidden_layers=len(ratios), compress_ratios=ratios)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=cache_dir))
+    write_checkpoint(staging, cfg, seed=seed)
+    try:
+        staging.rename(out)  # atomic: a concurrent writer's copy wins, ours is dropped
+    except OSError:
+        import shutil
+
+        shutil.rmtree(staging, ignore_errors=True)
+    return out

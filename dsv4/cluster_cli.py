@@ -1,0 +1,126 @@
+"""`dsv4 up` and `dsv4 demo`: argument parsing and the two commands over `dsv4.cluster`.
+
+`up` runs a `LocalCluster` until Ctrl-C / SIGTERM (exit 0) or until a service dies (exit 1).
+`demo` is `up` + a short `dsv4 loadtest` (16 requests at 4/s, random 32-128 input and 10-38
+output tokens) + its printed report + shutdown; exit 0 when every request succeeded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+from pathlib import Path
+
+from dsv4.cluster import DEFAULT_CACHE_DIR, ClusterSpec, LocalCluster, ensure_tiny_checkpoint
+from dsv4.errors import Dsv4Error
+
+
+def add_up_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--port", type=int, default=50051, help="router port")
+    parser.add_argument("--host", default="127.0.0.1", help="bind address of every service")
+    parser.add_argument("--num-prefill", type=int, default=1, help="prefill workers (N)")
+    parser.add_argument("--num-decode", type=int, default=1, help="decode workers (M)")
+    parser.add_argument("--model", default="tiny", help="checkpoint dir, or tiny (written once)")
+    parser.add_argument("--layers", default="", help="tiny only: compress ratios, e.g. 0,4")
+    parser.add_argument("--redis", default="", help="Redis registry URL (default: static lists)")
+    parser.add_argument("--cache-dir", default=str(DEFAULT_CACHE_DIR), help="tiny checkpoint dir")
+    parser.add_argument("--log-dir", default="", help="service logs (default: a temp dir)")
+    parser.add_argument("--ready-timeout-s", type=float, default=180.0)
+    parser.add_argument("--grace-s", type=float, default=10.0, help="SIGTERM -> SIGKILL delay")
+    parser.set_defaults(handler=cmd_up, accepts_extra_args=True)
+
+
+def add_demo_args(parser: argparse.ArgumentParser) -> None:
+    add_up_args(parser)
+    parser.add_argument("--num-prompts", type=int, default=16)
+    parser.add_argument("--request-rate", default="4")
+    parser.set_defaults(handler=cmd_demo)
+
+
+def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
+    model = args.model
+    if model == "tiny":
+        model = str(ensure_tiny_checkpoint(Path(args.cache_dir), args.layers))
+    return ClusterSpec(
+        model_dir=model, host=args.host, router_port=args.port, num_prefill=args.num_prefill,
+        num_decode=args.num_decode, redis_url=args.redis, log_dir=args.log_dir,
+        service_args=tuple(getattr(args, "extra_args", ())), grace_s=args.grace_s,
+    )  # fmt: skip
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    """Run until Ctrl-C / SIGTERM (exit 0) or until a service dies (exit 1)."""
+    spec = spec_from_args(args)
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        with LocalCluster(spec) as cluster:
+            _say(f"dsv4 cluster up: router {cluster.router_address}; prefill "
+                 f"{cluster.addresses('prefill')}; decode {cluster.addresses('decode')}; Ctrl-C stops")  # fmt: skip
+            while not (dead := cluster.dead_services()):
+                time.sleep(0.5)
+            _say(f"{dead[0].name} exited ({dead[0].process.returncode}):\n{dead[0].log_tail()}")
+            return 1
+    except KeyboardInterrupt:
+        _say("dsv4 cluster stopped")
+        return 0
+    except Dsv4Error as exc:
+        _say(f"dsv4 up: {exc.message}")
+        return 1
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """up + `dsv4 loadtest` (random 32-128 input, 10-38 output tokens) + report + shutdown."""
+    spec = spec_from_args(args)
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        with LocalCluster(spec) as cluster:
+            _say(f"dsv4 demo: cluster up (router {cluster.router_address}); running the load test")
+            status = _run_demo_load(cluster.router_address, args)
+            if cluster.dead_services():
+                _say(f"dsv4 demo: {cluster.dead_services()[0].name} died during the run")
+                return 1
+            return status
+    except KeyboardInterrupt:
+        return 130
+    except Dsv4Error as exc:
+        _say(f"dsv4 demo: {exc.message}")
+        return 1
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _say(text: str) -> None:
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
+
+def _run_demo_load(target: str, args: argparse.Namespace) -> int:
+    """The load test with its report on stdout; 0 only when every request succeeded."""
+    import json
+    import tempfile
+
+    from loadgen.cli import add_loadtest_args, run_loadtest
+
+    parser = argparse.ArgumentParser()
+    add_loadtest_args(parser)
+    with tempfile.TemporaryDirectory(prefix="dsv4-demo-") as tmp:
+        summary_path = Path(tmp) / "summary.json"
+        load_args = parser.parse_args([
+            "--target", target, "--num-prompts", str(args.num_prompts),
+            "--random-input-len", "80", "--random-output-len", "24",
+            "--random-range-ratio", "0.6", "--request-rate", args.request_rate,
+            "--timeout-s", "120", "--no-progress", "--result-json", str(summary_path),
+        ])  # fmt: skip
+        status = run_loadtest(load_args)
+        if status != 0 or not summary_path.exists():
+            return status or 1
+        summary = json.loads(summary_path.read_text())
+    summary = summary[0] if isinstance(summary, list) else summary
+    if summary.get("failed", 1):
+        _say(f"dsv4 demo: {summary.get('failed')} of {args.num_prompts} requests failed")
+        return 1
+    return 0

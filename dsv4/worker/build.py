@@ -1,0 +1,190 @@
+"""ServeConfig -> the parts of one model replica: model, engine, KV transport and layout.
+
+`build_worker_runtime` is the one construction path used by the prefill and decode workers (and
+by tests that want the single-engine baseline with exactly the workers' cache layout). It runs
+once per process, at start-up, on the main thread; failures raise `CheckpointError` (bad model
+path), `ConfigError` (bad cache options) or `TransferError` (the transport cannot register).
+
+Decisions:
+- `model.path == "tiny"` builds the deterministic random tiny model in memory (no I/O; seed
+  `model.seed`) with the deterministic tiny tokenizer; `dsv4 up` writes a real checkpoint
+  instead, so every process of a cluster loads the same bytes.
+- kv_dtype "auto" is resolved by `dsv4.config.resolve_auto`: fp8 on GPU for the production
+  head_dim, bf16 otherwise (CPU). Quantised caches are deterministic, so the disaggregated
+  output still equals a single engine built here with the same config; only comparisons with
+  the uncached reference model need `--kv-dtype` of the model's own precision.
+- num_blocks 0 derives from `cache.memory_budget_bytes`; on CPU without a budget a modest
+  `CPU_DEFAULT_KV_BUDGET_BYTES` is used (the host's RAM fraction would be far too much).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+
+from dsv4.cache.layout import KVLayout
+from dsv4.cache.packing import CacheOptions
+from dsv4.config import ServeConfig, request_limits, resolve_auto
+from dsv4.engine import AsyncEngine
+from dsv4.engine_core import build_engine_core
+from dsv4.errors import CheckpointError, ConfigError
+from dsv4.model.config import ModelConfig
+from dsv4.model.tokenizer import TextCodec
+from dsv4.scheduler.config import SchedulerConfig
+from dsv4.scheduler.request import Request
+from dsv4.transfer import KVTransport, make_transport
+from dsv4.types import GenerateRequest, KVLayoutInfo, RequestLimits
+
+logger = logging.getLogger(__name__)
+
+CPU_DEFAULT_KV_BUDGET_BYTES = 512 << 20
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class WorkerRuntime:
+    """Everything one worker process serves with. Built once; `engine` is not started yet."""
+
+    config: ServeConfig  # with every "auto" resolved
+    model_config: ModelConfig
+    engine: AsyncEngine
+    layout: KVLayout
+    transport: KVTransport | None  # None when built without one (single-engine baseline)
+    codec: TextCodec | None
+    limits: RequestLimits
+
+    @property
+    def layout_info(self) -> KVLayoutInfo:
+        return KVLayoutInfo(
+            version=self.layout.version,
+            compat_hash=self.layout.compat_hash,
+            block_stride_bytes=self.layout.block_stride_bytes,
+            block_size_tokens=self.layout.block_size,
+        )
+
+    @property
+    def eos_token_id(self) -> int:
+        return self.model_config.eos_token_id
+
+    def engine_request(self, request: GenerateRequest) -> Request:
+        """The scheduler's request for a validated wire request (the same on P, D, colocated)."""
+        sampling = request.sampling
+        return Request(
+            request.request_id,
+            request.prompt_token_ids,
+            max_new_tokens=sampling.max_new_tokens,
+            sampling_params=sampling,
+            eos_token_id=None if sampling.ignore_eos else self.eos_token_id,
+            stop_token_ids=frozenset(sampling.stop_token_ids),
+            priority=-request.priority,  # the wire says larger first, the scheduler lower first
+        )
+
+
+def load_weights(config: ServeConfig) -> tuple[torch.nn.Module, ModelConfig, TextCodec | None]:
+    """The model (eval mode, on the configured device) and its tokenizer, if any."""
+    m = config.model
+    dtype = _DTYPES[m.dtype]
+    if m.path == "tiny":
+        from dsv4.model.config import tiny_config
+        from dsv4.model.tiny import random_model
+        from dsv4.model.tokenizer import build_tokenizer
+
+        cfg = tiny_config()
+        model = random_model(cfg, seed=m.seed, dtype=dtype, device=m.device)
+        return model, cfg, TextCodec(build_tokenizer(cfg.vocab_size, cfg.bos_token_id))
+    from dsv4.model.weights import load_model
+
+    model, cfg = load_model(m.path, dtype=dtype, device=m.device)
+    tokenizer_dir = m.tokenizer or m.path
+    try:
+        codec = TextCodec.from_dir(tokenizer_dir)
+    except CheckpointError as exc:  # a checkpoint without tokenizer.json serves token ids
+        logger.warning("no tokenizer (%s): workers return no text", exc)
+        codec = None
+    return model, cfg, codec
+
+
+def build_worker_runtime(
+    config: ServeConfig, *, with_transport: bool = True, name: str = "engine"
+) -> WorkerRuntime:
+    """Load the model, size the KV cache, build the engine and (optionally) the transport,
+    registering the cache's backing tensor with it."""
+    config = resolve_auto(
+        config, has_cuda=torch.cuda.is_available(), hostname=socket.gethostname(), pid=os.getpid()
+    )
+    model, model_cfg, codec = load_weights(config)
+    config = dataclasses.replace(
+        config,
+        model=dataclasses.replace(
+            config.model,
+            max_model_len=min(
+                config.model.max_model_len or 1 << 62, model_cfg.max_position_embeddings
+            ),
+        ),
+    )
+    spec_tokens = (
+        config.speculative.num_speculative_tokens if config.speculative.method == "mtp" else 0
+    )
+    options = CacheOptions(
+        block_size=config.cache.block_size,
+        kv_dtype=config.cache.kv_dtype,
+        index_dtype=config.cache.indexer_key_dtype,
+        num_speculative_tokens=spec_tokens,
+    )
+    layout = KVLayout.build(model_cfg, options)
+    num_blocks = _num_blocks(config, layout)
+    s = config.scheduler
+    scheduler_config = SchedulerConfig(
+        max_num_batched_tokens=s.max_num_batched_tokens,
+        max_num_seqs=s.max_num_seqs,
+        max_model_len=config.model.max_model_len,
+        num_speculative_tokens=spec_tokens,
+        spec_budget=config.speculative.budget,
+        prefill_chunk_plan=s.prefill_chunk_plan,
+        prefill_chunk_group_size=s.prefill_chunk_group_size,
+        chunk_area_budget=s.chunk_area_budget,
+    )
+    core = build_engine_core(
+        model, options, scheduler_config, num_blocks=num_blocks, device=config.model.device
+    )
+    transport = None
+    if with_transport:
+        transport = make_transport(
+            config.transfer.transport, pull_timeout_s=config.transfer.pull_timeout_s
+        )
+        transport.register(core.runner.cache.backing)
+    limits = request_limits(
+        config, vocab_size=model_cfg.vocab_size, max_model_len=config.model.max_model_len
+    )
+    logger.info(
+        "%s: model %s, %d KV blocks of %d B (%s KV), layout %s, transport %s",
+        name, config.model.path, num_blocks, layout.block_stride_bytes, options.kv_dtype,
+        layout.compat_hash[:12], transport.kind if transport else "none",
+    )  # fmt: skip
+    return WorkerRuntime(
+        config, model_cfg, AsyncEngine(core, name), layout, transport, codec, limits
+    )
+
+
+def _num_blocks(config: ServeConfig, layout: KVLayout) -> int:
+    c = config.cache
+    if c.num_blocks:
+        return c.num_blocks
+    budget = c.memory_budget_bytes
+    if not budget:
+        if config.model.device.startswith("cuda"):
+            free_bytes, _ = torch.cuda.mem_get_info(torch.device(config.model.device))
+            budget = int(free_bytes * c.memory_fraction)
+        else:
+            budget = CPU_DEFAULT_KV_BUDGET_BYTES
+    num_blocks = layout.num_blocks_for_budget(budget)
+    if num_blocks < layout.num_blocks_for_request(config.cache.block_size):
+        raise ConfigError(
+            "cache.memory_budget_bytes", budget, "too small for one request: raise it"
+        )
+    return num_blocks

@@ -1,0 +1,91 @@
+"""Who a worker is, what it reports, and how that reaches discovery (the heartbeat wiring).
+
+`WorkerIdentity` is fixed once the gRPC port is bound. Services build their `WorkerInfo` (Info
+RPC) with `worker_info`; `start_heartbeat` publishes the same facts as a `WorkerRecord` to the
+Redis registry every `discovery.heartbeat_s` (static discovery needs no publishing: the router's
+lists name the workers and it probes them with Info).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from dsv4.config import ServeConfig
+from dsv4.discovery import WorkerHeartbeat, WorkerRecord, make_registry
+from dsv4.discovery.base import WorkerRegistry
+from dsv4.types import TransportKind, WorkerInfo, WorkerRole
+from dsv4.worker.build import WorkerRuntime
+
+
+@dataclass(frozen=True)
+class WorkerIdentity:
+    worker_id: str
+    address: str  # host:port the router (and D, for Release) dials
+    role: WorkerRole
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    """The service's own counters, on top of the engine's load."""
+
+    num_running_requests: int
+    num_queued_tokens: int
+    num_leases: int
+    is_draining: bool
+
+
+def worker_info(runtime: WorkerRuntime, identity: WorkerIdentity, load: WorkerLoad) -> WorkerInfo:
+    """Info's answer; cheap and safe from any thread (reads snapshots only)."""
+    engine_load = runtime.engine.load()
+    transport = runtime.transport
+    return WorkerInfo(
+        worker_id=identity.worker_id,
+        role=identity.role,
+        address=identity.address,
+        transport_kind=TransportKind(transport.kind) if transport else TransportKind.LOCAL,
+        transport_endpoint=transport.endpoint().peer_id if transport else "",
+        layout=runtime.layout_info,
+        num_free_blocks=engine_load.num_free_blocks,
+        num_total_blocks=engine_load.num_total_blocks,
+        num_queued_tokens=load.num_queued_tokens,
+        num_running_requests=load.num_running_requests,
+        num_leases=load.num_leases,
+        is_draining=load.is_draining,
+        model_name=runtime.config.model.path,
+        vocab_size=runtime.model_config.vocab_size,
+        max_model_len=runtime.config.model.max_model_len,
+        updated_at_unix_ms=int(time.time() * 1000),
+    )
+
+
+def worker_record(info: WorkerInfo, endpoint_bytes: bytes) -> WorkerRecord:
+    return WorkerRecord(
+        role="prefill" if info.role is WorkerRole.PREFILL else "decode",
+        worker_id=info.worker_id,
+        address=info.address,
+        transport_kind=info.transport_kind.value,
+        transport_endpoint=endpoint_bytes,
+        layout_hash=info.layout_hash,
+        free_blocks=info.num_free_blocks,
+        queued_prefill_tokens=info.num_queued_tokens,
+        running_requests=info.num_running_requests,
+        draining=info.is_draining,
+    )
+
+
+def start_heartbeat(
+    config: ServeConfig, runtime: WorkerRuntime, make_info: Callable[[], WorkerInfo]
+) -> tuple[WorkerHeartbeat, WorkerRegistry] | None:
+    """With a Redis registry configured: start publishing; None for static discovery."""
+    d = config.discovery
+    if not d.redis_url:
+        return None
+    registry = make_registry(redis_url=d.redis_url, prefix=d.redis_key_prefix, ttl_s=d.ttl_s)
+    endpoint = runtime.transport.endpoint().to_bytes() if runtime.transport else b""
+    heartbeat = WorkerHeartbeat(
+        registry, lambda: worker_record(make_info(), endpoint), interval_s=d.heartbeat_s
+    )
+    heartbeat.start()
+    return heartbeat, registry

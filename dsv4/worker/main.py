@@ -1,0 +1,97 @@
+"""A worker process from start to exit: `run_worker(config)` (behind `dsv4 prefill|decode`).
+
+Start: build the runtime (model, engine, transport) -> bind the gRPC server (health, reflection,
+auth) -> start engine, service and server -> health SERVING -> heartbeat (with Redis).
+SIGTERM / SIGINT: drain (take nothing new, health NOT_SERVING; wait up to
+`worker.drain_timeout_s` for running requests and leases to finish) -> withdraw from discovery
+-> stop the server -> stop the service (ends leases, cancels owned tasks) -> stop the engine ->
+close the transport. Returns the exit status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+
+import torch
+
+from dsv4.config import ServeConfig
+from dsv4.errors import ConfigError
+from dsv4.types import WorkerRole
+from dsv4.worker.build import build_worker_runtime
+from dsv4.worker.identity import WorkerIdentity, start_heartbeat
+from dsv4.worker.server import bind_port, make_server, set_serving
+
+logger = logging.getLogger(__name__)
+
+DRAIN_POLL_INTERVAL_S = 0.1
+SERVER_STOP_GRACE_S = 1.0
+
+
+def run_worker(config: ServeConfig) -> int:
+    """Serve until SIGTERM/SIGINT; `config.worker.role` picks prefill or decode/colocated."""
+    if not config.model.device.startswith("cuda"):
+        torch.set_num_threads(max(1, min(torch.get_num_threads(), 2)))
+    return asyncio.run(_serve(config))
+
+
+def _service_class(role: WorkerRole):
+    if role is WorkerRole.PREFILL:
+        from prefill_svc.servicer import PrefillService
+
+        return PrefillService
+    from decode_svc.servicer import DecodeService
+
+    return DecodeService
+
+
+async def _serve(config: ServeConfig) -> int:
+    if config.transfer.transport == "local":
+        raise ConfigError(
+            "transfer.transport",
+            "local",
+            "local moves KV only inside one process: use auto or nixl",
+        )
+    runtime = build_worker_runtime(config, name=config.worker.role)
+    config = runtime.config
+    w = config.worker
+    role = WorkerRole(w.role)
+    service_class = _service_class(role)
+    service_name = service_class.SERVICE_NAME
+    server, health = make_server(config, (service_name,))
+    port = bind_port(server, config, w.host, w.port)
+    identity = WorkerIdentity(w.worker_id, w.advertise_address or f"{w.host}:{port}", role)
+    service = service_class(runtime, identity)
+    service.add_to_server(server)
+    runtime.engine.start()
+    await service.start()
+    await server.start()
+    await set_serving(health, (service_name,), True)
+    beating = start_heartbeat(config, runtime, service.info)
+    logger.info("%s %s serving on %s", w.role, w.worker_id, identity.address)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+    logger.info("%s %s: draining", w.role, w.worker_id)
+    service.is_draining = True
+    await set_serving(health, (service_name,), False)
+    give_up_s = time.monotonic() + w.drain_timeout_s
+    while not service.drain_status().is_idle and time.monotonic() < give_up_s:
+        await asyncio.sleep(DRAIN_POLL_INTERVAL_S)
+    if beating is not None:
+        heartbeat, registry = beating
+        await asyncio.to_thread(heartbeat.stop, withdraw=True, worker_id=w.worker_id)
+        registry.close()
+    await server.stop(SERVER_STOP_GRACE_S)
+    await service.stop()
+    await runtime.engine.stop()
+    if runtime.transport is not None:
+        runtime.transport.close()
+    logger.info("%s %s: stopped", w.role, w.worker_id)
+    return 0
