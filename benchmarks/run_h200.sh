@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# `make bench-gpu`: the GPU test suite and every benchmark, on a CUDA host, from the repo root.
+# Results land in benchmarks/results/*.json (or $OUT when set); render tables with
+# `python benchmarks/to_markdown.py benchmarks/results/<file>.json`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+out=${OUT:-benchmarks/results}
+mkdir -p "$out"
+python3 -c "import torch; assert torch.cuda.is_available(), 'needs a CUDA GPU'"
+python3 -m pytest tests/kernels -q -p no:cacheprovider -m gpu
+python3 benchmarks/kernels.py --out "$out/kernels-h200.json"
+python3 benchmarks/offload.py --out "$out/offload-h200.json"
