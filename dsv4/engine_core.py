@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 
 from dsv4.cache.manager import KVCacheManager
-from dsv4.errors import InvalidRequest
+from dsv4.errors import ConfigError, InvalidRequest
 from dsv4.runner.model_runner import ModelRunner
 from dsv4.scheduler.batch import RequestOutput
 from dsv4.scheduler.request import Request
@@ -161,6 +161,9 @@ def build_engine_core(
     num_blocks: int,
     device: str = "cpu",
     stop_checker: object = None,
+    shared_metadata: bool | None = None,
+    kernels: object = None,
+    metadata_options: object = None,
 ) -> EngineCore:
     """Layout -> paged cache -> runner + KV manager -> scheduler, for one model replica."""
     from dsv4.cache.layout import KVLayout
@@ -170,4 +173,14 @@ def build_engine_core(
     cache = PagedKVCache(layout, num_blocks, device=device)
     kv = KVCacheManager(layout, num_blocks)
     scheduler = Scheduler(scheduler_config, kv, stop_checker=stop_checker)
-    return EngineCore(scheduler, ModelRunner(model, cache))
+    if cache_options.num_speculative_tokens != scheduler_config.num_speculative_tokens:
+        raise ConfigError(
+            "num_speculative_tokens",
+            scheduler_config.num_speculative_tokens,
+            f"the cache reserves {cache_options.num_speculative_tokens} draft slots: use the same k",
+        )
+    extra: dict[str, object] = {} if kernels is None else {"kernels": kernels}
+    if metadata_options is not None:
+        extra["metadata_options"] = metadata_options
+    runner = ModelRunner(model, cache, shared_metadata=shared_metadata, **extra)
+    return EngineCore(scheduler, runner)

@@ -65,6 +65,7 @@ from dsv4.cache.packing import (
     validate_options,
 )
 from dsv4.model.config import ModelConfig
+from dsv4.model.index_cache import IndexPattern
 
 LAYOUT_VERSION = 1
 LAYER_KIND_BY_RATIO = {0: "swa", 4: "c4", 128: "c128"}
@@ -100,6 +101,8 @@ class KVLayout:
         """Called once at worker start-up (and by tests); raises `ConfigError` on bad options."""
         options = options or CacheOptions()
         validate_options(model, options)
+        if IndexPattern.from_string(model, options.index_pattern).is_all_full:
+            options = replace(options, index_pattern="")  # "FF" and "" are the same layout
         kv_entry = kv_entry_bytes(model, options.kv_dtype)
         index_entry = index_entry_bytes(model.index_head_dim, options.index_dtype)
         token_regions, token_slab = pack_token_regions(model, options, kv_entry, index_entry)
@@ -161,6 +164,7 @@ class KVLayout:
         and indexer key, the compressor rows a later entry still needs."""
         total = 0
         model, n = self.model, num_tokens
+        pattern = IndexPattern.from_string(model, self.options.index_pattern)
         for layer_id in self.layer_ids:
             ratio = model.layer_ratio(layer_id)
             total += min(n, model.sliding_window) * self.kv_entry_bytes
@@ -170,7 +174,7 @@ class KVLayout:
             live_slots = min(n, (c - 1) * ratio + n % ratio)
             total += (n // ratio) * self.kv_entry_bytes
             total += live_slots * state_slot_bytes(c, model.head_dim)
-            if ratio == 4:
+            if ratio == 4 and not pattern.is_shared(layer_id):
                 total += (n // 4) * self.index_entry_bytes
                 total += live_slots * state_slot_bytes(c, model.index_head_dim)
         return total

@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 from dsv4.errors import ConfigError
 from dsv4.model.config import ModelConfig
+from dsv4.model.index_cache import IndexPattern
 
 ALIGN_BYTES = 16
 
@@ -37,6 +38,9 @@ class CacheOptions:
     kv_dtype: str = "fp8"  # "fp8" | "bf16"
     index_dtype: str = "mxfp4"  # "mxfp4" | "fp8"
     num_speculative_tokens: int = 0  # extra ring slots for draft positions (MTP k)
+    # IndexCache roles of the ratio-4 layers ("FSFS", see dsv4.model.index_cache); "" = all
+    # Full. Shared layers never read their indexer keys: no indexer page, no indexer ring.
+    index_pattern: str = ""
 
 
 @dataclass(frozen=True)
@@ -103,8 +107,9 @@ def pack_token_regions(
             CacheRegion(layer_id, COMPRESSED, offset, n * kv_entry, n, kv_entry, kv_name)
         )
         offset += n * kv_entry
+    pattern = IndexPattern.from_string(model, options.index_pattern)
     for layer_id, ratio in compressed:
-        if ratio != 4:
+        if ratio != 4 or pattern.is_shared(layer_id):
             continue
         n = bs // 4
         offset = round_up(offset, ALIGN_BYTES)
@@ -135,6 +140,7 @@ def ring_specs(model: ModelConfig, options: CacheOptions, kv_entry: int) -> list
     k = options.num_speculative_tokens
     ids = range(model.num_hidden_layers + (1 if model.has_mtp else 0))
     kv_name = _KV_DTYPE_NAME[options.kv_dtype]
+    pattern = IndexPattern.from_string(model, options.index_pattern)
     specs = [RingSpec(i, WINDOW, model.sliding_window + k, kv_entry, kv_name) for i in ids]
     for i in ids:
         ratio = model.layer_ratio(i)
@@ -145,7 +151,7 @@ def ring_specs(model: ModelConfig, options: CacheOptions, kv_entry: int) -> list
         specs.append(
             RingSpec(i, COMPRESSOR_STATE, slots, state_slot_bytes(c, model.head_dim), "fp32")
         )
-        if ratio == 4:
+        if ratio == 4 and not pattern.is_shared(i):
             slot_bytes = state_slot_bytes(c, model.index_head_dim)
             specs.append(RingSpec(i, INDEXER_STATE, slots, slot_bytes, "fp32"))
     return specs
@@ -232,6 +238,7 @@ def validate_options(model: ModelConfig, options: CacheOptions) -> None:
         raise ConfigError("index_dtype", "mxfp4", "MXFP4 needs index_head_dim % 32 == 0")
     if options.num_speculative_tokens < 0:
         raise ConfigError("num_speculative_tokens", options.num_speculative_tokens, "use >= 0")
+    IndexPattern.from_string(model, options.index_pattern)  # raises ConfigError when malformed
 
 
 def round_up(value: int, multiple: int) -> int:

@@ -98,7 +98,10 @@ class SpeculativeSection(Section):
 
 @dataclass(frozen=True)
 class FeatureSwitches(Section):
-    """Every speed feature (OPTIMIZATIONS.md), on by default except IndexCache; off = baseline.
+    """Every speed feature (OPTIMIZATIONS.md) the engine runs, on by default except IndexCache;
+    off = the baseline path, measured against it in benchmarks/. Features that exist only as
+    kernels so far (packed-vs-unpacked KV, C128 boundary-only compressor launch, q-head padding,
+    CUDA graphs of the decode step) get their switch when the GPU engine path uses them.
 
     Elsewhere: scheduler.prefill_chunk_plan (#45061), speculative.budget (#51725),
     cache.indexer_key_dtype (#48993), model.kernels / kernel_overrides (kernel backends).
@@ -114,14 +117,8 @@ class FeatureSwitches(Section):
         "fused", "MoE routing kernel (#47463, #48660)", choices=("fused", "reference")
     )
     cached_token_to_req_indices: bool = setting(True, "cache token->request indices (#47474)")
-    skip_empty_compressor_launch: bool = setting(
-        True, "launch C128 compressor only when due (#48957)"
-    )
-    packed_kv: bool = setting(True, "one contiguous region per block for all layers (#44577)")
     fused_mhc: bool = setting(True, "mHC without repeat/copy of the embedding (#48137)")
-    skip_q_head_padding: bool = setting(True, "no q-head padding for sparse MLA (#48047)")
     skip_redundant_fill: bool = setting(True, "no redundant full() in metadata (#50298)")
-    cuda_graphs: bool = setting(True, "capture decode steps in CUDA graphs (GPU only)")
 
     def check(self) -> None:
         pattern = self.index_topk_pattern

@@ -17,6 +17,7 @@ from torch import nn
 
 from dsv4.model.compressor import Compressor
 from dsv4.model.config import ModelConfig
+from dsv4.model.index_cache import TopkRelay
 from dsv4.model.indexer import Indexer
 from dsv4.model.layers import RMSNorm, hot_op, linear, rms_norm
 from dsv4.model.rope import apply_rope, inv_freq, rope_cos_sin
@@ -47,6 +48,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
         super().__init__()
         self.cfg = cfg
+        self.layer_id = layer_id
         self.ratio = cfg.layer_ratio(layer_id)
         h, hd, d = cfg.num_attention_heads, cfg.head_dim, cfg.hidden_size
         self.wq_a = linear(d, cfg.q_lora_rank)
@@ -65,11 +67,13 @@ class Attention(nn.Module):
         x: torch.Tensor,
         positions: torch.Tensor,
         states: list[LayerState] | None,
+        topk_relay: TopkRelay | None = None,
     ) -> torch.Tensor:
         """x [B, S, D] (attn_norm applied), positions [B, S] contiguous per row -> [B, S, D].
 
         With `states` (one per row) the rows continue their cached prefix and the states are
-        advanced; without, every row starts at position 0.
+        advanced; without, every row starts at position 0. `topk_relay` (IndexCache) hands
+        top-k from Full to Shared ratio-4 layers of this forward; None: every layer is Full.
         """
         cfg = self.cfg
         b, s, _ = x.shape
@@ -84,8 +88,9 @@ class Attention(nn.Module):
             kv_row = apply_rope(kv[row], cos[row], sin[row])  # [S, hd]
             state = None if states is None else states[row]
             o = self._attend_row(
-                x[row], qr[row], q_row, kv_row, positions[row], state, cos[row], sin[row]
-            )
+                x[row], qr[row], q_row, kv_row, positions[row], state, cos[row], sin[row],
+                (row, topk_relay),
+            )  # fmt: skip
             out[row] = apply_rope(o, cos[row], sin[row], inverse=True).to(x.dtype)
         return self._project_out(out)
 
@@ -99,8 +104,10 @@ class Attention(nn.Module):
         state: LayerState | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
+        relay: tuple[int, TopkRelay | None],
     ) -> torch.Tensor:
-        """One sequence: q [S, H, hd], kv [S, hd] (roped) -> o [S, H, hd] fp32."""
+        """One sequence: q [S, H, hd], kv [S, hd] (roped) -> o [S, H, hd] fp32.
+        `relay`: (batch row, the forward's TopkRelay or None)."""
         w = self.cfg.sliding_window
         start = int(positions[0])
         past = kv.new_zeros(0, kv.shape[-1])
@@ -113,7 +120,7 @@ class Attention(nn.Module):
         if state is not None:
             state.window = keys[-(w - 1) :].clone() if w > 1 else keys[:0]
         if self.compressor is not None:
-            entries, entry_visible = self._compressed(x, qr, positions, state, cos, sin)
+            entries, entry_visible = self._compressed(x, qr, positions, state, cos, sin, relay)
             keys = torch.cat((keys, entries))
             visible = torch.cat((visible, entry_visible), dim=-1)
         return sparse_attention(q, keys, visible, self.attn_sink, self.cfg.head_dim**-0.5)
@@ -126,6 +133,7 @@ class Attention(nn.Module):
         state: LayerState | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
+        relay: tuple[int, TopkRelay | None],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """-> entries [N, hd] and which of them each query attends to [S, N] bool."""
         start = int(positions[0])
@@ -134,10 +142,36 @@ class Attention(nn.Module):
         if self.indexer is None:  # ratio 128: every available entry
             available = (positions + 1) // self.ratio
             return entries, torch.arange(n, device=x.device) < available.unsqueeze(-1)
-        chosen = self.indexer(x, qr, positions, cos, sin, None if state is None else state.indexer)
+        chosen = self._topk(x, qr, positions, state, cos, sin, relay)  # [S, k]
         visible = torch.zeros(positions.shape[0], n + 1, dtype=torch.bool, device=x.device)
         visible.scatter_(1, torch.where(chosen >= 0, chosen, n), True)  # -1 -> dummy column n
         return entries, visible[:, :n]
+
+    def _topk(
+        self,
+        x: torch.Tensor,
+        qr: torch.Tensor,
+        positions: torch.Tensor,
+        state: LayerState | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        relay: tuple[int, TopkRelay | None],
+    ) -> torch.Tensor:
+        """Local entry indices [S, k] (-1 padded) from this layer's indexer, or, for an
+        IndexCache Shared layer, those its Full source layer published in this forward (all C4
+        layers compress the same tokens, so entry i means the same window in both)."""
+        row, topk_relay = relay
+        if topk_relay is not None and topk_relay.is_shared(self.layer_id):
+            return topk_relay.take(self.layer_id, row)  # no keys, q-proj, logits or top-k
+        if state is not None and state.indexer is None:
+            raise RuntimeError(
+                f"layer {self.layer_id} runs its indexer but its state has no indexer keys: "
+                "build the cache layout with the model's index pattern"
+            )
+        chosen = self.indexer(x, qr, positions, cos, sin, None if state is None else state.indexer)
+        if topk_relay is not None:
+            topk_relay.publish(self.layer_id, row, chosen)
+        return chosen
 
     def _project_out(self, o: torch.Tensor) -> torch.Tensor:
         """o [B, S, H, hd] -> grouped low-rank projection (§6.8) -> [B, S, D]."""

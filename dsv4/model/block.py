@@ -12,6 +12,7 @@ from torch import nn
 from dsv4.model.attention import Attention
 from dsv4.model.config import ModelConfig
 from dsv4.model.hyper import hc_post, hc_post_first, hc_pre, hc_pre_first
+from dsv4.model.index_cache import TopkRelay
 from dsv4.model.layers import RMSNorm
 from dsv4.model.moe import MoE
 from dsv4.model.state import LayerState
@@ -42,19 +43,21 @@ class Block(nn.Module):
         positions: torch.Tensor,
         states: list[LayerState] | None,
         is_embedding: bool = False,
+        topk_relay: TopkRelay | None = None,
     ) -> torch.Tensor:
         """x [B, S, M, D] streams, or the embedding [B, S, D] when `is_embedding` (first block:
-        the M streams are identical copies, never materialised) -> [B, S, M, D]."""
+        the M streams are identical copies, never materialised) -> [B, S, M, D].
+        `topk_relay`: the forward's IndexCache top-k hand-off (dsv4.model.index_cache)."""
         cfg = self.cfg
         hc = (cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
         attn_params = (self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base)
         if is_embedding:
             u, post, comb = hc_pre_first(x, *attn_params, cfg.hc_mult, *hc)
-            y = self.attn(self.attn_norm(u), positions, states)
+            y = self.attn(self.attn_norm(u), positions, states, topk_relay)
             x = hc_post_first(y, x, post, comb)
         else:
             u, post, comb = hc_pre(x, *attn_params, *hc)
-            y = self.attn(self.attn_norm(u), positions, states)
+            y = self.attn(self.attn_norm(u), positions, states, topk_relay)
             x = hc_post(y, x, post, comb)
         u, post, comb = hc_pre(x, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, *hc)
         y = self.ffn(self.ffn_norm(u), token_ids)

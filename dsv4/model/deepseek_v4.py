@@ -17,6 +17,7 @@ from torch import nn
 from dsv4.model.block import Block
 from dsv4.model.config import ModelConfig
 from dsv4.model.hyper import hc_head
+from dsv4.model.index_cache import IndexPattern, TopkRelay
 from dsv4.model.layers import RMSNorm, linear
 from dsv4.model.mtp import MTPLayer
 from dsv4.model.state import SequenceState
@@ -44,12 +45,25 @@ class DeepseekV4(nn.Module):
         self.hc_head_scale = nn.Parameter(torch.ones(1))
         self.head = linear(d, cfg.vocab_size)
         self.mtp = nn.ModuleList(MTPLayer(cfg) for _ in range(min(cfg.num_nextn_predict_layers, 1)))
+        # IndexCache roles of the ratio-4 layers (all Full = off); see set_index_pattern.
+        self.index_pattern = IndexPattern.all_full(cfg)
+        # First block: hc_pre/hc_post straight from the embedding (#48137); False materialises
+        # the M identical streams first (the baseline). Same outputs either way.
+        self.fuse_first_hc = True
 
     def cast_(self, dtype: torch.dtype) -> DeepseekV4:
         """Cast floating parameters to `dtype`, keeping the fp32 ones of §7 in fp32."""
         for name, param in self.named_parameters():
             target = torch.float32 if name.endswith(FP32_PARAM_SUFFIXES) else dtype
             param.data = param.data.to(target)
+        return self
+
+    def set_index_pattern(self, pattern: IndexPattern) -> DeepseekV4:
+        """Serve with IndexCache: Shared ratio-4 layers reuse the preceding Full layer's top-k.
+        The paged cache must be laid out with the same pattern (`CacheOptions.index_pattern`)."""
+        if pattern.layer_ids != self.index_pattern.layer_ids:
+            raise ValueError(f"pattern for layers {pattern.layer_ids}, model has a different set")
+        self.index_pattern = pattern
         return self
 
     def new_state(self) -> SequenceState:
@@ -61,17 +75,33 @@ class DeepseekV4(nn.Module):
         positions: torch.Tensor | None = None,
         states: list[SequenceState] | None = None,
         last_only: bool = False,
+        topk_relay: TopkRelay | None = None,
     ) -> ModelOutput:
         """input_ids [B, S] (or [S]); row b sits at positions states[b].num_tokens + 0..S-1
-        (0.. without states). `positions`, if given, must say the same. States advance."""
+        (0.. without states). `positions`, if given, must say the same. States advance.
+        `topk_relay` overrides the model's IndexCache pattern for this call (a fresh relay per
+        call; indexcache-search passes one to try patterns and record every layer's top-k)."""
         squeeze = input_ids.dim() == 1
         ids = input_ids.unsqueeze(0) if squeeze else input_ids
         starts = [0] * ids.shape[0] if states is None else [st.num_tokens for st in states]
         positions = _check_positions(ids, starts, positions)
         x = self.embed(ids)  # [B, S, D]
+        fused_first = self.fuse_first_hc
+        if not fused_first:
+            x = x.unsqueeze(-2).repeat_interleave(self.cfg.hc_mult, dim=-2)  # [B, S, M, D]
+        relay = topk_relay
+        if relay is None and not self.index_pattern.is_all_full:
+            relay = TopkRelay(self.index_pattern)
         for i, layer in enumerate(self.layers):
             layer_states = None if states is None else [st.layers[i] for st in states]
-            x = layer(x, ids, positions, layer_states, is_embedding=i == 0)
+            x = layer(
+                x,
+                ids,
+                positions,
+                layer_states,
+                is_embedding=fused_first and i == 0,
+                topk_relay=relay,
+            )
         if states is not None:
             for st in states:
                 st.num_tokens += ids.shape[1]

@@ -23,6 +23,23 @@ from dsv4.model.layers import hot_op, linear
 from dsv4.model.rope import apply_rope
 from dsv4.model.state import CompressorState
 
+# #49486: when every query's available entries fit in top-k, the top-k is "all of them": skip
+# the q projection, scores and top-k (the compressor still runs: it fills the keys).
+SKIP_TOPK_WHEN_ALL_FIT = True
+
+
+def set_skip_topk(enabled: bool) -> None:
+    """Switch the #49486 skip (on by default; outputs are identical either way)."""
+    global SKIP_TOPK_WHEN_ALL_FIT
+    SKIP_TOPK_WHEN_ALL_FIT = enabled
+
+
+def all_available(positions: torch.Tensor, num_entries: int, ratio: int) -> torch.Tensor:
+    """positions [S] -> [S, num_entries]: row p holds 0..(p+1)//ratio - 1, then -1 (the
+    same index set `indexer_topk` returns when they all fit in top-k)."""
+    idx = torch.arange(num_entries, device=positions.device)
+    return torch.where(idx < ((positions + 1) // ratio).unsqueeze(-1), idx, -1)
+
 
 @hot_op("indexer_scores")
 def indexer_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -70,6 +87,8 @@ class Indexer(nn.Module):
         """One sequence: x [S, D], qr [S, q_lora], positions [S] (contiguous), cos/sin of the
         compressed-layer rope at `positions` -> top-k entry indices [S, k] (-1 padded)."""
         keys = self.compressor(x, int(positions[0]), state)  # [N, d_I]
+        if SKIP_TOPK_WHEN_ALL_FIT and keys.shape[0] <= self.cfg.index_topk:
+            return all_available(positions, keys.shape[0], 4)
         q = self.wq_b(qr).view(x.shape[0], self.num_heads, self.head_dim)
         q = apply_rope(q, cos, sin)  # [S, H_I, d_I]
         scale = (self.head_dim * self.num_heads) ** -0.5

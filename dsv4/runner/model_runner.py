@@ -4,6 +4,11 @@ Decodes (one token each) run as one batched forward; each prefill chunk runs as 
 (rows of one forward must have equal lengths). Every request's state is loaded from the paged
 cache, advanced by the model, and its changes stored back, so the cache alone carries a request
 between steps (and between workers, after a KV hand-off).
+
+With MTP speculation on (the layout reserves draft slots and the model has an MTP layer) the
+decodes go to `dsv4.spec.SpeculativeDecoder` instead (draft, verify 1 + k positions in one
+forward per row, accept, store only the accepted positions), and prefill chunks hand their
+final streams to it for the MTP layer.
 """
 
 from __future__ import annotations
@@ -12,11 +17,16 @@ from dataclasses import dataclass
 
 import torch
 
-from dsv4.model.deepseek_v4 import DeepseekV4
+from dsv4.errors import ConfigError
+from dsv4.model.deepseek_v4 import DeepseekV4, ModelOutput
+from dsv4.runner.metadata import DEFAULT_KERNELS, DEFAULT_METADATA_OPTIONS, MetadataOptions
 from dsv4.runner.paged_cache import PagedKVCache
-from dsv4.runner.paged_state import load_state, store_state
+from dsv4.runner.paged_state import load_state, load_states, store_state
 from dsv4.runner.sampler import Sampler, SamplingSpec
 from dsv4.scheduler.batch import RequestStepOutput, ScheduledBatch, ScheduledRequest, StepOutput
+from dsv4.spec.decoder import SpeculativeDecoder
+from dsv4.spec.metrics import SpecMetrics
+from kernels.backend import KernelBackendConfig
 
 
 @dataclass(frozen=True)
@@ -44,46 +54,97 @@ def sampling_spec(params: object) -> SamplingSpec:
 
 
 class ModelRunner:
-    def __init__(self, model: DeepseekV4, cache: PagedKVCache, sampler: Sampler | None = None):
+    def __init__(
+        self,
+        model: DeepseekV4,
+        cache: PagedKVCache,
+        sampler: Sampler | None = None,
+        *,
+        num_speculative_tokens: int | None = None,
+        shared_metadata: bool | None = None,
+        kernels: KernelBackendConfig = DEFAULT_KERNELS,
+        metadata_options: MetadataOptions = DEFAULT_METADATA_OPTIONS,
+    ):
+        """`num_speculative_tokens` (default: the layout's draft slots) > 0 turns MTP on.
+
+        `shared_metadata`: None loads each request's state by per-request addressing (the
+        reference); True gathers through slot tables built once per step for all layers
+        (#45863); False rebuilds them for every layer (that PR's baseline)."""
+        self.shared_metadata = shared_metadata
+        self.kernels = kernels
+        self.metadata_options = metadata_options
         self.model = model
         self.cache = cache
         self.sampler = sampler or Sampler()
         self.device = model.embed.weight.device
         self.dtype = model.embed.weight.dtype
+        k = cache.layout.options.num_speculative_tokens
+        k = k if num_speculative_tokens is None else num_speculative_tokens
+        self.spec: SpeculativeDecoder | None = None
+        if k:
+            if not len(model.mtp):
+                raise ConfigError("num_speculative_tokens", k, "the model has no MTP layer; use 0")
+            self.spec = SpeculativeDecoder(model, cache, self.sampler, k)
+
+    @property
+    def spec_metrics(self) -> SpecMetrics | None:
+        """Drafted / accepted counts per draft position (None without speculation)."""
+        return None if self.spec is None else self.spec.metrics
 
     @torch.no_grad()
     def execute(self, batch: ScheduledBatch) -> StepOutput:
         for request_id in batch.finished_request_ids:
             self.sampler.release(request_id)
-        if any(r.num_draft_tokens for r in batch.requests):
-            raise NotImplementedError("draft tokens need the speculative decoder")
+        if self.spec is not None:
+            for request_id in (*batch.finished_request_ids, *batch.preempted_request_ids):
+                self.spec.release(request_id)
+        emitted: dict[str, tuple[int, ...]] = {}
         logits: dict[str, torch.Tensor] = {}
         decodes = batch.decodes
-        if decodes:
+        if decodes and self.spec is not None:
+            specs = [sampling_spec(r.sampling_params) for r in decodes]
+            emitted.update(self.spec.decode(decodes, specs))
+        elif decodes:
+            if any(r.num_draft_tokens for r in decodes):
+                raise ConfigError("num_speculative_tokens", "> 0", "the runner has MTP off")
             logits.update(self._forward(decodes))
         for prefill in batch.prefills:
             logits.update(self._forward((prefill,)))
-        sampled = [r for r in batch.requests if r.samples_token]
-        if not sampled:
-            return StepOutput(tuple(RequestStepOutput(r.request_id) for r in batch.requests))
-        stacked = torch.stack([logits[r.request_id] for r in sampled])  # [B, V]
-        ids = [r.request_id for r in sampled]
-        tokens = self.sampler.sample(
-            stacked, ids, [sampling_spec(r.sampling_params) for r in sampled]
-        )
-        by_id = dict(zip(ids, tokens))
+        sampled = [r for r in batch.requests if r.samples_token and r.request_id in logits]
+        if sampled:
+            stacked = torch.stack([logits[r.request_id] for r in sampled])  # [B, V]
+            ids = [r.request_id for r in sampled]
+            specs = [sampling_spec(r.sampling_params) for r in sampled]
+            tokens = self.sampler.sample(stacked, ids, specs)
+            emitted.update((rid, (token,)) for rid, token in zip(ids, tokens))
         return StepOutput(
             tuple(
-                RequestStepOutput(r.request_id, (by_id[r.request_id],) if r.samples_token else ())
+                RequestStepOutput(r.request_id, emitted.get(r.request_id, ()))
                 for r in batch.requests
             )
         )
 
     def _forward(self, requests: tuple[ScheduledRequest, ...]) -> dict[str, torch.Tensor]:
         """Rows of equal length -> last-position logits [V] per request."""
-        states = [load_state(self.cache, r, self.dtype) for r in requests]
+        out = self._run(requests)
+        return {r.request_id: out.logits[i, -1] for i, r in enumerate(requests)}
+
+    def _run(self, requests: tuple[ScheduledRequest, ...]) -> ModelOutput:
+        if self.shared_metadata is None:
+            states = [load_state(self.cache, r, self.dtype) for r in requests]
+        else:
+            states = load_states(
+                self.cache,
+                requests,
+                self.dtype,
+                shared_metadata=self.shared_metadata,
+                kernels=self.kernels,
+                options=self.metadata_options,
+            )
         ids = torch.tensor([r.token_ids for r in requests], dtype=torch.long, device=self.device)
         out = self.model(ids, states=states, last_only=True)
-        for req, state in zip(requests, states):
+        for row, (req, state) in enumerate(zip(requests, states)):
             store_state(self.cache, req, state, req.start_position, req.end_position)
-        return {r.request_id: out.logits[i, -1] for i, r in enumerate(requests)}
+            if self.spec is not None:
+                self.spec.observe(req, out.streams[row])  # [S, M, D] for the MTP layer
+        return out

@@ -34,11 +34,16 @@ from dsv4.engine import AsyncEngine
 from dsv4.engine_core import build_engine_core
 from dsv4.errors import CheckpointError, ConfigError
 from dsv4.model.config import ModelConfig
+from dsv4.model.index_cache import IndexPattern
+from dsv4.model.indexer import set_skip_topk
+from dsv4.model.kernel_bridge import install_kernels
 from dsv4.model.tokenizer import TextCodec
+from dsv4.runner.metadata import MetadataOptions
 from dsv4.scheduler.config import SchedulerConfig
 from dsv4.scheduler.request import Request
 from dsv4.transfer import KVTransport, make_transport
 from dsv4.types import GenerateRequest, KVLayoutInfo, RequestLimits
+from kernels.backend import KernelBackendConfig
 
 logger = logging.getLogger(__name__)
 
@@ -130,11 +135,13 @@ def build_worker_runtime(
     spec_tokens = (
         config.speculative.num_speculative_tokens if config.speculative.method == "mtp" else 0
     )
+    pattern = apply_features(model, model_cfg, config)
     options = CacheOptions(
         block_size=config.cache.block_size,
         kv_dtype=config.cache.kv_dtype,
         index_dtype=config.cache.indexer_key_dtype,
         num_speculative_tokens=spec_tokens,
+        index_pattern=pattern.roles,
     )
     layout = KVLayout.build(model_cfg, options)
     num_blocks = _num_blocks(config, layout)
@@ -149,8 +156,19 @@ def build_worker_runtime(
         prefill_chunk_group_size=s.prefill_chunk_group_size,
         chunk_area_budget=s.chunk_area_budget,
     )
+    f = config.features
     core = build_engine_core(
-        model, options, scheduler_config, num_blocks=num_blocks, device=config.model.device
+        model,
+        options,
+        scheduler_config,
+        num_blocks=num_blocks,
+        device=config.model.device,
+        shared_metadata=f.shared_sparse_metadata,
+        kernels=kernel_config(config),
+        metadata_options=MetadataOptions(
+            cached_token_to_req=f.cached_token_to_req_indices,
+            skip_redundant_fill=f.skip_redundant_fill,
+        ),
     )
     transport = None
     if with_transport:
@@ -169,6 +187,30 @@ def build_worker_runtime(
     return WorkerRuntime(
         config, model_cfg, AsyncEngine(core, name), layout, transport, codec, limits
     )
+
+
+def kernel_config(config: ServeConfig) -> KernelBackendConfig:
+    """The kernel backend of every op: model.kernels, per-op overrides, features.router_kernel."""
+    overrides = dict(item.partition("=")[::2] for item in config.model.kernel_overrides)
+    if config.features.router_kernel == "reference":
+        overrides.update(route="ref", hash_route="ref")
+    return KernelBackendConfig(default=config.model.kernels, overrides=overrides)
+
+
+def apply_features(model: torch.nn.Module, model_cfg: ModelConfig, config: ServeConfig):
+    """Model-side speed switches: IndexCache pattern, top-k skip, kernels, fused first mHC.
+
+    Returns the IndexCache pattern (the cache layout must drop Shared layers' indexer keys)."""
+    f = config.features
+    pattern = IndexPattern.from_features(
+        model_cfg, f.index_cache, f.index_topk_freq, f.index_topk_pattern
+    )
+    model.set_index_pattern(pattern)
+    model.fuse_first_hc = f.fused_mhc
+    set_skip_topk(f.skip_topk)
+    chosen = install_kernels(kernel_config(config), config.model.device)
+    logger.info("kernels: %s; index pattern %s", chosen, pattern.roles or "off")
+    return pattern
 
 
 def _num_blocks(config: ServeConfig, layout: KVLayout) -> int:

@@ -45,7 +45,8 @@ def test_local_example_is_a_static_1p1d():
 def test_baseline_example_switches_every_feature_off():
     config = load_config(None, str(DEPLOY / "configs" / "baseline-switches-off.yaml"), {})
     f = config.features
-    assert not (f.index_cache or f.skip_topk or f.packed_kv or f.fused_mhc or f.cuda_graphs)
+    assert not (f.index_cache or f.skip_topk or f.shared_sparse_metadata or f.fused_mhc)
+    assert not (f.cached_token_to_req_indices or f.skip_redundant_fill)
     assert f.router_kernel == "reference" and config.scheduler.prefill_chunk_plan == "fixed"
     assert config.speculative.budget == "static"
 

@@ -26,13 +26,17 @@ def tiny():
     return random_model(tiny_config().with_overrides(num_nextn_predict_layers=0), seed=3)
 
 
-def make_core(model, *, kv="fp32", index="fp32", budget=4096, num_blocks=64, **sched) -> EngineCore:
+def make_core(
+    model, *, kv="fp32", index="fp32", budget=4096, num_blocks=64, shared_metadata=None, **sched
+) -> EngineCore:
     options = CacheOptions(block_size=128, kv_dtype=kv, index_dtype=index)
     cfg = SchedulerConfig(
         max_num_batched_tokens=budget, max_num_seqs=sched.pop("max_num_seqs", 16),
         max_model_len=2048, **sched,
     )  # fmt: skip
-    return build_engine_core(model, options, cfg, num_blocks=num_blocks)
+    return build_engine_core(
+        model, options, cfg, num_blocks=num_blocks, shared_metadata=shared_metadata
+    )
 
 
 def run_to_completion(core: EngineCore, max_steps: int = 2000) -> dict[str, list[int]]:

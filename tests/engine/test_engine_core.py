@@ -39,6 +39,16 @@ def test_engine_greedy_equals_reference(tiny, reference, budget: int, plan: str)
     assert_no_leaks(core)
 
 
+@pytest.mark.parametrize("shared", [True, False], ids=["metadata-once", "metadata-per-layer"])
+def test_engine_with_step_metadata_equals_reference(tiny, reference, shared: bool) -> None:
+    """Gathering the prefix through the step's slot tables (#45863) changes no token."""
+    core = make_core(tiny, budget=64, shared_metadata=shared)
+    for rid, prompt in prompts(tiny.cfg.vocab_size).items():
+        core.add_request(greedy_request(rid, prompt, NEW_TOKENS))
+    assert run_to_completion(core) == reference
+    assert_no_leaks(core)
+
+
 def test_preempted_requests_resume_with_same_tokens(tiny, reference) -> None:
     # 9 blocks of 128 tokens: not enough for all five requests at once -> preemption by recompute.
     core = make_core(tiny, budget=512, num_blocks=9)

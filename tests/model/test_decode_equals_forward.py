@@ -13,7 +13,8 @@ import itertools
 
 import pytest
 import torch
-from conftest import tiny_model
+
+from tests.model.conftest import tiny_model
 
 ATOL = 2e-5
 

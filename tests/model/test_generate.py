@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_model
 
 from dsv4.errors import InvalidRequest
 from dsv4.model.generate import generate
+from tests.model.conftest import tiny_model
 
 
 @pytest.fixture(scope="module")

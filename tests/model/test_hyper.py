@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
-from conftest import tiny_model
 
 from dsv4.model.hyper import hc_head, hc_post, hc_post_first, hc_pre, hc_pre_first, sinkhorn
+from tests.model.conftest import tiny_model
 
 M, D, ITERS, EPS, NORM_EPS = 4, 16, 20, 1e-6, 1e-6
 
@@ -104,3 +104,16 @@ def test_hc_head_matches_the_equation():
         rho = 1 / torch.sqrt(xbar.square().mean() + NORM_EPS)
         a = torch.sigmoid(scale * rho * (fn @ xbar) + base) + EPS
         torch.testing.assert_close(h[t], (a.unsqueeze(-1) * x[t]).sum(0), atol=1e-5, rtol=1e-5)
+
+
+def test_unfused_first_layer_gives_the_same_logits() -> None:
+    """#48137: hc from the embedding directly equals repeating it into M streams first."""
+    from dsv4.model.config import tiny_config
+    from dsv4.model.tiny import random_model
+
+    cfg = tiny_config().with_overrides(num_hidden_layers=1, compress_ratios=(0,))
+    model = random_model(cfg.with_overrides(num_nextn_predict_layers=0), seed=2)
+    ids = torch.randint(2, cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
+    fused = model(ids).logits
+    model.fuse_first_hc = False
+    torch.testing.assert_close(model(ids).logits, fused, atol=1e-5, rtol=0)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from conftest import tiny_model
 
 from dsv4.model.config import tiny_config
 from dsv4.model.moe import MoE, route
+from tests.model.conftest import tiny_model
 
 
 def test_hash_routing_uses_tid2eid_only_on_hash_layers():

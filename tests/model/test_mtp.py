@@ -12,10 +12,10 @@ import json
 
 import pytest
 import torch
-from conftest import hf_config, tiny_model
 from safetensors.torch import save_file
 
 from dsv4.model.config import tiny_config
+from tests.model.conftest import hf_config, tiny_model
 
 ATOL = 5e-5
 MTP_OWN = ("e_proj.", "h_proj.", "enorm.", "hnorm.", "norm.", "hc_head_")

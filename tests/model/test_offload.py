@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_model
 
 from dsv4.model.generate import generate
 from dsv4.model.moe import MoE, swiglu
@@ -24,6 +23,7 @@ from dsv4.model.offload import (
     offload_stats,
 )
 from dsv4.model.quant import mxfp4_dequantize, mxfp4_quantize
+from tests.model.conftest import tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT = [5, 17, 300, 42, 42, 7, 999, 64, 3, 128, 511, 2, 77, 19, 640, 33]

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import hf_config, randomize_hf
 
 from dsv4.model.config import tiny_config
 from dsv4.model.generate import generate
 from dsv4.model.layers import register_kernel, set_kernel_backend
 from dsv4.model.rope import inv_freq
 from dsv4.model.weights import load_model
+from tests.model.conftest import hf_config, randomize_hf
 
 ATOL = 5e-5
 

@@ -8,7 +8,6 @@ import shutil
 
 import pytest
 import torch
-from conftest import tiny_model
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -19,6 +18,7 @@ from dsv4.model.inventory import model_tensors
 from dsv4.model.quant import fp8_block_dequantize, mxfp4_dequantize
 from dsv4.model.tiny import write_checkpoint
 from dsv4.model.weights import load_into, load_model, official_name, quantized_kind
+from tests.model.conftest import tiny_model
 
 
 @pytest.fixture(scope="module")

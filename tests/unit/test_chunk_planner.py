@@ -139,3 +139,41 @@ def check_partition(chunks: tuple[PrefillChunk, ...], num_prefills: int) -> None
     covered = [i for chunk in chunks for i in range(chunk.start, chunk.end)]
     assert covered == list(range(num_prefills))
     assert all(chunk.num_requests >= 1 for chunk in chunks)
+
+
+LONG = dict(group_size=4, max_model_len=131072, window=WINDOW, max_num_batched_tokens=8192)
+
+
+@pytest.mark.parametrize("ratio,last_n", [(4, 32768), (128, 1024)])
+def test_128k_prompt_in_2048_token_chunks_sizes_by_its_real_length(ratio, last_n) -> None:
+    """Each step of a 128K prefill gets a workspace of its own length; the fixed plan sizes
+    every step for 128K + a whole token budget (N=32768, M=41088 for ratio 4)."""
+    fixed_width = worst_case_width_rows(ratio, max_model_len=131072, window=WINDOW,
+                                        max_num_batched_tokens=8192)  # fmt: skip
+    area_rows = 0
+    for k in range(64):
+        shape = PrefillShape(2048 * k, 2048)
+        (area,) = plan_prefill_chunks([shape], ratio, mode="area", **LONG)
+        (fixed,) = plan_prefill_chunks([shape], ratio, mode="fixed", **LONG)
+        assert area.max_compressed_len == 2048 * (k + 1) // ratio
+        assert area.max_gather_len == 2048 + min(2048 * k, WINDOW - 1)
+        assert fixed.width_rows == fixed_width and area.width_rows <= fixed_width
+        area_rows += area.area_rows
+    assert (area.max_compressed_len, area.width_rows) == (last_n, last_n + 2175)
+    # Summed over the prefill, the area plan's workspace is about half the fixed plan's.
+    assert area_rows < 0.55 * 64 * fixed_width
+
+
+def test_128k_chunk_with_ten_short_prefills_packs_into_fewer_chunks() -> None:
+    """The last 2048-token chunk of a 128K prompt plus 10 short prompts in one step: the
+    long request caps its chunk at 4 requests (4 * 34943 <= 4 * 41088 < 5 * 34943), the rest
+    share one narrow chunk; the fixed plan needs 3 chunks all sized for 128K."""
+    shapes = [PrefillShape(129024, 2048)] + [PrefillShape(0, 95)] * 10
+    area = plan_prefill_chunks(shapes, 4, mode="area", **LONG)
+    fixed = plan_prefill_chunks(shapes, 4, mode="fixed", **LONG)
+    assert [(c.start, c.end) for c in area] == [(0, 4), (4, 11)]
+    assert (area[0].max_compressed_len, area[0].width_rows) == (32768, 34943)
+    assert (area[1].max_compressed_len, area[1].width_rows) == (23, 23 + 95)
+    assert [c.num_requests for c in fixed] == [4, 4, 3]
+    assert all((c.max_compressed_len, c.width_rows) == (32768, 41088) for c in fixed)
+    assert sum(c.area_rows for c in area) < 0.32 * sum(c.area_rows for c in fixed)  # 140598

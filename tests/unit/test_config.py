@@ -81,14 +81,14 @@ def test_config_path_from_env(tmp_path: Path) -> None:
 
 def test_string_coercion() -> None:
     env = {
-        "DSV4_CUDA_GRAPHS": "off",
+        "DSV4_FUSED_MHC": "off",
         "DSV4_MEMORY_BUDGET_BYTES": "1.5GiB",
         "DSV4_MAX_MESSAGE_BYTES": "4MB",
         "DSV4_DECODE": " x:1 , y:2 ",
         "DSV4_LEASE_TTL_S": "45",
     }
     config = load_config({}, None, env)
-    assert config.features.cuda_graphs is False
+    assert config.features.fused_mhc is False
     assert config.cache.memory_budget_bytes == 3 << 29
     assert config.router.max_message_bytes == 4_000_000
     assert config.discovery.decode_addresses == ("x:1", "y:2")
@@ -99,7 +99,7 @@ BAD = {
     "choice": ({"cache.kv_dtype": "fp16"}, "cache.kv_dtype", "use one of auto, fp8, bf16"),
     "range": ({"speculative.num_speculative_tokens": 4}, "num_speculative_tokens", "<= 3"),
     "not an int": ({"scheduler.max_num_seqs": "many"}, "scheduler.max_num_seqs", "an integer"),
-    "bool": ({"features.packed_kv": "maybe"}, "features.packed_kv", "true/false"),
+    "bool": ({"features.fused_mhc": "maybe"}, "features.fused_mhc", "true/false"),
     "block size": ({"cache.block_size": 384 - 64}, "cache.block_size", "multiple of 128"),
     "device": ({"model.device": "gpu"}, "model.device", "cuda:N"),
     "override": ({"model.kernel_overrides": "router=fast"}, "kernel_overrides", "op=backend"),

@@ -1,0 +1,53 @@
+"""Measure MTP acceptance per draft position by serving prompts through the paged engine."""
+
+from __future__ import annotations
+
+from dsv4.cache.packing import CacheOptions
+from dsv4.engine_core import build_engine_core
+from dsv4.model.deepseek_v4 import DeepseekV4
+from dsv4.runner.sampler import SamplingSpec
+from dsv4.scheduler.config import SchedulerConfig
+from dsv4.scheduler.request import Request
+from dsv4.spec.metrics import SpecMetrics
+
+
+def measure_acceptance(
+    model: DeepseekV4,
+    prompts: list[list[int]],
+    num_speculative_tokens: int,
+    max_new_tokens: int,
+    sampling: SamplingSpec | None = None,
+    max_steps: int = 100_000,
+) -> tuple[SpecMetrics, dict[str, list[int]]]:
+    """Run every prompt to `max_new_tokens` with k drafts (greedy unless `sampling`; EOS
+    ignored) on an exact fp32 cache -> (acceptance counters, output ids per request)."""
+    k = num_speculative_tokens
+    options = CacheOptions(block_size=128, kv_dtype="fp32", index_dtype="fp32",
+                           num_speculative_tokens=k)  # fmt: skip
+    longest = max(len(p) for p in prompts) + max_new_tokens
+    config = SchedulerConfig(
+        max_num_batched_tokens=max(512, len(prompts) * (1 + k)),
+        max_num_seqs=len(prompts),
+        max_model_len=longest + k,
+        num_speculative_tokens=k,
+    )
+    blocks = len(prompts) * (2 + longest // 128) + 16 * len(prompts)
+    core = build_engine_core(model, options, config, num_blocks=blocks)
+    for i, prompt in enumerate(prompts):
+        params = (
+            sampling
+            if sampling is None
+            else SamplingSpec(
+                sampling.temperature, sampling.top_p, sampling.top_k, (sampling.seed or 0) + i
+            )
+        )
+        core.add_request(Request(f"m{i}", tuple(prompt), max_new_tokens, params))
+    outputs: dict[str, list[int]] = {}
+    for _ in range(max_steps):
+        if not core.has_work():
+            break
+        for out in core.step():
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+    metrics = core.runner.spec_metrics
+    assert metrics is not None
+    return metrics, outputs
