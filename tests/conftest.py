@@ -9,14 +9,23 @@ import pytest
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+def _has_cuda() -> bool:
     try:
         import torch
 
-        has_gpu = torch.cuda.is_available()
+        return torch.cuda.is_available()
     except ImportError:
-        has_gpu = False
-    if has_gpu:
+        return False
+
+
+# Triton kernels run on CPU only under the interpreter, and TRITON_INTERPRET must be set before
+# any @triton.jit decoration runs: set it here, before any test package imports `kernels`.
+if not _has_cuda():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if _has_cuda():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
