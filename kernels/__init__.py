@@ -7,6 +7,9 @@ switch (`kernels.backend.dispatch` / `resolve`) with a frozen `KernelBackendConf
 
 from kernels import registry  # noqa: I001  (first: the op modules register into it)
 from kernels.backend import KernelBackendConfig, dispatch, resolve, select_backend
+from kernels.compressor import compressor_step
+from kernels.indexer import indexer_logits
+from kernels.indexer_select import indexer_select_all, indexer_topk
 from kernels.mhc import hc_head, hc_post, hc_pre, hc_pre_first_layer
 from kernels.metadata import (
     c4_global_topk_slots,
@@ -14,22 +17,33 @@ from kernels.metadata import (
     token_to_req_indices,
     window_slot_table,
 )
+from kernels.moe import moe_experts
 from kernels.routing import hash_route, route
+from kernels.sampling import sample
+from kernels.sparse_attention import sparse_attention_decode, sparse_attention_prefill
 
 __all__ = [
     "KernelBackendConfig",
     "c4_global_topk_slots",
     "c128_index_table",
+    "compressor_step",
     "dispatch",
     "hash_route",
     "hc_head",
     "hc_post",
     "hc_pre",
     "hc_pre_first_layer",
+    "indexer_logits",
+    "indexer_select_all",
+    "indexer_topk",
+    "moe_experts",
     "registry",
     "resolve",
     "route",
+    "sample",
     "select_backend",
+    "sparse_attention_decode",
+    "sparse_attention_prefill",
     "token_to_req_indices",
     "window_slot_table",
 ]

@@ -19,7 +19,17 @@ if not torch.cuda.is_available():
         from triton.runtime.interpreter import InterpretedFunction
 
         if not isinstance(sys.modules["kernels.routing"]._route_kernel, InterpretedFunction):
-            for name in ("kernels.routing", "kernels.mhc", "kernels.metadata"):
+            for name in (
+                "kernels.routing",
+                "kernels.mhc",
+                "kernels.metadata",
+                "kernels.indexer",
+                "kernels.indexer_select",
+                "kernels.sparse_attention",
+                "kernels.compressor",
+                "kernels.moe",
+                "kernels.sampling",
+            ):
                 importlib.reload(sys.modules[name])
             importlib.reload(sys.modules["kernels"])
 

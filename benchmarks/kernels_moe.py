@@ -1,0 +1,187 @@
+"""MoE experts, compressor step and sampling benchmarks on one GPU, each against its slow path.
+
+    python benchmarks/kernels_moe.py            # H200: writes results/kernels-moe-h200.json
+    python benchmarks/kernels_moe.py --dry-run --out /tmp/m.json   # CPU: tiny shapes, refs only
+
+Same record format and timing as benchmarks/kernels.py ({"name", "shape", "time_us",
+"baseline", "baseline_time_us", "speedup", "pct_roofline"}; pct_roofline is the larger of
+bandwidth / 4.3 TB/s and FLOP/s / 790 TFLOP/s over compulsory traffic and work).
+- moe_experts: V4-Flash (D 4096, I 2048, E 256, K 6) at 8192 tokens (compute-bound: the bf16
+  target is >= 50% of 790 TFLOP/s) and 64 tokens (weight-bandwidth-bound), bf16 / FP8 / MXFP4
+  weights, against the torch per-expert loop of `swiglu` (host-synchronising: do_bench).
+  FLOPs = 6*T*K*D*I; bytes = the weights of the experts hit + x + y.
+- compressor_step: a decode step of 64 tokens with no window boundary (#48957): the save-only
+  launch vs the always-launched compress kernel + save; CUDA-graph replays. Target >= 1.8x.
+  Also a step where all 64 tokens complete a ratio-128 window (the compress kernel's own cost)
+  against the torch reference.
+- sample: FlashInfer top-k/top-p sampling vs the batched torch path at batch 64, vocab 129,280.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if sys.path and Path(sys.path[0] or ".").resolve() == Path(__file__).resolve().parent:
+    sys.path[0] = str(ROOT)  # this folder first on sys.path would shadow `kernels`
+elif str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.kernels import PEAK_BYTES_PER_S, PEAK_FLOPS, Case, _time_us  # noqa: E402
+from dsv4.model.quant import fp8_block_quantize, mxfp4_quantize  # noqa: E402
+from kernels import compressor, moe, sampling  # noqa: E402
+
+DEFAULT_OUT = ROOT / "benchmarks" / "results" / "kernels-moe-h200.json"
+GPU_SIZES = {"dim": 4096, "inter": 2048, "experts": 256, "k": 6, "moe_tokens": [8192, 64],
+             "formats": ["bf16", "fp8", "mxfp4"], "decode": 64,
+             "compressors": [(128, 512, "fp8_ue8m0"), (4, 512, "fp8_ue8m0"), (4, 128, "mxfp4")],
+             "batch": 64, "vocab": 129280}  # fmt: skip
+DRY_SIZES = {"dim": 64, "inter": 32, "experts": 4, "k": 2, "moe_tokens": [5],
+             "formats": ["bf16", "mxfp4"], "decode": 3,
+             "compressors": [(8, 64, "fp8_ue8m0"), (4, 64, "mxfp4")],
+             "batch": 3, "vocab": 100}  # fmt: skip
+
+
+def _expert_weights(sizes, fmt, dev):
+    e, d, i = sizes["experts"], sizes["dim"], sizes["inter"]
+    w13 = torch.randn(e, 2 * i, d, device=dev, dtype=torch.bfloat16) / d**0.5
+    w2 = torch.randn(e, d, i, device=dev, dtype=torch.bfloat16) / i**0.5
+    if fmt == "bf16":
+        return w13, w2, None, None
+    quant = fp8_block_quantize if fmt == "fp8" else mxfp4_quantize
+    q13, s13 = zip(*(quant(w) for w in w13))
+    q2, s2 = zip(*(quant(w) for w in w2))
+    del w13, w2
+    return torch.stack(q13), torch.stack(q2), torch.stack(s13), torch.stack(s2)
+
+
+def _moe_cases(dev, sizes, dry) -> Iterator[Case]:
+    d, i, e, k = sizes["dim"], sizes["inter"], sizes["experts"], sizes["k"]
+    for fmt in sizes["formats"]:
+        w13, w2, s13, s2 = _expert_weights(sizes, fmt, dev)
+        per_expert = sum(t[0].numel() * t.element_size() for t in (w13, w2))
+        per_expert += sum(t[0].numel() * t.element_size() for t in (s13, s2) if t is not None)
+        for t in sizes["moe_tokens"]:
+            x = torch.randn(t, d, device=dev, dtype=torch.bfloat16)
+            ids = torch.rand(t, e, device=dev).argsort(1)[:, :k].to(torch.int32)
+            w = torch.rand(t, k, device=dev) + 0.1
+            args = (x, ids, w, w13, w2, fmt, s13, s2, 10.0)
+            hit = ids.unique().numel()
+            fn = moe.moe_experts_ref if dry else moe.moe_experts
+            yield Case("moe_experts", f"T={t},D={d},I={i},E={e},K={k},{fmt}",
+                       lambda f=fn, a=args: f(*a), "torch loop over experts (moe_experts_ref)",
+                       lambda a=args: moe.moe_experts_ref(*a),
+                       hit * per_expert + t * d * 6, 6.0 * t * k * d * i, graph=False)  # fmt: skip
+        del w13, w2, s13, s2
+
+
+def _compressor_step(dev, tokens, ratio, dim, fmt, positions):
+    """Step inputs for `tokens` decode requests at `positions`; boundary tables for those
+    that complete a window, per-token tables for the always-launch path."""
+    c = 2 if ratio == 4 else 1
+    ring, rope, width = c * ratio, 64 if dim >= 128 else 32, c * dim
+    kv = torch.randn(tokens, width, device=dev)
+    gate = torch.randn(tokens, width, device=dev)
+    state = torch.randn(tokens * ring, 2 * width, device=dev)
+    req = torch.arange(tokens, device=dev)
+    save = (req * ring + positions % ring).to(torch.int32)
+    cand = positions[:, None] - c * ratio + 1 + torch.arange(c * ratio, device=dev)[None, :]
+    rows = torch.where(cand >= 0, req[:, None] * ring + cand % ring, -1).to(torch.int32)
+    ones = torch.ones(tokens, dtype=torch.int32, device=dev)
+    cos, sin = torch.ones(tokens, rope // 2, device=dev), torch.zeros(tokens, rope // 2, device=dev)
+    nbytes = compressor.entry_bytes(fmt, dim, rope)
+    cache = torch.zeros(tokens, nbytes, dtype=torch.uint8, device=dev)
+    weight = torch.ones(dim, device=dev, dtype=torch.bfloat16)
+    slots = torch.arange(tokens, dtype=torch.int32, device=dev)
+    bnd = torch.nonzero((positions + 1) % ratio == 0).flatten().to(torch.int32)
+    boundary = (kv, gate, positions, state, save, bnd, ones[bnd.long()], rows[bnd.long()], weight,
+                cos[bnd.long()], sin[bnd.long()], cache, slots[bnd.long()])  # fmt: skip
+    per_token = (kv, gate, positions, state, save, bnd, ones, rows, weight, cos, sin, cache, slots)
+    kw = dict(ratio=ratio, fmt=fmt, rope_dim=rope)
+    return boundary, per_token, kw, tokens * width * 4 * 4
+
+
+def _compressor_cases(dev, sizes, dry) -> Iterator[Case]:
+    t = sizes["decode"]
+    for ratio, dim, fmt in sizes["compressors"]:
+        pos = 1000 * ratio + torch.arange(t, device=dev) % max(ratio - 1, 1)  # no boundary
+        bnd, per_tok, kw, save_bytes = _compressor_step(dev, t, ratio, dim, fmt, pos)
+        fast = compressor.compressor_step_ref if dry else compressor.compressor_step
+        slow = compressor.compressor_step_ref if dry else compressor.compressor_step_always
+        yield Case("compressor_step", f"decode T={t},r={ratio},d={dim},{fmt},no boundary",
+                   lambda f=fast, a=bnd, k=kw: f(*a, **k), "always-launch compress + save",
+                   lambda f=slow, a=per_tok, k=kw: f(*a, **k), save_bytes, graph=not dry)  # fmt: skip
+    ratio, dim, fmt = sizes["compressors"][0]
+    pos = 1000 * ratio + ratio - 1 + torch.zeros(t, dtype=torch.long, device=dev)  # all boundary
+    bnd, _, kw, save_bytes = _compressor_step(dev, t, ratio, dim, fmt, pos)
+    fast = compressor.compressor_step_ref if dry else compressor.compressor_step
+    window_bytes = t * ratio * 2 * dim * 4
+    yield Case("compressor_step", f"decode T={t},r={ratio},d={dim},{fmt},all boundary",
+               lambda a=bnd, k=kw: fast(*a, **k), "compressor_step_ref (torch)",
+               lambda a=bnd, k=kw: compressor.compressor_step_ref(*a, **k),
+               save_bytes + window_bytes, graph=False)  # fmt: skip
+
+
+def _sampling_cases(dev, sizes, dry) -> Iterator[Case]:
+    if not dry and not sampling.flashinfer_available():
+        print("sample: flashinfer not installed, skipped", flush=True)
+        return
+    b, v = sizes["batch"], sizes["vocab"]
+    logits = torch.randn(b, v, device=dev) * 3
+    temp = torch.full((b,), 0.8, device=dev)
+    top_p = torch.full((b,), 0.9, device=dev)
+    top_k = torch.full((b,), 50, dtype=torch.int32, device=dev)
+    args = (logits, temp, top_p, top_k)
+    fast = sampling.sample_ref if dry else sampling.sample
+    yield Case("sample", f"B={b},V={v},top_k=50,top_p=0.9", lambda a=args: fast(*a),
+               "batched torch (sort, cumsum, multinomial)",
+               lambda a=args: sampling.sample_torch(*a), b * v * 4, graph=False)  # fmt: skip
+
+
+def run(dry_run: bool, only: str = "") -> list[dict]:
+    dev = "cpu" if dry_run else "cuda"
+    sizes = DRY_SIZES if dry_run else GPU_SIZES
+    torch.manual_seed(0)
+    records = []
+    for gen in (_compressor_cases, _sampling_cases, _moe_cases):
+        for case in gen(dev, sizes, dry_run):
+            if only and only not in case.name:
+                continue
+            t_us = _time_us(case.fn, dry_run, case.graph)
+            base_us = _time_us(case.baseline_fn, dry_run, case.graph)
+            pct = max(case.num_bytes / (t_us * 1e-6) / PEAK_BYTES_PER_S,
+                      case.flops / (t_us * 1e-6) / PEAK_FLOPS) * 100  # fmt: skip
+            records.append({
+                "name": case.name, "shape": case.shape, "time_us": round(t_us, 3),
+                "baseline": case.baseline, "baseline_time_us": round(base_us, 3),
+                "speedup": round(base_us / t_us, 3), "pct_roofline": round(pct, 2),
+            })  # fmt: skip
+            print(f"{case.name:16s} {case.shape:44s} {t_us:11.2f} us  base {base_us:11.2f} us"
+                  f"  x{base_us / t_us:7.2f}  {pct:6.2f}% roofline", flush=True)  # fmt: skip
+    return records
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, refs only")
+    parser.add_argument("--out", type=Path, default=None, help=f"default {DEFAULT_OUT}")
+    parser.add_argument("--only", default="", help="run the cases whose name contains this")
+    args = parser.parse_args(argv)
+    if not args.dry_run and not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU (or --dry-run)")
+    records = run(args.dry_run, args.only)
+    out = args.out or DEFAULT_OUT
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(records, indent=1) + "\n")
+    print(f"wrote {len(records)} records to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,356 @@
+"""Routed MoE experts as two grouped GEMMs over expert-sorted rows (DSV4_ARCH.md §7, §8).
+
+For every (token t, slot k) pair routed to expert e = expert_ids[t, k] with weight w[t, k]:
+    g, a = bf16(W1_e x_t), bf16(W3_e x_t);  g <- min(g, limit);  a <- clamp(a, -limit, limit)
+    h = bf16(silu(g) * a);  y_t += w[t, k] * bf16(W2_e h)          (fp32 accumulation)
+which is `dsv4.model.moe.swiglu` per expert, with its roundings (`moe_experts_ref` is that loop).
+
+Steps, all without a host sync (CUDA-graph capturable):
+1. `moe_align` (torch ops): the T*K pairs sorted by expert, each expert's run padded to a
+   multiple of BLOCK_M (pad = the sentinel T*K), and the expert of every BLOCK_M-row tile (-1 for
+   the unused tail tiles of the static upper bound floor(T*K / BLOCK_M) + min(T*K, E)).
+2. `_w13_kernel`: per (row tile, BLOCK_N columns of I) the gate and up GEMMs share the gathered
+   x tile; SwiGLU with the clamp in the epilogue; h [rows, I] bf16 in sorted order.
+3. `_w2_kernel`: per (row tile, BLOCK_N columns of D) h @ W2_e^T, stored bf16 to the pair's row
+   t*K + k of a [T*K, D] buffer.
+4. `_combine_kernel`: y_t = sum_k w[t, k] * row[t*K + k] in fp32, in k order: deterministic (no
+   atomics), so a token's output does not depend on the batch.
+The routing weight is applied in fp32 after W2 (as the model does) rather than folded into h
+before W2, which would round w*h to bf16; the cost is the combine pass (~2% at 8192 tokens).
+
+Weight formats, dequantised in registers right after the load (the MMA runs in bf16, exactly
+on the dequantised values, as the reference's dequantise-then-GEMM):
+- "bf16": w13 [E, 2I, D] (rows [0, I) = W1 gate, [I, 2I) = W3 up), w2 [E, D, I];
+- "fp8": the same shapes in float8_e4m3fn, scales [E, ceil(rows/128), ceil(cols/128)] (UE8M0 or
+  fp32) per 128x128 block; BLOCK_K divides 128 so a K step sits in one scale block;
+- "mxfp4": int8 [E, rows, cols/2] packed e2m1 pairs (low nibble = even column), UE8M0 scales
+  [E, rows, cols/32]. The even and odd columns of the x tile are loaded separately and meet the
+  low and high nibbles in two half-K dots, so no nibble interleave is needed.
+
+Shared expert: not fused. In the checkpoints it is FP8 while the routed experts are MXFP4 (one
+launch would need a per-tile format switch), and at 8192 tokens it is a dense [T, D] x [D, 2I]
+GEMM that runs at full tile occupancy on its own; fusing it saves two launches (~10 us of ~6 ms).
+Call `moe_experts` with expert_ids = 0 and one expert's weights for it (`shared_expert`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dsv4.model.moe import swiglu
+from dsv4.model.quant import fp8_block_dequantize, mxfp4_dequantize
+from kernels.compressor import _bf16_rne
+from kernels.registry import register_op
+
+FORMATS = ("bf16", "fp8", "mxfp4")
+
+
+@triton.jit
+def _e2m1_value(nib):
+    """e2m1 nibble (int32 0..15) -> fp32 value, built from bits: exact."""
+    e = (nib >> 1) & 3
+    m = nib & 1
+    bits = tl.where(e == 0, m * 0x3F000000, ((e + 126) << 23) | (m << 22))
+    return (bits | ((nib & 8) << 28)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _load_a(a_rows, k0, row_ok, K, FMT: tl.constexpr, BLOCK_K: tl.constexpr,
+            UPCAST: tl.constexpr):  # fmt: skip
+    """The [BLOCK_M, BLOCK_K] activation tile at columns k0.. of rows `a_rows` (pointers);
+    for MXFP4 its even and odd columns as two [BLOCK_M, BLOCK_K/2] tiles."""
+    kk = k0 + tl.arange(0, BLOCK_K)
+    a = tl.load(a_rows[:, None] + kk[None, :], mask=row_ok[:, None] & (kk < K)[None, :], other=0.0)
+    if UPCAST:  # the interpreter computes on raw bf16 bits otherwise
+        a = a.to(tl.float32)
+    if FMT == 2:  # one contiguous load, split into even/odd columns in registers
+        a0, a1 = tl.split(tl.reshape(a, [a.shape[0], BLOCK_K // 2, 2]))
+    else:
+        a0, a1 = a, a
+    return a0, a1
+
+
+@triton.jit
+def _dot_w(acc, a0, a1, w_ptr, s_ptr, n, n_ok, k0, K, stride_wn, stride_sn, stride_sk,
+           FMT: tl.constexpr, SCALE_E8M0: tl.constexpr, BLOCK_K: tl.constexpr,
+           BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
+    """acc += a @ W[n, k0:k0+BLOCK_K]^T with W dequantised in registers (one expert's w_ptr)."""
+    w_rows = w_ptr + n.to(tl.int64)[None, :] * stride_wn
+    if FMT == 2:  # MXFP4: [BLOCK_K/2, BLOCK_N] packed bytes, scales per 32 columns
+        kh = tl.arange(0, BLOCK_K // 2)
+        mk = (k0 + 2 * kh < K)[:, None] & n_ok[None, :]
+        packed = tl.load(w_rows + (k0 // 2 + kh)[:, None], mask=mk, other=0).to(tl.int32) & 0xFF
+        ks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+        s_rows = s_ptr + n.to(tl.int64)[None, :] * stride_sn
+        sb = tl.load(s_rows + ks[:, None] * stride_sk, mask=(ks * 32 < K)[:, None] & n_ok[None, :],
+                     other=127).to(tl.int32) & 0xFF  # fmt: skip
+        scale = (sb << 23).to(tl.float32, bitcast=True)  # 2^(byte - 127)
+        scale = tl.reshape(tl.broadcast_to(scale[:, None, :], [BLOCK_K // 32, 16, BLOCK_N]),
+                           [BLOCK_K // 2, BLOCK_N])  # fmt: skip
+        lo = (_e2m1_value(packed & 15) * scale).to(a0.dtype)
+        hi = (_e2m1_value(packed >> 4) * scale).to(a0.dtype)
+        acc = tl.dot(a0, lo, acc)
+        acc = tl.dot(a1, hi, acc)
+    else:
+        kk = k0 + tl.arange(0, BLOCK_K)
+        b = tl.load(w_rows + kk[:, None], mask=(kk < K)[:, None] & n_ok[None, :], other=0.0)
+        if FMT == 1:  # FP8 e4m3 with one scale per 128x128 block
+            s_off = (n // 128).to(tl.int64) * stride_sn + (k0 // 128) * stride_sk
+            if SCALE_E8M0:
+                sb = tl.load(s_ptr + s_off, mask=n_ok, other=127).to(tl.int32) & 0xFF
+                scale = (sb << 23).to(tl.float32, bitcast=True)
+            else:
+                scale = tl.load(s_ptr + s_off, mask=n_ok, other=1.0)
+            b = (b.to(tl.float32) * scale[None, :]).to(a0.dtype)
+        elif UPCAST:
+            b = b.to(tl.float32)
+        acc = tl.dot(a0, b, acc)
+    return acc
+
+
+@triton.jit
+def _tile_ids(num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Grouped order: GROUP_M row tiles (about one expert) sweep the column tiles together, so
+    an expert's weight tile and the x rows are reused from L2."""
+    pid = tl.program_id(0)
+    in_group = GROUP_M * num_pid_n
+    first_m = (pid // in_group) * GROUP_M
+    size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    return first_m + (pid % in_group) % size_m, (pid % in_group) // size_m
+
+
+@triton.jit
+def _w13_kernel(
+    # Pointers: x [T, D] bf16; sorted pair ids [P] int32; tile expert [P / BLOCK_M] int32;
+    # w13 [E, 2I, D(/2)] and its scales; output h [P, I] bf16
+    x_ptr, ids_ptr, tile_e_ptr, w_ptr, s_ptr, h_ptr,
+    # Sizes, strides (elements), scalars
+    num_pairs, D, INTER, num_pid_m,
+    stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_h, limit,
+    # Meta-parameters
+    TOPK: tl.constexpr, FMT: tl.constexpr, SCALE_E8M0: tl.constexpr, HAS_LIMIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    pid_m, pid_n = _tile_ids(num_pid_m, tl.cdiv(INTER, BLOCK_N), GROUP_M)
+    e = tl.load(tile_e_ptr + pid_m)
+    if e >= 0:
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(ids_ptr + rows)
+        row_ok = pair < num_pairs
+        a_rows = x_ptr + (pair // TOPK).to(tl.int64) * stride_x
+        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < INTER
+        w_e = w_ptr + e.to(tl.int64) * stride_we
+        s_e = s_ptr + e.to(tl.int64) * stride_se
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, D, BLOCK_K):
+            a0, a1 = _load_a(a_rows, k0, row_ok, D, FMT, BLOCK_K, UPCAST)
+            acc_g = _dot_w(acc_g, a0, a1, w_e, s_e, n, n_ok, k0, D, stride_wn, stride_sn,
+                           stride_sk, FMT, SCALE_E8M0, BLOCK_K, BLOCK_N, UPCAST)  # fmt: skip
+            acc_u = _dot_w(acc_u, a0, a1, w_e, s_e, n + INTER, n_ok, k0, D, stride_wn, stride_sn,
+                           stride_sk, FMT, SCALE_E8M0, BLOCK_K, BLOCK_N, UPCAST)  # fmt: skip
+        g = _bf16_rne(acc_g)  # the reference's F.linear outputs are bf16
+        u = _bf16_rne(acc_u)
+        if HAS_LIMIT:
+            g = tl.minimum(g, limit)
+            u = tl.minimum(tl.maximum(u, -limit), limit)
+        h = _bf16_rne(g / (1.0 + tl.exp(-g)) * u)
+        h_at = h_ptr + rows.to(tl.int64)[:, None] * stride_h + n[None, :]
+        tl.store(h_at, h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _w2_kernel(
+    # Pointers: h [P, I] bf16; sorted pair ids; tile expert; w2 [E, D, I(/2)] and scales;
+    # output rows [T*K, D] bf16 (one per (token, slot) pair)
+    h_ptr, ids_ptr, tile_e_ptr, w_ptr, s_ptr, out_ptr,
+    # Sizes, strides (elements)
+    num_pairs, D, INTER, num_pid_m,
+    stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_out,
+    # Meta-parameters
+    FMT: tl.constexpr, SCALE_E8M0: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    pid_m, pid_n = _tile_ids(num_pid_m, tl.cdiv(D, BLOCK_N), GROUP_M)
+    e = tl.load(tile_e_ptr + pid_m)
+    if e >= 0:
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(ids_ptr + rows)
+        row_ok = pair < num_pairs
+        a_rows = h_ptr + rows.to(tl.int64) * stride_h
+        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < D
+        w_e = w_ptr + e.to(tl.int64) * stride_we
+        s_e = s_ptr + e.to(tl.int64) * stride_se
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, INTER, BLOCK_K):
+            a0, a1 = _load_a(a_rows, k0, row_ok, INTER, FMT, BLOCK_K, UPCAST)
+            acc = _dot_w(acc, a0, a1, w_e, s_e, n, n_ok, k0, INTER, stride_wn, stride_sn, stride_sk,
+                         FMT, SCALE_E8M0, BLOCK_K, BLOCK_N, UPCAST)  # fmt: skip
+        out_at = out_ptr + pair.to(tl.int64)[:, None] * stride_out + n[None, :]
+        tl.store(out_at, _bf16_rne(acc).to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & n_ok[None, :])  # fmt: skip
+
+
+@triton.jit
+def _combine_kernel(rows_ptr, w_ptr, y_ptr, T, D, TOPK: tl.constexpr, BLOCK_T: tl.constexpr,
+                    BLOCK_D: tl.constexpr):  # fmt: skip
+    """y[t] = sum_k w[t, k] * rows[t*K + k] in fp32, k ascending."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    mk = (t < T)[:, None] & (d < D)[None, :]
+    acc = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
+    for k in tl.static_range(TOPK):
+        pair = t.to(tl.int64) * TOPK + k
+        w = tl.load(w_ptr + pair, mask=t < T, other=0.0)
+        r = tl.load(rows_ptr + pair[:, None] * D + d[None, :], mask=mk, other=0.0)
+        acc += w[:, None] * r.to(tl.float32)
+    tl.store(y_ptr + t.to(tl.int64)[:, None] * D + d[None, :], acc, mask=mk)
+
+
+def moe_align(expert_ids: torch.Tensor, num_experts: int, block_m: int):
+    """expert_ids [T, K] -> (sorted pair ids [P] int32, padded per expert to block_m, sentinel
+    T*K; tile expert [P / block_m] int32, -1 = unused tile). No host sync."""
+    flat = expert_ids.reshape(-1).long()
+    n = flat.numel()
+    dev = flat.device
+    counts = torch.bincount(flat, minlength=num_experts)
+    tiles = (counts + block_m - 1) // block_m
+    tile_end = torch.cumsum(tiles, 0)
+    max_tiles = n // block_m + min(n, num_experts)
+    order = torch.argsort(flat, stable=True)
+    sorted_e = flat[order]
+    rank = torch.arange(n, device=dev) - (torch.cumsum(counts, 0) - counts)[sorted_e]
+    dest = (tile_end - tiles)[sorted_e] * block_m + rank
+    sorted_ids = torch.full((max_tiles * block_m,), n, dtype=torch.int32, device=dev)
+    sorted_ids[dest] = order.to(torch.int32)
+    tile_e = torch.searchsorted(tile_end, torch.arange(max_tiles, device=dev), right=True)
+    tile_e = torch.where(tile_e < num_experts, tile_e, -1).to(torch.int32)
+    return sorted_ids, tile_e
+
+
+def _config(num_pairs: int, num_experts: int, on_gpu: bool) -> dict:
+    if not on_gpu:  # interpreter: few, large programs
+        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=32, GROUP_M=4, num_warps=4, num_stages=1)
+    per_expert = num_pairs / num_experts
+    block_m = 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64
+    return dict(BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=64, GROUP_M=4 if block_m == 64 else 8,
+                num_warps=8 if block_m == 64 else 4, num_stages=3)  # fmt: skip
+
+
+def _scale_args(scale: torch.Tensor | None, like: torch.Tensor):
+    if scale is None:  # bf16: a dummy pointer, never read
+        return like, True, (0, 0, 0)
+    e8m0 = scale.dtype == torch.float8_e8m0fnu
+    s = scale.view(torch.uint8) if e8m0 else scale.float()
+    return s, e8m0, (s.stride(0), s.stride(1), s.stride(2))
+
+
+def moe_experts(
+    x: torch.Tensor,
+    expert_ids: torch.Tensor,
+    weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    format: str = "bf16",
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    limit: float | None = None,
+) -> torch.Tensor:
+    """Routed experts: x [T, D] bf16, expert_ids [T, K] int, weights [T, K] fp32, w13/w2 (and
+    scales) in `format` (see the module doc) -> y [T, D] fp32 = sum_k w * expert(x)."""
+    assert format in FORMATS, format
+    assert x.dim() == 2 and x.dtype == torch.bfloat16 and x.stride(1) == 1
+    num_tokens, dim = x.shape
+    topk = expert_ids.shape[1]
+    num_experts, two_inter = w13.shape[0], w13.shape[1]
+    inter = two_inter // 2
+    assert w2.shape[:2] == (num_experts, dim) and w13.stride(2) == w2.stride(2) == 1
+    assert format == "bf16" or (w13_scale is not None and w2_scale is not None)
+    y = torch.zeros(num_tokens, dim, dtype=torch.float32, device=x.device)
+    num_pairs = num_tokens * topk
+    if num_pairs == 0:
+        return y
+    cfg = _config(num_pairs, num_experts, x.is_cuda)
+    bm, fmt = cfg["BLOCK_M"], FORMATS.index(format)
+    sorted_ids, tile_e = moe_align(expert_ids, num_experts, bm)
+    num_pid_m = tile_e.numel()
+    h = torch.empty(sorted_ids.numel(), inter, dtype=torch.bfloat16, device=x.device)
+    rows = torch.empty(num_pairs, dim, dtype=torch.bfloat16, device=x.device)
+    s13, e8m0, st13 = _scale_args(w13_scale, w13)
+    s2, _, st2 = _scale_args(w2_scale, w2)
+    common = dict(FMT=fmt, SCALE_E8M0=e8m0, UPCAST=not x.is_cuda, **cfg)
+    grid13 = (num_pid_m * triton.cdiv(inter, cfg["BLOCK_N"]),)
+    _w13_kernel[grid13](
+        x, sorted_ids, tile_e, w13, s13, h,
+        num_pairs, dim, inter, num_pid_m,
+        x.stride(0), w13.stride(0), w13.stride(1), *st13, h.stride(0),
+        float(limit) if limit is not None else 0.0,
+        TOPK=topk, HAS_LIMIT=limit is not None, **common,
+    )  # fmt: skip
+    grid2 = (num_pid_m * triton.cdiv(dim, cfg["BLOCK_N"]),)
+    _w2_kernel[grid2](
+        h, sorted_ids, tile_e, w2, s2, rows,
+        num_pairs, dim, inter, num_pid_m,
+        h.stride(0), w2.stride(0), w2.stride(1), *st2, rows.stride(0), **common,
+    )  # fmt: skip
+    block_t, block_d = (4, 1024) if x.is_cuda else (triton.next_power_of_2(num_tokens), 4096)
+    block_d = min(block_d, triton.next_power_of_2(dim))
+    _combine_kernel[(triton.cdiv(num_tokens, block_t), triton.cdiv(dim, block_d))](
+        rows, weights.float().contiguous(), y, num_tokens, dim,
+        TOPK=topk, BLOCK_T=block_t, BLOCK_D=block_d,
+    )  # fmt: skip
+    return y
+
+
+def dequantize_expert(w: torch.Tensor, scale: torch.Tensor | None, format: str) -> torch.Tensor:
+    """One expert's weight [rows, cols(/2)] in `format` -> bf16 [rows, cols]."""
+    if format == "bf16":
+        return w
+    if format == "fp8":
+        return fp8_block_dequantize(w, scale, 128, torch.bfloat16)
+    return mxfp4_dequantize(w, scale, torch.bfloat16)
+
+
+def moe_experts_ref(
+    x: torch.Tensor,
+    expert_ids: torch.Tensor,
+    weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    format: str = "bf16",
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    limit: float | None = None,
+) -> torch.Tensor:
+    """Reference (and the slow path): the model's loop over experts of `swiglu`, with each
+    expert's weights dequantised first."""
+    inter = w13.shape[1] // 2
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    ids = expert_ids.long()
+    for e in ids.unique().tolist():
+        token_idx, slot = torch.where(ids == e)
+        w13_e = dequantize_expert(w13[e], None if w13_scale is None else w13_scale[e], format)
+        w2_e = dequantize_expert(w2[e], None if w2_scale is None else w2_scale[e], format)
+        y = swiglu(x[token_idx], w13_e[:inter], w2_e, w13_e[inter:], limit)
+        out.index_add_(0, token_idx, y.float() * weights[token_idx, slot].unsqueeze(-1))
+    return out
+
+
+def shared_expert(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, format: str = "bf16",
+                  w13_scale=None, w2_scale=None, limit=None) -> torch.Tensor:  # fmt: skip
+    """The shared expert through the same kernels: every token to "expert 0" with weight 1.
+    w13 [2I, D(/2)], w2 [D, I(/2)] (and scales) of the one expert."""
+    ids = torch.zeros(x.shape[0], 1, dtype=torch.int32, device=x.device)
+    ones = torch.ones(x.shape[0], 1, dtype=torch.float32, device=x.device)
+    unsq = lambda s: None if s is None else s.unsqueeze(0)  # noqa: E731
+    return moe_experts(x, ids, ones, w13.unsqueeze(0), w2.unsqueeze(0), format, unsq(w13_scale),
+                       unsq(w2_scale), limit)  # fmt: skip
+
+
+register_op("moe_experts", moe_experts, moe_experts_ref, family="moe")

@@ -1,0 +1,200 @@
+"""compressor_step (kernels/compressor.py) against compressor_step_ref on the same ring
+contents, the always-launch slow path (#48957), and a chunked-vs-whole-sequence oracle built
+from the model's `compress_windows` (DSV4_ARCH.md §6.4).
+
+Quantised bytes are compared exactly where they agree and, decoded, within one code step where
+a last-bit difference of exp/rsqrt flips a rounding (PLATFORM_NOTES.md §2).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4.model.compressor import compress_windows
+from dsv4.model.layers import rms_norm
+from dsv4.model.rope import apply_rope
+from dsv4.runner.kv_codec import decode_rows, encode_rows
+from kernels.compressor import (
+    compressor_step,
+    compressor_step_always,
+    compressor_step_ref,
+    entry_bytes,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _step_meta(prefix_lens, query_lens, ratio, ring, freq, entry_base=None):
+    """Per-step metadata for dense per-request rings (row = req * ring + pos % ring)."""
+    num_cand = ratio * (2 if ratio == 4 else 1)
+    pos, req, nis, save = [], [], [], []
+    for b, (p0, q) in enumerate(zip(prefix_lens, query_lens)):
+        for i in range(q):
+            p = p0 + i
+            pos.append(p)
+            req.append(b)
+            nis.append(i + 1)
+            save.append(b * ring + p % ring if i >= q - ring else -1)  # last `ring` only
+    pos_t = torch.tensor(pos, dtype=torch.long)
+    bnd = [t for t, p in enumerate(pos) if (p + 1) % ratio == 0]
+    rows = [[req[t] * ring + (q % ring) if q >= 0 else -1
+             for q in range(pos[t] - num_cand + 1, pos[t] + 1)] for t in bnd]  # fmt: skip
+    entry_pos = torch.tensor([pos[t] + 1 - ratio for t in bnd], dtype=torch.float32)
+    angles = entry_pos[:, None] * freq[None, :]
+    if entry_base is None:
+        slots = torch.randperm(max(len(bnd), 1) * 3)[: len(bnd)]
+    else:  # entry i of request b at row entry_base[b] + i
+        slots = torch.tensor([entry_base[req[t]] + (pos[t] + 1) // ratio - 1 for t in bnd])
+    i32 = dict(dtype=torch.int32, device=DEVICE)
+    return dict(
+        positions=pos_t.to(DEVICE),
+        save_slots=torch.tensor(save, **i32),
+        boundary=torch.tensor(bnd, **i32),
+        num_in_step=torch.tensor([nis[t] for t in bnd], **i32),
+        window_rows=torch.tensor(rows, **i32).view(len(bnd), num_cand),
+        cos=angles.cos().to(DEVICE),
+        sin=angles.sin().to(DEVICE),
+        entry_slots=slots.to(torch.int32).to(DEVICE),
+    )
+
+
+def _inputs(num_tokens, width, num_reqs, ring, dim, seed):
+    g = torch.Generator().manual_seed(seed)
+    kv = (torch.randn(num_tokens, width, generator=g) * 2).to(DEVICE)
+    gate = (torch.randn(num_tokens, width, generator=g) * 1.5).to(DEVICE)
+    state = torch.randn(num_reqs * ring, 2 * width, generator=g).to(DEVICE)
+    weight = (1 + 0.2 * torch.randn(dim, generator=g)).bfloat16().to(DEVICE)
+    return kv, gate, state, weight
+
+
+def _assert_entries_close(got, ref, fmt, dim, rope_dim):
+    """Bytes mostly identical; decoded values within one quantisation step."""
+    same = (got == ref).float().mean().item()
+    assert same >= 0.97, f"only {same:.3f} of the bytes agree"
+    a = decode_rows(got, fmt, dim, rope_dim)
+    b = decode_rows(ref, fmt, dim, rope_dim)
+    step = {"fp8_ue8m0": 0.125, "mxfp4": 0.34, "fp8_fp32scale": 0.125}[fmt]
+    tol = b.abs() * step + b.abs().amax(dim=1, keepdim=True) * 0.02 + 1e-3
+    assert ((a - b).abs() <= tol).all(), (a - b).abs().max()
+
+
+CASES = [  # (ratio, dim, rope, fmt, prefix lens, query lens)
+    (4, 64, 32, "fp8_ue8m0", [0], [0]),  # empty step
+    (4, 64, 32, "fp8_ue8m0", [6], [1]),  # one decode token, no boundary
+    (4, 64, 32, "fp8_ue8m0", [2, 10, 0], [2, 2, 1]),  # decode/boundary mix, window 0 and 2
+    (4, 64, 32, "mxfp4", [5, 0], [9, 3]),  # prefill chunks, ring wrap inside the chunk
+    (4, 128, 64, "fp8_fp32scale", [1, 7], [1, 5]),
+    (8, 64, 32, "fp8_ue8m0", [3, 13], [5, 3]),  # non-overlapping small window
+    (128, 64, 32, "fp8_ue8m0", [127, 200], [1, 56]),  # the real r = 128
+]
+
+
+@pytest.mark.parametrize(("ratio", "dim", "rope", "fmt", "prefix", "query"), CASES)
+def test_compressor_step_matches_ref(ratio, dim, rope, fmt, prefix, query):
+    c = 2 if ratio == 4 else 1
+    ring = c * ratio + 1  # one spare slot, as with a speculative token
+    meta = _step_meta(prefix, query, ratio, ring, torch.rand(rope // 2))
+    kv, gate, state, weight = _inputs(sum(query), c * dim, len(query), ring, dim, ratio + dim)
+    rows = max([*meta["entry_slots"].tolist(), 0]) + 1
+    cache = torch.zeros(rows, entry_bytes(fmt, dim, rope) + 3, dtype=torch.uint8, device=DEVICE)
+    args = (kv, gate, meta["positions"])
+    tail = [meta[k] for k in ("save_slots", "boundary", "num_in_step", "window_rows")]
+    rest = (weight, meta["cos"], meta["sin"])
+    kw = dict(ratio=ratio, fmt=fmt, rope_dim=rope)
+    s_ref, c_ref = state.clone(), cache.clone()
+    compressor_step_ref(*args, s_ref, *tail, *rest, c_ref, meta["entry_slots"], **kw)
+    s_tri, c_tri = state.clone(), cache.clone()
+    out = compressor_step(*args, s_tri, *tail, *rest, c_tri, meta["entry_slots"], **kw)
+    assert out is c_tri and torch.equal(s_tri, s_ref)
+    n = entry_bytes(fmt, dim, rope)
+    assert torch.equal(c_tri[:, n:], c_ref[:, n:])  # nothing past the entry is touched
+    if meta["boundary"].numel():
+        idx = meta["entry_slots"].long()
+        _assert_entries_close(c_tri[idx, :n], c_ref[idx, :n], fmt, dim, rope)
+    else:
+        assert torch.equal(c_tri, cache)
+
+
+def test_compressor_always_launch_baseline_agrees():
+    ratio, dim, rope, fmt = 4, 64, 32, "fp8_ue8m0"
+    prefix, query = [2, 9], [3, 2]
+    ring = 2 * ratio
+    meta = _step_meta(prefix, query, ratio, ring, torch.rand(rope // 2))
+    kv, gate, state, weight = _inputs(5, 2 * dim, 2, ring, dim, 1)
+    # per-token tables for the slow path: the boundary rows scattered to their tokens
+    t, nb = 5, meta["boundary"].long()
+    per_tok = dict(
+        num_in_step=torch.ones(t, dtype=torch.int32, device=DEVICE),
+        window_rows=torch.full((t, 2 * ratio), -1, dtype=torch.int32, device=DEVICE),
+        cos=torch.ones(t, rope // 2, device=DEVICE), sin=torch.zeros(t, rope // 2, device=DEVICE),
+        entry_slots=torch.zeros(t, dtype=torch.int32, device=DEVICE),
+    )  # fmt: skip
+    for k in per_tok:
+        per_tok[k][nb] = meta[k]
+    cache = torch.zeros(8, entry_bytes(fmt, dim, rope), dtype=torch.uint8, device=DEVICE)
+    kw = dict(ratio=ratio, fmt=fmt, rope_dim=rope)
+    s1, c1, s2, c2 = state.clone(), cache.clone(), state.clone(), cache.clone()
+    compressor_step(kv, gate, meta["positions"], s1, meta["save_slots"], meta["boundary"],
+                    meta["num_in_step"], meta["window_rows"], weight, meta["cos"], meta["sin"],
+                    c1, meta["entry_slots"], **kw)  # fmt: skip
+    compressor_step_always(kv, gate, meta["positions"], s2, meta["save_slots"], meta["boundary"],
+                           per_tok["num_in_step"], per_tok["window_rows"], weight,
+                           per_tok["cos"], per_tok["sin"], c2, per_tok["entry_slots"], **kw)  # fmt: skip
+    assert torch.equal(s1, s2) and torch.equal(c1, c2)
+
+
+@pytest.mark.parametrize(("ratio", "fmt"), [(4, "mxfp4"), (8, "fp8_ue8m0")])
+def test_chunked_steps_equal_whole_sequence(ratio, fmt):
+    """Steps through the ring give the entries of the model's one-shot compression."""
+    dim, rope, length, chunks = 64, 32, 24, [5, 1, 1, 3, 6, 8]
+    c = 2 if ratio == 4 else 1
+    ring = c * ratio
+    freq = torch.rand(rope // 2)
+    kv, gate, state, weight = _inputs(length, c * dim, 1, ring, dim, 7)
+    n_entries = length // ratio
+    nbytes = entry_bytes(fmt, dim, rope)
+    cache = torch.zeros(n_entries, nbytes, dtype=torch.uint8, device=DEVICE)
+    start = 0
+    for q in chunks:
+        meta = _step_meta([start], [q], ratio, ring, freq, entry_base=[0])
+        compressor_step(kv[start : start + q], gate[start : start + q], meta["positions"], state,
+                        meta["save_slots"], meta["boundary"], meta["num_in_step"],
+                        meta["window_rows"], weight, meta["cos"], meta["sin"], cache,
+                        meta["entry_slots"], ratio=ratio, fmt=fmt, rope_dim=rope)  # fmt: skip
+        start += q
+    usable = n_entries * ratio
+    new = compress_windows.reference(kv[:usable].view(n_entries, ratio, -1),
+                                     gate[:usable].view(n_entries, ratio, -1), None, None,
+                                     ratio == 4)  # fmt: skip
+    new = rms_norm(new.to(torch.bfloat16), weight, 1e-6)
+    angles = (torch.arange(n_entries) * ratio).float()[:, None] * freq[None, :]
+    new = apply_rope(new, angles.cos().to(DEVICE), angles.sin().to(DEVICE))
+    _assert_entries_close(cache, encode_rows(new, fmt, nbytes, rope), fmt, dim, rope)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("ratio", "dim", "fmt"),
+    [(4, 512, "fp8_ue8m0"), (128, 512, "fp8_ue8m0"), (4, 128, "mxfp4"), (4, 128, "fp8_fp32scale")],
+)
+def test_compressor_step_production_shapes_gpu(ratio, dim, fmt):
+    """Decode batch of 64 (some at a boundary) plus a 2048-token prefill chunk."""
+    c = 2 if ratio == 4 else 1
+    ring = c * ratio + 1
+    prefix = [ratio * 9 + (b % ratio) - 1 for b in range(64)] + [ratio * 3 + 1]
+    query = [1] * 64 + [2048]
+    meta = _step_meta(prefix, query, ratio, ring, torch.rand(32))
+    kv, gate, state, weight = _inputs(sum(query), c * dim, 65, ring, dim, 0)
+    rows = max(meta["entry_slots"].tolist()) + 1
+    cache = torch.zeros(rows, entry_bytes(fmt, dim, 64), dtype=torch.uint8, device=DEVICE)
+    tail = [meta[k] for k in ("save_slots", "boundary", "num_in_step", "window_rows")]
+    kw = dict(ratio=ratio, fmt=fmt, rope_dim=64)
+    s_ref, c_ref, s_tri, c_tri = state.clone(), cache.clone(), state.clone(), cache.clone()
+    compressor_step_ref(kv, gate, meta["positions"], s_ref, *tail, weight, meta["cos"],
+                        meta["sin"], c_ref, meta["entry_slots"], **kw)  # fmt: skip
+    compressor_step(kv, gate, meta["positions"], s_tri, *tail, weight, meta["cos"], meta["sin"],
+                    c_tri, meta["entry_slots"], **kw)  # fmt: skip
+    assert torch.equal(s_tri, s_ref)
+    idx = meta["entry_slots"].long()
+    _assert_entries_close(c_tri[idx], c_ref[idx], fmt, dim, 64)

@@ -1,0 +1,118 @@
+"""moe_experts (kernels/moe.py) against moe_experts_ref (the model's loop of `swiglu` over
+experts) for bf16, FP8 block-scaled and MXFP4 weights, plus the routing-metadata invariants.
+
+Both sides compute on the same dequantised weights; the kernel rounds its GEMM outputs to bf16
+where the reference does, so the difference is summation order (and the interpreter's bf16
+truncation at the final store does not apply: outputs are fp32).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4.model.quant import fp8_block_quantize, mxfp4_quantize
+from kernels.moe import moe_align, moe_experts, moe_experts_ref, shared_expert
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _weights(num_experts, dim, inter, fmt, seed):
+    g = torch.Generator(DEVICE).manual_seed(seed)  # on the device: production sizes are large
+    w13 = torch.randn(num_experts, 2 * inter, dim, generator=g, device=DEVICE) / dim**0.5
+    w2 = torch.randn(num_experts, dim, inter, generator=g, device=DEVICE) / inter**0.5
+    if fmt == "bf16":
+        return w13.bfloat16(), w2.bfloat16(), None, None
+    quant = fp8_block_quantize if fmt == "fp8" else mxfp4_quantize
+    q13, s13 = zip(*(quant(w) for w in w13))
+    q2, s2 = zip(*(quant(w) for w in w2))
+    return tuple(torch.stack(t) for t in (q13, q2, s13, s2))
+
+
+def _routing(num_tokens, num_experts, k, seed):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.rand(num_tokens, num_experts, generator=g).argsort(1)[:, :k].to(torch.int32)
+    w = torch.rand(num_tokens, k, generator=g) + 0.1
+    return ids.to(DEVICE), (w / w.sum(1, keepdim=True) * 1.5).to(DEVICE)
+
+
+def _check(num_tokens, dim, inter, num_experts, k, fmt, limit, seed=0):
+    w13, w2, s13, s2 = _weights(num_experts, dim, inter, fmt, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    x = (torch.randn(num_tokens, dim, generator=g) * 2).bfloat16().to(DEVICE)
+    ids, w = _routing(num_tokens, num_experts, k, seed)
+    y = moe_experts(x, ids, w, w13, w2, fmt, s13, s2, limit)
+    ref = moe_experts_ref(x, ids, w, w13, w2, fmt, s13, s2, limit)
+    assert y.dtype == torch.float32 and y.shape == (num_tokens, dim)
+    scale = ref.abs().amax().item() if num_tokens else 1.0
+    torch.testing.assert_close(y, ref, atol=2e-2 * scale, rtol=2e-2)
+    if num_tokens:  # most elements agree far more tightly than the bound
+        close = ((y - ref).abs() <= 1e-3 * scale + 8e-3 * ref.abs()).float().mean().item()
+        assert close >= 0.98, close
+
+
+@pytest.mark.parametrize("num_tokens", [0, 1, 5])
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "mxfp4"])
+def test_moe_experts_matches_ref(num_tokens, fmt):
+    _check(num_tokens, 64, 32, 4, 2, fmt, limit=10.0)
+
+
+def test_moe_experts_clamp_and_no_limit():
+    _check(5, 64, 32, 4, 2, "bf16", limit=0.5, seed=3)  # the clamp is active on most values
+    _check(5, 64, 32, 4, 2, "bf16", limit=None, seed=4)
+
+
+def test_moe_experts_odd_sizes():
+    _check(3, 96, 48, 5, 3, "bf16", limit=10.0, seed=5)  # non-power-of-two D, I, E, K
+
+
+def test_shared_expert_is_one_expert():
+    w13, w2, _, _ = _weights(1, 64, 32, "bf16", 6)
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(6)).bfloat16().to(DEVICE)
+    ones = torch.ones(5, 1, device=DEVICE)
+    ref = moe_experts_ref(x, torch.zeros(5, 1, dtype=torch.int32, device=DEVICE), ones, w13, w2)
+    torch.testing.assert_close(shared_expert(x, w13[0], w2[0]), ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("block_m", [1, 4, 16])
+def test_moe_align_invariants(block_m):
+    ids, _ = _routing(7, 5, 3, 8)
+    sorted_ids, tile_e = moe_align(ids, 5, block_m)
+    n = ids.numel()
+    assert sorted_ids.numel() == tile_e.numel() * block_m
+    valid = sorted_ids[sorted_ids < n].long()
+    assert sorted(valid.tolist()) == list(range(n))  # every pair exactly once
+    flat = ids.reshape(-1).long()
+    for t, e in enumerate(tile_e.tolist()):
+        block = sorted_ids[t * block_m : (t + 1) * block_m].long()
+        block = block[block < n]
+        if e < 0:
+            assert block.numel() == 0
+        else:  # a tile holds one expert's pairs only
+            assert (flat[block] == e).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "mxfp4"])
+@pytest.mark.parametrize("num_tokens", [1, 64, 8192])
+def test_moe_experts_production_shapes_gpu(fmt, num_tokens):
+    """V4-Flash: D 4096, I 2048, E 256, K 6."""
+    _check(num_tokens, 4096, 2048, 256, 6, fmt, limit=10.0)
+
+
+def test_benchmark_dry_run(tmp_path):
+    """benchmarks/kernels_moe.py --dry-run (CPU, tiny shapes, references) writes its records."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "kernels_moe.py"
+    spec = importlib.util.spec_from_file_location("bench_kernels_moe", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "m.json"
+    assert bench.main(["--dry-run", "--out", str(out)]) == 0
+    records = json.loads(out.read_text())
+    assert {r["name"] for r in records} == {"moe_experts", "compressor_step", "sample"}
+    keys = {"name", "shape", "time_us", "baseline", "baseline_time_us", "speedup", "pct_roofline"}
+    assert all(set(r) == keys for r in records)
