@@ -12,12 +12,8 @@ FLOP/s / 790 TFLOP/s, counting each kernel's minimum (compulsory) traffic and wo
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
-import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -30,24 +26,11 @@ if sys.path and Path(sys.path[0] or ".").resolve() == Path(__file__).resolve().p
 elif str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.harness import Case, bench_main, measure, warm_up_clocks  # noqa: E402
 from kernels import metadata, mhc, routing  # noqa: E402
 
-PEAK_BYTES_PER_S = 4.3e12
-PEAK_FLOPS = 790e12
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "kernels-h200.json"
 M, ITERS, EPS = 4, 20, 1e-6
-
-
-@dataclass
-class Case:
-    name: str
-    shape: str
-    fn: Callable[[], object]
-    baseline: str
-    baseline_fn: Callable[[], object]
-    num_bytes: float
-    flops: float = 0.0
-    graph: bool = True  # time by CUDA-graph replay (False: host work in the baseline)
 
 
 def _route_cases(dev, sizes, dry) -> Iterator[Case]:
@@ -167,64 +150,20 @@ DRY_SIZES = {
 }  # fmt: skip
 
 
-def _time_us(fn: Callable[[], object], dry_run: bool, graph: bool) -> float:
-    """Median GPU time. Replayed from a CUDA graph when the callable can be captured (as the
-    server's decode steps are), so launch-bound kernels are timed without Python launch
-    overhead; callables with host work (CPU builds, H2D copies, syncs) fall back to do_bench."""
-    if dry_run:
-        fn()
-        start = time.perf_counter()
-        fn()
-        return (time.perf_counter() - start) * 1e6
-    import triton.testing
-
-    if graph:
-        return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median") * 1e3
-    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3
-
-
 def run(dry_run: bool, only: str = "") -> list[dict]:
     dev = "cpu" if dry_run else "cuda"
     sizes = DRY_SIZES if dry_run else GPU_SIZES
     torch.manual_seed(0)
-    if not dry_run:  # bring the clocks up from idle before the first timing
-        a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
-        for _ in range(1500):  # ~2 s of bf16 GEMMs
-            a @ a
-        torch.cuda.synchronize()
-    records = []
-    for gen in (_route_cases, _mhc_cases, _metadata_cases):
-        for case in gen(dev, sizes, dry_run):
-            if only and only not in case.name:
-                continue
-            t_us = _time_us(case.fn, dry_run, case.graph)
-            base_us = _time_us(case.baseline_fn, dry_run, case.graph)
-            pct = max(case.num_bytes / (t_us * 1e-6) / PEAK_BYTES_PER_S,
-                      case.flops / (t_us * 1e-6) / PEAK_FLOPS) * 100  # fmt: skip
-            records.append({
-                "name": case.name, "shape": case.shape, "time_us": round(t_us, 3),
-                "baseline": case.baseline, "baseline_time_us": round(base_us, 3),
-                "speedup": round(base_us / t_us, 3), "pct_roofline": round(pct, 2),
-            })  # fmt: skip
-            print(f"{case.name:22s} {case.shape:28s} {t_us:10.2f} us  base {base_us:10.2f} us"
-                  f"  x{base_us / t_us:6.2f}  {pct:6.2f}% roofline", flush=True)  # fmt: skip
-    return records
+    if not dry_run:
+        warm_up_clocks()
+    cases = (
+        c for gen in (_route_cases, _mhc_cases, _metadata_cases) for c in gen(dev, sizes, dry_run)
+    )
+    return list(measure(cases, dry_run, only))
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, ref path only")
-    parser.add_argument("--out", type=Path, default=None, help=f"default {DEFAULT_OUT}")
-    parser.add_argument("--only", default="", help="run the cases whose name contains this")
-    args = parser.parse_args(argv)
-    if not args.dry_run and not torch.cuda.is_available():
-        parser.error("needs a CUDA GPU (or --dry-run)")
-    records = run(args.dry_run, args.only)
-    out = args.out or DEFAULT_OUT
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(records, indent=1) + "\n")
-    print(f"wrote {len(records)} records to {out}")
-    return 0
+    return bench_main(__doc__.split("\n")[0], run, DEFAULT_OUT, argv)
 
 
 if __name__ == "__main__":

@@ -20,9 +20,7 @@ pool. Planning and index packing happen outside the timed region (favouring Flas
 
 from __future__ import annotations
 
-import argparse
 import inspect
-import json
 import math
 import sys
 from collections.abc import Iterator
@@ -36,7 +34,7 @@ if sys.path and Path(sys.path[0] or ".").resolve() == Path(__file__).resolve().p
 elif str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.kernels import PEAK_BYTES_PER_S, PEAK_FLOPS, Case, _time_us  # noqa: E402
+from benchmarks.harness import Case, bench_main, measure, warm_up_clocks  # noqa: E402
 from dsv4.runner.kv_codec import encode_rows  # noqa: E402
 from kernels import indexer, indexer_select, sparse_attention  # noqa: E402
 
@@ -230,49 +228,15 @@ def _indexer_cases(dev, sz, dry) -> Iterator[Case]:
 def run(dry_run: bool, only: str = "") -> list[dict]:
     dev = "cpu" if dry_run else "cuda"
     sizes = DRY_SIZES if dry_run else GPU_SIZES
-    if not dry_run:  # bring the clocks up from idle before the first timing
-        a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
-        for _ in range(1500):
-            a @ a
-        torch.cuda.synchronize()
-    records = []
-    for gen in (_attention_cases, _indexer_cases):
-        for case in gen(dev, sizes, dry_run):
-            if only and only not in case.name:
-                continue
-            t_us = _time_us(case.fn, dry_run, case.graph)
-            try:
-                base_us = _time_us(case.baseline_fn, dry_run, case.graph)
-            except RuntimeError as exc:  # a baseline that cannot be captured in a CUDA graph
-                print(f"{case.baseline}: no CUDA graph ({exc}); timing with do_bench"[:300])
-                base_us = _time_us(case.baseline_fn, dry_run, graph=False)
-            bw = case.num_bytes / (t_us * 1e-6) / PEAK_BYTES_PER_S * 100
-            fl = case.flops / (t_us * 1e-6) / PEAK_FLOPS * 100
-            records.append({
-                "name": case.name, "shape": case.shape, "time_us": round(t_us, 3),
-                "baseline": case.baseline, "baseline_time_us": round(base_us, 3),
-                "speedup": round(base_us / t_us, 3), "pct_roofline": round(max(bw, fl), 2),
-            })  # fmt: skip
-            print(f"{case.name:24s} {case.shape:52s} {t_us:9.2f} us  base {base_us:9.2f} us "
-                  f"x{base_us / t_us:6.2f}  bw {bw:5.1f}%  flop {fl:5.1f}%  [{case.baseline}]",
-                  flush=True)  # fmt: skip
-    return records
+    torch.manual_seed(0)
+    if not dry_run:
+        warm_up_clocks()
+    cases = (c for gen in (_attention_cases, _indexer_cases) for c in gen(dev, sizes, dry_run))
+    return list(measure(cases, dry_run, only))
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, ref path only")
-    parser.add_argument("--out", type=Path, default=None, help=f"default {DEFAULT_OUT}")
-    parser.add_argument("--only", default="", help="run the cases whose name contains this")
-    args = parser.parse_args(argv)
-    if not args.dry_run and not torch.cuda.is_available():
-        parser.error("needs a CUDA GPU (or --dry-run)")
-    records = run(args.dry_run, args.only)
-    out = args.out or DEFAULT_OUT
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(records, indent=1) + "\n")
-    print(f"wrote {len(records)} records to {out}")
-    return 0
+    return bench_main(__doc__.split("\n")[0], run, DEFAULT_OUT, argv)
 
 
 if __name__ == "__main__":

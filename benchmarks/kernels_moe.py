@@ -19,8 +19,6 @@ bandwidth / 4.3 TB/s and FLOP/s / 790 TFLOP/s over compulsory traffic and work).
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,7 +31,7 @@ if sys.path and Path(sys.path[0] or ".").resolve() == Path(__file__).resolve().p
 elif str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.kernels import PEAK_BYTES_PER_S, PEAK_FLOPS, Case, _time_us  # noqa: E402
+from benchmarks.harness import Case, bench_main, measure  # noqa: E402
 from dsv4.model.quant import fp8_block_quantize, mxfp4_quantize  # noqa: E402
 from kernels import compressor, moe, sampling  # noqa: E402
 
@@ -148,39 +146,16 @@ def run(dry_run: bool, only: str = "") -> list[dict]:
     dev = "cpu" if dry_run else "cuda"
     sizes = DRY_SIZES if dry_run else GPU_SIZES
     torch.manual_seed(0)
-    records = []
-    for gen in (_compressor_cases, _sampling_cases, _moe_cases):
-        for case in gen(dev, sizes, dry_run):
-            if only and only not in case.name:
-                continue
-            t_us = _time_us(case.fn, dry_run, case.graph)
-            base_us = _time_us(case.baseline_fn, dry_run, case.graph)
-            pct = max(case.num_bytes / (t_us * 1e-6) / PEAK_BYTES_PER_S,
-                      case.flops / (t_us * 1e-6) / PEAK_FLOPS) * 100  # fmt: skip
-            records.append({
-                "name": case.name, "shape": case.shape, "time_us": round(t_us, 3),
-                "baseline": case.baseline, "baseline_time_us": round(base_us, 3),
-                "speedup": round(base_us / t_us, 3), "pct_roofline": round(pct, 2),
-            })  # fmt: skip
-            print(f"{case.name:16s} {case.shape:44s} {t_us:11.2f} us  base {base_us:11.2f} us"
-                  f"  x{base_us / t_us:7.2f}  {pct:6.2f}% roofline", flush=True)  # fmt: skip
-    return records
+    cases = (
+        c
+        for gen in (_compressor_cases, _sampling_cases, _moe_cases)
+        for c in gen(dev, sizes, dry_run)
+    )
+    return list(measure(cases, dry_run, only))
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, refs only")
-    parser.add_argument("--out", type=Path, default=None, help=f"default {DEFAULT_OUT}")
-    parser.add_argument("--only", default="", help="run the cases whose name contains this")
-    args = parser.parse_args(argv)
-    if not args.dry_run and not torch.cuda.is_available():
-        parser.error("needs a CUDA GPU (or --dry-run)")
-    records = run(args.dry_run, args.only)
-    out = args.out or DEFAULT_OUT
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(records, indent=1) + "\n")
-    print(f"wrote {len(records)} records to {out}")
-    return 0
+    return bench_main(__doc__.split("\n")[0], run, DEFAULT_OUT, argv)
 
 
 if __name__ == "__main__":

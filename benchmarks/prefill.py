@@ -42,6 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.harness import PEAK_FLOPS  # noqa: E402
 from dsv4.cache.layout import KVLayout  # noqa: E402
 from dsv4.cache.manager import KVCacheManager  # noqa: E402
 from dsv4.cache.packing import CacheOptions  # noqa: E402
@@ -52,7 +53,6 @@ from dsv4.runner.paged_cache import PagedKVCache  # noqa: E402
 from dsv4.runner.paged_state import load_states, store_state  # noqa: E402
 from dsv4.scheduler.batch import ScheduledRequest  # noqa: E402
 
-PEAK_FLOPS = 790e12  # as benchmarks/kernels.py
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "prefill-h200.json"
 GPU_LENGTHS = (8192, 32768, 131072)
 DRY_LENGTHS = (96, 200)
