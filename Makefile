@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint fmt protos bench-gpu clean
+.PHONY: demo test soak lint fmt protos bench-gpu clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -19,6 +19,10 @@ demo: $(STAMP)
 
 test: $(STAMP) lint
 	$(BIN)/python -m pytest -q
+
+# ~2.5 min: dsv4 loadtest against dsv4 up, blocks and RSS checked (not in `make test`).
+soak: $(STAMP)
+	DSV4TEST_SOAK=1 $(BIN)/python -m pytest -q -s tests/e2e/test_soak.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -14,6 +14,7 @@ import grpc
 
 from dsv4 import wire
 from dsv4.config import ServeConfig
+from dsv4.logs import request_metadata
 from dsv4.rpc.v1 import worker_pb2_grpc
 from dsv4.types import ReleaseRequest
 from dsv4.worker.server import TOKEN_METADATA_KEY
@@ -52,7 +53,9 @@ class PrefillClients:
         request = wire.release_request_to_proto(ReleaseRequest(lease_id, request_id))
         try:
             msg = await self._stub(address).Release(
-                request, timeout=RELEASE_TIMEOUT_S, metadata=self._metadata
+                request,
+                timeout=RELEASE_TIMEOUT_S,
+                metadata=self._metadata + request_metadata(request_id),
             )
         except grpc.aio.AioRpcError as exc:
             logger.debug("Release %s on %s failed: %s", lease_id, address, exc.code().name)

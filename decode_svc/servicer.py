@@ -16,10 +16,18 @@ from decode_svc.prefill_client import PrefillClients
 from decode_svc.session import DecodeDeps, DecodeSession, Live
 from dsv4 import wire
 from dsv4.errors import DeadlineExceeded, Dsv4Error, InvalidRequest, Unavailable
+from dsv4.logs import bind_request_id
+from dsv4.metrics import DecodeMetrics, new_registry
 from dsv4.rpc.v1 import worker_pb2_grpc
-from dsv4.types import DrainStatus, WorkerInfo
+from dsv4.types import DrainStatus, StreamChunk, WorkerInfo
 from dsv4.worker.build import WorkerRuntime
-from dsv4.worker.identity import WorkerIdentity, WorkerLoad, worker_info
+from dsv4.worker.identity import (
+    WorkerIdentity,
+    WorkerLoad,
+    mtp_counts,
+    worker_info,
+    worker_metrics,
+)
 from dsv4.worker.server import abort_with
 from dsv4.worker.tasks import TaskOwner
 
@@ -36,9 +44,20 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         self.identity = identity
         self._tasks = TaskOwner("decode")
         self._prefill_clients = PrefillClients(runtime.config)
-        self._deps = DecodeDeps(runtime, identity.worker_id, self._tasks, self._prefill_clients)
         self._live: dict[str, Live] = {}
         self.is_draining = False
+        self.registry = new_registry()
+        self.metrics = DecodeMetrics.create(
+            self.registry,
+            worker_metrics(
+                self.registry, runtime, identity,
+                num_running=lambda: len(self._live), is_draining=lambda: self.is_draining,
+            ),
+            mtp_counts=lambda: mtp_counts(runtime),
+        )  # fmt: skip
+        self._deps = DecodeDeps(
+            runtime, identity.worker_id, self._tasks, self._prefill_clients, self.metrics
+        )
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         worker_pb2_grpc.add_DecodeWorkerServicer_to_server(self, server)
@@ -64,6 +83,7 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
 
     # ---- RPCs ----------------------------------------------------------------------------------
     async def Decode(self, request, context):
+        bind_request_id(request.request.request_id, context.invocation_metadata())
         try:
             decode = wire.decode_request_from_proto(request, self.runtime.limits)
             rid = decode.request.request_id
@@ -78,11 +98,14 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
             self._live[rid] = live
             try:
                 async for chunk in DecodeSession(self._deps, decode, live).run():
+                    if chunk.usage is not None:
+                        _log_finish(chunk)
                     yield wire.decode_response_to_proto(chunk)
             finally:
                 if self._live.get(rid) is live:
                     del self._live[rid]
         except Dsv4Error as exc:
+            logger.info("decode failed: %s", exc)
             await abort_with(context, exc)
 
     async def Abort(self, request, context):
@@ -90,6 +113,7 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
             rid = wire.abort_request_from_proto(request)
         except Dsv4Error as exc:
             await abort_with(context, exc)
+        bind_request_id(rid)
         live = self._live.get(rid)
         if live is None:
             return wire.abort_response_to_proto(False)
@@ -104,6 +128,16 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
     async def Drain(self, request, context):
         self.is_draining = True
         return wire.drain_status_to_proto(self.drain_status())
+
+
+def _log_finish(last: StreamChunk) -> None:
+    usage = last.usage
+    assert usage is not None and last.finish_reason is not None
+    logger.info(
+        "decode finished (%s): %d tokens; KV %d bytes in %.1f ms%s",
+        last.finish_reason.value, usage.completion_tokens, usage.kv_transfer_bytes,
+        usage.kv_transfer_ms, "; prefill recomputed" if usage.prefill_was_recomputed else "",
+    )  # fmt: skip
 
 
 def _now_ms() -> int:

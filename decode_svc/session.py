@@ -34,6 +34,7 @@ from dsv4.errors import (
     ResourceExhausted,
     Unavailable,
 )
+from dsv4.metrics import DecodeMetrics
 from dsv4.scheduler.batch import RequestOutput
 from dsv4.scheduler.request import FinishReason as EngineFinish
 from dsv4.transfer import ExportedBlocks, PullState, PullStatus, TransportEndpoint
@@ -79,6 +80,7 @@ class DecodeDeps:
     worker_id: str
     tasks: TaskOwner
     prefill_clients: PrefillClients
+    metrics: DecodeMetrics
 
 
 class DecodeSession:
@@ -122,14 +124,18 @@ class DecodeSession:
         dst_block_ids = await self._adopt(engine_request, handle)
         state = await self._pull_guarded(handle, dst_block_ids)
         self._release_on_prefill(handle)
+        metrics = self._deps.metrics
         if state.status is PullStatus.DONE:
             assert state.stats is not None
+            metrics.transfer_bytes.inc(state.stats.num_bytes)
+            metrics.pull_time.observe(state.stats.seconds)
             self._usage = dataclasses.replace(
                 self._usage,
                 kv_transfer_bytes=state.stats.num_bytes,
                 kv_transfer_ms=state.stats.seconds * 1000.0,
             )
         else:
+            metrics.pull_failures.inc()
             await self._engine.abandon(rid)
         if self._live.is_aborted:
             if state.status is PullStatus.DONE:
@@ -149,6 +155,7 @@ class DecodeSession:
                 "pull of %s failed (%s): recomputing the prompt locally", rid, state.message
             )
             self._usage = dataclasses.replace(self._usage, prefill_was_recomputed=True)
+            metrics.recomputes.inc()
             outputs = self._recompute(first)
         async for chunk in self._relay(outputs, text, 1):
             yield chunk

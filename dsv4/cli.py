@@ -125,12 +125,14 @@ def _cmd_worker(role: str) -> Handler:
         import os
 
         from dsv4.config import config_from_args
+        from dsv4.logs import configure_logging
         from dsv4.worker.main import run_worker
 
         chosen = getattr(args, "worker.role", None)
         forced = {} if role == "decode" and chosen == "colocated" else {"worker.role": role}
         config = config_from_args(args, os.environ, forced=forced)
-        logging.getLogger().setLevel(config.metrics.log_level.upper())
+        m = config.metrics
+        configure_logging(m.log_level, m.log_format, config.worker.worker_id or role)
         return run_worker(config)
 
     return run
@@ -186,6 +188,11 @@ def build_parser() -> argparse.ArgumentParser:
     from dsv4.plan_cli import add_plan_parser
 
     add_plan_parser(sub)
+    from dsv4 import indexcache_search
+
+    search = sub.add_parser("indexcache-search", help="find an IndexCache pattern (greedy)")
+    indexcache_search.add_arguments(search)
+    search.set_defaults(handler=indexcache_search.run)
     _add_services(sub)
     return parser
 

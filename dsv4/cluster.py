@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "dsv4"
 HEALTH_POLL_INTERVAL_S = 0.2
+AUTO_PORTS = -1
 ROUTER_HEALTH_NAME = "dsv4.v1.Router"  # SERVING once some request can be routed (readiness)
 
 
@@ -46,6 +47,9 @@ class ClusterSpec:
     log_dir: str = ""  # empty: a temporary directory
     grace_s: float = 10.0
     with_router: bool = True  # False: workers only (worker tests call them directly)
+    # Prometheus: 0 off; N: router on N, then each worker on the next port; AUTO_PORTS: a free
+    # port per service (tests).
+    metrics_base_port: int = 0
 
 
 @dataclass
@@ -55,6 +59,11 @@ class _Service:
     address: str
     process: subprocess.Popen[bytes]
     log_path: Path
+    metrics_port: int = 0  # 0: no /metrics
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.address.rpartition(':')[0]}:{self.metrics_port}/metrics"
 
     def log_tail(self, num_lines: int = 30) -> str:
         with contextlib.suppress(OSError):
@@ -67,6 +76,7 @@ class LocalCluster:
     spec: ClusterSpec
     services: list[_Service] = field(default_factory=list)
     _tmp: tempfile.TemporaryDirectory[str] | None = None
+    credentials: object = None  # grpc.ChannelCredentials matching the services (None: plaintext)
 
     @property
     def router_address(self) -> str:
@@ -100,6 +110,7 @@ class LocalCluster:
             spec.model_dir,
             *(["--redis", spec.redis_url] if spec.redis_url else []),
         ]
+        self.credentials = channel_credentials(spec.service_args)
         try:
             for role, count in (("prefill", spec.num_prefill), ("decode", spec.num_decode)):
                 for i in range(count):
@@ -124,6 +135,9 @@ class LocalCluster:
 
     def _spawn(self, name: str, role: str, address: str, args: list[str], log_dir: Path) -> None:
         log_path = log_dir / f"{name}.log"
+        metrics_port = self._metrics_port(len(self.services), role)
+        if metrics_port:
+            args = [*args, "--metrics-port", str(metrics_port)]
         command = [sys.executable, "-m", "dsv4.cli", role, *args]
         logger.info("starting %s: %s", name, " ".join(command))
         with open(log_path, "wb") as log_file:
@@ -131,14 +145,22 @@ class LocalCluster:
                 command, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 start_new_session=True, preexec_fn=_die_with_parent,
             )  # fmt: skip
-        self.services.append(_Service(name, role, address, process, log_path))
+        self.services.append(_Service(name, role, address, process, log_path, metrics_port))
+
+    def _metrics_port(self, index: int, role: str) -> int:
+        base = self.spec.metrics_base_port
+        if base == AUTO_PORTS:
+            return free_port(self.spec.host)
+        if base <= 0:
+            return 0
+        return base if role == "router" else base + 1 + index  # workers start first
 
     def wait_ready(self, timeout_s: float, services: list[_Service] | None = None) -> None:
         """Poll grpc.health.v1 of each service until SERVING; a service that exits fails."""
         give_up_s = time.monotonic() + timeout_s
         for service in services or self.services:
             health_name = ROUTER_HEALTH_NAME if service.role == "router" else ""
-            while not is_serving(service.address, health_name):
+            while not is_serving(service.address, health_name, credentials=self.credentials):
                 if service.process.poll() is not None:
                     raise Unavailable(
                         f"{service.name} exited with {service.process.returncode} during start-up:"
@@ -188,12 +210,19 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def is_serving(address: str, service_name: str = "", timeout_s: float = 1.0) -> bool:
-    """grpc.health.v1 says SERVING for `service_name` ("" = the process)."""
+def is_serving(
+    address: str, service_name: str = "", timeout_s: float = 1.0, *, credentials: object = None
+) -> bool:
+    """grpc.health.v1 says SERVING for `service_name` ("" = the process); `credentials`:
+    grpc.ChannelCredentials for a TLS port (see `channel_credentials`)."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(address) as channel:
+    if credentials is not None:
+        channel = grpc.secure_channel(address, credentials)  # type: ignore[arg-type]
+    else:
+        channel = grpc.insecure_channel(address)
+    with channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=service_name), timeout=timeout_s
@@ -201,6 +230,28 @@ def is_serving(address: str, service_name: str = "", timeout_s: float = 1.0) -> 
         except grpc.RpcError:
             return False
     return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def channel_credentials(service_args: tuple[str, ...]) -> object:
+    """Client credentials matching the services' security flags (None: plaintext): the CA of
+    `--tls-ca`, and with `--require-client-cert` the services' own key pair as client cert."""
+    import argparse
+
+    import grpc
+
+    from dsv4.config import add_config_args, config_from_args
+
+    parser = argparse.ArgumentParser(add_help=False)
+    add_config_args(parser)
+    args, _ = parser.parse_known_args(list(service_args))
+    s = config_from_args(args, {}).security
+    if not s.tls_cert_path:
+        return None
+    root = Path(s.tls_ca_path).read_bytes() if s.tls_ca_path else None
+    if not s.require_client_cert:
+        return grpc.ssl_channel_credentials(root)
+    key, cert = Path(s.tls_key_path).read_bytes(), Path(s.tls_cert_path).read_bytes()
+    return grpc.ssl_channel_credentials(root, key, cert)
 
 
 def _die_with_parent() -> None:

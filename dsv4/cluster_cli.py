@@ -29,6 +29,10 @@ def add_up_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-dir", default="", help="service logs (default: a temp dir)")
     parser.add_argument("--ready-timeout-s", type=float, default=180.0)
     parser.add_argument("--grace-s", type=float, default=10.0, help="SIGTERM -> SIGKILL delay")
+    parser.add_argument(
+        "--metrics-base-port", type=int, default=0,
+        help="Prometheus /metrics: router on this port, workers on the next ones (0: off)",
+    )  # fmt: skip
     parser.set_defaults(handler=cmd_up, accepts_extra_args=True)
 
 
@@ -47,6 +51,7 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
         model_dir=model, host=args.host, router_port=args.port, num_prefill=args.num_prefill,
         num_decode=args.num_decode, redis_url=args.redis, log_dir=args.log_dir,
         service_args=tuple(getattr(args, "extra_args", ())), grace_s=args.grace_s,
+        metrics_base_port=args.metrics_base_port,
     )  # fmt: skip
 
 

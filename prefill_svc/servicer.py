@@ -21,6 +21,8 @@ import grpc
 from dsv4 import wire
 from dsv4.engine import AsyncEngine
 from dsv4.errors import DeadlineExceeded, Dsv4Error, Unavailable
+from dsv4.logs import bind_request_id
+from dsv4.metrics import PrefillMetrics, new_registry
 from dsv4.rpc.v1 import worker_pb2_grpc
 from dsv4.types import (
     DrainStatus,
@@ -32,7 +34,7 @@ from dsv4.types import (
     WorkerInfo,
 )
 from dsv4.worker.build import WorkerRuntime
-from dsv4.worker.identity import WorkerIdentity, WorkerLoad, worker_info
+from dsv4.worker.identity import WorkerIdentity, WorkerLoad, worker_info, worker_metrics
 from dsv4.worker.server import abort_with
 from dsv4.worker.tasks import TaskOwner
 from prefill_svc.leases import LeaseTable
@@ -57,6 +59,17 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
         self._endpoint_bytes = self._endpoint.to_bytes()
         self._running: dict[str, int] = {}  # request id -> prompt tokens
         self.is_draining = False
+        self.registry = new_registry()
+        self.metrics = PrefillMetrics.create(
+            self.registry,
+            worker_metrics(
+                self.registry, runtime, identity,
+                num_running=lambda: len(self._running), is_draining=lambda: self.is_draining,
+            ),
+            queued_tokens=lambda: runtime.engine.load().num_queued_prefill_tokens,
+            leases_live=lambda: len(self.leases),
+            lease_expiries=lambda: self.leases.num_expired,
+        )  # fmt: skip
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         worker_pb2_grpc.add_PrefillWorkerServicer_to_server(self, server)
@@ -82,6 +95,7 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
 
     # ---- RPCs ----------------------------------------------------------------------------------
     async def Prefill(self, request, context):
+        bind_request_id(request.request.request_id, context.invocation_metadata())
         try:
             if self.is_draining:
                 raise Unavailable(f"prefill worker {self.identity.worker_id} is draining")
@@ -92,9 +106,11 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
             await abort_with(context, exc)
 
     async def Release(self, request, context):
+        bind_request_id(request.request_id, context.invocation_metadata())
         try:
             release = wire.release_request_from_proto(request)
             result = await self.leases.release(release.lease_id, release.request_id)
+            logger.debug("Release %s: was_found=%s", release.lease_id, result.was_found)
             return wire.release_result_to_proto(result)
         except Dsv4Error as exc:
             await abort_with(context, exc)
@@ -132,6 +148,12 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
         finally:
             self._running.pop(rid, None)
         compute_ms = (time.monotonic() - started_s) * 1000.0
+        self.metrics.exports.inc()
+        self.metrics.prefill_time.observe(compute_ms / 1000.0)
+        logger.info(
+            "prefilled %d tokens in %.1f ms; lease %s holds %d blocks",
+            request.num_prompt_tokens, compute_ms, lease.lease_id, lease.num_blocks,
+        )  # fmt: skip
         budget = self.runtime.config.scheduler.max_num_batched_tokens
         handle = KVHandle(
             request_id=rid,

@@ -19,6 +19,7 @@ import grpc
 
 from dsv4 import errors, wire
 from dsv4.config import ServeConfig
+from dsv4.logs import request_metadata
 from dsv4.rpc.v1 import worker_pb2, worker_pb2_grpc
 from dsv4.types import (
     DecodeRequest,
@@ -210,14 +211,18 @@ class WorkerClients:
     ) -> PrefillCall:
         stub = worker_pb2_grpc.PrefillWorkerStub(self.channel(address))
         call = stub.Prefill(
-            wire.prefill_request_to_proto(request), timeout=timeout_s, metadata=self._metadata
+            wire.prefill_request_to_proto(request),
+            timeout=timeout_s,
+            metadata=self._metadata + request_metadata(request.request_id),
         )
         return PrefillCall(call, address, "Prefill")
 
     def start_decode(self, address: str, request: DecodeRequest, timeout_s: float) -> DecodeCall:
         stub = worker_pb2_grpc.DecodeWorkerStub(self.channel(address))
         call = stub.Decode(
-            wire.decode_request_to_proto(request), timeout=timeout_s, metadata=self._metadata
+            wire.decode_request_to_proto(request),
+            timeout=timeout_s,
+            metadata=self._metadata + request_metadata(request.request.request_id),
         )
         return DecodeCall(call, address, "Decode")
 
@@ -242,7 +247,8 @@ class WorkerClients:
         stub = worker_pb2_grpc.PrefillWorkerStub(self.channel(address))
         request = wire.release_request_to_proto(ReleaseRequest(lease_id, request_id))
         try:
-            msg = await stub.Release(request, timeout=timeout_s, metadata=self._metadata)
+            metadata = self._metadata + request_metadata(request_id)
+            msg = await stub.Release(request, timeout=timeout_s, metadata=metadata)
         except grpc.aio.AioRpcError as exc:
             raise WorkerCallError(address, "Release", exc.code(), exc.details() or "") from exc
         return wire.release_result_from_proto(msg).was_found
@@ -252,7 +258,8 @@ class WorkerClients:
         stub = worker_pb2_grpc.DecodeWorkerStub(self.channel(address))
         request = wire.abort_request_to_proto(request_id)
         try:
-            msg = await stub.Abort(request, timeout=timeout_s, metadata=self._metadata)
+            metadata = self._metadata + request_metadata(request_id)
+            msg = await stub.Abort(request, timeout=timeout_s, metadata=metadata)
         except grpc.aio.AioRpcError as exc:
             raise WorkerCallError(address, "Abort", exc.code(), exc.details() or "") from exc
         return wire.abort_response_from_proto(msg)

@@ -26,7 +26,7 @@ from contextlib import aclosing
 
 import grpc
 
-from dsv4.errors import Unavailable
+from dsv4.errors import ResourceExhausted, Unavailable
 from dsv4.types import (
     DecodeRequest,
     FinishReason,
@@ -142,6 +142,8 @@ class RequestFlow:
                 self._clean_up()  # abort the lost D, release its lease
                 self._excluded.decode.add(lost.address)
                 request = self._continuation(num_migrations + 1)
+                self._deps.metrics.migrations.inc()
+                logger.warning("%s: migrating as %s", lost, request.request_id)
 
     def _continuation(self, num_migrations: int) -> GenerateRequest:
         """Prompt + tokens so far, for the remaining budget, as a fresh request id."""
@@ -182,12 +184,17 @@ class RequestFlow:
             handle=prefill.handle if prefill else None,
             pull_failure_policy=self._settings.pull_failure_policy,
         )
-        num_replacements = 0
+        num_replacements, full_reason = 0, ""
         while True:
             self._active.check_aborted()
             decode = prefill_view if prefill is None and num_replacements == 0 else None
-            decode = decode or self._pick_decode(prefill_view, prefill)
-            has_streamed = False
+            try:
+                decode = decode or self._pick_decode(prefill_view, prefill)
+            except Unavailable as exc:
+                if full_reason:  # the D's left were full: overload (retry later), not an outage
+                    raise _all_full(full_reason) from exc
+                raise
+            has_streamed, is_full = False, False
             try:
                 async with aclosing(self._relay(decode, decode_request)) as chunks:
                     async for chunk in chunks:
@@ -203,19 +210,22 @@ class RequestFlow:
                 if not is_full:
                     self._deps.pool.report_suspect(decode.address)
                 reason = f"{exc.code.name}: {exc.details}"
+                full_reason = reason if is_full else full_reason
             except CallInterrupted as exc:
                 self._active.check_aborted()
                 reason = exc.reason
             except _StreamClosedEarly:
                 reason = "it closed its stream before the last message"
             lost = _DecodeLost(decode.address, reason, has_streamed)
+            if not is_full:
+                self._deps.metrics.decode_failures.inc()
             if has_streamed:
                 raise lost
             self._abort_decode()  # D may hold the request although it never answered
             self._excluded.decode.add(decode.address)
             num_replacements += 1
             if num_replacements > self._settings.max_prefill_retries:
-                raise lost
+                raise _all_full(reason) if is_full else lost
 
     async def _relay(
         self, decode: WorkerView, decode_request: DecodeRequest
@@ -277,6 +287,14 @@ class RequestFlow:
                 _quietly(self._deps.clients.release(address, lease_id, request_id, timeout_s)),
                 f"Release {lease_id} on {address}",
             )
+
+
+def _all_full(reason: str) -> ResourceExhausted:
+    return ResourceExhausted(
+        f"no decode worker has room for this request (last: {reason}): retry later, or add "
+        "decode capacity",
+        retry_after_s=1.0,
+    )
 
 
 async def _quietly(call: Awaitable[bool]) -> None:

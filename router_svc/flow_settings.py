@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from dsv4.config import ServeConfig
+from dsv4.metrics import RouterMetrics, new_registry
 from dsv4.types import PullFailurePolicy
 from router_svc.clients import WorkerClients
 from router_svc.live import TaskOwner
@@ -41,3 +42,4 @@ class FlowDeps:
     settings: FlowSettings
     text: TextModel
     cleanup: TaskOwner
+    metrics: RouterMetrics = field(default_factory=lambda: RouterMetrics.create(new_registry()))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -36,12 +37,19 @@ class PoolSettings:
     probe_interval_s: float = 1.0
     probe_timeout_s: float = 1.0
     num_failures_to_down: int = 3
+    # After discovery was unreachable, workers missing from its list are kept this long: a
+    # restarted Redis is empty until every worker's next heartbeat re-publishes it.
+    keep_after_outage_s: float = 5.0
 
     @classmethod
     def from_config(cls, cfg: ServeConfig) -> PoolSettings:
         """Probe as often as workers heartbeat; a dead worker is DOWN after ~3 intervals."""
         interval_s = cfg.discovery.heartbeat_s
-        return cls(probe_interval_s=interval_s, probe_timeout_s=min(2.0, max(0.25, interval_s)))
+        return cls(
+            probe_interval_s=interval_s,
+            probe_timeout_s=min(2.0, max(0.25, interval_s)),
+            keep_after_outage_s=cfg.discovery.ttl_s,
+        )
 
 
 @dataclass
@@ -105,6 +113,7 @@ class WorkerPool:
         self._on_down, self._on_round = on_down, on_round
         self._slots: dict[str, _Slot] = {}
         self._is_registry_stale = False
+        self._stale_at_s = float("-inf")  # when discovery was last seen unreachable
         self._loop_task: asyncio.Task[None] | None = None
         self._suspect_probes: set[asyncio.Task[None]] = set()
 
@@ -172,9 +181,11 @@ class WorkerPool:
                 listed.extend((role, record) for record in view.workers)
         except Dsv4Error as exc:
             logger.warning("pool: cannot list workers (%s); keeping the last list", exc)
-            self._is_registry_stale = True
+            self._is_registry_stale, self._stale_at_s = True, time.monotonic()
             return None
         self._is_registry_stale = is_stale
+        if is_stale:  # the registry's last known list: additions apply, removals wait
+            self._stale_at_s = time.monotonic()
         return listed
 
     def _sync_slots(self, listed: list[tuple[WorkerRole, WorkerRecord]]) -> None:
@@ -189,6 +200,8 @@ class WorkerPool:
                 self._slots[record.address] = _Slot(record.address, role, record)
             else:
                 slot.record = record
+        if time.monotonic() - self._stale_at_s < self._settings.keep_after_outage_s:
+            return  # discovery just came back, maybe empty: workers re-publish within a beat
         for address in [a for a in self._slots if a not in seen]:
             logger.info("pool: worker at %s left discovery", address)
             del self._slots[address]

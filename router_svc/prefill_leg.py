@@ -10,6 +10,7 @@ Called by `RequestFlow` on the event loop.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -25,6 +26,7 @@ from router_svc.flow_settings import FlowDeps
 from router_svc.live import ActiveCall
 from router_svc.view import WorkerView
 
+logger = logging.getLogger(__name__)
 _RETRY_CODES = frozenset(
     {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.RESOURCE_EXHAUSTED}
 )
@@ -79,6 +81,8 @@ async def run_prefill_leg(
             active.call = None
         excluded.prefill.add(prefill.address)
         account.num_prefill_retries += 1
+        deps.metrics.prefill_retries.inc()
+        logger.info("prefill on %s failed (%s): retrying elsewhere", prefill.worker_id, reason)
         if account.num_prefill_retries > settings.max_prefill_retries:
             raise Unavailable(
                 f"prefill failed on {account.num_prefill_retries} workers (router."

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import logging
 import os
 import signal
@@ -28,7 +29,11 @@ from grpc_reflection.v1alpha import reflection
 from dsv4.config import ServeConfig, add_config_args, config_from_args
 from dsv4.discovery import WorkerRegistry, make_registry
 from dsv4.errors import ConfigError, Dsv4Error, Unavailable
+from dsv4.logs import configure_logging
+from dsv4.metrics import MetricsExporter, RouterMetrics, new_registry
 from dsv4.rpc.v1 import router_pb2, router_pb2_grpc
+from dsv4.rpc_guard import MalformedMessageInterceptor
+from dsv4.types import WorkerRole
 from router_svc.admission import AdmissionGate, TokenBucketLimiter
 from router_svc.clients import ClientSettings, WorkerClients
 from router_svc.flow_settings import FlowDeps, FlowSettings
@@ -36,7 +41,7 @@ from router_svc.live import LiveRequests, TaskOwner
 from router_svc.pool import PoolSettings, WorkerPool
 from router_svc.servicer import RouterServicer
 from router_svc.text_model import TextModel, load_text_model
-from router_svc.view import PoolSnapshot
+from router_svc.view import PoolSnapshot, WorkerHealth
 
 logger = logging.getLogger(__name__)
 
@@ -91,9 +96,16 @@ class RouterServer:
         )
         text = text_model if text_model is not None else load_text_model(cfg.model)
         logger.info("router: tokenizer %s", text.source)
-        deps = FlowDeps(self.pool, self._clients, FlowSettings.from_config(cfg), text, self.cleanup)
+        self.registry = new_registry()
+        self.metrics = RouterMetrics.create(self.registry)
+        deps = FlowDeps(
+            self.pool, self._clients, FlowSettings.from_config(cfg), text, self.cleanup,
+            self.metrics,
+        )  # fmt: skip
         r = cfg.router
         self.gate = AdmissionGate(r.max_inflight_requests)
+        self.metrics.in_flight.set_function(lambda: self.gate.num_inflight)
+        self._exporter = MetricsExporter(self.registry, r.host, cfg.metrics.prometheus_port)
         limiter = TokenBucketLimiter(r.rate_limit_rps, r.rate_limit_burst)
         self.servicer = RouterServicer(cfg, deps, self.live, self.gate, limiter)
         self._health: health.aio.HealthServicer | None = None
@@ -106,7 +118,10 @@ class RouterServer:
 
     async def start(self) -> None:
         """Probe the workers once, bind and serve. Raises Unavailable when the port is taken."""
-        server = grpc.aio.server(options=server_options(self._cfg.router.max_message_bytes))
+        server = grpc.aio.server(
+            interceptors=[MalformedMessageInterceptor()],
+            options=server_options(self._cfg.router.max_message_bytes),
+        )
         self._health = health.aio.HealthServicer()
         router_pb2_grpc.add_RouterServicer_to_server(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
@@ -121,6 +136,7 @@ class RouterServer:
         await self.pool.start()
         await server.start()
         self._server = server
+        self._exporter.start()
         logger.info("router: serving dsv4.v1.Router on %s", self.address)
 
     def _bind(self, server: grpc.aio.Server, bind: str) -> int:
@@ -132,6 +148,11 @@ class RouterServer:
         return server.add_secure_port(bind, credentials)
 
     async def _update_health(self, snapshot: PoolSnapshot) -> None:
+        counts = collections.Counter((w.role, w.health) for w in snapshot.workers)
+        for role in WorkerRole:
+            for state in WorkerHealth:
+                gauge = self.metrics.workers.labels(role=role.value, health=state.value)
+                gauge.set(counts[(role, state)])
         if self._health is not None:
             await self._health.set(
                 ROUTER_SERVICE_NAME, _SERVING if snapshot.has_route else _NOT_SERVING
@@ -151,6 +172,7 @@ class RouterServer:
         await self.cleanup.close(timeout_s=_STOP_WAIT_S)
         await self._clients.close()
         self._registry.close()
+        self._exporter.stop()
 
     def find_leaks(self) -> list[str]:
         leaks = self.live.find_leaks() + self.cleanup.find_leaks()
@@ -190,10 +212,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = config_from_args(args, os.environ)
     except ConfigError as exc:
         parser.exit(2, f"dsv4 router: {exc}\n")
-    logging.basicConfig(
-        level=cfg.metrics.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    r = cfg.router
+    configure_logging(cfg.metrics.log_level, cfg.metrics.log_format, f"router-{r.host}:{r.port}")
     try:
         return asyncio.run(_run_until_signal(cfg))
     except Dsv4Error as exc:

@@ -20,6 +20,7 @@ import grpc
 from dsv4 import wire
 from dsv4.config import ServeConfig, request_limits
 from dsv4.errors import Dsv4Error, Unavailable, to_grpc_status
+from dsv4.logs import bind_request_id
 from dsv4.rpc.v1 import router_pb2, router_pb2_grpc
 from dsv4.types import GenerateRequest, ModelInfo, RequestLimits, WorkerRole
 from router_svc.admission import (
@@ -34,6 +35,7 @@ from router_svc.deadline import Deadline
 from router_svc.flow import RequestFlow
 from router_svc.flow_settings import FlowDeps
 from router_svc.live import LiveRequests
+from router_svc.observe import StreamObserver
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +43,8 @@ LONG_PROMPT_CHARS = 16_384  # longer text is tokenized off the event loop
 RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"
 
 
-def _set_error(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+def _set_error(context: grpc.aio.ServicerContext, exc: BaseException) -> tuple[str, str]:
+    """End the call with `exc`'s status; returns (code name, message) for the metrics."""
     code, message = to_grpc_status(exc)
     context.set_code(code)
     context.set_details(message)
@@ -49,6 +52,7 @@ def _set_error(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
     if retry_after_s is not None:
         pushback_ms = str(max(1, math.ceil(retry_after_s * 1000)))
         context.set_trailing_metadata(((RETRY_PUSHBACK_KEY, pushback_ms),))
+    return code.name, message
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
@@ -64,6 +68,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     ) -> None:
         self._cfg, self._deps, self._live = cfg, deps, live
         self._gate, self._limiter = gate, limiter
+        self._metrics = deps.metrics
 
     # ---- Generate -----------------------------------------------------------------------------
 
@@ -71,37 +76,61 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> None:
         received_at_s = time.monotonic()
+        observer = StreamObserver(self._metrics, received_at_s)
+        code, details = "CANCELLED", "the client went away"
+        try:
+            code, details = await self._generate(request, context, observer, received_at_s)
+        finally:
+            observer.finish(code, details)
+
+    async def _generate(
+        self,
+        request: router_pb2.GenerateRequest,
+        context: grpc.aio.ServicerContext,
+        observer: StreamObserver,
+        received_at_s: float,
+    ) -> tuple[str, str]:
+        """Serve one Generate call; returns its final (status code name, details)."""
+        bind_request_id(request.request_id)  # the client's id (sanitized) until validated
         try:
             ticket = self._admit(context)
         except Dsv4Error as exc:
-            _set_error(context, exc)
-            return
+            return _set_error(context, exc)
         with ticket:
             try:
                 deadline = self._deadline(context)
                 validated = await self._validate(request, deadline)
+                bind_request_id(validated.request_id)
+                self._metrics.prompt_tokens.inc(validated.num_prompt_tokens)
                 flow = RequestFlow(validated, deadline, self._deps, received_at_s)
                 self._live.add(flow)
             except Dsv4Error as exc:
-                _set_error(context, exc)
-                return
+                return _set_error(context, exc)
             try:
                 async with aclosing(flow.run()) as chunks:
                     async for chunk in chunks:
                         await context.write(wire.generate_response_to_proto(chunk))
+                        observer.on_chunk(chunk)
             except Dsv4Error as exc:
-                logger.info("request %s failed: %s", flow.request_id, exc)
-                _set_error(context, exc)
+                return _set_error(context, exc)
             except Exception as exc:
-                logger.exception("request %s: unexpected error", flow.request_id)
-                _set_error(context, exc)
+                logger.exception("unexpected error")
+                return _set_error(context, exc)
             finally:
                 self._live.remove(flow)
+        return "OK", ""
 
     def _admit(self, context: grpc.aio.ServicerContext) -> AdmissionTicket:
-        api_key = check_api_key(context.invocation_metadata() or (), self._cfg.router.api_keys)
-        self._limiter.acquire(client_key(api_key, context.peer() or ""))
-        return self._gate.admit()
+        reason = "api_key"
+        try:
+            api_key = check_api_key(context.invocation_metadata() or (), self._cfg.router.api_keys)
+            reason = "rate_limit"
+            self._limiter.acquire(client_key(api_key, context.peer() or ""))
+            reason = "max_inflight"
+            return self._gate.admit()
+        except Dsv4Error:
+            self._metrics.rejections.labels(reason=reason).inc()
+            raise
 
     def _limits(self) -> RequestLimits:
         snapshot = self._deps.pool.snapshot()
@@ -145,18 +174,26 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             check_api_key(context.invocation_metadata() or (), self._cfg.router.api_keys)
             request_id = wire.abort_request_from_proto(request)
         except Dsv4Error as exc:
-            _set_error(context, exc)
+            self._count("Abort", _set_error(context, exc)[0])
             return wire.abort_response_to_proto(False)
-        return wire.abort_response_to_proto(self._live.abort(request_id))
+        bind_request_id(request_id)
+        was_found = self._live.abort(request_id)
+        logger.info("Abort: %s", "stopping the request" if was_found else "not running here")
+        self._count("Abort", "OK")
+        return wire.abort_response_to_proto(was_found)
 
     async def GetModelInfo(self, request, context: grpc.aio.ServicerContext):
         try:
             check_api_key(context.invocation_metadata() or (), self._cfg.router.api_keys)
             info = self.model_info()
         except Dsv4Error as exc:
-            _set_error(context, exc)
+            self._count("GetModelInfo", _set_error(context, exc)[0])
             return router_pb2.ModelInfo()
+        self._count("GetModelInfo", "OK")
         return wire.model_info_to_proto(info)
+
+    def _count(self, method: str, code: str) -> None:
+        self._metrics.requests.labels(method=method, code=code).inc()
 
     def model_info(self) -> ModelInfo:
         """What GetModelInfo answers; raises Unavailable when no worker has reported yet."""

@@ -1,6 +1,6 @@
 """A real `redis-server` for tests: own process, free loopback port, no persistence, tmp dir.
 
-`RedisServer` can stop and restart on the same port (to test outages). The `redis_server`
+`RedisServer` can stop and restart on the same port, or pause and resume (to test outages). The `redis_server`
 fixture starts one per test and always stops it. Tests are skipped if `redis-server` is missing.
 """
 
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -73,6 +74,15 @@ class RedisServer:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait(timeout=STOP_TIMEOUT_S)
+
+    def pause(self) -> None:
+        """SIGSTOP: connections stay open but nothing answers (a hung Redis / a partition)."""
+        assert self._process is not None and self.is_running
+        self._process.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self._process is not None
+        self._process.send_signal(signal.SIGCONT)
 
     def restart(self) -> None:
         self.stop()

@@ -170,6 +170,9 @@ def build_worker_runtime(
             skip_redundant_fill=f.skip_redundant_fill,
         ),
     )
+    roles = pattern.roles
+    # Share of ratio-4 layers whose top-k comes from the IndexCache instead of their indexer.
+    core.runner.index_cache_hit_ratio = roles.count("S") / len(roles) if roles else 0.0
     transport = None
     if with_transport:
         transport = make_transport(

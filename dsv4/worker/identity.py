@@ -12,9 +12,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from prometheus_client import CollectorRegistry
+
 from dsv4.config import ServeConfig
 from dsv4.discovery import WorkerHeartbeat, WorkerRecord, make_registry
 from dsv4.discovery.base import WorkerRegistry
+from dsv4.metrics import WorkerMetrics
 from dsv4.types import TransportKind, WorkerInfo, WorkerRole
 from dsv4.worker.build import WorkerRuntime
 
@@ -89,3 +92,38 @@ def start_heartbeat(
     )
     heartbeat.start()
     return heartbeat, registry
+
+
+def worker_metrics(
+    registry: CollectorRegistry,
+    runtime: WorkerRuntime,
+    identity: WorkerIdentity,
+    *,
+    num_running: Callable[[], int],
+    is_draining: Callable[[], bool],
+) -> WorkerMetrics:
+    """The metrics every worker exports (dsv4.metrics), wired to this runtime's engine."""
+    return WorkerMetrics.create(
+        registry,
+        worker_id=identity.worker_id,
+        role=identity.role.value,
+        load=runtime.engine.load,
+        num_running=num_running,
+        is_draining=is_draining,
+        index_cache_hit_ratio=lambda: index_cache_hit_ratio(runtime),
+    )
+
+
+def index_cache_hit_ratio(runtime: WorkerRuntime) -> float:
+    """The model runner's `index_cache_hit_ratio` (a float in [0, 1] that the IndexCache path
+    maintains) when it has one, else 0."""
+    return float(getattr(runtime.engine.core.runner, "index_cache_hit_ratio", 0.0) or 0.0)
+
+
+def mtp_counts(runtime: WorkerRuntime) -> tuple[int, int]:
+    """(drafted, accepted) draft tokens so far from the runner's speculative decoder, or (0, 0)
+    without one. Read at scrape time from another thread: plain int sums, no locking needed."""
+    spec = getattr(runtime.engine.core.runner, "spec_metrics", None)
+    if spec is None:
+        return 0, 0
+    return sum(spec.num_drafted), sum(spec.num_accepted)

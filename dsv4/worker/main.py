@@ -19,6 +19,8 @@ import torch
 
 from dsv4.config import ServeConfig
 from dsv4.errors import ConfigError
+from dsv4.logs import set_worker_id
+from dsv4.metrics import MetricsExporter
 from dsv4.types import WorkerRole
 from dsv4.worker.build import build_worker_runtime
 from dsv4.worker.identity import WorkerIdentity, start_heartbeat
@@ -63,8 +65,11 @@ async def _serve(config: ServeConfig) -> int:
     server, health = make_server(config, (service_name,))
     port = bind_port(server, config, w.host, w.port)
     identity = WorkerIdentity(w.worker_id, w.advertise_address or f"{w.host}:{port}", role)
+    set_worker_id(identity.worker_id)
     service = service_class(runtime, identity)
     service.add_to_server(server)
+    exporter = MetricsExporter(service.registry, w.host, config.metrics.prometheus_port)
+    exporter.start()
     runtime.engine.start()
     await service.start()
     await server.start()
@@ -93,5 +98,6 @@ async def _serve(config: ServeConfig) -> int:
     await runtime.engine.stop()
     if runtime.transport is not None:
         runtime.transport.close()
+    exporter.stop()
     logger.info("%s %s: stopped", w.role, w.worker_id)
     return 0

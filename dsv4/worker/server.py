@@ -10,6 +10,7 @@ servicer; the caller adds its servicer, binds with `bind_port`, starts, and at s
   metadata `x-dsv4-token: <secret>`; others end UNAUTHENTICATED. Health stays open so
   Kubernetes probes work without the secret.
 - With `security.tls_cert_path`, the port is TLS (mutual when `require_client_cert`).
+- A request that does not parse ends INVALID_ARGUMENT (`dsv4.rpc_guard`), never UNKNOWN.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from grpc_reflection.v1alpha import reflection
 
 from dsv4.config import ServeConfig
 from dsv4.errors import Dsv4Error, to_grpc_status
+from dsv4.rpc_guard import MalformedMessageInterceptor
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +92,7 @@ def make_server(
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
     """An unstarted server with health (every name SERVING once `set_serving` is called) and
     reflection for `service_names` (full names, e.g. "dsv4.v1.PrefillWorker")."""
-    interceptors = []
+    interceptors: list[grpc.aio.ServerInterceptor] = [MalformedMessageInterceptor()]
     if config.security.shared_secret:
         interceptors.append(SharedSecretInterceptor(config.security.shared_secret))
     server = grpc.aio.server(interceptors=interceptors, options=server_options(config))

@@ -67,7 +67,12 @@ async def worker_leaks(cluster: LocalCluster) -> list[str]:
     for service in cluster.services:
         if service.role == "router" or service.process.poll() is not None:
             continue
-        async with grpc.aio.insecure_channel(service.address) as channel:
+        credentials = cluster.credentials  # TLS clusters: the CA and, for mTLS, a client cert
+        if credentials is not None:
+            channel = grpc.aio.secure_channel(service.address, credentials)  # type: ignore[arg-type]
+        else:
+            channel = grpc.aio.insecure_channel(service.address)
+        async with channel:
             stub_class = (
                 worker_pb2_grpc.PrefillWorkerStub
                 if service.role == "prefill"
@@ -136,3 +141,18 @@ def kill(cluster: LocalCluster, name: str) -> None:
     service = cluster.service(name)
     os.kill(service.process.pid, signal.SIGKILL)
     service.process.wait(timeout=10)
+
+
+def scrape(url: str) -> dict[str, float]:
+    """One /metrics scrape: {'name{label="v",...}': value} for every sample (labels sorted)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return samples

@@ -381,3 +381,28 @@ def test_decode_process_killed_mid_stream_gives_unavailable_fast() -> None:
             assert code == grpc.StatusCode.UNAVAILABLE and time.monotonic() - started < 2.0
 
     run(body())
+
+
+def test_every_decode_worker_full_is_resource_exhausted_with_a_retry_hint() -> None:
+    """Overload, not an outage: the client may retry (seen under `make soak` at 5 req/s)."""
+
+    async def body() -> None:
+        full = WorkerScript(fail_code=grpc.StatusCode.RESOURCE_EXHAUSTED)
+        decodes = [ScriptedDecodeWorker("d0", full), ScriptedDecodeWorker("d1", full)]
+        async with cluster([ScriptedPrefillWorker("p0")], decodes) as c:
+            call = c.stub.Generate(gen_request(4))
+            with_first = [await call.read()]  # P's first token was streamed already
+            try:
+                while (msg := await call.read()) is not grpc.aio.EOF:
+                    with_first.append(msg)
+            except grpc.aio.AioRpcError as exc:
+                code, details = exc.code(), exc.details()
+                trailers = dict(exc.trailing_metadata())
+            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, details
+            assert "no decode worker has room" in details
+            assert trailers["grpc-retry-pushback-ms"] == "1000"
+            assert all(len(d.log.requests) == 1 for d in decodes)
+            await asyncio.sleep(0.05)
+            assert c.prefills[0].log.released == _lease_ids(c.prefills[0])
+
+    run(body())

@@ -151,3 +151,41 @@ def test_background_probes_and_suspect_probes_are_owned_and_stopped() -> None:
         assert clients.num_info_calls == stopped_at  # nothing runs after stop
 
     asyncio.run(body())
+
+
+class FlakyRegistry:
+    """A registry whose list is stale (discovery down) or a given set of decode workers."""
+
+    def __init__(self, decode: list[str]) -> None:
+        from dsv4.discovery import WorkerRecord
+
+        self._record = lambda a: WorkerRecord("decode", f"id-{a}", a, "local", b"", "h1")
+        self.decode, self.is_stale = decode, False
+
+    def list(self, role: str, *, include_draining: bool = False):
+        from dsv4.discovery.base import PoolView
+
+        workers = tuple(self._record(a) for a in self.decode) if role == "decode" else ()
+        return PoolView(role, workers, self.is_stale, 0.0)
+
+    def close(self) -> None:
+        pass
+
+
+def test_workers_are_kept_while_discovery_comes_back_empty_after_an_outage() -> None:
+    async def body() -> None:
+        registry, clients = FlakyRegistry(["d:1"]), FakeClients()
+        settings = PoolSettings(probe_interval_s=0.01, probe_timeout_s=0.1, keep_after_outage_s=0.3)
+        pool = WorkerPool(registry, clients, settings)  # type: ignore[arg-type]
+        clients.infos = {"d:1": info("d:1", WorkerRole.DECODE)}
+        await pool.probe_once()
+        registry.is_stale = True  # Redis down: the last list, marked stale
+        await pool.probe_once()
+        registry.decode, registry.is_stale = [], False  # Redis back, empty (nobody beat yet)
+        await pool.probe_once()
+        assert pool.snapshot().find("d:1").is_routable
+        await asyncio.sleep(0.35)
+        await pool.probe_once()  # still missing after the grace: it really left
+        assert pool.snapshot().find("d:1") is None and clients.retired == ["d:1"]
+
+    asyncio.run(body())

@@ -1,0 +1,273 @@
+"""Every Prometheus metric of dsv4-serve, and the exporter that serves them on `/metrics`.
+
+One process, one `CollectorRegistry` (never the global default, so tests can run several
+services in one process). Each service builds its own family of metrics into it:
+`RouterMetrics` (router_svc), `PrefillMetrics` (prefill_svc), `DecodeMetrics` (decode_svc);
+both worker families share `WorkerMetrics`. Names carry their unit (`_seconds`, `_bytes`,
+`_blocks`, `_requests`, `_tokens`, `_ratio`) and counters end in `_total`.
+
+Live state (KV blocks, queue depth, leases) is read when Prometheus scrapes, through callbacks
+into the services (`Gauge.set_function`, `CallbackCounter`): the callbacks run on the
+exporter's thread and read only snapshots (`AsyncEngine.load()`, dict sizes, int counters).
+Events (a request finished, a pull failed) are counted where they happen, on the event loop.
+
+`MetricsExporter(registry, host, port)` owns the HTTP server thread: `start()` (port 0: off),
+`stop()` (shuts the server down and joins the thread). docs/operations.md §10 lists every name.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    disable_created_metrics,
+)
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.exposition import start_http_server
+from prometheus_client.registry import Collector
+
+from dsv4.errors import Unavailable
+
+logger = logging.getLogger(__name__)
+disable_created_metrics()  # no `*_created` series: every process of ours starts fresh anyway
+
+# Latency buckets (seconds): token gaps from 1 ms, whole requests up to 10 minutes.
+TOKEN_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3,
+                   0.5, 0.75, 1.0, 2.5, 5.0)  # fmt: skip
+REQUEST_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
+                     160.0, 320.0, 640.0)  # fmt: skip
+TRANSFER_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                      2.5, 5.0, 10.0)  # fmt: skip
+
+
+class CallbackCounter(Collector):
+    """A counter whose value is read from `read()` at scrape time (a monotonic int kept by a
+    service or the engine), so the owner needs no Prometheus dependency."""
+
+    def __init__(self, name: str, documentation: str, read: Callable[[], float]) -> None:
+        self._name, self._documentation, self._read = name, documentation, read
+
+    def collect(self) -> Iterator[Metric]:
+        yield CounterMetricFamily(self._name, self._documentation, value=self._read())
+
+
+def new_registry() -> CollectorRegistry:
+    """A registry with the standard `process_*` series (RSS, CPU seconds, open fds)."""
+    registry = CollectorRegistry(auto_describe=True)
+    ProcessCollector(registry=registry)
+    return registry
+
+
+@dataclass(frozen=True)
+class RouterMetrics:
+    """The router's view of requests: what clients see."""
+
+    requests: Counter
+    rejections: Counter
+    ttft: Histogram
+    tpot: Histogram
+    itl: Histogram
+    e2e: Histogram
+    prompt_tokens: Counter
+    generation_tokens: Counter
+    prefill_retries: Counter
+    migrations: Counter
+    decode_failures: Counter
+    workers: Gauge
+    in_flight: Gauge
+
+    @classmethod
+    def create(cls, registry: CollectorRegistry) -> RouterMetrics:
+        r = registry
+        return cls(
+            requests=Counter("dsv4_router_requests", "Router RPCs by method and final gRPC status code", ("method", "code"), registry=r),
+            rejections=Counter("dsv4_router_admission_rejections", "Generate calls refused before any work, by reason (api_key, rate_limit, max_inflight)", ("reason",), registry=r),
+            ttft=Histogram("dsv4_router_time_to_first_token_seconds", "Request received to first token handed to gRPC", buckets=REQUEST_BUCKETS_S, registry=r),
+            tpot=Histogram("dsv4_router_time_per_output_token_seconds", "(E2E - TTFT) / (output tokens - 1), per successful request", buckets=TOKEN_BUCKETS_S, registry=r),
+            itl=Histogram("dsv4_router_inter_token_latency_seconds", "Gap between consecutive streamed messages carrying tokens", buckets=TOKEN_BUCKETS_S, registry=r),
+            e2e=Histogram("dsv4_router_e2e_request_latency_seconds", "Request received to its last message, per successful request", buckets=REQUEST_BUCKETS_S, registry=r),
+            prompt_tokens=Counter("dsv4_router_prompt_tokens", "Prompt tokens of admitted, validated requests", registry=r),
+            generation_tokens=Counter("dsv4_router_generation_tokens", "Tokens streamed to clients", registry=r),
+            prefill_retries=Counter("dsv4_router_prefill_retries", "Prefill attempts repeated on another P", registry=r),
+            migrations=Counter("dsv4_router_migrations", "Requests re-run on another pair after D died mid-stream", registry=r),
+            decode_failures=Counter("dsv4_router_decode_failures", "Decode calls lost to a failing D (replaced, migrated or failed)", registry=r),
+            workers=Gauge("dsv4_router_workers", "Workers the router knows, by role and health", ("role", "health"), registry=r),
+            in_flight=Gauge("dsv4_router_requests_in_flight", "Generate calls admitted and not finished", registry=r),
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class WorkerMetrics:
+    """What every worker reports (label-free: Prometheus' `instance` tells workers apart)."""
+
+    info: Gauge
+    index_cache_hit_ratio: Gauge
+
+    @classmethod
+    def create(
+        cls,
+        registry: CollectorRegistry,
+        *,
+        worker_id: str,
+        role: str,
+        load: Callable[[], object],
+        num_running: Callable[[], int],
+        is_draining: Callable[[], bool],
+        index_cache_hit_ratio: Callable[[], float],
+    ) -> WorkerMetrics:
+        """`load()` returns an `EngineLoad` (dsv4.engine_core); callbacks run at scrape time."""
+        r = registry
+        info = Gauge(
+            "dsv4_worker_info",
+            "Always 1; labels name the worker",
+            ("worker_id", "role"),
+            registry=r,
+        )
+        info.labels(worker_id=worker_id, role=role).set(1)
+        gauges = {
+            "dsv4_worker_running_requests": ("Requests this worker is serving (RPCs in progress)", num_running),
+            "dsv4_worker_queued_requests": ("Requests waiting in the engine's queue", lambda: load().num_waiting),
+            "dsv4_worker_kv_blocks_free": ("KV cache blocks free", lambda: load().num_free_blocks),
+            "dsv4_worker_kv_blocks_used": ("KV cache blocks in use (running, held or adopted)", lambda: _used_blocks(load())),
+            "dsv4_worker_draining": ("1 while the worker drains (takes nothing new)", lambda: float(is_draining())),
+        }  # fmt: skip
+        for name, (documentation, read) in gauges.items():
+            Gauge(name, documentation, registry=r).set_function(read)
+        hit = Gauge(
+            "dsv4_worker_index_cache_hit_ratio",
+            "IndexCache: share of ratio-4 layers that reused a Full layer's top-k (0 when off)",
+            registry=r,
+        )
+        hit.set_function(index_cache_hit_ratio)
+        return cls(info=info, index_cache_hit_ratio=hit)
+
+
+def _used_blocks(load: object) -> int:
+    return load.num_total_blocks - load.num_free_blocks  # type: ignore[attr-defined]
+
+
+@dataclass(frozen=True)
+class PrefillMetrics:
+    worker: WorkerMetrics
+    exports: Counter
+    prefill_time: Histogram
+
+    @classmethod
+    def create(
+        cls,
+        registry: CollectorRegistry,
+        worker: WorkerMetrics,
+        *,
+        queued_tokens: Callable[[], int],
+        leases_live: Callable[[], int],
+        lease_expiries: Callable[[], int],
+    ) -> PrefillMetrics:
+        r = registry
+        Gauge(
+            "dsv4_prefill_queued_tokens", "Prompt tokens not yet prefilled", registry=r
+        ).set_function(queued_tokens)
+        Gauge(
+            "dsv4_prefill_leases_live",
+            "KV exports held under a lease, waiting for D's pull",
+            registry=r,
+        ).set_function(leases_live)
+        r.register(
+            CallbackCounter(
+                "dsv4_prefill_lease_expiries_total",
+                "Leases that expired unpulled (blocks freed by the TTL)",
+                lease_expiries,
+            )
+        )
+        return cls(
+            worker=worker,
+            exports=Counter("dsv4_prefill_kv_exports", "Finished prefills whose KV was exported under a lease", registry=r),
+            prefill_time=Histogram("dsv4_prefill_time_seconds", "Prefill RPC received to KV exported (queue + compute)", buckets=REQUEST_BUCKETS_S, registry=r),
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class DecodeMetrics:
+    worker: WorkerMetrics
+    transfer_bytes: Counter
+    pull_time: Histogram
+    pull_failures: Counter
+    recomputes: Counter
+
+    @classmethod
+    def create(
+        cls,
+        registry: CollectorRegistry,
+        worker: WorkerMetrics,
+        *,
+        mtp_counts: Callable[[], tuple[int, int]],
+    ) -> DecodeMetrics:
+        """`mtp_counts()` is (drafted, accepted) tokens from the speculative decoder, or (0, 0)."""
+        r = registry
+        r.register(
+            CallbackCounter(
+                "dsv4_decode_mtp_drafted_tokens_total",
+                "Draft tokens proposed by MTP",
+                lambda: mtp_counts()[0],
+            )
+        )
+        r.register(
+            CallbackCounter(
+                "dsv4_decode_mtp_accepted_tokens_total",
+                "Draft tokens accepted by verification",
+                lambda: mtp_counts()[1],
+            )
+        )
+        return cls(
+            worker=worker,
+            transfer_bytes=Counter("dsv4_decode_kv_transfer_bytes", "KV bytes pulled from prefill workers", registry=r),
+            pull_time=Histogram("dsv4_decode_kv_pull_seconds", "Successful KV pulls: start to done", buckets=TRANSFER_BUCKETS_S, registry=r),
+            pull_failures=Counter("dsv4_decode_kv_pull_failures", "KV pulls that failed (P gone, lease ended, timeout)", registry=r),
+            recomputes=Counter("dsv4_decode_prefill_recomputes", "Prompts prefilled locally after a failed pull", registry=r),
+        )  # fmt: skip
+
+
+class MetricsExporter:
+    """Serves `registry` as Prometheus text on http://host:port/metrics from its own thread."""
+
+    def __init__(self, registry: CollectorRegistry, host: str, port: int) -> None:
+        self.registry, self.host, self.port = registry, host, port
+        self._server: WSGIServer | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def is_running(self) -> bool:
+        return self._server is not None
+
+    def start(self) -> None:
+        """Bind and serve (no-op when port is 0). Raises Unavailable when the port is taken."""
+        if not self.port or self._server is not None:
+            return
+        try:
+            self._server, self._thread = start_http_server(
+                self.port, addr=self.host, registry=self.registry
+            )
+        except OSError as exc:
+            raise Unavailable(
+                f"cannot serve metrics on {self.host}:{self.port} ({exc}): pick a free "
+                "metrics.prometheus_port, or 0 to turn metrics off"
+            ) from exc
+        logger.info("metrics on http://%s:%d/metrics", self.host, self.port)
+
+    def stop(self) -> None:
+        """Stop serving and join the thread. Idempotent."""
+        server, thread, self._server, self._thread = self._server, self._thread, None, None
+        if server is None:
+            return
+        server.shutdown()
+        server.server_close()
+        if thread is not None:
+            thread.join(timeout=5.0)
