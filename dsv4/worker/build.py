@@ -43,6 +43,7 @@ from dsv4.scheduler.config import SchedulerConfig
 from dsv4.scheduler.request import Request
 from dsv4.transfer import KVTransport, make_transport
 from dsv4.types import GenerateRequest, KVLayoutInfo, RequestLimits
+from dsv4.worker.fit import startup_plan
 from kernels.backend import KernelBackendConfig
 
 logger = logging.getLogger(__name__)
@@ -90,6 +91,15 @@ class WorkerRuntime:
         )
 
 
+def planned_model_config(config: ServeConfig) -> ModelConfig:
+    """The model's config, read before any weight is loaded."""
+    if config.model.path == "tiny":
+        from dsv4.model.config import tiny_config
+
+        return tiny_config()
+    return ModelConfig.from_file(config.model.path)
+
+
 def load_weights(config: ServeConfig) -> tuple[torch.nn.Module, ModelConfig, TextCodec | None]:
     """The model (eval mode, on the configured device) and its tokenizer, if any."""
     m = config.model
@@ -122,6 +132,10 @@ def build_worker_runtime(
     config = resolve_auto(
         config, has_cuda=torch.cuda.is_available(), hostname=socket.gethostname(), pid=os.getpid()
     )
+    if config.model.device.startswith("cuda"):
+        device = torch.device(config.model.device)
+        total_bytes = torch.cuda.get_device_properties(device).total_memory
+        startup_plan(config, planned_model_config(config), total_bytes)  # raises PlanDoesNotFit
     model, model_cfg, codec = load_weights(config)
     config = dataclasses.replace(
         config,

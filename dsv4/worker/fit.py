@@ -1,0 +1,40 @@
+"""Start-up memory check: the worker computes `dsv4 plan`'s plan before loading any weight and
+refuses to start with the plan's message when the model, KV cache and workspaces cannot fit,
+instead of running out of memory halfway through the load (issue 11)."""
+
+from __future__ import annotations
+
+from dsv4.cache.packing import CacheOptions
+from dsv4.config import ServeConfig
+from dsv4.model.config import ModelConfig
+from dsv4.plan import MemoryPlan, PlanRequest, WeightFormats, check_fits, plan_memory
+
+GIB = 1 << 30
+
+
+def startup_plan(config: ServeConfig, model_cfg: ModelConfig, gpu_total_bytes: int) -> MemoryPlan:
+    """The plan for one worker on one GPU of `gpu_total_bytes`; raises `PlanDoesNotFit`.
+
+    The reference path holds every weight dequantised to bf16, and workers keep experts on the
+    GPU (no host offload), so those are the formats and the host budget planned for. KV is
+    sized for one maximum-length request: the worker sizes the rest from what remains."""
+    spec = config.speculative
+    request = PlanRequest(
+        model=model_cfg,
+        num_gpus=1,
+        gpu_mem_gib=gpu_total_bytes / GIB,
+        host_mem_gib=0.0,
+        max_model_len=config.model.max_model_len or model_cfg.max_position_embeddings,
+        max_num_seqs=1,
+        max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+        num_speculative_tokens=spec.num_speculative_tokens if spec.method == "mtp" else 0,
+        cuda_graphs=False,
+        memory_fraction=config.cache.memory_fraction,
+        formats=WeightFormats("bf16", "bf16"),
+        cache=CacheOptions(
+            block_size=config.cache.block_size,
+            kv_dtype="fp8" if config.cache.kv_dtype == "auto" else config.cache.kv_dtype,
+            index_dtype=config.cache.indexer_key_dtype,
+        ),
+    )
+    return check_fits(plan_memory(request))
