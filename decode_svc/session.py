@@ -123,42 +123,49 @@ class DecodeSession:
         engine_request.output_token_ids.append(first)
         dst_block_ids = await self._adopt(engine_request, handle)
         state = await self._pull_guarded(handle, dst_block_ids)
-        self._release_on_prefill(handle)
-        metrics = self._deps.metrics
-        if state.status is PullStatus.DONE:
-            assert state.stats is not None
-            metrics.transfer_bytes.inc(state.stats.num_bytes)
-            metrics.pull_time.observe(state.stats.seconds)
-            self._usage = dataclasses.replace(
-                self._usage,
-                kv_transfer_bytes=state.stats.num_bytes,
-                kv_transfer_ms=state.stats.seconds * 1000.0,
-            )
-        else:
-            metrics.pull_failures.inc()
-            await self._engine.abandon(rid)
-        if self._live.is_aborted:
+        try:
+            self._release_on_prefill(handle)
+            metrics = self._deps.metrics
             if state.status is PullStatus.DONE:
+                assert state.stats is not None
+                metrics.transfer_bytes.inc(state.stats.num_bytes)
+                metrics.pull_time.observe(state.stats.seconds)
+                self._usage = dataclasses.replace(
+                    self._usage,
+                    kv_transfer_bytes=state.stats.num_bytes,
+                    kv_transfer_ms=state.stats.seconds * 1000.0,
+                )
+            else:
+                metrics.pull_failures.inc()
                 await self._engine.abandon(rid)
-            yield self._last(None, FinishReason.ABORT, 1)
-            return
-        text = TextDeltas(runtime.codec, already_sent=(first,))
-        if state.status is PullStatus.DONE:
-            outputs = self._engine.activate(rid)
-        elif self._decode.pull_failure_policy is PullFailurePolicy.FAIL:
-            raise Unavailable(
-                f"KV pull of {rid!r} from {handle.prefill_worker_id} failed ({state.message}); "
-                "the pull failure policy is fail: retry the request"
-            )
-        else:
-            logger.warning(
-                "pull of %s failed (%s): recomputing the prompt locally", rid, state.message
-            )
-            self._usage = dataclasses.replace(self._usage, prefill_was_recomputed=True)
-            metrics.recomputes.inc()
-            outputs = self._recompute(first)
-        async for chunk in self._relay(outputs, text, 1):
-            yield chunk
+            if self._live.is_aborted:
+                if state.status is PullStatus.DONE:
+                    await self._engine.abandon(rid)
+                yield self._last(None, FinishReason.ABORT, 1)
+                return
+            text = TextDeltas(runtime.codec, already_sent=(first,))
+            if state.status is PullStatus.DONE:
+                outputs = self._engine.activate(rid)
+            elif self._decode.pull_failure_policy is PullFailurePolicy.FAIL:
+                raise Unavailable(
+                    f"KV pull of {rid!r} from {handle.prefill_worker_id} failed ({state.message}); "
+                    "the pull failure policy is fail: retry the request"
+                )
+            else:
+                logger.warning(
+                    "pull of %s failed (%s): recomputing the prompt locally", rid, state.message
+                )
+                self._usage = dataclasses.replace(self._usage, prefill_was_recomputed=True)
+                metrics.recomputes.inc()
+                outputs = self._recompute(first)
+            async for chunk in self._relay(outputs, text, 1):
+                yield chunk
+        finally:
+            # Whatever ended this call (finish, error, client cancel) after the pull returned: an
+            # adopted request that never reached `activate` still holds its blocks. abandon() is a
+            # no-op once the request was activated, so run it unconditionally (as an owned task:
+            # this coroutine may be cancelled right here).
+            self._deps.tasks.spawn(self._engine.abandon(rid), f"abandon {rid}")
 
     def _first_token_finish(self, first: int) -> FinishReason | None:
         sampling = self._request.sampling
@@ -175,8 +182,14 @@ class DecodeSession:
         lease_left_s = handle.lease_expires_at_unix_ms / 1000.0 - time.time()
         give_up_s = time.monotonic() + max(pull_timeout_s, lease_left_s - pull_timeout_s)
         while True:
+            adopting = asyncio.ensure_future(self._engine.adopt(engine_request))
             try:
-                return await self._engine.adopt(engine_request)
+                return await asyncio.shield(adopting)
+            except asyncio.CancelledError:
+                # The engine thread may still allocate the blocks: free them once it has.
+                adopting.add_done_callback(self._abandon_when_done(engine_request.request_id))
+                self._release_on_prefill(handle)
+                raise
             except OutOfBlocks as exc:
                 if time.monotonic() >= give_up_s or self._live.is_aborted:
                     self._release_on_prefill(handle)
@@ -187,6 +200,11 @@ class DecodeSession:
                     ) from exc
             await asyncio.sleep(ADOPT_RETRY_INTERVAL_S)
 
+    def _abandon_when_done(self, rid: str):
+        """A done-callback that frees `rid`'s adopted blocks (an owned task; no-op if none)."""
+        engine, tasks = self._engine, self._deps.tasks
+        return lambda _: tasks.spawn(engine.abandon(rid), f"abandon {rid}")
+
     async def _pull_guarded(self, handle: KVHandle, dst_block_ids: tuple[int, ...]) -> PullState:
         """Run the pull as an owned task; if this call is cancelled, the task still finishes
         the transfer and only then frees the destination blocks."""
@@ -195,8 +213,7 @@ class DecodeSession:
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
-            engine, tasks = self._engine, self._deps.tasks
-            task.add_done_callback(lambda _: tasks.spawn(engine.abandon(rid), f"abandon {rid}"))
+            task.add_done_callback(self._abandon_when_done(rid))
             self._release_on_prefill(handle)
             raise
 

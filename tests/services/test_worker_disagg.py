@@ -183,6 +183,21 @@ def test_client_cancel_mid_stream_frees_blocks(cluster) -> None:
     with_workers(cluster, body)
 
 
+def test_cancel_at_any_moment_of_decode_frees_blocks(cluster) -> None:
+    """The client may leave while D adopts blocks, pulls or is about to activate: whatever the
+    moment, D frees the adopted blocks (wait_idle checks Info: all free, nothing running)."""
+
+    async def body(w: Workers):
+        for i, delay_s in enumerate((0.0, 0.001, 0.003, 0.01, 0.03, 0.1)):
+            req = request(f"cancel-at-{i}", PROMPTS[i % len(PROMPTS)], max_new_tokens=400)
+            prefill = await w.prefill_request(req)
+            stream = w.decode_stream(req, prefill)
+            await asyncio.sleep(delay_s)
+            stream.cancel()
+
+    with_workers(cluster, body)
+
+
 def test_unpulled_lease_expires_and_frees_prefill_blocks(cluster) -> None:
     async def body(w: Workers):
         await w.prefill_request(request("never-pulled", PROMPTS[1]))
