@@ -13,8 +13,6 @@ final streams to it for the MTP layer.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from dsv4.errors import ConfigError
@@ -27,16 +25,6 @@ from dsv4.scheduler.batch import RequestStepOutput, ScheduledBatch, ScheduledReq
 from dsv4.spec.decoder import SpeculativeDecoder
 from dsv4.spec.metrics import SpecMetrics
 from kernels.backend import KernelBackendConfig
-
-
-@dataclass(frozen=True)
-class StepStats:
-    """What one execute() did, for metrics and benchmarks."""
-
-    num_tokens: int
-    num_prefill_tokens: int
-    num_decode_tokens: int
-    seconds: float
 
 
 def sampling_spec(params: object) -> SamplingSpec:

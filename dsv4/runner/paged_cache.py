@@ -124,8 +124,3 @@ class PagedKVCache:
         positions = torch.arange(first, first + keep, device=self.device)
         records = encode_rows(rows, region.dtype_name, region.entry_bytes, self._rope(region))
         self._flat[self._ring_index(region, ring_block_ids, positions)] = records.to(self.device)
-
-    def zero_blocks(self, block_ids: list[int]) -> None:
-        """Clear blocks before reuse in tests that look for stale data."""
-        if block_ids:
-            self.backing[torch.as_tensor(block_ids, device=self.device)] = 0
