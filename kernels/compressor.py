@@ -42,7 +42,7 @@ from dsv4.model.rope import apply_rope
 from dsv4.runner.kv_codec import encode_rows
 from kernels.registry import register_op
 
-FORMATS = ("fp8_ue8m0", "mxfp4", "fp8_fp32scale")
+FORMATS = ("fp8_ue8m0", "mxfp4", "fp8_fp32scale", "bf16", "fp32")  # the last two: debug caches
 
 
 def entry_bytes(fmt: str, dim: int, rope_dim: int) -> int:
@@ -54,6 +54,8 @@ def entry_bytes(fmt: str, dim: int, rope_dim: int) -> int:
         return dim // 2 + dim // 32
     if fmt == "fp8_fp32scale":
         return dim + 4
+    if fmt in ("bf16", "fp32"):
+        return dim * (2 if fmt == "bf16" else 4)
     raise ValueError(f"unknown compressor entry format {fmt!r}; use one of {FORMATS}")
 
 
@@ -117,7 +119,7 @@ def _compress_kernel(
     stride_kv, stride_gate, stride_state, stride_win, stride_cs, stride_cache, eps,
     # Meta-parameters
     D: tl.constexpr, ROPE: tl.constexpr, RATIO: tl.constexpr, OVERLAP: tl.constexpr,
-    FMT: tl.constexpr,  # 0 fp8_ue8m0, 1 mxfp4, 2 fp8_fp32scale
+    FMT: tl.constexpr,  # 0 fp8_ue8m0, 1 mxfp4, 2 fp8_fp32scale, 3 bf16, 4 fp32
     BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
     ALL_TOKENS: tl.constexpr,  # baseline: one program per token, non-boundary ones idle
 ):  # fmt: skip
@@ -129,7 +131,7 @@ def _compress_kernel(
         active = (tl.load(pos_ptr + b) + 1) % RATIO == 0
     else:
         tok = tl.load(bnd_ptr + b)
-        active = b >= 0
+        active = tok >= 0  # a -1 entry pads a fixed-size boundary list
     if active:
         ch = tl.arange(0, BLOCK_D)
         ch_ok = ch < D
@@ -211,6 +213,14 @@ def _compress_kernel(
             tl.store(out + pair, (lo | (hi << 4)).to(tl.uint8), mask=pair < D // 2)
             g = tl.arange(0, BLOCK_D // 32)
             tl.store(out + D // 2 + g, (e + 127).to(tl.uint8), mask=g < D // 32)
+        elif FMT == 3:  # the bf16 row (debug caches)
+            hb = (y.to(tl.int32, bitcast=True) >> 16) & 0xFFFF
+            tl.store(out + 2 * ch, (hb & 0xFF).to(tl.uint8), mask=ch_ok)
+            tl.store(out + 2 * ch + 1, (hb >> 8).to(tl.uint8), mask=ch_ok)
+        elif FMT == 4:  # the (bf16-valued) fp32 row
+            bits = y.to(tl.int32, bitcast=True)
+            for k in tl.static_range(4):
+                tl.store(out + 4 * ch + k, ((bits >> (8 * k)) & 0xFF).to(tl.uint8), mask=ch_ok)
         else:  # [D e4m3 | fp32 scale = amax / 448]
             amax = tl.max(tl.where(ch_ok, tl.abs(y), 0.0), axis=0)
             scale = tl.maximum(tl.math.div_rn(amax, 448.0), 1e-12)
@@ -303,6 +313,7 @@ def compressor_step(
     fmt: str,
     rope_dim: int,
     eps: float = 1e-6,
+    entry_dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
     """One step of a compressor: entries of the boundary tokens into `cache`, then the state.
 
@@ -316,6 +327,7 @@ def compressor_step(
     """
     dim = kv.shape[1] // (2 if ratio == 4 else 1)
     _check(kv, gate, state, cache, ratio, fmt, dim, rope_dim)
+    assert entry_dtype == torch.bfloat16, "the kernel rounds entries to bf16 (the served dtype)"
     num_b = boundary.shape[0]
     if num_b:  # #48957: no compress launch on a step without a boundary token
         _launch_compress(kv, gate, positions, state, boundary, num_in_step, window_rows,
@@ -327,7 +339,7 @@ def compressor_step(
 
 def compressor_step_always(kv, gate, positions, state, save_slots, boundary, num_in_step,
                            window_rows, norm_weight, cos, sin, cache, entry_slots, *, ratio,
-                           fmt, rope_dim, eps=1e-6):  # fmt: skip
+                           fmt, rope_dim, eps=1e-6, entry_dtype=torch.bfloat16):  # fmt: skip
     """The pre-#48957 slow path: the compress kernel over EVERY token (per-token tables:
     num_in_step [T], window_rows [T, c*r], cos/sin [T, rope/2], entry_slots [T]), non-boundary
     programs idle; `boundary` is ignored. Then the state save."""
@@ -344,9 +356,11 @@ def compressor_step_always(kv, gate, positions, state, save_slots, boundary, num
 def compressor_step_ref(
     kv, gate, positions, state, save_slots, boundary, num_in_step, window_rows, norm_weight,
     cos, sin, cache, entry_slots, ratio=4, fmt="fp8_ue8m0", rope_dim=64, eps=1e-6,
+    entry_dtype=torch.bfloat16,
 ):  # fmt: skip
     """Reference: gathers each boundary window from the step and the ring, then the model's
-    `compress_windows`, bf16 RMSNorm, `apply_rope` and `kv_codec.encode_rows`."""
+    `compress_windows`, RMSNorm and `apply_rope` in `entry_dtype` (the model dtype: bf16, as
+    the kernel; fp32 for exactness tests of an fp32 model) and `kv_codec.encode_rows`."""
     overlap = ratio == 4
     width = kv.shape[1]
     dim = width // (2 if overlap else 1)
@@ -357,7 +371,7 @@ def compressor_step_ref(
         in_step = back < num_in_step.long()[:, None]  # [NB, NC]
         tok = (boundary.long()[:, None] - back).clamp_min(0)
         row = window_rows.long()
-        ring = state[row.clamp_min(0)]  # [NB, NC, 2W]
+        ring = _rows_at(state, row.clamp_min(0))  # [NB, NC, 2W]
         cand_kv = torch.where(in_step[..., None], kv[tok], ring[..., :width])
         cand_gate = torch.where(in_step[..., None], gate[tok], ring[..., width:])
         missing = (~in_step & (row < 0))[..., None]
@@ -371,13 +385,34 @@ def compressor_step_ref(
             new = windows(kv_w, gate_w, None, None, True)[1::2]
         else:
             new = windows(cand_kv, cand_gate, None, None, False)
-        new = rms_norm(new.to(torch.bfloat16), norm_weight, eps)
+        new = rms_norm(new.to(entry_dtype), norm_weight, eps)
         new = apply_rope(new, cos, sin)
         records = encode_rows(new, fmt, entry_bytes(fmt, dim, rope_dim), rope_dim)
-        cache[entry_slots.long(), : records.shape[1]] = records
+        _set_rows(cache, entry_slots.long(), records)
     keep = save_slots >= 0
-    state[save_slots[keep].long()] = torch.cat((kv, gate), dim=1)[keep]
+    _set_rows(state, save_slots[keep].long(), torch.cat((kv, gate), dim=1)[keep])
     return cache
+
+
+def _flat_index(view: torch.Tensor, rows: torch.Tensor, width: int) -> torch.Tensor:
+    """Storage element offsets [*rows.shape, width] of `view[rows, :width]`. Callers may pass
+    row-addressed views whose rows overlap (stride (1, 1): row = element offset), which torch's
+    indexing cannot write into, so the references go through the flat storage."""
+    cols = torch.arange(width, device=view.device) * view.stride(1)
+    return view.storage_offset() + rows.unsqueeze(-1) * view.stride(0) + cols
+
+
+def _storage(view: torch.Tensor) -> torch.Tensor:
+    numel = view.untyped_storage().nbytes() // view.element_size()
+    return view.as_strided((numel,), (1,), 0)
+
+
+def _rows_at(view: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    return _storage(view)[_flat_index(view, rows, view.shape[1])]
+
+
+def _set_rows(view: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
+    _storage(view)[_flat_index(view, rows, values.shape[1])] = values.to(view.dtype)
 
 
 register_op("compressor_step", compressor_step, compressor_step_ref, family="compressor",

@@ -81,6 +81,7 @@ def _logits_kernel(
     HI: tl.constexpr, DI: tl.constexpr, E: tl.constexpr, STRIDE_KB: tl.constexpr,
     STRIDE_KE: tl.constexpr, STRIDE_BT: tl.constexpr, FMT: tl.constexpr,
     DOT_BF16: tl.constexpr,  # bf16 tensor-core dot (GPU); fp32 under the interpreter
+    WRITE_TAIL: tl.constexpr,  # -inf past the visible entries (False: the top-k never reads them)
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
@@ -106,11 +107,11 @@ def _logits_kernel(
         dots = tl.dot(k.to(dot_t), tl.trans(q)) * row_scale[:, None]  # [BLOCK_N, BLOCK_H]
         score = tl.sum(tl.maximum(dots, 0.0) * w[None, :], axis=1)
         tl.store(out_row + i, tl.where(ok, score, float("-inf")), mask=i < end)
-    # The rest of this split is past the visible entries.
-    tail = start + tl.cdiv(tl.maximum(stop - start, 0), BLOCK_N) * BLOCK_N
-    for i0 in range(tail, end, BLOCK_N):
-        i = i0 + tl.arange(0, BLOCK_N)
-        tl.store(out_row + i, tl.full([BLOCK_N], float("-inf"), tl.float32), mask=i < end)
+    if WRITE_TAIL:  # the rest of this split is past the visible entries
+        tail = start + tl.cdiv(tl.maximum(stop - start, 0), BLOCK_N) * BLOCK_N
+        for i0 in range(tail, end, BLOCK_N):
+            i = i0 + tl.arange(0, BLOCK_N)
+            tl.store(out_row + i, tl.full([BLOCK_N], float("-inf"), tl.float32), mask=i < end)
 
 
 _GPU_CONFIGS = [(128, 8, 3), (128, 4, 3), (64, 4, 4), (256, 8, 2)]  # BLOCK_N, warps, stages
@@ -145,13 +146,15 @@ def _key_geometry(keys, key_format, head_dim):
 
 
 def indexer_logits(q, weights, keys, block_table, token_to_req, lengths, *, key_format,
-                   num_cols=None):  # fmt: skip
+                   num_cols=None, write_tail=True):  # fmt: skip
     """q [T, H_I, d] bf16/fp32, weights [T, H_I] fp32 (already scaled), keys: paged view
     [num_blocks, E, row] (uint8 rows, or [num_blocks, E, d] float for "plain"), block_table
     [B, nb] int32, token_to_req [T] int32 (-1 = padding), lengths [T] int32 (visible entries)
     -> scores [T, num_cols] fp32, -inf at i >= lengths[t].
 
-    `num_cols` (the static width, e.g. max_model_len // 4) defaults to max(lengths): a host sync."""
+    `num_cols` (the static width, e.g. max_model_len // 4) defaults to max(lengths): a host sync.
+    `write_tail=False` leaves scores[t, i >= lengths[t]] unwritten (the top-k reads only
+    i < lengths[t]): a static width then costs nothing past each row's visible entries."""
     num_tokens, num_heads, head_dim = q.shape
     assert head_dim & (head_dim - 1) == 0 and head_dim >= 32 and q.stride(2) == 1
     assert weights.shape == (num_tokens, num_heads) and weights.stride(1) == 1
@@ -174,7 +177,7 @@ def indexer_logits(q, weights, keys, block_table, token_to_req, lengths, *, key_
             q.stride(1), weights.stride(0), out.stride(0), split_len)  # fmt: skip
     meta = dict(HI=num_heads, DI=head_dim, E=keys.shape[1], STRIDE_KB=stride_block,
                 STRIDE_KE=stride_row, STRIDE_BT=block_table.stride(0), FMT=fmt,
-                DOT_BF16=on_gpu and q.dtype == torch.bfloat16,
+                DOT_BF16=on_gpu and q.dtype == torch.bfloat16, WRITE_TAIL=write_tail,
                 BLOCK_H=max(16, triton.next_power_of_2(num_heads)))  # fmt: skip
     grid = (num_tokens, triton.cdiv(num_cols, split_len))
     if on_gpu:
@@ -185,7 +188,7 @@ def indexer_logits(q, weights, keys, block_table, token_to_req, lengths, *, key_
 
 
 def indexer_logits_ref(q, weights, keys, block_table, token_to_req, lengths, *, key_format,
-                       num_cols=None):  # fmt: skip
+                       num_cols=None, write_tail=True):  # fmt: skip
     num_tokens, _, head_dim = q.shape
     if num_cols is None:
         num_cols = int(lengths.max()) if num_tokens else 0

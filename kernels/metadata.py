@@ -72,6 +72,7 @@ def _range_slots_kernel(
     # Meta-parameters
     IS_WINDOW: tl.constexpr,  # window rows (base = max(0, p-window+1)) or all visible entries
     ENTRIES_PER_BLOCK: tl.constexpr,  # tokens (window) or compressed entries per cache block
+    SLOTS_PER_BLOCK: tl.constexpr,  # slot = block * SLOTS_PER_BLOCK + i % ENTRIES_PER_BLOCK
     BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr,
     WRITE_TAIL: tl.constexpr,  # write the -1 tail too (False = slow path after a pre-fill)
 ):  # fmt: skip
@@ -94,7 +95,7 @@ def _range_slots_kernel(
         valid = w[None, :] < n[:, None]
         i = base[:, None] + w[None, :]
         blk = tl.load(bt_row[:, None] + i // ENTRIES_PER_BLOCK, mask=valid, other=0)
-        slot = tl.where(valid, blk * ENTRIES_PER_BLOCK + i % ENTRIES_PER_BLOCK, -1)
+        slot = tl.where(valid, blk * SLOTS_PER_BLOCK + i % ENTRIES_PER_BLOCK, -1)
         if WRITE_TAIL:
             mask = row_ok[:, None] & (w < width)[None, :]
         else:
@@ -105,7 +106,7 @@ def _range_slots_kernel(
 
 
 def _range_slots(positions, token_to_req, block_table, width, entries_per_block, *,
-                 is_window, window, ratio, write_tail, out=None):  # fmt: skip
+                 is_window, window, ratio, write_tail, out=None, slots_per_block=None):  # fmt: skip
     num_tokens = positions.shape[0]
     dev = positions.device
     assert token_to_req.shape == (num_tokens,) and block_table.dim() == 2
@@ -128,43 +129,52 @@ def _range_slots(positions, token_to_req, block_table, width, entries_per_block,
     _range_slots_kernel[(t_blocks, workers)](
         positions, token_to_req, block_table, slots, lens,
         num_tokens, width, block_table.stride(0), slots.stride(0), window, ratio,
-        IS_WINDOW=is_window, ENTRIES_PER_BLOCK=entries_per_block, BLOCK_T=block_t,
+        IS_WINDOW=is_window, ENTRIES_PER_BLOCK=entries_per_block,
+        SLOTS_PER_BLOCK=slots_per_block or entries_per_block, BLOCK_T=block_t,
         BLOCK_W=block_w, WRITE_TAIL=write_tail, num_warps=4,
     )  # fmt: skip
     return slots, lens
 
 
-def window_slot_table(positions, token_to_req, block_table, window, block_size, out=None):
+def window_slot_table(positions, token_to_req, block_table, window, block_size, out=None,
+                      slots_per_block=None):  # fmt: skip
     """positions [T] int32/int64, token_to_req [T] int32, block_table [B, nb] int32 (SWA cache)
     -> (slots [T, window] int32: slots of positions max(0, p-window+1)..p then -1, lens [T]).
-    `out` ([T, window] int32) lets the caller reuse a workspace; no pre-fill is needed."""
+    `out` ([T, window] int32) lets the caller reuse a workspace; no pre-fill is needed.
+    slot = block * slots_per_block (default block_size) + i % block_size."""
     return _range_slots(positions, token_to_req, block_table, window, block_size,
-                        is_window=True, window=window, ratio=1, write_tail=True, out=out)  # fmt: skip
+                        is_window=True, window=window, ratio=1, write_tail=True, out=out,
+                        slots_per_block=slots_per_block)  # fmt: skip
 
 
-def window_slot_table_prefill(positions, token_to_req, block_table, window, block_size):
+def window_slot_table_prefill(positions, token_to_req, block_table, window, block_size,
+                              out=None, slots_per_block=None):  # fmt: skip
     """The pre-#50298 slow path: torch.full(-1) of the whole table, then write valid entries."""
     out = torch.full((positions.shape[0], window), -1, dtype=torch.int32, device=positions.device)
     return _range_slots(positions, token_to_req, block_table, window, block_size,
-                        is_window=True, window=window, ratio=1, write_tail=False, out=out)  # fmt: skip
+                        is_window=True, window=window, ratio=1, write_tail=False, out=out,
+                        slots_per_block=slots_per_block)  # fmt: skip
 
 
 def c128_index_table(positions, token_to_req, block_table, width, entries_per_block, ratio=128,
-                     out=None):  # fmt: skip
+                     out=None, slots_per_block=None):  # fmt: skip
     """All visible compressed entries i < (p+1)//ratio of each token as global slots.
 
     block_table [B, nb] int32 of the compressed cache (entries_per_block = block_size // ratio)
-    -> (slots [T, width] int32, -1 padded; lens [T] int32, clamped to width)."""
+    -> (slots [T, width] int32, -1 padded; lens [T] int32, clamped to width).
+    slot = block * slots_per_block (default entries_per_block) + i % entries_per_block."""
     return _range_slots(positions, token_to_req, block_table, width, entries_per_block,
-                        is_window=False, window=0, ratio=ratio, write_tail=True, out=out)  # fmt: skip
+                        is_window=False, window=0, ratio=ratio, write_tail=True, out=out,
+                        slots_per_block=slots_per_block)  # fmt: skip
 
 
 def c128_index_table_prefill(positions, token_to_req, block_table, width, entries_per_block,
-                             ratio=128):  # fmt: skip
+                             ratio=128, out=None, slots_per_block=None):  # fmt: skip
     """Slow path of `c128_index_table`: pre-fill with -1, then write the valid entries."""
     out = torch.full((positions.shape[0], width), -1, dtype=torch.int32, device=positions.device)
     return _range_slots(positions, token_to_req, block_table, width, entries_per_block,
-                        is_window=False, window=0, ratio=ratio, write_tail=False, out=out)  # fmt: skip
+                        is_window=False, window=0, ratio=ratio, write_tail=False, out=out,
+                        slots_per_block=slots_per_block)  # fmt: skip
 
 
 @triton.jit
@@ -237,28 +247,31 @@ def token_to_req_indices_per_builder(query_start_loc, num_tokens, num_builders=3
     return out
 
 
-def _range_slots_ref(base, n, req, block_table, entries_per_block, width):
+def _range_slots_ref(base, n, req, block_table, entries_per_block, width, slots_per_block=None):
     w = torch.arange(width, device=base.device)
     valid = w[None, :] < n[:, None]
     i = torch.where(valid, base[:, None] + w[None, :], 0)
     blk = block_table.long()[req.clamp(min=0).long()[:, None], i // entries_per_block]
-    slots = torch.where(valid, blk * entries_per_block + i % entries_per_block, -1)
+    spb = slots_per_block or entries_per_block
+    slots = torch.where(valid, blk * spb + i % entries_per_block, -1)
     return slots.to(torch.int32), n.to(torch.int32)
 
 
-def window_slot_table_ref(positions, token_to_req, block_table, window, block_size, out=None):
+def window_slot_table_ref(positions, token_to_req, block_table, window, block_size, out=None,
+                          slots_per_block=None):  # fmt: skip
     p = positions.long()
     base = (p - window + 1).clamp(min=0)
     n = torch.where(token_to_req >= 0, p - base + 1, 0)
-    return _range_slots_ref(base, n, token_to_req, block_table, block_size, window)
+    return _range_slots_ref(base, n, token_to_req, block_table, block_size, window,
+                            slots_per_block)  # fmt: skip
 
 
 def c128_index_table_ref(positions, token_to_req, block_table, width, entries_per_block,
-                         ratio=128, out=None):  # fmt: skip
+                         ratio=128, out=None, slots_per_block=None):  # fmt: skip
     p = positions.long()
     n = torch.where(token_to_req >= 0, (p + 1) // ratio, 0).clamp(max=width)
     return _range_slots_ref(torch.zeros_like(p), n, token_to_req, block_table,
-                            entries_per_block, width)  # fmt: skip
+                            entries_per_block, width, slots_per_block)  # fmt: skip
 
 
 def c4_global_topk_slots_ref(local_idx, token_to_req, block_table, entries_per_block):

@@ -87,14 +87,16 @@ def _attn_kernel(
     # Pointers: q [T, H, D]; kv rows [num_slots, ENTRY] (uint8 fp8 rows, or bf16/fp32 rows) and
     # the same storage viewed as bf16 (rope of fp8 rows); slots [T, C] int32, -1 = none;
     # sink [H] fp32; out [T, H, D] (SPLIT=False) or partial o [T, S, H, D] (SPLIT=True);
-    # lse [T, S, H] fp32 base-2 (SPLIT=True only)
-    q_ptr, kv_ptr, kv16_ptr, slot_ptr, sink_ptr, o_ptr, lse_ptr,
+    # lse [T, S, H] fp32 base-2 (SPLIT=True only); win_base [T] int32 (NUM_WIN > 0 only)
+    q_ptr, kv_ptr, kv16_ptr, slot_ptr, wbase_ptr, sink_ptr, o_ptr, lse_ptr,
     # Sizes, strides (elements), scalars
     C, stride_qt, stride_qh, stride_st, stride_ot, stride_oh, split_len, qk_scale_log2,
+    comp_base,  # added to every valid slot past the first NUM_WIN (a layer's page offset)
     # Meta-parameters
     H: tl.constexpr, D: tl.constexpr, ROPE: tl.constexpr, ENTRY: tl.constexpr,
     KV_FP8: tl.constexpr,  # rows are fp8_ue8m0 bytes (else plain float rows)
     SPLIT: tl.constexpr,  # write partials for _combine_kernel (else finish with the sink here)
+    NUM_WIN: tl.constexpr,  # the first NUM_WIN candidates are window slots + win_base[t]
     DOT_BF16: tl.constexpr,  # bf16 tensor-core dots (GPU); fp32 under the interpreter
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
@@ -115,10 +117,16 @@ def _attn_kernel(
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     start = pid_s * split_len
     end = tl.minimum(start + split_len, C)
+    if NUM_WIN > 0:
+        win_base = tl.load(wbase_ptr + pid_t)
     for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         slot = tl.load(slot_ptr + pid_t * stride_st + n, mask=n < end, other=-1)
         ok = slot >= 0
+        if NUM_WIN > 0:  # ring-relative window slots: the layer's ring page of the request
+            slot = tl.where(ok, slot + tl.where(n < NUM_WIN, win_base, comp_base), slot)
+        else:
+            slot = tl.where(ok, slot + comp_base, slot)
         kv = _load_rows(kv_ptr, kv16_ptr, slot, ok, d, D, ROPE, ENTRY, KV_FP8, DOT_BF16, BLOCK_N,
                         BLOCK_D)  # fmt: skip
         s = tl.dot(q, tl.trans(kv)) * qk_scale_log2  # [BLOCK_H, BLOCK_N]
@@ -231,8 +239,12 @@ def _check(q, kv_cache, slot_table, sink, rope_dim):
         assert kv_cache.shape[1] == head_dim and kv_cache.stride(1) == 1
 
 
-def _launch(q, kv_cache, slot_table, sink, scale, rope_dim, num_splits):
+def _launch(q, kv_cache, slot_table, sink, scale, rope_dim, num_splits, win_base=None,
+            num_win=0, comp_base=0):  # fmt: skip
     _check(q, kv_cache, slot_table, sink, rope_dim)
+    if num_win:
+        assert win_base is not None and win_base.shape == (q.shape[0],)
+        assert win_base.dtype == torch.int32 and 0 < num_win <= slot_table.shape[1]
     num_tokens, num_heads, head_dim = q.shape
     num_cand = slot_table.shape[1]
     out = torch.empty_like(q)
@@ -259,11 +271,12 @@ def _launch(q, kv_cache, slot_table, sink, scale, rope_dim, num_splits):
     else:
         part, lse = out, out  # lse unused
     block_d = triton.next_power_of_2(head_dim)
-    args = (q, kv_cache, kv16, slot_table, sink, part, lse,
+    wbase = win_base if num_win else slot_table  # unread when num_win == 0
+    args = (q, kv_cache, kv16, slot_table, wbase, sink, part, lse,
             num_cand, q.stride(0), q.stride(1), slot_table.stride(0), out.stride(0),
-            out.stride(1), split_len, scale * LOG2E)  # fmt: skip
+            out.stride(1), split_len, scale * LOG2E, int(comp_base))  # fmt: skip
     meta = dict(H=num_heads, D=head_dim, ROPE=rope_dim, ENTRY=kv_cache.stride(0), KV_FP8=kv_fp8,
-                SPLIT=split, DOT_BF16=on_gpu and q.dtype == torch.bfloat16, BLOCK_D=block_d)  # fmt: skip
+                SPLIT=split, NUM_WIN=num_win, DOT_BF16=on_gpu and q.dtype == torch.bfloat16, BLOCK_D=block_d)  # fmt: skip
     if on_gpu:
         grid = lambda m: (num_tokens, triton.cdiv(num_heads, m["BLOCK_H"]), num_splits)  # noqa: E731
         _tuned_attn_kernel()[grid](*args, **meta)
@@ -283,14 +296,18 @@ def _launch(q, kv_cache, slot_table, sink, scale, rope_dim, num_splits):
 
 
 def sparse_attention_decode(q, kv_cache, slot_table, sink, scale, *, rope_dim=64,
-                            num_splits=None):  # fmt: skip
+                            num_splits=None, win_base=None, num_win=0, comp_base=0):  # fmt: skip
     """q [T, H, D] bf16 (fp32 for tests), kv_cache [num_slots, entry_bytes] uint8 "fp8_ue8m0"
     rows (or [num_slots, D] bf16/fp32 rows), slot_table [T, C] int32 global slots (-1 = none),
     sink [H] fp32, scale (512^-0.5) -> o [T, H, D] in q's dtype.
 
     `num_splits` (split-K over the candidates): None picks about one wave of programs on the
-    GPU; 1 on CPU."""
-    return _launch(q, kv_cache, slot_table, sink, scale, rope_dim, num_splits)
+    GPU; 1 on CPU. `num_win` > 0: the first `num_win` columns are ring-relative window slots
+    and row t reads slot + win_base[t] ([T] int32); every other valid slot reads slot +
+    `comp_base`. One window table and one compressed table then serve every layer of a kind
+    (each layer passes its own ring page bases and compressed page offset)."""
+    return _launch(q, kv_cache, slot_table, sink, scale, rope_dim, num_splits, win_base, num_win,
+                   comp_base)  # fmt: skip
 
 
 def sparse_attention_prefill(q, kv_cache, slot_table, sink, scale, *, rope_dim=64):
@@ -303,15 +320,21 @@ def sparse_attention_prefill(q, kv_cache, slot_table, sink, scale, *, rope_dim=6
 
 
 def sparse_attention_decode_ref(q, kv_cache, slot_table, sink, scale, *, rope_dim=64,
-                                num_splits=None):  # fmt: skip
+                                num_splits=None, win_base=None, num_win=0, comp_base=0):  # fmt: skip
     num_tokens, head_dim, num_cand = q.shape[0], q.shape[2], slot_table.shape[1]
+    if num_win or comp_base:
+        shift = torch.full_like(slot_table, int(comp_base))
+        if num_win:
+            shift[:, :num_win] = win_base[:, None]
+        slot_table = torch.where(slot_table >= 0, slot_table + shift, slot_table)
     ok = slot_table >= 0  # [T, C]
     rows = kv_cache[slot_table.clamp(min=0).long().flatten()]  # [T*C, entry]
     if kv_cache.dtype == torch.uint8:
         kv = decode_rows(rows, "fp8_ue8m0", head_dim, rope_dim)
     else:
         kv = rows.float()
-    kv = kv.view(num_tokens, num_cand, head_dim)  # [T, C, D]
+    # -1 slots read row 0 above: zero them, so a workspace's unwritten row never meets p = 0.
+    kv = kv.view(num_tokens, num_cand, head_dim).masked_fill(~ok[..., None], 0.0)  # [T, C, D]
     logits = torch.einsum("thd,tcd->thc", q.float(), kv) * scale
     logits = logits.masked_fill(~ok[:, None, :], float("-inf"))
     sinks = sink.float().view(1, -1, 1).expand(num_tokens, -1, 1)
