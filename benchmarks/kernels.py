@@ -27,7 +27,9 @@ elif str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.harness import Case, bench_main, measure, warm_up_clocks  # noqa: E402
+from dsv4.runner.kv_codec import encode_rows  # noqa: E402
 from kernels import metadata, mhc, routing  # noqa: E402
+from kernels.kv_store import kv_store, kv_store_ref, min_entry_bytes  # noqa: E402
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "kernels-h200.json"
 M, ITERS, EPS = 4, 20, 1e-6
@@ -133,6 +135,24 @@ def _metadata_cases(dev, sizes, dry) -> Iterator[Case]:
                t4 * topk * 8 + t4 * 8)  # fmt: skip
 
 
+def _kv_store_cases(dev, sizes, dry) -> Iterator[Case]:
+    d, rope, fmt = sizes["kv_dim"], 64, "fp8_ue8m0"
+    entry = min_entry_bytes(fmt, d, rope)
+    for t in sizes["kv_tokens"]:
+        rows = torch.randn(t, d, device=dev).bfloat16()  # [T, D]
+        cache = torch.zeros(sizes["kv_slots"], entry, dtype=torch.uint8, device=dev)
+        slots = torch.randperm(cache.shape[0], device=dev)[:t].int()  # scattered, none -1
+        op = kv_store_ref if dry else kv_store
+
+        def torch_path(r=rows, c=cache, s=slots):  # no -1 slots: no boolean-mask sync
+            c[s.long()] = encode_rows(r, fmt, entry, rope)
+
+        yield Case("kv_store", f"T={t},D={d},{fmt}",
+                   lambda f=op, a=(rows, cache, slots): f(*a, fmt=fmt, rope_dim=rope),
+                   "encode_rows + index assignment (torch)", torch_path,
+                   t * (d * 2 + entry + 4))  # fmt: skip
+
+
 GPU_SIZES = {
     "experts": [(256, 1.5), (384, 2.5)],
     "route_tokens": [1, 64, 512, 8192],
@@ -141,12 +161,14 @@ GPU_SIZES = {
     "batches": [("decode bs32", [1] * 32), ("decode bs256", [1] * 256),
                 ("decode bs512", [1] * 512), ("mixed", [1] * 64 + [700, 300, 1024])],
     "prefill_tokens": 8192, "window": 128, "c128_width": 8192,
-    "c4_tokens": 512, "topk": 512,
+    "c4_tokens": 512, "topk": 512, "kv_tokens": [64, 8192], "kv_dim": 512,
+    "kv_slots": 65536,
 }  # fmt: skip
 DRY_SIZES = {
     "experts": [(16, 1.5)], "route_tokens": [1, 5], "hidden": 32, "hc_tokens": [1, 3],
     "batches": [("decode bs4", [1] * 4), ("mixed", [1, 7])],
     "prefill_tokens": 9, "window": 8, "c128_width": 16, "c4_tokens": 5, "topk": 8,
+    "kv_tokens": [3], "kv_dim": 128, "kv_slots": 16,
 }  # fmt: skip
 
 
@@ -157,7 +179,9 @@ def run(dry_run: bool, only: str = "") -> list[dict]:
     if not dry_run:
         warm_up_clocks()
     cases = (
-        c for gen in (_route_cases, _mhc_cases, _metadata_cases) for c in gen(dev, sizes, dry_run)
+        c
+        for gen in (_route_cases, _mhc_cases, _metadata_cases, _kv_store_cases)
+        for c in gen(dev, sizes, dry_run)
     )
     return list(measure(cases, dry_run, only))
 

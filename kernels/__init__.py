@@ -10,6 +10,7 @@ from kernels.backend import KernelBackendConfig, dispatch, resolve, select_backe
 from kernels.compressor import compressor_step
 from kernels.indexer import indexer_logits
 from kernels.indexer_select import indexer_select_all, indexer_topk
+from kernels.kv_store import kv_gather, kv_store
 from kernels.mhc import hc_head, hc_post, hc_pre, hc_pre_first_layer
 from kernels.metadata import (
     c4_global_topk_slots,
@@ -36,6 +37,8 @@ __all__ = [
     "indexer_logits",
     "indexer_select_all",
     "indexer_topk",
+    "kv_gather",
+    "kv_store",
     "moe_experts",
     "registry",
     "resolve",

@@ -27,6 +27,7 @@ if not torch.cuda.is_available():
                 "kernels.indexer_select",
                 "kernels.sparse_attention",
                 "kernels.compressor",
+                "kernels.kv_store",
                 "kernels.moe",
                 "kernels.sampling",
             ):

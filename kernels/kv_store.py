@@ -1,0 +1,281 @@
+"""KV cache rows in and out of the packed byte records (DSV4_ARCH.md §11.2, `kv_codec`).
+
+`kv_store` writes rows [T, D] (bf16 or fp32) into the rows `slots` of a byte cache
+[num_slots, entry_bytes] exactly as `kv_codec.encode_rows` does; `kv_gather` reads the records
+at `slots` back as `decode_rows` does. Formats (D = head dim, R = rope dims, nope = D - R):
+- "fp8_ue8m0": [nope e4m3 | rope bf16 | one UE8M0 byte per 64 nope dims, 0-padded to 8 bytes].
+  Scale per 64-dim block = 2^ceil(log2(max(amax, 1e-4) / 448)), codes = e4m3 RNE of x / scale.
+- "bf16" / "fp32": the row in that dtype (a cast and a byte copy), so callers have one path.
+Every byte of a record past its content, up to `cache.shape[1]`, is written as 0 (as the
+codec's zero-initialised records); bytes past `cache.shape[1]` (stride(0) may be larger) and
+rows with slot -1 are never touched.
+
+Kernels: one program per block of BLOCK_T tokens (store) or BLOCK_N slots (gather), the whole
+row in registers. An fp8 row is a [BLOCK_C, 64] tile of nope blocks (amax per block, then the
+codes) plus its rope bytes; a bf16/fp32 row is a byte vector whose byte k comes from element
+k // W (W bytes per element), so every store is one contiguous byte run per record. All
+roundings are integer ops (`kernels.compressor`'s `_bf16_rne`, `_pow2_ceil_exp`, `_e4m3_bits`)
+and bf16 inputs/outputs travel as int16 bits, so the bytes equal the torch codec's on the GPU
+and under the interpreter alike (which truncates float -> bf16 casts).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dsv4.runner.kv_codec import decode_rows, encode_rows
+from kernels.compressor import _bf16_rne, _e4m3_bits, _pow2, _pow2_ceil_exp
+from kernels.registry import register_op
+
+FORMATS = ("fp8_ue8m0", "bf16", "fp32")
+_ELEM_BYTES = {"bf16": 2, "fp32": 4}
+
+
+def min_entry_bytes(fmt: str, dim: int, rope_dim: int) -> int:
+    """Smallest record that holds one row in `fmt` (the codec's content plus fp8 scale pad)."""
+    if fmt == "fp8_ue8m0":
+        nope = dim - rope_dim
+        return nope + 2 * rope_dim + (-(-nope // 64) + 7) // 8 * 8
+    if fmt in _ELEM_BYTES:
+        return dim * _ELEM_BYTES[fmt]
+    raise ValueError(f"unknown KV entry format {fmt!r}; use one of {FORMATS}")
+
+
+@triton.jit
+def _load_f32(ptr, mask, IN_BF16: tl.constexpr):
+    """fp32 values at `ptr` (fp32 rows, or bf16 rows viewed as int16: widened bit-exactly)."""
+    if IN_BF16:
+        bits = tl.load(ptr, mask=mask, other=0).to(tl.int32) << 16
+        return bits.to(tl.float32, bitcast=True)
+    return tl.load(ptr, mask=mask, other=0.0)
+
+
+@triton.jit
+def _load_bits(ptr, mask, W: tl.constexpr):
+    """Little-endian W-byte words at `ptr` (uint8) as int32."""
+    bits = tl.load(ptr, mask=mask, other=0).to(tl.int32)
+    for b in tl.static_range(1, W):
+        bits |= tl.load(ptr + b, mask=mask, other=0).to(tl.int32) << (8 * b)
+    return bits
+
+
+@triton.jit
+def _store_kernel(
+    # Pointers: rows [T, D] (fp32, or bf16 as int16); slots [T] (-1 = skip); cache [S, ENTRY] u8
+    rows_ptr, slot_ptr, cache_ptr,
+    # Sizes and strides (elements of rows, bytes of cache)
+    T, stride_row, stride_cache,
+    # Meta-parameters
+    D: tl.constexpr, ROPE: tl.constexpr,
+    ENTRY: tl.constexpr, USED: tl.constexpr,  # record bytes (cache.shape[1]); content bytes
+    FMT: tl.constexpr,  # 0 fp8_ue8m0, 1 bf16, 2 fp32
+    IN_BF16: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_C: tl.constexpr,  # fp8: nope blocks of 64 (power of two >= their number)
+    BLOCK_B: tl.constexpr,  # fp8: rope bytes; bf16/fp32: row bytes (power of two >= them)
+    BLOCK_Z: tl.constexpr,  # zero tail of the record (power of two >= its length)
+):  # fmt: skip
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    slot = tl.load(slot_ptr + t, mask=t < T, other=-1)
+    ok = slot >= 0
+    src = rows_ptr + t.to(tl.int64) * stride_row  # [BLOCK_T] row starts
+    dst = cache_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_cache  # [BLOCK_T] record starts
+    k = tl.arange(0, BLOCK_B)
+    if FMT == 0:
+        NOPE: tl.constexpr = D - ROPE
+        NBLK: tl.constexpr = (NOPE + 63) // 64
+        col = tl.arange(0, BLOCK_C)[:, None] * 64 + tl.arange(0, 64)[None, :]  # [BLOCK_C, 64]
+        mk = ok[:, None, None] & (col < NOPE)[None, :, :]
+        x = _load_f32(src[:, None, None] + col[None, :, :], mk, IN_BF16)  # [BLOCK_T, BLOCK_C, 64]
+        amax = tl.max(tl.abs(x), axis=2)  # [BLOCK_T, BLOCK_C]
+        e = _pow2_ceil_exp(tl.math.div_rn(tl.maximum(amax, 1e-4), 448.0))
+        codes = _e4m3_bits(x * _pow2(-e)[:, :, None])
+        tl.store(dst[:, None, None] + col[None, :, :], codes.to(tl.uint8), mask=mk)
+        # rope byte k = low (k even) or high byte of the bf16 of element NOPE + k // 2
+        mk_r = ok[:, None] & (k < 2 * ROPE)[None, :]
+        r = _bf16_rne(_load_f32(src[:, None] + NOPE + k[None, :] // 2, mk_r, IN_BF16))
+        rb = (r.to(tl.int32, bitcast=True) >> (16 + 8 * (k[None, :] % 2))) & 0xFF
+        tl.store(dst[:, None] + NOPE + k[None, :], rb.to(tl.uint8), mask=mk_r)
+        c = tl.arange(0, BLOCK_C)
+        tl.store(dst[:, None] + (NOPE + 2 * ROPE) + c[None, :], (e + 127).to(tl.uint8),
+                 mask=ok[:, None] & (c < NBLK)[None, :])  # fmt: skip
+    else:
+        W: tl.constexpr = 2 if FMT == 1 else 4
+        mk = ok[:, None] & (k < D * W)[None, :]
+        x = _load_f32(src[:, None] + k[None, :] // W, mk, IN_BF16)  # [BLOCK_T, BLOCK_B]
+        if FMT == 1:
+            bits = _bf16_rne(x).to(tl.int32, bitcast=True) >> 16
+        else:
+            bits = x.to(tl.int32, bitcast=True)
+        byte = (bits >> (8 * (k[None, :] % W))) & 0xFF
+        tl.store(dst[:, None] + k[None, :], byte.to(tl.uint8), mask=mk)
+    if ENTRY > USED:  # scale pad and record tail: zeros, as the codec's fresh records
+        z = tl.arange(0, BLOCK_Z)
+        tl.store(dst[:, None] + USED + z[None, :], tl.zeros([BLOCK_T, BLOCK_Z], tl.uint8),
+                 mask=ok[:, None] & (z < ENTRY - USED)[None, :])  # fmt: skip
+
+
+@triton.jit
+def _store_out(ptr, x, mask, OUT_BF16: tl.constexpr):
+    """fp32 values into the output row (bf16 output as int16 bits, rounded to nearest even)."""
+    if OUT_BF16:
+        bits = _bf16_rne(x).to(tl.int32, bitcast=True) >> 16
+        tl.store(ptr, bits.to(tl.int16), mask=mask)
+    else:
+        tl.store(ptr, x.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gather_kernel(
+    # Pointers: cache [S, >= record] u8; slots [N] (-1 = zeros); out [N, D] (bf16 as int16)
+    cache_ptr, slot_ptr, out_ptr,
+    # Sizes and strides (bytes of cache, elements of out)
+    N, stride_cache, stride_out,
+    # Meta-parameters
+    D: tl.constexpr, ROPE: tl.constexpr,
+    FMT: tl.constexpr,  # 0 fp8_ue8m0, 1 bf16, 2 fp32
+    OUT_BF16: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_C: tl.constexpr,  # fp8: nope blocks of 64
+    BLOCK_E: tl.constexpr,  # fp8: rope elements; bf16/fp32: row elements
+):  # fmt: skip
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_n = n < N
+    slot = tl.load(slot_ptr + n, mask=in_n, other=-1)
+    ok = slot >= 0
+    src = cache_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_cache  # [BLOCK_N]
+    dst = out_ptr + n.to(tl.int64) * stride_out  # [BLOCK_N]
+    j = tl.arange(0, BLOCK_E)
+    if FMT == 0:
+        NOPE: tl.constexpr = D - ROPE
+        c = tl.arange(0, BLOCK_C)
+        col = c[:, None] * 64 + tl.arange(0, 64)[None, :]  # [BLOCK_C, 64]
+        mk = ok[:, None, None] & (col < NOPE)[None, :, :]
+        codes = tl.load(src[:, None, None] + col[None, :, :], mask=mk, other=0)
+        e = tl.load(src[:, None] + (NOPE + 2 * ROPE) + c[None, :],
+                    mask=ok[:, None] & (c * 64 < NOPE)[None, :], other=0)  # fmt: skip
+        scale = (e.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # 2^(e-127); 0 where masked
+        nope = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, :, None]
+        _store_out(dst[:, None, None] + col[None, :, :], nope,
+                   in_n[:, None, None] & (col < NOPE)[None, :, :], OUT_BF16)  # fmt: skip
+        mk_r = ok[:, None] & (j < ROPE)[None, :]
+        rope = _load_bits(src[:, None] + NOPE + 2 * j[None, :], mk_r, 2) << 16
+        _store_out(dst[:, None] + NOPE + j[None, :], rope.to(tl.float32, bitcast=True),
+                   in_n[:, None] & (j < ROPE)[None, :], OUT_BF16)  # fmt: skip
+    else:
+        W: tl.constexpr = 2 if FMT == 1 else 4
+        mk = ok[:, None] & (j < D)[None, :]
+        bits = _load_bits(src[:, None] + W * j[None, :], mk, W)
+        if FMT == 1:
+            bits = bits << 16
+        _store_out(dst[:, None] + j[None, :], bits.to(tl.float32, bitcast=True),
+                   in_n[:, None] & (j < D)[None, :], OUT_BF16)  # fmt: skip
+
+
+def _block_rows(num_rows: int, width: int, on_gpu: bool) -> int:
+    """Rows per program: ~4K elements on the GPU, fewer for small batches (more programs);
+    up to 8K under the interpreter, where each program costs Python overhead."""
+    per_prog = max(1, (4096 if on_gpu else 8192) // triton.next_power_of_2(width))
+    want = triton.cdiv(num_rows, 1024) if on_gpu else num_rows
+    return min(per_prog, triton.next_power_of_2(max(1, want)))
+
+
+def _check(cache, slots, fmt, dim, rope_dim):
+    min_bytes = min_entry_bytes(fmt, dim, rope_dim)  # raises on an unknown format
+    assert cache.dtype == torch.uint8 and cache.dim() == 2 and cache.stride(1) == 1, cache.shape
+    assert cache.shape[1] >= min_bytes, (cache.shape, fmt, min_bytes)
+    assert slots.dim() == 1 and slots.dtype in (torch.int32, torch.int64), slots.dtype
+    if fmt == "fp8_ue8m0":
+        assert 0 <= rope_dim < dim, (dim, rope_dim)
+
+
+def kv_store(
+    rows: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, *, fmt: str, rope_dim: int = 64
+) -> None:
+    """rows [T, D] bf16/fp32 (stride(1) == 1) -> records of `cache` [num_slots, entry_bytes]
+    uint8 at rows `slots` [T] int32/int64 (-1 = skip; no duplicates, all < num_slots), byte
+    for byte as `kv_codec.encode_rows(rows, fmt, cache.shape[1], rope_dim)`."""
+    num_rows, dim = rows.shape
+    _check(cache, slots, fmt, dim, rope_dim)
+    assert rows.dtype in (torch.bfloat16, torch.float32) and rows.stride(1) == 1, rows.dtype
+    assert slots.shape[0] == num_rows, (slots.shape, rows.shape)
+    if num_rows == 0:
+        return
+    nope = dim - rope_dim
+    if fmt == "fp8_ue8m0":
+        block_c = triton.next_power_of_2(-(-nope // 64))
+        block_b = triton.next_power_of_2(max(1, 2 * rope_dim))
+        used, width = nope + 2 * rope_dim + -(-nope // 64), block_c * 64 + block_b
+    else:
+        block_c, used = 1, dim * _ELEM_BYTES[fmt]
+        block_b = width = triton.next_power_of_2(used)
+    block_t = _block_rows(num_rows, width, rows.is_cuda)
+    is_bf16 = rows.dtype == torch.bfloat16
+    _store_kernel[(triton.cdiv(num_rows, block_t),)](
+        rows.view(torch.int16) if is_bf16 else rows, slots, cache,
+        num_rows, rows.stride(0), cache.stride(0),
+        D=dim, ROPE=rope_dim, ENTRY=cache.shape[1], USED=used, FMT=FORMATS.index(fmt),
+        IN_BF16=is_bf16, BLOCK_T=block_t, BLOCK_C=block_c, BLOCK_B=block_b,
+        BLOCK_Z=triton.next_power_of_2(max(1, cache.shape[1] - used)), num_warps=4,
+    )  # fmt: skip
+
+
+def kv_gather(
+    cache: torch.Tensor,
+    slots: torch.Tensor,
+    *,
+    fmt: str,
+    dim: int,
+    rope_dim: int = 64,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """Records of `cache` [num_slots, entry_bytes] uint8 at `slots` [N] int32/int64 -> rows
+    [N, dim] in out_dtype, decoded as `kv_codec.decode_rows`; rows with slot < 0 are zeros.
+    fp8_ue8m0 and bf16 rows are exact in bf16 (e4m3 x 2^k, bf16 rope)."""
+    _check(cache, slots, fmt, dim, rope_dim)
+    assert out_dtype in (torch.bfloat16, torch.float16, torch.float32), out_dtype
+    num_rows = slots.shape[0]
+    out = torch.empty(num_rows, dim, dtype=out_dtype, device=cache.device)  # [N, dim]
+    if num_rows == 0:
+        return out
+    if fmt == "fp8_ue8m0":
+        block_c = triton.next_power_of_2(-(-(dim - rope_dim) // 64))
+        block_e = triton.next_power_of_2(max(1, rope_dim))
+        width = block_c * 64 + block_e
+    else:
+        block_c, block_e = 1, triton.next_power_of_2(dim)
+        width = block_e * _ELEM_BYTES[fmt]
+    block_n = _block_rows(num_rows, width, cache.is_cuda)
+    is_bf16 = out_dtype == torch.bfloat16
+    _gather_kernel[(triton.cdiv(num_rows, block_n),)](
+        cache, slots, out.view(torch.int16) if is_bf16 else out,
+        num_rows, cache.stride(0), out.stride(0),
+        D=dim, ROPE=rope_dim, FMT=FORMATS.index(fmt), OUT_BF16=is_bf16,
+        BLOCK_N=block_n, BLOCK_C=block_c, BLOCK_E=block_e, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+# --------------------------------------------------------------------------- references
+
+
+def kv_store_ref(rows, cache, slots, *, fmt, rope_dim=64):
+    """`encode_rows` of the kept rows, assigned to their cache rows (the torch path)."""
+    keep = slots >= 0
+    kept = slots[keep].long()
+    if kept.numel():  # NOTE: encode_rows cannot reshape an empty batch
+        cache[kept] = encode_rows(rows[keep], fmt, cache.shape[1], rope_dim)
+
+
+def kv_gather_ref(cache, slots, *, fmt, dim, rope_dim=64, out_dtype=torch.bfloat16):
+    """Index, `decode_rows`, zeros where slot < 0, cast."""
+    if slots.shape[0] == 0:
+        return torch.empty(0, dim, dtype=out_dtype, device=cache.device)
+    rows = decode_rows(cache[slots.clamp(min=0).long()], fmt, dim, rope_dim)  # [N, dim] fp32
+    return torch.where((slots >= 0)[:, None], rows, 0.0).to(out_dtype)
+
+
+register_op("kv_store", kv_store, kv_store_ref, family="kv_store")
+register_op("kv_gather", kv_gather, kv_gather_ref, family="kv_store")
