@@ -164,10 +164,12 @@ def build_engine_core(
     shared_metadata: bool | None = None,
     kernels: object = None,
     metadata_options: object = None,
+    paged: object = None,
 ) -> EngineCore:
     """Layout -> paged cache -> runner + KV manager -> scheduler, for one model replica."""
     from dsv4.cache.layout import KVLayout
     from dsv4.runner.paged_cache import PagedKVCache
+    from kernels.backend import KernelBackendConfig
 
     layout = KVLayout.build(model.cfg, cache_options)
     cache = PagedKVCache(layout, num_blocks, device=device)
@@ -182,5 +184,9 @@ def build_engine_core(
     extra: dict[str, object] = {} if kernels is None else {"kernels": kernels}
     if metadata_options is not None:
         extra["metadata_options"] = metadata_options
+    if paged is not None:  # a `dsv4.runner.paged.PagedOptions`: the flat paged forward
+        from dsv4.runner.paged import PagedForward
+
+        extra["paged"] = PagedForward(model, cache, kernels or KernelBackendConfig(), **paged)
     runner = ModelRunner(model, cache, shared_metadata=shared_metadata, **extra)
     return EngineCore(scheduler, runner)

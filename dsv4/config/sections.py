@@ -99,15 +99,24 @@ class SpeculativeSection(Section):
 @dataclass(frozen=True)
 class FeatureSwitches(Section):
     """Every speed feature (OPTIMIZATIONS.md) the engine runs, on by default except IndexCache;
-    off = the baseline path, measured against it in benchmarks/. Features that exist only as
-    kernels so far (packed-vs-unpacked KV, C128 boundary-only compressor launch, q-head padding,
-    CUDA graphs of the decode step) get their switch when the GPU engine path uses them.
+    off = the baseline path, measured against it in benchmarks/. `forward` picks the engine
+    path: the paged forward (one flat batch per step on the packed cache, every kernel) or the
+    reference (per-request states, the oracle); the other switches apply to whichever path has
+    the feature. Still kernels only: packed-vs-unpacked KV and q-head padding.
 
     Elsewhere: scheduler.prefill_chunk_plan (#45061), speculative.budget (#51725),
     cache.indexer_key_dtype (#48993), model.kernels / kernel_overrides (kernel backends).
     """
 
     SECTION = "features"
+    forward: str = setting(
+        "auto",
+        "engine forward: paged (flat, on the cache, kernels) or reference; auto: paged on CUDA",
+        choices=("auto", "paged", "reference"),
+    )
+    compressor_boundary_only: bool = setting(
+        True, "paged forward: compress programs only for window-closing tokens (#48957)"
+    )
     index_cache: bool = setting(False, "IndexCache: Shared C4 layers reuse a Full layer's top-k")
     index_topk_freq: int = setting(2, "with index_cache: every Nth C4 layer is Full", min=1)
     index_topk_pattern: str = setting("", "with index_cache: F/S per C4 layer, e.g. FSFS")

@@ -9,6 +9,10 @@ With MTP speculation on (the layout reserves draft slots and the model has an MT
 decodes go to `dsv4.spec.SpeculativeDecoder` instead (draft, verify 1 + k positions in one
 forward per row, accept, store only the accepted positions), and prefill chunks hand their
 final streams to it for the MTP layer.
+
+With `paged` set (a `dsv4.runner.paged.PagedForward`, the GPU serving path) every step runs as
+one flat forward on the cache through the kernels instead; MTP speculation is not on that path
+yet, so the two are exclusive.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ class ModelRunner:
         shared_metadata: bool | None = None,
         kernels: KernelBackendConfig = DEFAULT_KERNELS,
         metadata_options: MetadataOptions = DEFAULT_METADATA_OPTIONS,
+        paged: object = None,
     ):
         """`num_speculative_tokens` (default: the layout's draft slots) > 0 turns MTP on.
 
@@ -69,6 +74,9 @@ class ModelRunner:
         k = cache.layout.options.num_speculative_tokens
         k = k if num_speculative_tokens is None else num_speculative_tokens
         self.spec: SpeculativeDecoder | None = None
+        self.paged = paged
+        if k and paged is not None:
+            raise ConfigError("forward", "paged", "MTP speculation runs on the reference forward")
         if k:
             if not len(model.mtp):
                 raise ConfigError("num_speculative_tokens", k, "the model has no MTP layer; use 0")
@@ -86,6 +94,8 @@ class ModelRunner:
         if self.spec is not None:
             for request_id in (*batch.finished_request_ids, *batch.preempted_request_ids):
                 self.spec.release(request_id)
+        if self.paged is not None:
+            return self._execute_paged(batch)
         emitted: dict[str, tuple[int, ...]] = {}
         logits: dict[str, torch.Tensor] = {}
         decodes = batch.decodes
@@ -104,6 +114,22 @@ class ModelRunner:
             ids = [r.request_id for r in sampled]
             specs = [sampling_spec(r.sampling_params) for r in sampled]
             tokens = self.sampler.sample(stacked, ids, specs)
+            emitted.update((rid, (token,)) for rid, token in zip(ids, tokens))
+        return StepOutput(
+            tuple(
+                RequestStepOutput(r.request_id, emitted.get(r.request_id, ()))
+                for r in batch.requests
+            )
+        )
+
+    def _execute_paged(self, batch: ScheduledBatch) -> StepOutput:
+        emitted: dict[str, tuple[int, ...]] = {}
+        if batch.requests:
+            out = self.paged(batch)  # logits [num sampling requests, V]
+            sampled = [r for r in batch.requests if r.samples_token]
+            ids = [r.request_id for r in sampled]
+            specs = [sampling_spec(r.sampling_params) for r in sampled]
+            tokens = self.sampler.sample(out.logits, ids, specs)
             emitted.update((rid, (token,)) for rid, token in zip(ids, tokens))
         return StepOutput(
             tuple(

@@ -183,6 +183,7 @@ def build_worker_runtime(
             cached_token_to_req=f.cached_token_to_req_indices,
             skip_redundant_fill=f.skip_redundant_fill,
         ),
+        paged=paged_options(config),
     )
     roles = pattern.roles
     # Share of ratio-4 layers whose top-k comes from the IndexCache instead of their indexer.
@@ -204,6 +205,23 @@ def build_worker_runtime(
     return WorkerRuntime(
         config, model_cfg, AsyncEngine(core, name), layout, transport, codec, limits
     )
+
+
+def paged_options(config: ServeConfig) -> dict | None:
+    """The paged forward's switches (`build_engine_core(paged=...)`), None for the reference."""
+    f = config.features
+    if f.forward != "paged":
+        return None
+    from dsv4.runner.paged import MetadataSwitches, PagedSwitches
+
+    metadata = MetadataSwitches(
+        shared=f.shared_sparse_metadata,
+        cached_token_to_req=f.cached_token_to_req_indices,
+        skip_redundant_fill=f.skip_redundant_fill,
+    )
+    switches = PagedSwitches(compressor_boundary_only=f.compressor_boundary_only,
+                             skip_topk=f.skip_topk)  # fmt: skip
+    return {"metadata": metadata, "switches": switches}
 
 
 def kernel_config(config: ServeConfig) -> KernelBackendConfig:

@@ -47,6 +47,7 @@ def test_baseline_example_switches_every_feature_off():
     f = config.features
     assert not (f.index_cache or f.skip_topk or f.shared_sparse_metadata or f.fused_mhc)
     assert not (f.cached_token_to_req_indices or f.skip_redundant_fill)
+    assert not f.compressor_boundary_only
     assert f.router_kernel == "reference" and config.scheduler.prefill_chunk_plan == "fixed"
     assert config.speculative.budget == "static"
 

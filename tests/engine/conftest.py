@@ -27,16 +27,20 @@ def tiny():
 
 
 def make_core(
-    model, *, kv="fp32", index="fp32", budget=4096, num_blocks=64, shared_metadata=None, **sched
-) -> EngineCore:
-    options = CacheOptions(block_size=128, kv_dtype=kv, index_dtype=index)
+    model, *, kv="fp32", index="fp32", budget=4096, num_blocks=64, shared_metadata=None,
+    paged=None, kernels=None, index_pattern="", **sched,
+) -> EngineCore:  # fmt: skip
+    """`paged`: None = the reference forward, else `build_engine_core(paged=...)`'s options."""
+    options = CacheOptions(block_size=128, kv_dtype=kv, index_dtype=index,
+                           index_pattern=index_pattern)  # fmt: skip
     cfg = SchedulerConfig(
         max_num_batched_tokens=budget, max_num_seqs=sched.pop("max_num_seqs", 16),
         max_model_len=2048, **sched,
     )  # fmt: skip
     return build_engine_core(
-        model, options, cfg, num_blocks=num_blocks, shared_metadata=shared_metadata
-    )
+        model, options, cfg, num_blocks=num_blocks, shared_metadata=shared_metadata,
+        paged=paged, kernels=kernels,
+    )  # fmt: skip
 
 
 def run_to_completion(core: EngineCore, max_steps: int = 2000) -> dict[str, list[int]]:

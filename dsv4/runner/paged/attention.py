@@ -1,0 +1,106 @@
+"""One attention layer of the paged forward: every token of the step at once, on the cache.
+
+Order inside a layer (each step reads only what an earlier step of this list wrote):
+1. projections and rope for all T tokens (q [T, H, d], K=V rows kv [T, d]);
+2. the compressors: the step's new entries / indexer keys into the cache, state rows saved;
+3. C4: the indexer's top-k over the cached keys (or the IndexCache source layer's top-k);
+4. prefill chunks: workspaces gathered from the cache (entries, window prefix) + fresh rows;
+5. every token's K=V row into the window ring (prefill: only the last R of a request);
+6. decode tokens attend straight on the cache (window ring rows incl. their own, entries);
+   prefill tokens attend on their chunk's workspace;
+7. inverse rope of the output, grouped low-rank projection.
+Decode tokens therefore read their own row as stored (fp8 in production, as vLLM's FlashMLA
+path does); bf16/fp32 caches make that lossless, which the exactness tests use.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsv4.model.attention import Attention
+from dsv4.model.layers import rms_norm
+from dsv4.model.rope import apply_rope
+from dsv4.runner.paged import kv_rows
+from dsv4.runner.paged.compress import run_compressor
+from dsv4.runner.paged.forward_state import ForwardState
+from dsv4.runner.paged.indexer import indexer_topk
+from dsv4.runner.paged.weights import LayerWeights
+from kernels.backend import resolve
+
+
+def attention_layer(attn: Attention, lw: LayerWeights, fs: ForwardState, x: torch.Tensor):
+    """x [T, D] (attn_norm applied) -> [T, D]."""
+    cfg, meta = attn.cfg, fs.meta
+    layer_id, ratio = attn.layer_id, attn.ratio
+    g = meta.geo.layers[layer_id]
+    num_t = x.shape[0]
+    h, hd = cfg.num_attention_heads, cfg.head_dim
+    cos, sin = fs.rope(ratio)  # [T, rope/2]
+    qr = attn.q_norm(attn.wq_a(x))  # [T, q_lora]
+    q = rms_norm(attn.wq_b(qr).view(num_t, h, hd), None, cfg.rms_norm_eps)
+    q = apply_rope(q, cos, sin)  # [T, H, hd]
+    kv = apply_rope(attn.kv_norm(attn.wkv(x)), cos, sin)  # [T, hd]
+    if attn.compressor is not None:
+        run_compressor(attn.compressor, lw.compressor, g.compressor, fs.compressor_tables(ratio),
+                       meta, x)  # fmt: skip
+    topk_dec = topk_pre = None
+    if ratio == 4:
+        topk_dec, topk_pre = _topk(attn, lw, fs, x, qr, cos, sin)
+    chunks = fs.prefill_chunks(ratio)
+    workspaces = [_workspace(fs, g, c, kv) for c in chunks]
+    fs.store_window(g, kv)
+    out = torch.empty_like(q)
+    n_dec = meta.tokens.num_decode_tokens
+    scale = hd**-0.5
+    sink = attn.attn_sink.float()
+    if n_dec:
+        table = meta.decode_candidates(ratio)
+        if topk_dec is not None:
+            table = torch.cat((table, topk_dec), dim=1)
+        decode = resolve("sparse_attention_decode", meta.kernels, x.device)
+        out[:n_dec] = decode(
+            q[:n_dec].contiguous(), meta.geo.kv_rows, table, sink, scale,
+            rope_dim=cfg.qk_rope_head_dim, win_base=meta.win_base[layer_id, :n_dec].contiguous(),
+            num_win=cfg.sliding_window, comp_base=g.comp_base,
+        )  # fmt: skip
+    prefill = resolve("sparse_attention_prefill", meta.kernels, x.device)
+    for chunk, ws in zip(chunks, workspaces):
+        lo, hi = chunk.token_lo, chunk.token_hi
+        table = chunk.candidates
+        if topk_pre is not None:
+            local = topk_pre[lo - n_dec : hi - n_dec]
+            mapped = torch.where(local >= 0, chunk.ws_base[:, None] + local, -1).int()
+            table = torch.cat((table, mapped), dim=1)
+        out[lo:hi] = prefill(q[lo:hi].contiguous(), ws, table, sink, scale,
+                             rope_dim=cfg.qk_rope_head_dim)  # fmt: skip
+    out = apply_rope(out, cos, sin, inverse=True)
+    return attn._project_out(out.unsqueeze(0)).squeeze(0)
+
+
+def _workspace(fs: ForwardState, g, chunk, kv: torch.Tensor) -> torch.Tensor:
+    """The chunk's bf16 workspace [rows, d]: cached entries and window prefix, fresh rows."""
+    meta = fs.meta
+    ws = kv.new_empty(chunk.num_rows, kv.shape[1])
+    if chunk.comp_src.numel():
+        ws[chunk.comp_dst] = kv_rows.gather(meta.geo, chunk.comp_src + g.comp_base, kv.dtype,
+                                            meta.kernels)  # fmt: skip
+    if chunk.win_src.numel():
+        slots = meta.win_base[g.layer_id][chunk.win_token].long() + chunk.win_src
+        ws[chunk.win_dst] = kv_rows.gather(meta.geo, slots, kv.dtype, meta.kernels)
+    ws[chunk.query_dst] = kv[chunk.token_lo : chunk.token_hi]
+    return ws
+
+
+def _topk(attn: Attention, lw: LayerWeights, fs: ForwardState, x, qr, cos, sin):
+    """(decode top-k as `block * SPB + i % E` slots, prefill top-k as local entry indices),
+    each [n, K] int32 -1 padded (None where there are no such tokens)."""
+    layer_id = attn.layer_id
+    pattern = fs.index_pattern
+    if pattern is not None and pattern.is_shared(layer_id):
+        return fs.relay[pattern.source_of(layer_id)]  # no keys, q-proj, logits or top-k
+    g = fs.meta.geo.layers[layer_id]
+    run_compressor(attn.indexer.compressor, lw.indexer_compressor, g.indexer,
+                   fs.compressor_tables(4), fs.meta, x)  # fmt: skip
+    result = indexer_topk(attn.indexer, fs, g, x, qr, cos, sin)
+    fs.relay[layer_id] = result
+    return result

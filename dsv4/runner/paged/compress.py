@@ -1,0 +1,115 @@
+"""The compressors of a step on the paged cache: entries of tokens that close a window go into
+the cache, every token's [a | z + ape] row into the compressor's state ring (#48957).
+
+Per compress ratio and step (`CompressorTables`, shared by every compressor of that ratio):
+which tokens get a compress program (boundary tokens only, or every token for the
+always-launch baseline / a graph-captured step), their in-step counts, the ring slots of their
+candidate positions, where their entry goes and its rope angle. Per compressor the ring slots
+become element offsets of that layer's state page and the entry addresses get the page offset.
+
+A token's state row is saved only if no later token of its request in the same step reuses the
+ring slot (p >= end - slots): the save kernel writes rows in parallel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dsv4.model.compressor import Compressor
+from dsv4.model.rope import inv_freq, rope_cos_sin
+from dsv4.runner.paged.geometry import CompressorGeometry
+from dsv4.runner.paged.step import StepMetadata
+from kernels import compressor as compressor_kernels
+from kernels.backend import resolve
+
+
+@dataclass(frozen=True)
+class CompressorTables:
+    ratio: int
+    all_tokens: bool  # one program per token (non-boundary ones idle) instead of boundaries
+    tokens: torch.Tensor  # [NB] int32: flat token of each compress program
+    reqs: torch.Tensor  # [NB] int64: its request
+    num_in_step: torch.Tensor  # [NB] int32
+    cand_slots: torch.Tensor  # [NB, c*r] int64 ring slots of positions p-c*r+1..p (-1 if < 0)
+    entry_block: torch.Tensor  # [NB] int64 token block of the entry (p + 1) // r - 1
+    entry_row: torch.Tensor  # [NB] int64 its row in the block
+    cos: torch.Tensor  # [NB, rope/2] fp32 at the entry position r * i
+    sin: torch.Tensor
+    save_slots: torch.Tensor  # [T] int64 ring slot per token, -1 = not saved
+
+
+def compressor_tables(meta: StepMetadata, ratio: int, *, all_tokens: bool) -> CompressorTables:
+    """Built once per step and ratio. Boundary tokens come from host-known positions."""
+    t, tokens = meta.t, meta.tokens
+    cfg = meta.geo.layout.model
+    dev = t.positions.device
+    c = cfg.overlap(ratio)
+    num_cand = c * ratio
+    slots = num_cand + meta.geo.layout.options.num_speculative_tokens
+    if all_tokens:
+        idx = torch.arange(t.positions.shape[0], device=dev, dtype=torch.int32)
+    else:
+        host = [i for i, p in enumerate(tokens.positions()) if (p + 1) % ratio == 0]
+        idx = torch.tensor(host, dtype=torch.int32).to(dev, non_blocking=True)
+    tok = idx.long()
+    req = t.token_to_req[tok].long()
+    p = t.positions[tok]
+    cand = p[:, None] - num_cand + 1 + torch.arange(num_cand, device=dev)
+    cand_slots = torch.where(cand >= 0, cand % slots, -1)
+    entry = ((p + 1) // ratio - 1).clamp(min=0)
+    epb = meta.geo.layout.block_size // ratio
+    block = t.block_tables.long()[req, (entry // epb).clamp(max=t.block_tables.shape[1] - 1)]
+    cos, sin = rope_cos_sin(entry * ratio, inv_freq(cfg, ratio, dev))
+    treq = t.token_to_req.long()
+    keep = t.positions >= t.ends[treq] - slots
+    save = torch.where(keep, t.positions % slots, -1)
+    nis = (p - t.starts[req] + 1).int()
+    return CompressorTables(ratio, all_tokens, idx, req, nis, cand_slots, block, entry % epb,
+                            cos.contiguous(), sin.contiguous(), save)  # fmt: skip
+
+
+def _state_offsets(meta: StepMetadata, g: CompressorGeometry, slots: torch.Tensor,
+                   reqs: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """Ring slots (-1 = none) of requests -> float offsets of their rows in the state page."""
+    ring = g.state
+    s = slots.clamp(min=0)
+    blocks = meta.t.ring_ids[reqs, ring.ring_block_index + s // ring.entries_per_block]
+    byte = (
+        blocks * meta.geo.stride
+        + ring.offset_bytes
+        + (s % ring.entries_per_block) * ring.entry_bytes
+    )
+    return torch.where(slots >= 0, byte // 4, -1)
+
+
+def run_compressor(
+    module: Compressor,
+    weights: torch.Tensor,
+    g: CompressorGeometry,
+    tables: CompressorTables,
+    meta: StepMetadata,
+    x: torch.Tensor,
+) -> None:
+    """x [T, D] (the attention input) -> entries of the boundary tokens into the cache and
+    state rows into the ring. `weights` [2 c d', D] fp32: wkv and wgate stacked (one GEMM)."""
+    t = meta.t
+    proj = torch.nn.functional.linear(x.float(), weights)  # [T, 2 c d'] fp32
+    kv, gate = proj.chunk(2, dim=1)
+    gate = gate + module.ape.float()[t.positions % g.ratio]
+    kv = kv.contiguous()
+    geo = meta.geo
+    save = _state_offsets(meta, g, tables.save_slots, t.token_to_req.long())
+    rows = _state_offsets(meta, g, tables.cand_slots, tables.reqs[:, None])
+    entry = tables.entry_block * g.entry_stride + g.entry_base + tables.entry_row * g.entry_unit
+    fn = resolve("compressor_step", meta.kernels, x.device)
+    if tables.all_tokens:
+        assert fn is compressor_kernels.compressor_step, "the always-launch path is Triton only"
+        fn = compressor_kernels.compressor_step_always
+    fn(
+        kv, gate, t.positions, geo.state_rows(g), save, tables.tokens, tables.num_in_step, rows,
+        module.norm.weight, tables.cos, tables.sin, geo.entry_rows(g), entry,
+        ratio=g.ratio, fmt=g.entry_format, rope_dim=meta.geo.layout.model.qk_rope_head_dim,
+        eps=module.cfg.rms_norm_eps, entry_dtype=x.dtype,
+    )  # fmt: skip

@@ -1,0 +1,81 @@
+"""What one paged forward keeps between its layers: the step's metadata and the tables derived
+from it per layer kind (rope angles, compressor tables, prefill chunk tables), the IndexCache
+top-k relay, and the switches that decide whether those are shared or rebuilt per layer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from dsv4.model.index_cache import IndexPattern
+from dsv4.model.rope import inv_freq, rope_cos_sin
+from dsv4.runner.paged import kv_rows
+from dsv4.runner.paged.compress import CompressorTables, compressor_tables
+from dsv4.runner.paged.geometry import LayerGeometry
+from dsv4.runner.paged.prefill import ChunkTables, chunk_tables, chunks_of
+from dsv4.runner.paged.step import StepMetadata
+
+
+@dataclass(frozen=True)
+class PagedSwitches:
+    """Speed switches of the paged forward (off = the baseline kept for A/B runs)."""
+
+    compressor_boundary_only: bool = True  # #48957: compress programs only for boundaries
+    skip_topk: bool = True  # #49486: no indexer q/logits/top-k when every row fits in k
+
+
+@dataclass
+class ForwardState:
+    meta: StepMetadata
+    chunk_plans: tuple
+    switches: PagedSwitches
+    index_pattern: IndexPattern | None
+    relay: dict[int, tuple] = field(default_factory=dict)
+    _rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    _comp: dict[int, CompressorTables] = field(default_factory=dict)
+    _chunks: dict[int, tuple[ChunkTables, ...]] = field(default_factory=dict)
+
+    def rope(self, ratio: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [T, rope/2] of every token for layers of `ratio` (plain or YaRN)."""
+        key = 0 if ratio == 0 else 1
+        if key not in self._rope:
+            pos = self.meta.t.positions
+            cfg = self.meta.geo.layout.model
+            self._rope[key] = rope_cos_sin(pos, inv_freq(cfg, ratio, pos.device))
+        return self._rope[key]
+
+    def compressor_tables(self, ratio: int) -> CompressorTables:
+        shared = self.meta.switches.shared
+        if not shared or ratio not in self._comp:
+            # The always-launch baseline exists as a kernel only (the reference needs the list).
+            on_triton = self.meta.kernels.backend_for(
+                "compressor_step", self.meta.t.positions.device
+            )
+            all_tokens = not self.switches.compressor_boundary_only and on_triton == "triton"
+            tables = compressor_tables(self.meta, ratio, all_tokens=all_tokens)
+            if not shared:
+                return tables
+            self._comp[ratio] = tables
+        return self._comp[ratio]
+
+    def prefill_chunks(self, ratio: int) -> tuple[ChunkTables, ...]:
+        shared = self.meta.switches.shared
+        if not shared or ratio not in self._chunks:
+            chunks = tuple(
+                chunk_tables(self.meta, ratio, c)
+                for c in chunks_of(self.meta, self.chunk_plans, ratio)
+            )
+            if not shared:
+                return chunks
+            self._chunks[ratio] = chunks
+        return self._chunks[ratio]
+
+    def store_window(self, g: LayerGeometry, kv: torch.Tensor) -> None:
+        """Every token's K=V row into its window ring slot; a prefill token only if no later
+        token of its request in this step reuses the slot."""
+        t = self.meta.t
+        ring = g.window.slots
+        keep = t.positions >= t.ends[t.token_to_req.long()] - ring
+        slots = self.meta.win_base[g.layer_id].long() + t.positions % ring
+        kv_rows.store(self.meta.geo, torch.where(keep, slots, -1), kv, self.meta.kernels)

@@ -1,0 +1,191 @@
+"""One engine step as flat device tensors, and the sparse-index metadata its layers share.
+
+The paged forward runs every token of a step in one flat batch [T] (decode tokens first, then
+the prefill chunks, as `ScheduledBatch` orders requests). Host-known facts (positions, lengths,
+block tables) cross to the device in ONE packed copy; everything derived from them is built on
+the device once per step (`StepMetadata`) and reused by every layer of a kind (#45863):
+- `win_slots` [T_d, W]: ring-relative window slots (p' % R) of each decode token's window
+  positions max(0, p-W+1)..p, -1 padded; a layer adds its ring page base per token;
+- `c128_slots` [T_d, N]: every visible ratio-128 entry as `block * SPB + i % E`; a layer adds
+  its page offset (comp_base) at the kernel;
+- `win_base` [L, T]: each layer's ring page base of every token's request (KV slots);
+- `c4_lens` [T]: visible ratio-4 entries (p + 1) // 4 per token.
+With `shared` off (#45863's baseline) the tables are rebuilt for every layer that reads them;
+with `cached_token_to_req` off (#47474's baseline) every builder rebuilds token->request on the
+host and copies it over.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from dsv4.runner.paged.geometry import CacheGeometry
+from dsv4.scheduler.batch import ScheduledRequest
+from kernels import metadata as builders
+from kernels.backend import KernelBackendConfig, resolve
+
+
+@dataclass(frozen=True)
+class StepTokens:
+    """Host view of a step (what the scheduler decided)."""
+
+    requests: tuple[ScheduledRequest, ...]
+    num_decode_requests: int
+    starts: tuple[int, ...]
+    ends: tuple[int, ...]
+    first_token: tuple[int, ...]  # index of each request's first token in the flat batch
+    sample_rows: tuple[int, ...]  # flat index of the last token of each sampling request
+
+    @classmethod
+    def of(cls, requests: tuple[ScheduledRequest, ...]) -> StepTokens:
+        lens = [r.num_tokens + r.num_draft_tokens for r in requests]
+        firsts = [0, *itertools.accumulate(lens)][:-1]
+        decodes = sum(1 for r in requests if not r.is_prefill)
+        assert all(r.is_prefill for r in requests[decodes:]), "decodes must come first"
+        samples = tuple(f + n - 1 for r, f, n in zip(requests, firsts, lens) if r.samples_token)
+        starts = tuple(r.start_position for r in requests)
+        ends = tuple(s + n for s, n in zip(starts, lens))
+        return cls(requests, decodes, starts, ends, tuple(firsts), samples)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.ends[-1] - self.starts[-1] + self.first_token[-1] if self.requests else 0
+
+    @property
+    def num_decode_tokens(self) -> int:
+        d = self.num_decode_requests
+        return self.first_token[d] if d < len(self.requests) else self.num_tokens
+
+    @property
+    def max_end(self) -> int:
+        return max(self.ends, default=0)
+
+    def request_of_tokens(self) -> list[int]:
+        out: list[int] = []
+        for b, (s, e) in enumerate(zip(self.starts, self.ends)):
+            out.extend([b] * (e - s))
+        return out
+
+    def positions(self) -> list[int]:
+        out: list[int] = []
+        for s, e in zip(self.starts, self.ends):
+            out.extend(range(s, e))
+        return out
+
+
+@dataclass(frozen=True)
+class StepTensors:
+    """Device tensors of a step (one packed host->device copy)."""
+
+    token_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    token_to_req: torch.Tensor  # [T] int32
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    block_tables: torch.Tensor  # [B, nb] int32 token blocks, 0 padded
+    ring_ids: torch.Tensor  # [B, num_ring_blocks] int64
+    starts: torch.Tensor  # [B] int64: each request's first position this step
+    ends: torch.Tensor  # [B] int64: one past each request's last position this step
+
+
+def upload(tokens: StepTokens, token_ids: list[int], device: torch.device) -> StepTensors:
+    reqs = tokens.requests
+    num_b, num_t = len(reqs), len(token_ids)
+    nb = max([len(r.block_table) for r in reqs] + [1])
+    nr = len(reqs[0].ring_block_ids) if reqs else 0
+    tables = [list(r.block_table) + [0] * (nb - len(r.block_table)) for r in reqs]
+    qsl = [0] + [f + e - s for f, s, e in zip(tokens.first_token, tokens.starts, tokens.ends)]
+    host = torch.tensor(
+        [*token_ids, *tokens.positions(), *tokens.request_of_tokens(), *qsl[: num_b + 1],
+         *itertools.chain.from_iterable(tables),
+         *itertools.chain.from_iterable(r.ring_block_ids for r in reqs), *tokens.starts,
+         *tokens.ends],
+        dtype=torch.int64,
+    )  # fmt: skip
+    dev = host.to(device, non_blocking=True)
+    cuts = [num_t, num_t, num_t, num_b + 1, num_b * nb, num_b * nr, num_b, num_b]
+    ids, pos, t2r, qsl_d, bt, rings, starts, ends = torch.split(dev, cuts)
+    return StepTensors(ids, pos, t2r.int(), qsl_d.int(), bt.int().view(num_b, nb),
+                       rings.view(num_b, nr), starts, ends)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class MetadataSwitches:
+    shared: bool = True  # build once per step for all layers of a kind (#45863)
+    cached_token_to_req: bool = True  # token->request once per step (#47474)
+    skip_redundant_fill: bool = True  # no torch.full(-1) pre-fill of the tables (#50298)
+
+
+@dataclass
+class StepMetadata:
+    """Sparse-index metadata of one step; `tables_for(layer)` is what a layer reads."""
+
+    tokens: StepTokens
+    t: StepTensors
+    geo: CacheGeometry
+    kernels: KernelBackendConfig
+    switches: MetadataSwitches
+    win_base: torch.Tensor = field(init=False)  # [L, T] int32
+    c4_lens: torch.Tensor = field(init=False)  # [T] int32
+    _shared: dict[int, torch.Tensor] = field(default_factory=dict, init=False)
+
+    def __post_init__(self) -> None:
+        geo, t = self.geo, self.t
+        rbi = torch.tensor(
+            [g.window.ring_block_index for g in geo.layers], device=t.ring_ids.device
+        )
+        base = torch.tensor([g.window_base for g in geo.layers], device=t.ring_ids.device)
+        blocks = t.ring_ids[t.token_to_req.long()][:, rbi]  # [T, L]
+        self.win_base = (blocks * geo.slots_per_block + base).T.int().contiguous()
+        self.c4_lens = ((t.positions + 1) // 4).int()
+
+    # ---- decode candidate tables --------------------------------------------------------------
+    def decode_candidates(self, ratio: int) -> torch.Tensor:
+        """[T_d, W (+ N128)] int32 candidate table of the decode tokens for layers of `ratio`
+        (C4 layers append their own top-k)."""
+        if self.switches.shared and ratio in self._shared:
+            return self._shared[ratio]
+        table = self._window_slots()
+        if ratio == 128:
+            table = torch.cat((table, self._c128_slots()), dim=1)
+        if self.switches.shared:
+            self._shared[ratio] = table
+        return table
+
+    def _token_to_req(self, num_tokens: int) -> torch.Tensor:
+        if self.switches.cached_token_to_req:
+            return self.t.token_to_req[:num_tokens]
+        qsl = self.t.query_start_loc[: self.tokens.num_decode_requests + 1]
+        return builders.token_to_req_indices_per_builder(qsl, num_tokens)
+
+    def _window_slots(self) -> torch.Tensor:
+        n = self.tokens.num_decode_tokens
+        geo = self.geo
+        ring_slots = geo.layers[0].window.slots
+        w = geo.layout.model.sliding_window
+        dev = self.t.positions.device
+        # Every logical ring "block" maps to page 0 of R slots: the table yields p % R.
+        zero = torch.zeros(max(n, 1), math.ceil(max(self.tokens.max_end, 1) / ring_slots),
+                           dtype=torch.int32, device=dev)  # fmt: skip
+        fn = self._builder("window_slot_table")
+        slots, _ = fn(self.t.positions[:n], self._token_to_req(n), zero, w, ring_slots)
+        return slots
+
+    def _c128_slots(self) -> torch.Tensor:
+        n = self.tokens.num_decode_tokens
+        geo = self.geo
+        width = max(self.tokens.max_end // 128, 1)
+        epb = geo.layout.block_size // 128
+        fn = self._builder("c128_index_table")
+        slots, _ = fn(self.t.positions[:n], self._token_to_req(n), self.t.block_tables, width, epb,
+                      128, slots_per_block=geo.slots_per_block)  # fmt: skip
+        return slots
+
+    def _builder(self, name: str):
+        fn = resolve(name, self.kernels, self.t.positions.device)
+        if fn is getattr(builders, name) and not self.switches.skip_redundant_fill:
+            fn = getattr(builders, f"{name}_prefill")
+        return fn

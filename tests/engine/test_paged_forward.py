@@ -1,0 +1,139 @@
+"""The paged forward (flat batch on the packed cache, through the kernel ops) against the
+reference forward (per-request states) and the reference model.
+
+fp32 model and fp32 caches make every cache round trip lossless, so the paged path must give
+the same greedy tokens; bf16 runs compare logits within the bf16 tolerance (batched and
+per-row bf16 GEMMs round differently)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4.model.config import tiny_config
+from dsv4.model.generate import generate
+from dsv4.model.index_cache import IndexPattern
+from dsv4.model.tiny import random_model
+from dsv4.runner.paged import MetadataSwitches, PagedSwitches
+from dsv4.scheduler.batch import RequestStepOutput, StepOutput
+from kernels.backend import KernelBackendConfig
+from tests.engine.conftest import greedy_request, make_core, run_to_completion
+from tests.engine.test_engine_core import NEW_TOKENS, prompts
+from tests.leak import assert_no_leaks
+
+PAGED = {}  # default switches
+
+
+@pytest.fixture(scope="module")
+def reference(tiny) -> dict[str, list[int]]:
+    """The reference model's cached greedy decode of every prompt."""
+    return {rid: generate(tiny, p, NEW_TOKENS) for rid, p in prompts(tiny.cfg.vocab_size).items()}
+
+
+def run(core, model) -> dict[str, list[int]]:
+    for rid, prompt in prompts(model.cfg.vocab_size).items():
+        core.add_request(greedy_request(rid, prompt, NEW_TOKENS))
+    out = run_to_completion(core)
+    assert_no_leaks(core)
+    return out
+
+
+@pytest.mark.parametrize(
+    "budget,plan", [(4096, "area"), (64, "area"), (97, "fixed")],
+    ids=["one-chunk", "chunks-64", "chunks-97-fixed"],
+)  # fmt: skip
+def test_paged_greedy_equals_reference(tiny, reference, budget: int, plan: str) -> None:
+    """Mixed steps (decodes + prefill chunks of several requests), both chunk planners."""
+    core = make_core(tiny, budget=budget, prefill_chunk_plan=plan, paged=PAGED)
+    assert run(core, tiny) == reference
+
+
+@pytest.mark.parametrize(
+    "metadata,switches,fused",
+    [
+        (MetadataSwitches(shared=False), PagedSwitches(), True),
+        (MetadataSwitches(cached_token_to_req=False, skip_redundant_fill=False), PagedSwitches(), True),
+        (MetadataSwitches(), PagedSwitches(skip_topk=False, compressor_boundary_only=False), True),
+        (MetadataSwitches(), PagedSwitches(), False),
+    ],
+    ids=["metadata-per-layer", "t2r-per-builder+prefill", "no-skip-topk", "unfused-first-mhc"],
+)  # fmt: skip
+def test_paged_switches_keep_outputs(tiny, reference, metadata, switches, fused) -> None:
+    """Every switch of the paged path off (its baseline) gives the same tokens."""
+    tiny.fuse_first_hc = fused
+    try:
+        core = make_core(tiny, budget=64, paged={"metadata": metadata, "switches": switches})
+        assert run(core, tiny) == reference
+    finally:
+        tiny.fuse_first_hc = True
+
+
+def test_paged_preemption_resumes_with_same_tokens(tiny, reference) -> None:
+    core = make_core(tiny, budget=512, num_blocks=9, paged=PAGED)
+    assert run(core, tiny) == reference
+
+
+def test_paged_index_cache_equals_reference_index_cache(tiny) -> None:
+    """IndexCache frequency 2 on both paths: Shared C4 layers reuse the Full layer's top-k."""
+    pattern = IndexPattern.from_freq(tiny.cfg, 2)
+    tiny.set_index_pattern(pattern)
+    try:
+        ref = run(make_core(tiny, budget=64, index_pattern=pattern.roles), tiny)
+        paged = run(make_core(tiny, budget=64, index_pattern=pattern.roles, paged=PAGED), tiny)
+    finally:
+        tiny.set_index_pattern(IndexPattern.all_full(tiny.cfg))
+    assert paged == ref
+
+
+def _lockstep_logits(*cores) -> list[list[torch.Tensor]]:
+    """Drive cores by hand on the same tokens: every step's sampling-row logits of each core;
+    the first core's greedy tokens are fed to all, so their inputs never diverge."""
+    steps = []
+    while cores[0].has_work():
+        batches = [c.scheduler.schedule() for c in cores]
+        logits = [c.runner.paged(b).logits for c, b in zip(cores, batches)]
+        steps.append(logits)
+        rows = [r.request_id for r in batches[0].requests if r.samples_token]
+        given = dict(zip(rows, logits[0].argmax(-1).tolist()))
+        for core, batch in zip(cores, batches):
+            core.scheduler.update(StepOutput(tuple(
+                RequestStepOutput(r.request_id, (given[r.request_id],) if r.request_id in given else ())
+                for r in batch.requests
+            )))  # fmt: skip
+    return steps
+
+
+@pytest.mark.slow
+def test_paged_triton_kernels_match_reference_ops() -> None:
+    """The same paged steps with every op on its Triton kernel (interpreter on CPU) and on its
+    torch reference: bf16 model and caches, a short run that crosses the C4 top-k and a C128
+    window boundary, both fed the same tokens."""
+    cfg = tiny_config().with_overrides(num_nextn_predict_layers=0)
+    model = random_model(cfg, seed=5, dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(2)
+    prompt = torch.randint(2, cfg.vocab_size, (130,), generator=gen).tolist()
+    cores = []
+    for backend in ("ref", "triton"):
+        core = make_core(model, kv="bf16", index="bf16", budget=80, paged=PAGED,
+                         kernels=KernelBackendConfig(default=backend), max_num_seqs=4)  # fmt: skip
+        core.add_request(greedy_request("a", prompt, 4))
+        cores.append(core)
+    steps = [s for s in _lockstep_logits(*cores) if s[0].numel()]
+    assert len(steps) == 4
+    for ref, tri in steps:
+        assert (ref - tri).abs().max() < 0.06 * ref.abs().max()
+    for core in cores:
+        assert_no_leaks(core)
+
+
+def test_paged_bf16_logits_stay_close_to_reference(tiny) -> None:
+    """bf16 model and bf16 caches: the paged and reference forwards agree within bf16 noise."""
+    model = random_model(tiny.cfg, seed=3, dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(4)
+    prompt = torch.randint(2, tiny.cfg.vocab_size, (300,), generator=gen)
+    core = make_core(model, kv="bf16", index="bf16", budget=97, paged=PAGED)
+    core.add_request(greedy_request("a", prompt.tolist(), 1))
+    paged = _lockstep_logits(core)[-1][0][0]
+    ref = model(prompt[None]).logits[0, -1]
+    assert (paged - ref).abs().max() < 0.05 * ref.abs().max()
+    assert_no_leaks(core)
