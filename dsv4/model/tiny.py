@@ -26,27 +26,29 @@ DEFAULT_SHARD_BYTES = 4 * 1024 * 1024
 
 
 def random_tensor(spec: TensorSpec, cfg: ModelConfig, gen: torch.Generator) -> torch.Tensor:
-    """A deterministic random value for one logical weight (fp32, or int64 for tid2eid)."""
+    """A deterministic random value for one logical weight (fp32, or int64 for tid2eid), drawn
+    on the generator's device (a CUDA generator fills a Flash-shaped model in a second)."""
     shape = spec.shape
+    dev = gen.device
     if spec.role == "linear":
-        return torch.randn(shape, generator=gen) / shape[-1] ** 0.5
+        return torch.randn(shape, generator=gen, device=dev) / shape[-1] ** 0.5
     if spec.role == "embed":
-        return torch.randn(shape, generator=gen)
+        return torch.randn(shape, generator=gen, device=dev)
     if spec.role == "norm":
-        return 1.0 + 0.1 * torch.randn(shape, generator=gen)
+        return 1.0 + 0.1 * torch.randn(shape, generator=gen, device=dev)
     if spec.role == "hc_fn":
-        return torch.randn(shape, generator=gen) * 0.5 / shape[-1] ** 0.5
+        return torch.randn(shape, generator=gen, device=dev) * 0.5 / shape[-1] ** 0.5
     if spec.role == "hc_base":
-        return 0.5 * torch.randn(shape, generator=gen)
+        return 0.5 * torch.randn(shape, generator=gen, device=dev)
     if spec.role == "hc_scale":
-        return 1.0 + 0.25 * torch.rand(shape, generator=gen)
+        return 1.0 + 0.25 * torch.rand(shape, generator=gen, device=dev)
     if spec.role in ("sink", "ape"):
-        return 0.5 * torch.randn(shape, generator=gen)
+        return 0.5 * torch.randn(shape, generator=gen, device=dev)
     if spec.role == "gate_bias":
-        return 0.1 * torch.randn(shape, generator=gen)
+        return 0.1 * torch.randn(shape, generator=gen, device=dev)
     if spec.role == "tid2eid":
         # k distinct experts per token, drawn independently per vocabulary id.
-        scores = torch.rand(cfg.vocab_size, cfg.n_routed_experts, generator=gen)
+        scores = torch.rand(cfg.vocab_size, cfg.n_routed_experts, generator=gen, device=dev)
         return scores.argsort(dim=1)[:, : cfg.num_experts_per_tok].to(torch.int64)
     raise ValueError(f"no initialiser for role {spec.role!r} of {spec.name}")
 
@@ -130,20 +132,27 @@ def shape_config(shape: str, linear_dtype: str, expert_dtype: str) -> ModelConfi
 
 
 def random_model(
-    cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32, device: str = "cpu"
+    cfg: ModelConfig,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    *,
+    draw_on_device: bool = False,
 ):
     """A model filled in memory from the same initialisers as the checkpoint writer (no I/O).
 
-    GPU benchmarks use this for Flash-shaped models that would take minutes to write to disk.
+    GPU benchmarks use this for Flash-shaped models that would take minutes to write to disk;
+    `draw_on_device` draws the values with a generator on `device` (other values than the CPU
+    stream of the same seed, but no host-side fill of tens of GB).
     """
     from dsv4.model.deepseek_v4 import DeepseekV4
 
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device if draw_on_device else "cpu").manual_seed(seed)
     with torch.device("meta"):
-        model = DeepseekV4(cfg)
+        model = DeepseekV4(cfg).cast_(dtype)  # final dtypes first: no fp32 copy of the model
     model = model.to_empty(device=device)
     state = model.state_dict()
     with torch.no_grad():
         for spec in model_tensors(cfg, include_mtp=bool(len(model.mtp))):
-            state[spec.name].copy_(random_tensor(spec, cfg, gen))
-    return model.cast_(dtype).eval()
+            state[spec.name].copy_(random_tensor(spec, cfg, gen))  # rounds as .to(dtype)
+    return model.eval()

@@ -39,7 +39,7 @@ def make_core(
     )  # fmt: skip
     return build_engine_core(
         model, options, cfg, num_blocks=num_blocks, shared_metadata=shared_metadata,
-        paged=paged, kernels=kernels,
+        paged=paged, kernels=kernels, device=str(model.embed.weight.device),
     )  # fmt: skip
 
 

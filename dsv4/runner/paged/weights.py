@@ -26,9 +26,13 @@ class ExpertWeights:
 
 
 def stack_experts(moe: MoE) -> ExpertWeights:
-    """Stack once and alias the expert modules' parameters to the stacked storage."""
+    """Stack once and alias the expert modules' parameters to the stacked storage (a second
+    paged forward over the same model, e.g. a benchmark's A/B variant, reuses the stack)."""
     if moe.expert_store is not None:
         raise ConfigError("forward", "paged", "offloaded experts need the reference forward")
+    cached = getattr(moe, "stacked_experts", None)
+    if cached is not None and cached.w13.data_ptr() == moe.experts[0].w1.weight.data_ptr():
+        return cached
     experts = moe.experts
     w1 = experts[0].w1.weight
     inter, dim = w1.shape
@@ -42,7 +46,8 @@ def stack_experts(moe: MoE) -> ExpertWeights:
             expert.w1.weight.data = w13[e, :inter]
             expert.w3.weight.data = w13[e, inter:]
             expert.w2.weight.data = w2[e]
-    return ExpertWeights(w13, w2)
+    moe.stacked_experts = ExpertWeights(w13, w2)
+    return moe.stacked_experts
 
 
 @dataclass(frozen=True)

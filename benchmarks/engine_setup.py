@@ -1,0 +1,165 @@
+"""Shared set-up of the engine benchmarks: the Flash-shaped model, an engine core on it, paged
+forward variants (one per switch at its baseline), and the roofline arithmetic.
+
+Variants share the model's weights (the stacked experts are built once) and the core's cache,
+so an A/B pair runs the same step on the same bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+
+from dsv4.cache.packing import CacheOptions
+from dsv4.engine_core import build_engine_core
+from dsv4.model.config import ModelConfig, flash_config, tiny_config
+from dsv4.model.kernel_bridge import install_kernels
+from dsv4.model.tiny import random_model
+from dsv4.runner.paged import MetadataSwitches, PagedForward, PagedSwitches
+from dsv4.scheduler.config import SchedulerConfig
+from kernels.backend import KernelBackendConfig
+
+PEAK_BYTES_PER_S = 4.3e12
+PEAK_FLOPS = 790e12
+
+# switch name -> (metadata switches, paged switches, kernel overrides, fused first mHC)
+VARIANTS: dict[str, tuple[MetadataSwitches, PagedSwitches, dict[str, str], bool]] = {
+    "all_on": (MetadataSwitches(), PagedSwitches(), {}, True),
+    "shared_sparse_metadata_off": (MetadataSwitches(shared=False), PagedSwitches(), {}, True),
+    "cached_token_to_req_off": (
+        MetadataSwitches(cached_token_to_req=False), PagedSwitches(), {}, True,
+    ),
+    "skip_redundant_fill_off": (
+        MetadataSwitches(skip_redundant_fill=False), PagedSwitches(), {}, True,
+    ),
+    "compressor_boundary_only_off": (
+        MetadataSwitches(), PagedSwitches(compressor_boundary_only=False), {}, True,
+    ),
+    "skip_topk_off": (MetadataSwitches(), PagedSwitches(skip_topk=False), {}, True),
+    "router_kernel_reference": (
+        MetadataSwitches(), PagedSwitches(), {"route": "ref", "hash_route": "ref"}, True,
+    ),
+    "fused_mhc_off": (MetadataSwitches(), PagedSwitches(), {}, False),
+    "all_off": (
+        MetadataSwitches(False, False, False), PagedSwitches(False, False),
+        {"route": "ref", "hash_route": "ref"}, False,
+    ),
+}  # fmt: skip
+
+
+def model_config(layers: str, experts: int, dry_run: bool) -> ModelConfig:
+    ratios = tuple(int(r) for r in layers.split(","))
+    if dry_run:
+        return tiny_config().with_overrides(num_nextn_predict_layers=0)
+    return flash_config(len(ratios), ratios).with_overrides(
+        n_routed_experts=experts, num_nextn_predict_layers=0
+    )
+
+
+def build_model(cfg: ModelConfig, dry_run: bool, seed: int = 0):
+    device = "cpu" if dry_run else "cuda"
+    dtype = torch.bfloat16
+    model = random_model(cfg, seed=seed, dtype=dtype, device=device, draw_on_device=not dry_run)
+    kernels = KernelBackendConfig(default="ref" if dry_run else "triton")
+    install_kernels(kernels, device)  # the reference forward's hot ops, too
+    return model, kernels
+
+
+def build_core(model, kernels, *, max_model_len: int, max_seqs: int, budget: int,
+               num_blocks: int, index_pattern: str = "", plan: str = "area"):  # fmt: skip
+    dev = model.embed.weight.device
+    fp8 = dev.type == "cuda"
+    options = CacheOptions(block_size=256, kv_dtype="fp8" if fp8 else "bf16",
+                           index_dtype="mxfp4" if fp8 else "bf16", index_pattern=index_pattern)  # fmt: skip
+    sched = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs,
+                            max_model_len=max_model_len, prefill_chunk_plan=plan)  # fmt: skip
+    return build_engine_core(model, options, sched, num_blocks=num_blocks, device=str(dev),
+                             kernels=kernels, paged={})  # fmt: skip
+
+
+def variant(core, name: str) -> PagedForward:
+    """A paged forward over `core`'s cache with switch `name` at its baseline."""
+    metadata, switches, overrides, _ = VARIANTS[name]
+    base = core.runner.paged.kernels
+    kernels = dataclasses.replace(base, overrides={**base.overrides, **overrides})
+    return PagedForward(core.runner.paged.model, core.runner.cache, kernels, metadata, switches)
+
+
+def fused_first(name: str) -> bool:
+    return VARIANTS[name][3]
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device: torch.device, repeats: int, warmup: int) -> float:
+    """Median wall time (ms) of fn() with a device sync around each call."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def param_bytes(model) -> tuple[int, int]:
+    """(bytes of every non-routed-expert weight, bytes of one routed expert)."""
+    dense = expert = 0
+    for name, p in model.named_parameters():
+        if ".experts." in name:
+            if ".experts.0." in name:
+                expert += p.numel() * p.element_size()
+        elif not name.startswith("embed."):
+            dense += p.numel() * p.element_size()
+    return dense, expert
+
+
+def decode_floor_ms(model, batch: int, context: int, kv_entry_bytes: int) -> float:
+    """The weight + KV read floor of one decode step at 4.3 TB/s: every dense weight once, the
+    expected distinct routed experts of `batch` tokens per layer once, each token's KV rows."""
+    cfg = model.cfg
+    dense, expert = param_bytes(model)
+    e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    distinct = e * (1 - (1 - k / e) ** batch)
+    kv_rows = 0
+    for r in cfg.compress_ratios:
+        kv_rows += cfg.sliding_window + (0 if not r else min(cfg.index_topk, context // 4)
+                                         if r == 4 else context // 128)  # fmt: skip
+    total = dense + cfg.num_hidden_layers * distinct * expert + batch * kv_rows * kv_entry_bytes
+    return total / PEAK_BYTES_PER_S * 1e3
+
+
+def prefill_flops(model, length: int) -> float:
+    """Useful FLOPs of a lone prompt: 2 x active weights per token, sparse attention over
+    window + top-k / C128 entries, the indexer over the visible keys of Full C4 layers."""
+    cfg = model.cfg
+    dense, expert = param_bytes(model)
+    active = (dense + cfg.num_hidden_layers * (cfg.num_experts_per_tok * expert)) / 2  # params
+    flops = 2 * active * length
+    h, d = cfg.num_attention_heads, cfg.head_dim
+    pattern = model.index_pattern
+    for i, r in enumerate(cfg.compress_ratios):
+        avg_vis = length / 2 / (r or 1)
+        cand = cfg.sliding_window + (0 if not r else min(cfg.index_topk, avg_vis))
+        flops += 4 * h * d * cand * length
+        if r == 4 and not pattern.is_shared(i):
+            flops += 2 * cfg.index_n_heads * cfg.index_head_dim * avg_vis * length
+    return flops
+
+
+def record(name, shape, time_ms, baseline, baseline_ms, pct) -> dict:
+    print(f"{name:22s} {shape:60s} {time_ms:9.3f} ms  base {baseline_ms:9.3f} ms "
+          f"x{baseline_ms / time_ms:6.2f}  {pct:5.1f}%  [{baseline}]", flush=True)  # fmt: skip
+    return {
+        "name": name, "shape": shape, "time_us": round(time_ms * 1e3, 1), "baseline": baseline,
+        "baseline_time_us": round(baseline_ms * 1e3, 1),
+        "speedup": round(baseline_ms / time_ms, 3), "pct_roofline": round(pct, 2),
+    }  # fmt: skip
