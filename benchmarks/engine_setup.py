@@ -115,7 +115,7 @@ def param_bytes(model) -> tuple[int, int]:
     dense = expert = 0
     for name, p in model.named_parameters():
         if ".experts." in name:
-            if ".experts.0." in name:
+            if name.startswith("layers.0.ffn.experts.0."):  # one expert of one layer
                 expert += p.numel() * p.element_size()
         elif not name.startswith("embed."):
             dense += p.numel() * p.element_size()

@@ -39,6 +39,8 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+# Run as a script, sys.path[0] is benchmarks/, where kernels.py would shadow the kernels package.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "benchmarks"]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 

@@ -48,8 +48,10 @@ def _load_f32(ptr, mask, IN_BF16: tl.constexpr):
     """fp32 values at `ptr` (fp32 rows, or bf16 rows viewed as int16: widened bit-exactly)."""
     if IN_BF16:
         bits = tl.load(ptr, mask=mask, other=0).to(tl.int32) << 16
-        return bits.to(tl.float32, bitcast=True)
-    return tl.load(ptr, mask=mask, other=0.0)
+        val = bits.to(tl.float32, bitcast=True)
+    else:  # one return: the compiler checks every return's type, pruned branches too
+        val = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+    return val
 
 
 @triton.jit

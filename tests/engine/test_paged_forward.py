@@ -158,7 +158,10 @@ def test_paged_gpu_kernels_match_reference_ops_on_served_formats() -> None:
             core.add_request(greedy_request(f"r{n}", prompt, 6))
     steps = [s for s in _lockstep_logits(*cores) if s[0].numel()]
     assert len(steps) >= 6
+    # bf16 tensor-core dots and fp8 rows on both sides of a random-routing model: a looser bound
+    # than the interpreter test (fp32 dots), which pins the wiring down tightly.
     for ref, tri in steps:
-        assert (ref - tri).abs().max() < 0.06 * ref.abs().max()
+        assert (ref - tri).abs().max() < 0.15 * ref.abs().max()
+        assert (ref - tri).abs().mean() < 0.02 * ref.abs().mean() + 0.02
     for core in cores:
         assert_no_leaks(core)
