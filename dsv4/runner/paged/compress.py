@@ -51,7 +51,7 @@ def compressor_tables(meta: StepMetadata, ratio: int, *, all_tokens: bool) -> Co
     if all_tokens:
         idx = torch.arange(t.positions.shape[0], device=dev, dtype=torch.int32)
     else:
-        host = [i for i, p in enumerate(tokens.positions()) if (p + 1) % ratio == 0]
+        host = [i for i, p in enumerate(tokens.host_positions) if (p + 1) % ratio == 0]
         idx = torch.tensor(host, dtype=torch.int32).to(dev, non_blocking=True)
     tok = idx.long()
     req = t.token_to_req[tok].long()

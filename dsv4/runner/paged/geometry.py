@@ -93,6 +93,17 @@ class CacheGeometry:
         self.flat_bytes = flat
         self.flat_f32 = flat.view(torch.float32)
         self.layers = tuple(self._layer(i) for i in range(layout.model.num_hidden_layers))
+        self._window_pages: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def window_pages(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """([L] ring block index, [L] KV slot offset) of every layer's window page, on
+        `device`, built once (not a host->device copy per step)."""
+        if device not in self._window_pages:
+            rbi = [g.window.ring_block_index for g in self.layers]
+            base = [g.window_base for g in self.layers]
+            self._window_pages[device] = (torch.tensor(rbi, device=device),
+                                          torch.tensor(base, device=device))  # fmt: skip
+        return self._window_pages[device]
 
     # ---- per layer ---------------------------------------------------------------------------
     def _ring(self, layer_id: int, kind: str) -> RingPage:

@@ -27,13 +27,11 @@ def indexer_topk(indexer: Indexer, fs: ForwardState, g: LayerGeometry, x, qr, co
     tokens, t = meta.tokens, meta.t
     k = indexer.cfg.index_topk
     n_dec, n_all = tokens.num_decode_tokens, x.shape[0]
-    vis = [(p + 1) // 4 for p in tokens.positions()]  # host: visible entries per token
+    positions = tokens.host_positions
     epb = meta.geo.layout.block_size // 4
-    local_table = torch.arange(t.block_tables.shape[1], dtype=torch.int32, device=x.device)
-    local_table = local_table.expand(t.block_tables.shape[0], -1).contiguous()
     parts = (
         (0, n_dec, t.block_tables, meta.geo.slots_per_block),  # decode: relative cache slots
-        (n_dec, n_all, local_table, epb),  # prefill: local entry i = j * E + i % E
+        (n_dec, n_all, meta.local_block_table, epb),  # prefill: local entry i = j * E + i % E
     )
     q = weights = None
     out = []
@@ -41,7 +39,7 @@ def indexer_topk(indexer: Indexer, fs: ForwardState, g: LayerGeometry, x, qr, co
         if hi == lo:
             out.append(None)
             continue
-        max_vis = max(vis[lo:hi])
+        max_vis = (max(positions[lo:hi]) + 1) // 4  # host: most entries a token sees
         lens, t2r = meta.c4_lens[lo:hi], t.token_to_req[lo:hi]
         if fs.switches.skip_topk and max_vis <= k:
             select = resolve("indexer_select_all", meta.kernels, x.device)

@@ -17,6 +17,7 @@ host and copies it over.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -70,11 +71,10 @@ class StepTokens:
             out.extend([b] * (e - s))
         return out
 
-    def positions(self) -> list[int]:
-        out: list[int] = []
-        for s, e in zip(self.starts, self.ends):
-            out.extend(range(s, e))
-        return out
+    @functools.cached_property
+    def host_positions(self) -> tuple[int, ...]:
+        """Every token's position (computed once per step; upload, compressor, indexer)."""
+        return tuple(itertools.chain.from_iterable(map(range, self.starts, self.ends)))
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,7 @@ def upload(tokens: StepTokens, token_ids: list[int], device: torch.device) -> St
     tables = [list(r.block_table) + [0] * (nb - len(r.block_table)) for r in reqs]
     qsl = [0] + [f + e - s for f, s, e in zip(tokens.first_token, tokens.starts, tokens.ends)]
     host = torch.tensor(
-        [*token_ids, *tokens.positions(), *tokens.request_of_tokens(), *qsl[: num_b + 1],
+        [*token_ids, *tokens.host_positions, *tokens.request_of_tokens(), *qsl[: num_b + 1],
          *itertools.chain.from_iterable(tables),
          *itertools.chain.from_iterable(r.ring_block_ids for r in reqs), *tokens.starts,
          *tokens.ends],
@@ -134,13 +134,17 @@ class StepMetadata:
 
     def __post_init__(self) -> None:
         geo, t = self.geo, self.t
-        rbi = torch.tensor(
-            [g.window.ring_block_index for g in geo.layers], device=t.ring_ids.device
-        )
-        base = torch.tensor([g.window_base for g in geo.layers], device=t.ring_ids.device)
+        rbi, base = geo.window_pages(t.ring_ids.device)
         blocks = t.ring_ids[t.token_to_req.long()][:, rbi]  # [T, L]
         self.win_base = (blocks * geo.slots_per_block + base).T.int().contiguous()
         self.c4_lens = ((t.positions + 1) // 4).int()
+
+    @functools.cached_property
+    def local_block_table(self) -> torch.Tensor:
+        """[B, nb] int32 rows 0..nb-1: top-k through it yields local entry indices (prefill)."""
+        bt = self.t.block_tables
+        row = torch.arange(bt.shape[1], dtype=torch.int32, device=bt.device)
+        return row.expand(bt.shape[0], -1).contiguous()
 
     # ---- decode candidate tables --------------------------------------------------------------
     def decode_candidates(self, ratio: int) -> torch.Tensor:
