@@ -178,9 +178,28 @@ def _add_services(sub: argparse._SubParsersAction) -> None:
     add_demo_args(sub.add_parser("demo", help="up + a short load test + report + shutdown"))
 
 
+def _die_with_parent(parent_pid: int) -> None:
+    """SIGTERM this process when its launcher (`dsv4 up`, a test) dies, even by SIGKILL.
+
+    Set here, after exec, rather than in a `preexec_fn`: Python code between fork and exec
+    runs grpc's after-fork hooks in the child, whose poller threads then abort when
+    subprocess closes the inherited fds ("epoll_wait error: Bad file descriptor")."""
+    import ctypes
+    import os
+    import signal
+
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent_pid:  # the launcher died before prctl took effect
+        raise SystemExit(f"dsv4: launcher {parent_pid} is gone; not starting")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dsv4", description=__doc__)
     parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument(
+        "--parent-pid", type=int, default=0, help="exit with SIGTERM when this process dies"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     _add_make_tiny(sub)
     _add_train_tiny(sub)
@@ -203,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     if extra and not getattr(args, "accepts_extra_args", False):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.extra_args = extra
+    if args.parent_pid:
+        _die_with_parent(args.parent_pid)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

@@ -138,12 +138,12 @@ class LocalCluster:
         metrics_port = self._metrics_port(len(self.services), role)
         if metrics_port:
             args = [*args, "--metrics-port", str(metrics_port)]
-        command = [sys.executable, "-m", "dsv4.cli", role, *args]
+        command = [sys.executable, "-m", "dsv4.cli", "--parent-pid", str(os.getpid()), role, *args]
         logger.info("starting %s: %s", name, " ".join(command))
         with open(log_path, "wb") as log_file:
             process = subprocess.Popen(
                 command, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True, preexec_fn=_die_with_parent,
+                start_new_session=True,
             )  # fmt: skip
         self.services.append(_Service(name, role, address, process, log_path, metrics_port))
 
@@ -252,13 +252,6 @@ def channel_credentials(service_args: tuple[str, ...]) -> object:
         return grpc.ssl_channel_credentials(root)
     key, cert = Path(s.tls_key_path).read_bytes(), Path(s.tls_cert_path).read_bytes()
     return grpc.ssl_channel_credentials(root, key, cert)
-
-
-def _die_with_parent() -> None:
-    with contextlib.suppress(OSError, AttributeError):
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def ensure_tiny_checkpoint(cache_dir: Path, layers: str, seed: int = 0) -> Path:

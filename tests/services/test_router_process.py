@@ -4,10 +4,13 @@ against scripted peers (router_svc.fakes)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import grpc
@@ -59,6 +62,54 @@ def test_main_serves_until_sigterm_and_exits_cleanly() -> None:
             process.kill()
             process.wait()
     assert "serving dsv4.v1.Router" in process.stderr.read()
+
+
+def test_a_service_started_with_parent_pid_dies_with_its_launcher() -> None:
+    """`dsv4 up` starts services with --parent-pid: a SIGKILLed launcher leaves no orphans."""
+    port = free_port()
+    launcher_code = (
+        "import os, subprocess, sys, time\n"
+        "cmd = [sys.executable, '-m', 'dsv4.cli', '--parent-pid', str(os.getpid()), 'router',\n"
+        f"       '--port', '{port}', '--prefill', '127.0.0.1:9', '--decode', '127.0.0.1:9']\n"
+        "child = subprocess.Popen(cmd, start_new_session=True)\n"
+        "print(child.pid, flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", launcher_code], cwd=REPO, stdout=subprocess.PIPE, text=True
+    )
+    child_pid = int(launcher.stdout.readline())
+    try:
+        time.sleep(1.0)  # the router is importing / serving: it must not have exited by itself
+        assert _is_running(child_pid)
+        launcher.kill()
+        launcher.wait(timeout=10)
+        for _ in range(200):  # bounded: 20 s
+            if not _is_running(child_pid):
+                break
+            time.sleep(0.1)
+        else:
+            raise AssertionError("the service outlived its launcher")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child_pid, signal.SIGKILL)
+
+
+def _is_running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's zombie waits for init to reap it)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"
+
+
+def test_parent_pid_that_is_not_the_parent_refuses_to_start() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "dsv4.cli", "--parent-pid", "1", "plan", "--shape", "flash", "--gpu-mem", "80"],
+        cwd=REPO, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode != 0 and "launcher 1 is gone" in done.stderr
 
 
 def test_main_rejects_a_bad_config_with_exit_code_2() -> None:
