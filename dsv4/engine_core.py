@@ -165,14 +165,22 @@ def build_engine_core(
     kernels: object = None,
     metadata_options: object = None,
     paged: object = None,
+    graphs: object = None,
 ) -> EngineCore:
-    """Layout -> paged cache -> runner + KV manager -> scheduler, for one model replica."""
+    """Layout -> paged cache -> runner + KV manager -> scheduler, for one model replica.
+
+    `graphs` (a `dsv4.runner.paged.decode_graphs.GraphOptions`, with `paged`): capture the
+    decode step's passes (or run them as static eager steps) before the core is returned."""
     from dsv4.cache.layout import KVLayout
+    from dsv4.runner.paged.decode_graphs import num_scratch_blocks
     from dsv4.runner.paged_cache import PagedKVCache
     from kernels.backend import KernelBackendConfig
 
     layout = KVLayout.build(model.cfg, cache_options)
-    cache = PagedKVCache(layout, num_blocks, device=device)
+    if graphs is not None and paged is None:
+        raise ConfigError("features.cuda_graphs", True, "graphs capture the paged forward")
+    scratch = num_scratch_blocks(layout) if graphs is not None else 0
+    cache = PagedKVCache(layout, num_blocks, device=device, num_scratch_blocks=scratch)
     kv = KVCacheManager(layout, num_blocks)
     scheduler = Scheduler(scheduler_config, kv, stop_checker=stop_checker)
     if cache_options.num_speculative_tokens != scheduler_config.num_speculative_tokens:
@@ -188,5 +196,11 @@ def build_engine_core(
         from dsv4.runner.paged import PagedForward
 
         extra["paged"] = PagedForward(model, cache, kernels or KernelBackendConfig(), **paged)
+    if graphs is not None:
+        from dsv4.runner.paged.decode_graphs import DecodeGraphs
+
+        extra["graphs"] = DecodeGraphs(extra["paged"], cache, graphs,
+                                       cache_options.num_speculative_tokens)  # fmt: skip
+        extra["graphs"].capture()
     runner = ModelRunner(model, cache, shared_metadata=shared_metadata, **extra)
     return EngineCore(scheduler, runner)

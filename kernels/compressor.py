@@ -394,6 +394,19 @@ def compressor_step_ref(
     return cache
 
 
+def compressor_step_always_ref(kv, gate, positions, state, save_slots, boundary, num_in_step,
+                               window_rows, norm_weight, cos, sin, cache, entry_slots, *, ratio,
+                               fmt, rope_dim, eps=1e-6, entry_dtype=torch.bfloat16):  # fmt: skip
+    """Reference of `compressor_step_always` (per-token tables, `boundary` ignored): the tokens
+    that close a window are picked on the device (a host sync: CPU and tests only)."""
+    closes = ((positions.long() + 1) % ratio == 0).nonzero().squeeze(1)
+    return compressor_step_ref(
+        kv, gate, positions, state, save_slots, closes.int(), num_in_step[closes],
+        window_rows[closes], norm_weight, cos[closes], sin[closes], cache, entry_slots[closes],
+        ratio=ratio, fmt=fmt, rope_dim=rope_dim, eps=eps, entry_dtype=entry_dtype,
+    )  # fmt: skip
+
+
 def _flat_index(view: torch.Tensor, rows: torch.Tensor, width: int) -> torch.Tensor:
     """Storage element offsets [*rows.shape, width] of `view[rows, :width]`. Callers may pass
     row-addressed views whose rows overlap (stride (1, 1): row = element offset), which torch's

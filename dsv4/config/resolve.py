@@ -36,7 +36,7 @@ def resolve_auto(
     - transport auto: cuda_ipc on cuda when every static peer is on this host and no Redis is
       configured, else nixl (NIXL also runs on CPU memory). Set it explicitly in production.
     - worker_id empty: "<role>-<hostname>-<pid>".
-    - features.forward auto: the paged forward on cuda (without MTP), else the reference.
+    - features.forward auto: the paged forward on cuda, else the reference.
     """
     m, c, t, w = config.model, config.cache, config.transfer, config.worker
     device = m.device if m.device != "auto" else ("cuda" if has_cuda else "cpu")
@@ -58,9 +58,8 @@ def resolve_auto(
     worker_id = w.worker_id or f"{w.role}-{hostname}-{pid}"
     f = config.features
     forward = f.forward
-    if forward == "auto":  # MTP speculation still runs on the reference forward only
-        spec = config.speculative.method != "none"
-        forward = "paged" if on_cuda and not spec else "reference"
+    if forward == "auto":
+        forward = "paged" if on_cuda else "reference"
     return dataclasses.replace(
         config,
         model=model_section,

@@ -128,6 +128,12 @@ class FeatureSwitches(Section):
     cached_token_to_req_indices: bool = setting(True, "cache token->request indices (#47474)")
     fused_mhc: bool = setting(True, "mHC without repeat/copy of the embedding (#48137)")
     skip_redundant_fill: bool = setting(True, "no redundant full() in metadata (#50298)")
+    cuda_graphs: bool = setting(
+        True, "paged forward on CUDA: replay captured graphs of decode-only steps (eager: off)"
+    )
+    cuda_graph_max_batch: int = setting(
+        128, "largest decode batch captured (larger steps run eagerly)", min=1, max=1024
+    )
 
     def check(self) -> None:
         pattern = self.index_topk_pattern

@@ -40,12 +40,17 @@ def _inv_freq_cpu(rope_dim: int, base: float, yarn: YarnScaling | None) -> torch
 
 
 def inv_freq(cfg: ModelConfig, ratio: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """[rope_dim / 2] fp32 frequencies for a layer (or its compressor/indexer) of `ratio`."""
+    """[rope_dim / 2] fp32 frequencies for a layer (or its compressor/indexer) of `ratio`.
+    Cached per device: a host->device copy per call could not be captured in a CUDA graph."""
     if ratio == 0:
-        freq = _inv_freq_cpu(cfg.qk_rope_head_dim, float(cfg.rope_theta), None)
-    else:
-        freq = _inv_freq_cpu(cfg.qk_rope_head_dim, float(cfg.compress_rope_theta), cfg.rope_scaling)
-    return freq.to(device)
+        return _inv_freq_on(cfg.qk_rope_head_dim, float(cfg.rope_theta), None, str(device))
+    return _inv_freq_on(cfg.qk_rope_head_dim, float(cfg.compress_rope_theta), cfg.rope_scaling,
+                        str(device))  # fmt: skip
+
+
+@functools.lru_cache(maxsize=64)
+def _inv_freq_on(rope_dim: int, base: float, yarn: YarnScaling | None, device: str) -> torch.Tensor:
+    return _inv_freq_cpu(rope_dim, base, yarn).to(device)
 
 
 def rope_cos_sin(positions: torch.Tensor, freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

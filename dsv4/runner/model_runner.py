@@ -11,8 +11,9 @@ forward per row, accept, store only the accepted positions), and prefill chunks 
 final streams to it for the MTP layer.
 
 With `paged` set (a `dsv4.runner.paged.PagedForward`, the GPU serving path) every step runs as
-one flat forward on the cache through the kernels instead; MTP speculation is not on that path
-yet, so the two are exclusive.
+one flat forward on the cache through the kernels instead; decode-only steps replay the
+captured graphs of `graphs` (a `DecodeGraphs`) when given, and MTP speculation runs as
+`dsv4.spec.paged.PagedSpeculator` (verify, accept, propose with the MTP layer on the cache).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from dsv4.runner.sampler import Sampler, SamplingSpec
 from dsv4.scheduler.batch import RequestStepOutput, ScheduledBatch, ScheduledRequest, StepOutput
 from dsv4.spec.decoder import SpeculativeDecoder
 from dsv4.spec.metrics import SpecMetrics
+from dsv4.spec.paged import PagedSpeculator
 from kernels.backend import KernelBackendConfig
 
 
@@ -57,6 +59,7 @@ class ModelRunner:
         kernels: KernelBackendConfig = DEFAULT_KERNELS,
         metadata_options: MetadataOptions = DEFAULT_METADATA_OPTIONS,
         paged: object = None,
+        graphs: object = None,
     ):
         """`num_speculative_tokens` (default: the layout's draft slots) > 0 turns MTP on.
 
@@ -73,14 +76,18 @@ class ModelRunner:
         self.dtype = model.embed.weight.dtype
         k = cache.layout.options.num_speculative_tokens
         k = k if num_speculative_tokens is None else num_speculative_tokens
-        self.spec: SpeculativeDecoder | None = None
+        self.spec: SpeculativeDecoder | PagedSpeculator | None = None
         self.paged = paged
-        if k and paged is not None:
-            raise ConfigError("forward", "paged", "MTP speculation runs on the reference forward")
+        self.graphs = graphs
+        if graphs is not None and paged is None:
+            raise ConfigError("features.cuda_graphs", True, "graphs capture the paged forward")
         if k:
             if not len(model.mtp):
                 raise ConfigError("num_speculative_tokens", k, "the model has no MTP layer; use 0")
-            self.spec = SpeculativeDecoder(model, cache, self.sampler, k)
+            if paged is not None:
+                self.spec = PagedSpeculator(paged, self.sampler, k, graphs)
+            else:
+                self.spec = SpeculativeDecoder(model, cache, self.sampler, k)
 
     @property
     def spec_metrics(self) -> SpecMetrics | None:
@@ -124,12 +131,18 @@ class ModelRunner:
 
     def _execute_paged(self, batch: ScheduledBatch) -> StepOutput:
         emitted: dict[str, tuple[int, ...]] = {}
-        if batch.requests:
-            out = self.paged(batch)  # logits [num sampling requests, V]
+        if batch.requests and isinstance(self.spec, PagedSpeculator):
+            specs = {r.request_id: sampling_spec(r.sampling_params) for r in batch.requests}
+            emitted = self.spec.step(batch, specs)
+        elif batch.requests:
+            out = None
+            if self.graphs is not None and not batch.prefills:
+                out = self.graphs.run_target(batch.requests, {})  # (logits [B, V], streams)
+            logits = out[0] if out is not None else self.paged(batch).logits  # [sampling, V]
             sampled = [r for r in batch.requests if r.samples_token]
             ids = [r.request_id for r in sampled]
             specs = [sampling_spec(r.sampling_params) for r in sampled]
-            tokens = self.sampler.sample(out.logits, ids, specs)
+            tokens = self.sampler.sample(logits, ids, specs)
             emitted.update((rid, (token,)) for rid, token in zip(ids, tokens))
         return StepOutput(
             tuple(

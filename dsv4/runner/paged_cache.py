@@ -19,13 +19,19 @@ from dsv4.runner.kv_codec import decode_rows, encode_rows
 
 
 class PagedKVCache:
-    def __init__(self, layout: KVLayout, num_blocks: int, device: str | torch.device = "cpu"):
+    def __init__(self, layout: KVLayout, num_blocks: int, device: str | torch.device = "cpu",
+                 num_scratch_blocks: int = 0):  # fmt: skip
+        """`num_blocks` are handed out by the block manager; `num_scratch_blocks` more rows
+        (ids num_blocks..) belong to no request: the padding rows of a captured decode step
+        write there (`dsv4.runner.paged.graphs`)."""
         self.layout = layout
         self.num_blocks = num_blocks
-        # [num_blocks, block_stride] raw bytes; every layer's pages of a block are contiguous.
+        self.scratch_block_ids = tuple(range(num_blocks, num_blocks + num_scratch_blocks))
+        # [num_blocks + scratch, block_stride] raw bytes; a block's pages are contiguous.
         self.backing = torch.zeros(
-            num_blocks, layout.block_stride_bytes, dtype=torch.uint8, device=device
-        )
+            num_blocks + num_scratch_blocks, layout.block_stride_bytes, dtype=torch.uint8,
+            device=device,
+        )  # fmt: skip
         self._flat = self.backing.view(-1)
         self._rope_dim = layout.model.qk_rope_head_dim
 

@@ -184,6 +184,7 @@ def build_worker_runtime(
             skip_redundant_fill=f.skip_redundant_fill,
         ),
         paged=paged_options(config),
+        graphs=graph_options(config),
     )
     roles = pattern.roles
     # Share of ratio-4 layers whose top-k comes from the IndexCache instead of their indexer.
@@ -222,6 +223,17 @@ def paged_options(config: ServeConfig) -> dict | None:
     switches = PagedSwitches(compressor_boundary_only=f.compressor_boundary_only,
                              skip_topk=f.skip_topk)  # fmt: skip
     return {"metadata": metadata, "switches": switches}
+
+
+def graph_options(config: ServeConfig):
+    """CUDA graphs of the decode step: the paged forward on CUDA with features.cuda_graphs."""
+    f = config.features
+    if f.forward != "paged" or not f.cuda_graphs or not config.model.device.startswith("cuda"):
+        return None
+    from dsv4.runner.paged.decode_graphs import GraphOptions
+
+    max_batch = min(f.cuda_graph_max_batch, config.scheduler.max_num_seqs)
+    return GraphOptions(max_batch=max_batch, max_model_len=config.model.max_model_len)
 
 
 def kernel_config(config: ServeConfig) -> KernelBackendConfig:

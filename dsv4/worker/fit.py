@@ -28,7 +28,7 @@ def startup_plan(config: ServeConfig, model_cfg: ModelConfig, gpu_total_bytes: i
         max_num_seqs=1,
         max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
         num_speculative_tokens=spec.num_speculative_tokens if spec.method == "mtp" else 0,
-        cuda_graphs=False,
+        cuda_graphs=config.features.cuda_graphs and config.features.forward == "paged",
         memory_fraction=config.cache.memory_fraction,
         formats=WeightFormats("bf16", "bf16"),
         cache=CacheOptions(

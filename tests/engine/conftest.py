@@ -28,18 +28,19 @@ def tiny():
 
 def make_core(
     model, *, kv="fp32", index="fp32", budget=4096, num_blocks=64, shared_metadata=None,
-    paged=None, kernels=None, index_pattern="", **sched,
+    paged=None, kernels=None, index_pattern="", graphs=None, spec_tokens=0, **sched,
 ) -> EngineCore:  # fmt: skip
-    """`paged`: None = the reference forward, else `build_engine_core(paged=...)`'s options."""
+    """`paged`: None = the reference forward, else `build_engine_core(paged=...)`'s options;
+    `graphs`: a `GraphOptions` (static decode passes); `spec_tokens`: MTP drafts k."""
     options = CacheOptions(block_size=128, kv_dtype=kv, index_dtype=index,
-                           index_pattern=index_pattern)  # fmt: skip
+                           index_pattern=index_pattern, num_speculative_tokens=spec_tokens)  # fmt: skip
     cfg = SchedulerConfig(
         max_num_batched_tokens=budget, max_num_seqs=sched.pop("max_num_seqs", 16),
-        max_model_len=2048, **sched,
+        max_model_len=2048, num_speculative_tokens=spec_tokens, **sched,
     )  # fmt: skip
     return build_engine_core(
         model, options, cfg, num_blocks=num_blocks, shared_metadata=shared_metadata,
-        paged=paged, kernels=kernels, device=str(model.embed.weight.device),
+        paged=paged, kernels=kernels, device=str(model.embed.weight.device), graphs=graphs,
     )  # fmt: skip
 
 

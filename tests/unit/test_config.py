@@ -192,6 +192,11 @@ def test_resolve_auto_on_cpu_and_cuda() -> None:
     assert resolve_auto(remote, has_cuda=True, hostname="h", pid=1).transfer.transport == "nixl"
     pinned = load_config({"model.device": "cpu", "cache.kv_dtype": "fp8"}, None, {})
     assert resolve_auto(pinned, has_cuda=True, hostname="h", pid=1).cache.kv_dtype == "fp8"
+    # The paged forward serves on CUDA, MTP speculation included; CPU keeps the reference.
+    mtp = load_config({"speculative.method": "mtp"}, None, {})
+    assert gpu.features.forward == "paged" and cpu.features.forward == "reference"
+    assert resolve_auto(mtp, has_cuda=True, hostname="h", pid=1).features.forward == "paged"
+    assert gpu.features.cuda_graphs and gpu.features.cuda_graph_max_batch == 128
 
 
 def test_request_limits() -> None:

@@ -50,7 +50,7 @@ def attention_layer(attn: Attention, lw: LayerWeights, fs: ForwardState, x: torc
     workspaces = [_workspace(fs, g, c, kv) for c in chunks]
     fs.store_window(g, kv)
     out = torch.empty_like(q)
-    n_dec = meta.tokens.num_decode_tokens
+    n_dec = meta.shape.num_decode_tokens
     scale = hd**-0.5
     sink = attn.attn_sink.float()
     if n_dec:

@@ -42,7 +42,7 @@ class CompressorTables:
 
 def compressor_tables(meta: StepMetadata, ratio: int, *, all_tokens: bool) -> CompressorTables:
     """Built once per step and ratio. Boundary tokens come from host-known positions."""
-    t, tokens = meta.t, meta.tokens
+    t, positions = meta.t, meta.shape.host_positions
     cfg = meta.geo.layout.model
     dev = t.positions.device
     c = cfg.overlap(ratio)
@@ -51,7 +51,8 @@ def compressor_tables(meta: StepMetadata, ratio: int, *, all_tokens: bool) -> Co
     if all_tokens:
         idx = torch.arange(t.positions.shape[0], device=dev, dtype=torch.int32)
     else:
-        host = [i for i, p in enumerate(tokens.host_positions) if (p + 1) % ratio == 0]
+        assert positions is not None, "boundary tokens come from host positions"
+        host = [i for i, p in enumerate(positions) if (p + 1) % ratio == 0]
         idx = torch.tensor(host, dtype=torch.int32).to(dev, non_blocking=True)
     tok = idx.long()
     req = t.token_to_req[tok].long()
@@ -105,8 +106,9 @@ def run_compressor(
     entry = tables.entry_block * g.entry_stride + g.entry_base + tables.entry_row * g.entry_unit
     fn = resolve("compressor_step", meta.kernels, x.device)
     if tables.all_tokens:
-        assert fn is compressor_kernels.compressor_step, "the always-launch path is Triton only"
-        fn = compressor_kernels.compressor_step_always
+        on_triton = fn is compressor_kernels.compressor_step
+        fn = (compressor_kernels.compressor_step_always if on_triton
+              else compressor_kernels.compressor_step_always_ref)  # fmt: skip
     fn(
         kv, gate, t.positions, geo.state_rows(g), save, tables.tokens, tables.num_in_step, rows,
         module.norm.weight, tables.cos, tables.sin, geo.entry_rows(g), entry,

@@ -64,29 +64,63 @@ class PagedForward:
         self._hash_route = resolve("hash_route", kernels, dev)
 
     @torch.no_grad()
-    def __call__(self, batch: ScheduledBatch) -> PagedOutput:
+    def __call__(
+        self, batch: ScheduledBatch, drafts: dict[str, tuple[int, ...]] | None = None
+    ) -> PagedOutput:
+        """One eager step. `drafts` (request id -> its scheduled draft tokens) are appended to
+        each decode's token; each of those positions then samples (MTP verification)."""
         requests = batch.requests
         tokens = StepTokens.of(requests)
-        if any(r.num_draft_tokens for r in requests):
-            raise NotImplementedError("MTP drafts run on the reference forward")
-        ids = [tok for r in requests for tok in r.token_ids]
+        ids = []
+        for r in requests:
+            ids.extend(r.token_ids)
+            if r.num_draft_tokens:
+                ids.extend(_drafts_of(r, drafts))
         t = upload(tokens, ids, self.device)
-        meta = StepMetadata(tokens, t, self.geo, self.kernels, self.metadata)
+        meta = StepMetadata(tokens.shape, tokens, t, self.geo, self.kernels, self.metadata)
+        logits, x = self.run(meta, batch.chunk_plans)
+        return PagedOutput(logits, x, tokens)
+
+    def run(self, meta: StepMetadata, chunk_plans: tuple = ()) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layers on a step's metadata -> (logits [sample rows, V] fp32, streams [T, M, D]).
+        Reads only device tensors and `meta.shape`, so a static step can be graph-captured."""
         pattern = None if self.model.index_pattern.is_all_full else self.model.index_pattern
-        fs = ForwardState(meta, batch.chunk_plans, self.switches, pattern)
-        cfg = self.cfg
+        fs = ForwardState(meta, chunk_plans, self.switches, pattern)
+        cfg, t = self.cfg, meta.t
         x = self.model.embed(t.token_ids)  # [T, D]
         fused_first = self.model.fuse_first_hc
         if not fused_first:
             x = x.unsqueeze(-2).repeat_interleave(cfg.hc_mult, dim=-2).contiguous()  # [T, M, D]
         for i, block in enumerate(self.model.layers):
             x = self._block(block, self.weights[i], fs, x, t.token_ids, fused_first and i == 0)
-        rows = torch.tensor(tokens.sample_rows, dtype=torch.long).to(self.device)
         m = self.model
-        h = self._ops["hc_head"](x[rows].contiguous(), m.hc_head_fn, m.hc_head_scale,
+        h = self._ops["hc_head"](self._sample_rows(meta, x), m.hc_head_fn, m.hc_head_scale,
                                  m.hc_head_base, cfg.hc_eps, cfg.rms_norm_eps)  # fmt: skip
-        logits = m.head(m.norm(h)).float()
-        return PagedOutput(logits, x, tokens)
+        return m.head(m.norm(h)).float(), x
+
+    def run_mtp(self, meta: StepMetadata, streams: torch.Tensor,
+                select: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """The MTP layer (DSV4_ARCH.md §10) on a step whose flat token i is at MTP position
+        p_i: `streams` [T, M, D] are the final streams at p_i (the target's, or the MTP's own
+        for a draft step) and `meta.t.token_ids` the tokens at p_i + 1. Its window rows go
+        into the MTP ring. -> (draft logits [rows, V] fp32 for the tokens at p_i + 2 of the
+        rows `select` [n] (device) or the shape's sample rows, post-block streams [T, M, D])."""
+        cfg, mtp = self.cfg, self.model.mtp[0]
+        fs = ForwardState(meta, (), self.switches, None)
+        ids = meta.t.token_ids
+        e = mtp.e_proj(mtp.enorm(self.model.embed(ids)))  # [T, D]
+        x = mtp.h_proj(mtp.hnorm(streams)) + e.unsqueeze(-2)  # [T, M, D]
+        x = self._block(mtp, self.weights[-1], fs, x, ids, False)
+        rows = x[select] if select is not None else self._sample_rows(meta, x)
+        h = self._ops["hc_head"](rows.contiguous(), mtp.hc_head_fn, mtp.hc_head_scale,
+                                 mtp.hc_head_base, cfg.hc_eps, cfg.rms_norm_eps)  # fmt: skip
+        return self.model.head(mtp.norm(h)).float(), x
+
+    def _sample_rows(self, meta: StepMetadata, x: torch.Tensor) -> torch.Tensor:
+        rows = meta.shape.sample_rows
+        if rows is None:
+            return x.contiguous()
+        return x[torch.tensor(rows, dtype=torch.long).to(self.device)].contiguous()
 
     def _block(self, block: Block, lw: LayerWeights, fs: ForwardState, x, token_ids, first):
         """x [T, M, D] (or the embedding [T, D] for the fused first block) -> [T, M, D]."""
@@ -118,3 +152,11 @@ class PagedForward:
         if moe.shared_experts is not None:
             y += moe.shared_experts(u).float()
         return y.to(u.dtype)
+
+
+def _drafts_of(request, drafts: dict[str, tuple[int, ...]] | None) -> tuple[int, ...]:
+    found = (drafts or {}).get(request.request_id, ())
+    if len(found) != request.num_draft_tokens:
+        raise ValueError(f"{request.request_id}: {request.num_draft_tokens} draft tokens "
+                         f"scheduled, {len(found)} given")  # fmt: skip
+    return found

@@ -48,11 +48,10 @@ class ForwardState:
     def compressor_tables(self, ratio: int) -> CompressorTables:
         shared = self.meta.switches.shared
         if not shared or ratio not in self._comp:
-            # The always-launch baseline exists as a kernel only (the reference needs the list).
-            on_triton = self.meta.kernels.backend_for(
-                "compressor_step", self.meta.t.positions.device
-            )
-            all_tokens = not self.switches.compressor_boundary_only and on_triton == "triton"
+            # A captured step does not know its boundary tokens on the host: every token gets
+            # a program (as the always-launch baseline), non-boundary ones exit at once.
+            all_tokens = (not self.switches.compressor_boundary_only
+                          or self.meta.shape.host_positions is None)  # fmt: skip
             tables = compressor_tables(self.meta, ratio, all_tokens=all_tokens)
             if not shared:
                 return tables

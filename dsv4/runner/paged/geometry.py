@@ -92,7 +92,8 @@ class CacheGeometry:
             self.kv_rows = self.kv_bytes  # uint8 fp8_ue8m0 records
         self.flat_bytes = flat
         self.flat_f32 = flat.view(torch.float32)
-        self.layers = tuple(self._layer(i) for i in range(layout.model.num_hidden_layers))
+        # Indexed by layer id; the MTP layer (id num_hidden_layers) is last when the model has it.
+        self.layers = tuple(self._layer(i) for i in layout.layer_ids)
         self._window_pages: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def window_pages(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

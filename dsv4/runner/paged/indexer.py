@@ -24,10 +24,9 @@ MAX_SCORE_ELEMENTS = 1 << 28  # 1 GiB of fp32 scores per slice
 def indexer_topk(indexer: Indexer, fs: ForwardState, g: LayerGeometry, x, qr, cos, sin):
     """-> (decode slots [T_d, K] | None, prefill local indices [T_p, K] | None), int32."""
     meta = fs.meta
-    tokens, t = meta.tokens, meta.t
+    shape, t = meta.shape, meta.t
     k = indexer.cfg.index_topk
-    n_dec, n_all = tokens.num_decode_tokens, x.shape[0]
-    positions = tokens.host_positions
+    n_dec, n_all = shape.num_decode_tokens, x.shape[0]
     epb = meta.geo.layout.block_size // 4
     parts = (
         (0, n_dec, t.block_tables, meta.geo.slots_per_block),  # decode: relative cache slots
@@ -39,7 +38,7 @@ def indexer_topk(indexer: Indexer, fs: ForwardState, g: LayerGeometry, x, qr, co
         if hi == lo:
             out.append(None)
             continue
-        max_vis = (max(positions[lo:hi]) + 1) // 4  # host: most entries a token sees
+        max_vis = shape.max_position_plus_one(lo, hi) // 4  # most entries a token sees
         lens, t2r = meta.c4_lens[lo:hi], t.token_to_req[lo:hi]
         if fs.switches.skip_topk and max_vis <= k:
             select = resolve("indexer_select_all", meta.kernels, x.device)

@@ -90,5 +90,5 @@ def chunks_of(meta: StepMetadata, batch_plans, ratio: int) -> tuple[PrefillChunk
     for plan in batch_plans:
         if plan.ratio == ratio:
             return plan.chunks
-    n = len(meta.tokens.requests) - meta.tokens.num_decode_requests
+    n = meta.shape.num_prefill_requests
     return (PrefillChunk(0, n, 0, 0),) if n else ()

@@ -31,6 +31,36 @@ from kernels.backend import KernelBackendConfig, resolve
 
 
 @dataclass(frozen=True)
+class StepShape:
+    """What a step's layers may know on the host: counts and bounds, never device values.
+
+    An eager step knows its exact positions (`host_positions`); a captured decode step knows
+    only its bucket, so every host decision that would read positions takes the bound
+    instead: the compressor launches a program per token (non-boundary ones idle), the
+    indexer's width and the C128 table come from `max_end`, and every row samples."""
+
+    num_tokens: int
+    num_decode_tokens: int
+    num_decode_requests: int
+    num_prefill_requests: int
+    max_end: int  # > every position of the step (exact, or the captured context bucket)
+    host_positions: tuple[int, ...] | None  # None: not known on the host (captured step)
+    sample_rows: tuple[int, ...] | None  # flat rows that sample; None: every row
+
+    @classmethod
+    def static_decode(cls, num_requests: int, query_len: int, max_end: int) -> StepShape:
+        """A captured decode step: `num_requests` rows of `query_len` tokens, ends <= max_end."""
+        n = num_requests * query_len
+        return cls(n, n, num_requests, 0, max_end, None, None)
+
+    def max_position_plus_one(self, lo: int, hi: int) -> int:
+        """1 + the largest position of flat tokens [lo, hi) (a bound when not on the host)."""
+        if self.host_positions is None:
+            return self.max_end
+        return max(self.host_positions[lo:hi]) + 1
+
+
+@dataclass(frozen=True)
 class StepTokens:
     """Host view of a step (what the scheduler decided)."""
 
@@ -39,7 +69,9 @@ class StepTokens:
     starts: tuple[int, ...]
     ends: tuple[int, ...]
     first_token: tuple[int, ...]  # index of each request's first token in the flat batch
-    sample_rows: tuple[int, ...]  # flat index of the last token of each sampling request
+    # flat rows whose logits are sampled: the last token of each sampling request, and every
+    # position of a decode with drafts (verification samples each of its 1 + k positions)
+    sample_rows: tuple[int, ...]
 
     @classmethod
     def of(cls, requests: tuple[ScheduledRequest, ...]) -> StepTokens:
@@ -47,7 +79,10 @@ class StepTokens:
         firsts = [0, *itertools.accumulate(lens)][:-1]
         decodes = sum(1 for r in requests if not r.is_prefill)
         assert all(r.is_prefill for r in requests[decodes:]), "decodes must come first"
-        samples = tuple(f + n - 1 for r, f, n in zip(requests, firsts, lens) if r.samples_token)
+        samples = tuple(itertools.chain.from_iterable(
+            range(f + n - 1 - r.num_draft_tokens, f + n)
+            for r, f, n in zip(requests, firsts, lens) if r.samples_token
+        ))  # fmt: skip
         starts = tuple(r.start_position for r in requests)
         ends = tuple(s + n for s, n in zip(starts, lens))
         return cls(requests, decodes, starts, ends, tuple(firsts), samples)
@@ -75,6 +110,12 @@ class StepTokens:
     def host_positions(self) -> tuple[int, ...]:
         """Every token's position (computed once per step; upload, compressor, indexer)."""
         return tuple(itertools.chain.from_iterable(map(range, self.starts, self.ends)))
+
+    @functools.cached_property
+    def shape(self) -> StepShape:
+        d = self.num_decode_requests
+        return StepShape(self.num_tokens, self.num_decode_tokens, d, len(self.requests) - d,
+                         self.max_end, self.host_positions, self.sample_rows)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -121,9 +162,11 @@ class MetadataSwitches:
 
 @dataclass
 class StepMetadata:
-    """Sparse-index metadata of one step; `tables_for(layer)` is what a layer reads."""
+    """Sparse-index metadata of one step; `decode_candidates(ratio)` is what a layer reads.
+    `tokens` is None for a captured decode step (its layers see only `shape`)."""
 
-    tokens: StepTokens
+    shape: StepShape
+    tokens: StepTokens | None
     t: StepTensors
     geo: CacheGeometry
     kernels: KernelBackendConfig
@@ -162,26 +205,26 @@ class StepMetadata:
     def _token_to_req(self, num_tokens: int) -> torch.Tensor:
         if self.switches.cached_token_to_req:
             return self.t.token_to_req[:num_tokens]
-        qsl = self.t.query_start_loc[: self.tokens.num_decode_requests + 1]
+        qsl = self.t.query_start_loc[: self.shape.num_decode_requests + 1]
         return builders.token_to_req_indices_per_builder(qsl, num_tokens)
 
     def _window_slots(self) -> torch.Tensor:
-        n = self.tokens.num_decode_tokens
+        n = self.shape.num_decode_tokens
         geo = self.geo
         ring_slots = geo.layers[0].window.slots
         w = geo.layout.model.sliding_window
         dev = self.t.positions.device
         # Every logical ring "block" maps to page 0 of R slots: the table yields p % R.
-        zero = torch.zeros(max(n, 1), math.ceil(max(self.tokens.max_end, 1) / ring_slots),
+        zero = torch.zeros(max(n, 1), math.ceil(max(self.shape.max_end, 1) / ring_slots),
                            dtype=torch.int32, device=dev)  # fmt: skip
         fn = self._builder("window_slot_table")
         slots, _ = fn(self.t.positions[:n], self._token_to_req(n), zero, w, ring_slots)
         return slots
 
     def _c128_slots(self) -> torch.Tensor:
-        n = self.tokens.num_decode_tokens
+        n = self.shape.num_decode_tokens
         geo = self.geo
-        width = max(self.tokens.max_end // 128, 1)
+        width = max(self.shape.max_end // 128, 1)
         epb = geo.layout.block_size // 128
         fn = self._builder("c128_index_table")
         slots, _ = fn(self.t.positions[:n], self._token_to_req(n), self.t.block_tables, width, epb,

@@ -62,8 +62,9 @@ def _stacked_fp32(comp) -> torch.Tensor:
 
 
 def prepare_weights(model: DeepseekV4) -> tuple[LayerWeights, ...]:
+    """Per layer id: the main layers, then the MTP layer when the model has one."""
     out = []
-    for block in model.layers:
+    for block in (*model.layers, *model.mtp):
         attn = block.attn
         comp = _stacked_fp32(attn.compressor) if attn.compressor is not None else None
         idx = _stacked_fp32(attn.indexer.compressor) if attn.indexer is not None else None
