@@ -49,12 +49,13 @@ VARIANTS: dict[str, tuple[MetadataSwitches, PagedSwitches, dict[str, str], bool]
 }  # fmt: skip
 
 
-def model_config(layers: str, experts: int, dry_run: bool) -> ModelConfig:
+def model_config(layers: str, experts: int, dry_run: bool, mtp: bool = False) -> ModelConfig:
     ratios = tuple(int(r) for r in layers.split(","))
+    nextn = 1 if mtp else 0
     if dry_run:
-        return tiny_config().with_overrides(num_nextn_predict_layers=0)
+        return tiny_config().with_overrides(num_nextn_predict_layers=nextn)
     return flash_config(len(ratios), ratios).with_overrides(
-        n_routed_experts=experts, num_nextn_predict_layers=0
+        n_routed_experts=experts, num_nextn_predict_layers=nextn
     )
 
 
@@ -68,15 +69,19 @@ def build_model(cfg: ModelConfig, dry_run: bool, seed: int = 0):
 
 
 def build_core(model, kernels, *, max_model_len: int, max_seqs: int, budget: int,
-               num_blocks: int, index_pattern: str = "", plan: str = "area"):  # fmt: skip
+               num_blocks: int, index_pattern: str = "", plan: str = "area",
+               spec_tokens: int = 0, graphs=None):  # fmt: skip
+    """`graphs`: a GraphOptions (the core captures its decode passes before it returns)."""
     dev = model.embed.weight.device
     fp8 = dev.type == "cuda"
     options = CacheOptions(block_size=256, kv_dtype="fp8" if fp8 else "bf16",
-                           index_dtype="mxfp4" if fp8 else "bf16", index_pattern=index_pattern)  # fmt: skip
+                           index_dtype="mxfp4" if fp8 else "bf16", index_pattern=index_pattern,
+                           num_speculative_tokens=spec_tokens)  # fmt: skip
     sched = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs,
-                            max_model_len=max_model_len, prefill_chunk_plan=plan)  # fmt: skip
+                            max_model_len=max_model_len, prefill_chunk_plan=plan,
+                            num_speculative_tokens=spec_tokens)  # fmt: skip
     return build_engine_core(model, options, sched, num_blocks=num_blocks, device=str(dev),
-                             kernels=kernels, paged={})  # fmt: skip
+                             kernels=kernels, paged={}, graphs=graphs)  # fmt: skip
 
 
 def variant(core, name: str) -> PagedForward:

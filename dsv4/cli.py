@@ -22,6 +22,12 @@ def _cmd_make_tiny(args: argparse.Namespace) -> int:
     if args.layers:
         ratios = tuple(int(r) for r in args.layers.split(","))
         cfg = cfg.with_overrides(num_hidden_layers=len(ratios), compress_ratios=ratios)
+    if args.config_only:
+        from dsv4.model.tiny import write_model_spec
+
+        out = write_model_spec(args.out_dir, cfg)
+        print(f"wrote {args.shape} config + tokenizer to {out}: serve it as --model random:{out}")
+        return 0
     out = write_checkpoint(args.out_dir, cfg, seed=args.seed)
     print(f"wrote {args.shape} checkpoint to {out}")
     return 0
@@ -89,6 +95,11 @@ def _add_make_tiny(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--linear-dtype", choices=["fp8", "bf16"], default="fp8")
     p.add_argument("--expert-dtype", choices=["fp4", "fp8", "bf16"], default="fp4")
     p.add_argument("--layers", default="", help="comma-separated compress ratios, e.g. 0,4,128,4")
+    p.add_argument(
+        "--config-only",
+        action="store_true",
+        help="config.json + tokenizer.json only (serve with --model random:DIR)",
+    )
     p.set_defaults(handler=_cmd_make_tiny)
 
 

@@ -13,7 +13,7 @@ Steps, all without a host sync (CUDA-graph capturable):
    x tile; SwiGLU with the clamp in the epilogue; h [rows, I] bf16 in sorted order.
 3. `_w2_kernel`: per (row tile, BLOCK_N columns of D) h @ W2_e^T, stored bf16 to the pair's row
    t*K + k of a [T*K, D] buffer.
-4. `_combine_kernel`: y_t = sum_k w[t, k] * row[t*K + k] in fp32, in k order: deterministic (no
+4. `_moe_combine_kernel`: y_t = sum_k w[t, k] * row[t*K + k] in fp32, in k order: deterministic (no
    atomics), so a token's output does not depend on the batch.
 The routing weight is applied in fp32 after W2 (as the model does) rather than folded into h
 before W2, which would round w*h to bf16; the cost is the combine pass (~2% at 8192 tokens).
@@ -198,7 +198,7 @@ def _w2_kernel(
 
 
 @triton.jit
-def _combine_kernel(rows_ptr, w_ptr, y_ptr, T, D, TOPK: tl.constexpr, BLOCK_T: tl.constexpr,
+def _moe_combine_kernel(rows_ptr, w_ptr, y_ptr, T, D, TOPK: tl.constexpr, BLOCK_T: tl.constexpr,
                     BLOCK_D: tl.constexpr):  # fmt: skip
     """y[t] = sum_k w[t, k] * rows[t*K + k] in fp32, k ascending."""
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -219,7 +219,10 @@ def moe_align(expert_ids: torch.Tensor, num_experts: int, block_m: int):
     flat = expert_ids.reshape(-1).long()
     n = flat.numel()
     dev = flat.device
-    counts = torch.bincount(flat, minlength=num_experts)
+    # NOTE: not torch.bincount: on CUDA it reads max() back to size its output (a host sync
+    # that CUDA graph capture refuses).
+    counts = torch.zeros(num_experts, dtype=torch.long, device=dev)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
     tiles = (counts + block_m - 1) // block_m
     tile_end = torch.cumsum(tiles, 0)
     max_tiles = n // block_m + min(n, num_experts)
@@ -301,7 +304,7 @@ def moe_experts(
     )  # fmt: skip
     block_t, block_d = (4, 1024) if x.is_cuda else (triton.next_power_of_2(num_tokens), 4096)
     block_d = min(block_d, triton.next_power_of_2(dim))
-    _combine_kernel[(triton.cdiv(num_tokens, block_t), triton.cdiv(dim, block_d))](
+    _moe_combine_kernel[(triton.cdiv(num_tokens, block_t), triton.cdiv(dim, block_d))](
         rows, weights.float().contiguous(), y, num_tokens, dim,
         TOPK=topk, BLOCK_T=block_t, BLOCK_D=block_d,
     )  # fmt: skip

@@ -66,7 +66,7 @@ def _special_ids(model_dir: Path) -> tuple[int, int]:
 def load_text_model(model: ModelSection) -> TextModel:
     """Called once by the RouterServer at construction; raises CheckpointError when an
     explicitly configured tokenizer is missing or broken."""
-    model_dir = Path(model.path)
+    model_dir = Path(model.model_dir or model.path)
     bos, eos = _special_ids(model_dir) if model_dir.is_dir() else (0, 1)
     if model.tokenizer:
         path = _tokenizer_file(Path(model.tokenizer))

@@ -13,6 +13,7 @@ from pathlib import Path
 from dsv4.config.fields import Section, setting
 
 KERNEL_BACKENDS = ("ref", "triton", "flashinfer")
+RANDOM_PREFIX = "random:"
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 _ADDRESS = re.compile(r"[^\s:]+:\d{1,5}|\[[0-9a-fA-F:.]+\]:\d{1,5}")
 PORT = {"min": 0, "max": 65535}
@@ -22,7 +23,10 @@ PORT = {"min": 0, "max": 65535}
 class ModelSection(Section):
     SECTION = "model"
     path: str = setting(
-        "tiny", "checkpoint dir, or 'tiny' for the random test model", flag="--model"
+        "tiny",
+        "checkpoint dir; 'tiny' (the random test model); 'random:DIR' (DIR's config.json and "
+        "tokenizer, random weights drawn from model.seed on the device)",
+        flag="--model",
     )
     tokenizer: str = setting("", "tokenizer.json file or dir; empty: the checkpoint's own")
     dtype: str = setting("auto", "activation dtype", choices=("auto", "bf16", "fp16", "fp32"))
@@ -42,6 +46,16 @@ class ModelSection(Section):
             op, _, backend = item.partition("=")
             if not op or backend not in KERNEL_BACKENDS:
                 self.fail("kernel_overrides", f"write op=backend, backend in {KERNEL_BACKENDS}")
+
+    @property
+    def is_random(self) -> bool:
+        """Weights drawn at random from `seed` (same in every process), not loaded."""
+        return self.path == "tiny" or self.path.startswith(RANDOM_PREFIX)
+
+    @property
+    def model_dir(self) -> str:
+        """The directory holding config.json / tokenizer.json ("" for "tiny")."""
+        return "" if self.path == "tiny" else self.path.removeprefix(RANDOM_PREFIX)
 
     def backend_for(self, op: str) -> str:
         """The kernel backend of one op: its override if any, else `kernels`."""

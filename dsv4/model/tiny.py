@@ -107,6 +107,16 @@ def write_checkpoint(
         "weight_map": dict(sorted(weight_map.items())),
     }
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+    write_model_spec(out, cfg, with_tokenizer)
+    return out
+
+
+def write_model_spec(out_dir: str | Path, cfg: ModelConfig, with_tokenizer: bool = True) -> Path:
+    """config.json (+ tokenizer.json) without weights: served as `--model random:DIR`, every
+    process draws the same weights from model.seed on its device (large random-weight shapes
+    that would take minutes to write and read)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=1))
     if with_tokenizer:
         tok = build_tokenizer(cfg.vocab_size, bos_id=cfg.bos_token_id, eos_id=cfg.eos_token_id)

@@ -18,9 +18,12 @@ def measure_acceptance(
     max_new_tokens: int,
     sampling: SamplingSpec | None = None,
     max_steps: int = 100_000,
+    paged: bool = False,
 ) -> tuple[SpecMetrics, dict[str, list[int]]]:
     """Run every prompt to `max_new_tokens` with k drafts (greedy unless `sampling`; EOS
-    ignored) on an exact fp32 cache -> (acceptance counters, output ids per request)."""
+    ignored) on an exact fp32 cache -> (acceptance counters, output ids per request).
+    `paged`: the serving path (`dsv4.spec.paged` on the paged forward, its decode steps as the
+    static passes CUDA graphs replay) instead of the reference speculator."""
     k = num_speculative_tokens
     options = CacheOptions(block_size=128, kv_dtype="fp32", index_dtype="fp32",
                            num_speculative_tokens=k)  # fmt: skip
@@ -32,7 +35,15 @@ def measure_acceptance(
         num_speculative_tokens=k,
     )
     blocks = len(prompts) * (2 + longest // 128) + 16 * len(prompts)
-    core = build_engine_core(model, options, config, num_blocks=blocks)
+    graphs = None
+    if paged:
+        from dsv4.runner.paged.decode_graphs import GraphOptions
+
+        graphs = GraphOptions(max_batch=len(prompts), max_model_len=config.max_model_len,
+                              capture=model.embed.weight.is_cuda)  # fmt: skip
+    core = build_engine_core(model, options, config, num_blocks=blocks,
+                             device=str(model.embed.weight.device),
+                             paged={} if paged else None, graphs=graphs)  # fmt: skip
     for i, prompt in enumerate(prompts):
         params = (
             sampling

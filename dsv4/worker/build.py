@@ -6,6 +6,8 @@ once per process, at start-up, on the main thread; failures raise `CheckpointErr
 path), `ConfigError` (bad cache options) or `TransferError` (the transport cannot register).
 
 Decisions:
+- `model.path == "random:DIR"` reads DIR's config.json and draws random weights from
+  `model.seed` on the device (the same in every process: P and D serve one model);
 - `model.path == "tiny"` builds the deterministic random tiny model in memory (no I/O; seed
   `model.seed`) with the deterministic tiny tokenizer; `dsv4 up` writes a real checkpoint
   instead, so every process of a cluster loads the same bytes.
@@ -97,7 +99,7 @@ def planned_model_config(config: ServeConfig) -> ModelConfig:
         from dsv4.model.config import tiny_config
 
         return tiny_config()
-    return ModelConfig.from_file(config.model.path)
+    return ModelConfig.from_file(config.model.model_dir)
 
 
 def load_weights(config: ServeConfig) -> tuple[torch.nn.Module, ModelConfig, TextCodec | None]:
@@ -114,8 +116,15 @@ def load_weights(config: ServeConfig) -> tuple[torch.nn.Module, ModelConfig, Tex
         return model, cfg, TextCodec(build_tokenizer(cfg.vocab_size, cfg.bos_token_id))
     from dsv4.model.weights import load_model
 
-    model, cfg = load_model(m.path, dtype=dtype, device=m.device)
-    tokenizer_dir = m.tokenizer or m.path
+    if m.is_random:  # random:DIR
+        from dsv4.model.tiny import random_model
+
+        cfg = ModelConfig.from_file(m.model_dir)
+        on_gpu = m.device.startswith("cuda")
+        model = random_model(cfg, seed=m.seed, dtype=dtype, device=m.device, draw_on_device=on_gpu)
+    else:
+        model, cfg = load_model(m.path, dtype=dtype, device=m.device)
+    tokenizer_dir = m.tokenizer or m.model_dir
     try:
         codec = TextCodec.from_dir(tokenizer_dir)
     except CheckpointError as exc:  # a checkpoint without tokenizer.json serves token ids
@@ -226,9 +235,12 @@ def paged_options(config: ServeConfig) -> dict | None:
 
 
 def graph_options(config: ServeConfig):
-    """CUDA graphs of the decode step: the paged forward on CUDA with features.cuda_graphs."""
+    """CUDA graphs of the decode step: the paged forward on CUDA with features.cuda_graphs, on
+    workers that decode (a prefill worker never runs a decode-only step)."""
     f = config.features
     if f.forward != "paged" or not f.cuda_graphs or not config.model.device.startswith("cuda"):
+        return None
+    if config.worker.role == "prefill":
         return None
     from dsv4.runner.paged.decode_graphs import GraphOptions
 

@@ -165,3 +165,36 @@ def test_speculator_forgets_finished_requests(mtp_model) -> None:  # noqa: F811
     core.add_request(greedy_request("late", [3], 2))
     run_to_completion(core)
     assert set(core.runner.spec.drafts) | set(core.runner.spec.carry) <= {"late"}
+
+
+@pytest.mark.gpu
+def test_paged_mtp_with_captured_graphs_on_the_gpu() -> None:
+    """CUDA graphs of the target (q = 1 + k) and both MTP passes, served formats, Triton: the
+    graphs serve the steps and speculative greedy output stays close to plain greedy (bf16
+    rounding of different GEMM shapes may flip a random-weight argmax; the exact equality is
+    the CPU tests' job)."""
+    import torch
+
+    from dsv4.model.config import tiny_config
+    from dsv4.model.tiny import random_model
+    from kernels.backend import KernelBackendConfig
+
+    model = random_model(tiny_config(), seed=5, dtype=torch.bfloat16, device="cuda")
+    kernels = KernelBackendConfig(default="triton")
+    gen = torch.Generator().manual_seed(2)
+    plist = [torch.randint(2, 1024, (n,), generator=gen).tolist() for n in (1, 130, 300)]
+    outs = []
+    for k in (0, 2):
+        core = make_core(model, kv="fp8", index="mxfp4", budget=512, paged={}, kernels=kernels,
+                         graphs=GraphOptions(max_batch=4, max_model_len=1024), spec_tokens=k,
+                         max_num_seqs=4)  # fmt: skip
+        for i, p in enumerate(plist):
+            core.add_request(greedy_request(f"r{i}", p, 12))
+        outs.append(run_to_completion(core))
+        passes = core.runner.graphs.passes
+        assert passes["target"].num_runs > 0
+        if k:
+            assert passes["mtp"].num_runs > 0 and passes["mtp_draft"].num_runs > 0
+        assert_no_leaks(core)
+    same = sum(a == b for r in outs[0] for a, b in zip(outs[0][r], outs[1][r]))
+    assert same >= 0.75 * sum(len(v) for v in outs[0].values())

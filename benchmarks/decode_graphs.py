@@ -1,0 +1,218 @@
+"""Decode TPOT with CUDA graphs (issue 7): graph replay against the eager paged step, each
+graph-compatible switch at its baseline, and MTP speculation with k = 1, 2, 3.
+
+    python3 benchmarks/decode_graphs.py --out benchmarks/results/decode-graphs-h200.json
+    python benchmarks/decode_graphs.py --dry-run --out /tmp/g.json   # CPU smoke (tiny model)
+
+Model: V4-Flash dimensions, layers 0,4,128,4 + the MTP layer, 256 routed experts, random bf16
+weights, fp8 KV + MXFP4 indexer keys (as benchmarks/engine.py). B requests are prefilled to
+each context; the next decode step of all B is then timed again and again (it rewrites the
+same cache rows): median wall time of `runner.execute` (forward, sampling, host work), so the
+launch and host costs that graphs remove are in the number. Every variant runs the same step
+on the same cache; tokens are compared with all_on (eager).
+
+MTP: random weights accept no draft, and a spec step costs the same whatever is accepted
+(verify 1 + k positions, MTP catch-up, k - 1 draft steps), so the step is timed here and the
+TPOT is step time / (1 + expected accepted drafts) at the per-position acceptance measured
+on the trained tiny model (`--acceptance`, cumulative rates as `SpecMetrics` reports them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "benchmarks"]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import engine_setup as es  # noqa: E402
+from benchmarks.attribution import attribute  # noqa: E402
+from benchmarks.engine import _drain, _prefill_all  # noqa: E402
+from dsv4.runner.paged.decode_graphs import DecodeGraphs, GraphOptions  # noqa: E402
+from dsv4.scheduler.batch import RequestStepOutput, StepOutput  # noqa: E402
+
+# switches whose baseline can be captured (t2r per builder and the boundary list are host work:
+# graphs make them moot, they are measured eagerly in benchmarks/engine.py)
+GRAPH_VARIANTS = ("all_on", "shared_sparse_metadata_off", "skip_redundant_fill_off",
+                  "skip_topk_off", "router_kernel_reference", "fused_mhc_off")  # fmt: skip
+
+
+def _options(batches, contexts, capture: bool) -> GraphOptions:
+    return GraphOptions(max_batch=max(batches), max_model_len=max(contexts), capture=capture,
+                        batches=tuple(batches), contexts=tuple(contexts))  # fmt: skip
+
+
+def _core(args, model, kernels, k: int, buckets):
+    capture = model.embed.weight.device.type == "cuda"
+    return es.build_core(model, kernels, max_model_len=buckets[-1], max_seqs=max(args.batch_list),
+                         budget=args.budget, num_blocks=args.num_blocks, spec_tokens=k,
+                         graphs=_options(args.batch_list, buckets, capture))  # fmt: skip
+
+
+def _bucket_contexts(contexts, k: int) -> list[int]:
+    return sorted(c + 128 + k for c in contexts)  # a decode at position c + a few drafts
+
+
+def run_plain(args, model, kernels) -> list[dict]:
+    dev = model.embed.weight.device
+    batches, contexts = args.batch_list, args.context_list
+    buckets = _bucket_contexts(contexts, 0)
+    core = _core(args, model, kernels, 0, buckets)  # captures all_on
+    runner = core.runner
+    forwards = {name: es.variant(core, name) for name in (*GRAPH_VARIANTS[1:], "all_off")}
+    forwards["all_on"] = runner.paged
+    graphs = {"all_on": runner.graphs}
+    options = _options(batches, buckets, dev.type == "cuda")
+    for name in GRAPH_VARIANTS[1:]:
+        model.fuse_first_hc = es.fused_first(name)
+        try:
+            graphs[name] = DecodeGraphs(forwards[name], runner.cache, options, 0)
+            graphs[name].capture()
+        except Exception as exc:  # a capture failure is a result too: report and go on
+            graphs.pop(name, None)
+            print(f"  capture of {name} failed: {exc!r}", flush=True)
+    model.fuse_first_hc = True
+    gen = torch.Generator().manual_seed(0)
+    records = []
+    for ctx in contexts:
+        for b in batches:
+            rids = _prefill_all(core, gen, model.cfg.vocab_size, b, ctx, f"c{ctx}b{b}")
+            batch = core.scheduler.schedule()
+            assert len(batch.decodes) == b and not batch.prefills
+            runs = [
+                ("eager:all_on", forwards["all_on"], None, True),
+                ("eager:all_off", forwards["all_off"], None, False),
+            ]
+            runs += [(f"graph:{n}", forwards[n], graphs[n], es.fused_first(n)) for n in graphs]
+            times, tokens = {}, {}
+            for name, fwd, g, fused in runs:
+                runner.paged, runner.graphs, model.fuse_first_hc = fwd, g, fused
+                tokens[name] = runner.execute(batch).outputs
+                times[name] = es.timed(lambda bt=batch: runner.execute(bt), dev, args.repeats, 3)
+                if g is not None:
+                    assert g.passes["target"].num_runs > 0, "the graph never served the step"
+            floor = es.decode_floor_ms(model, b, ctx, runner.cache.layout.kv_entry_bytes)
+            if ctx == contexts[0] and b in (min(batches), max(batches)):
+                for name, g in (("graph", graphs.get("all_on")), ("eager", None)):
+                    runner.paged, runner.graphs = forwards["all_on"], g
+                    found = attribute(lambda bt=batch: runner.execute(bt), dev)
+                    if found:
+                        found.update(step=name, batch=b, context=ctx, floor_us=floor * 1e3)
+                        args.attribution.append(found)
+                        print(f"  attribution {name} B={b}: {found}", flush=True)
+            runner.paged, runner.graphs, model.fuse_first_hc = forwards["all_on"], None, True
+            shape = f"B={b},ctx={ctx},layers={args.layers},E={model.cfg.n_routed_experts}"
+            on = times.get("graph:all_on", times["eager:all_on"])
+            records.append(es.record("decode_tpot_graphs", shape, on, "eager paged step (all "
+                                     "switches on)", times["eager:all_on"], 100 * floor / on))  # fmt: skip
+            for name, t in times.items():
+                same = sum(x == y for x, y in zip(tokens[name], tokens["eager:all_on"])) / b
+                print(f"  {name:36s} {t:9.3f} ms  tokens equal to eager all_on: {same:.0%}")
+                if name not in ("graph:all_on", "eager:all_on"):
+                    rec = es.record("decode_tpot_graphs_switch", f"{shape},switch={name}", on,
+                                    f"{name} (baseline)", t, 100 * floor / on)  # fmt: skip
+                    rec["tokens_equal"] = same
+                    records.append(rec)
+            core.scheduler.update(StepOutput(tuple(RequestStepOutput(r.request_id, (2,))
+                                                   for r in batch.requests)))  # fmt: skip
+            _drain(core, rids)
+    return records
+
+
+def run_mtp(args, model, kernels) -> list[dict]:
+    dev = model.embed.weight.device
+    batches, contexts = args.batch_list, args.context_list[:1]
+    rates = [float(r) for r in args.acceptance.split(",")]
+    records = []
+    for k in (1, 2, 3):
+        core = _core(args, model, kernels, k, _bucket_contexts(contexts, k))
+        runner = core.runner
+        graphs = runner.graphs
+        gen = torch.Generator().manual_seed(k)
+        expected = 1 + sum(rates[:k])
+        for ctx in contexts:
+            for b in batches:
+                rids = _prefill_all(core, gen, model.cfg.vocab_size, b, ctx, f"k{k}c{ctx}b{b}")
+                batch = core.scheduler.schedule()
+                assert len(batch.decodes) == b and all(
+                    r.num_draft_tokens == k for r in batch.decodes
+                )
+                times = {}
+                for name, g in (("graph", graphs), ("eager", None)):
+                    runner.graphs = runner.spec.graphs = runner.spec.mtp.graphs = g
+                    times[name] = es.timed(lambda bt=batch, rn=runner: rn.execute(bt), dev,
+                                           args.repeats, 3)  # fmt: skip
+                runner.graphs = runner.spec.graphs = runner.spec.mtp.graphs = graphs
+                floor = es.decode_floor_ms(model, b, ctx, runner.cache.layout.kv_entry_bytes)
+                shape = f"B={b},ctx={ctx},k={k},tokens_per_step={expected:.2f}"
+                tpot = times["graph"] / expected
+                print(
+                    f"  k={k} B={b} ctx={ctx}: step graph {times['graph']:.3f} ms, eager "
+                    f"{times['eager']:.3f} ms -> TPOT {tpot:.3f} ms",
+                    flush=True,
+                )
+                rec = es.record("decode_tpot_mtp", shape, tpot, "spec step eager / tokens",
+                                times["eager"] / expected, 100 * floor / tpot)  # fmt: skip
+                rec["step_time_us"] = round(times["graph"] * 1e3, 1)
+                records.append(rec)
+                core.scheduler.update(StepOutput(tuple(RequestStepOutput(r.request_id, (2,))
+                                                       for r in batch.requests)))  # fmt: skip
+                _drain(core, rids)
+        del core, graphs, runner
+        gc.collect()  # graphs and their memory pools go with the core
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    return records
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dry-run", action="store_true", help="CPU, tiny model, references")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--layers", default="0,4,128,4")
+    parser.add_argument("--experts", type=int, default=256)
+    parser.add_argument("--batches", default="1,16,64")
+    parser.add_argument("--contexts", default="4096,1024")
+    parser.add_argument("--budget", type=int, default=16384)
+    parser.add_argument("--num-blocks", type=int, default=2048)
+    parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument(
+        "--acceptance",
+        default="0.82,0.59,0.50",
+        help="cumulative acceptance per draft position (trained tiny model)",
+    )
+    parser.add_argument("--only", choices=("plain", "mtp"), default=None)
+    args = parser.parse_args(argv)
+    if args.dry_run:
+        args.batches, args.contexts, args.budget, args.num_blocks = "1,3", "300,40", 512, 256
+        args.repeats = 2
+    elif not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU (or --dry-run)")
+    args.attribution = []
+    args.batch_list = [int(b) for b in args.batches.split(",")]
+    args.context_list = [int(c) for c in args.contexts.split(",")]
+    cfg = es.model_config(args.layers, args.experts, args.dry_run, mtp=True)
+    model, kernels = es.build_model(cfg, args.dry_run)
+    records = []
+    if args.only in (None, "plain"):
+        records += run_plain(args, model, kernels)
+    if args.only in (None, "mtp"):
+        records += run_mtp(args, model, kernels)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(records, indent=1) + "\n")
+    if args.attribution:
+        path = args.out.with_name(args.out.stem + "-attribution.json")
+        path.write_text(json.dumps(args.attribution, indent=1) + "\n")
+    print(f"wrote {len(records)} records to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,210 @@
+"""End to end on one GPU (issue 12): router + prefill + decode processes against one colocated
+engine, both driven by `dsv4 loadtest`, and transformers' DeepSeek-V4 on the same shape.
+
+    python3 benchmarks/e2e.py --out-dir benchmarks/results/e2e      # a GPU host
+    python benchmarks/e2e.py --dry-run --out-dir /tmp/e2e           # CPU smoke (tiny model)
+
+Model: V4-Flash dimensions, layers 0,4,128,4, 256 routed experts, random bf16 weights served as
+`--model random:DIR` (every process draws the same weights from the seed on its GPU). The MTP
+layer is left out here: two processes each holding 5 x 12.9 GB of experts would not fit one
+card next to each other (MTP is measured in benchmarks/decode_graphs.py).
+
+Per mode (disaggregated: 1 P + 1 D, KV over CUDA IPC; colocated: one engine, chunked prefill):
+1. probes at concurrency 1: one 1024-token prompt (TTFT), one 256-token decode (TPOT, batch 1);
+2. a rate sweep: random prompts of 4608 x (1 +- 0.6) tokens (1.8K-7.4K) and 320 x (1 +- 0.6)
+   output tokens (128-512), Poisson arrivals; goodput under `--goodput`.
+Every run keeps its per-request JSONL; `e2e-summary.json` collects the table, the KV hand-off
+share of TTFT (decode side `kv_transfer_ms` / TTFT) and the transformers baseline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "benchmarks"]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from dsv4.cluster import ClusterSpec, LocalCluster, free_port  # noqa: E402
+from dsv4.model.config import ModelConfig, flash_config, tiny_config  # noqa: E402
+from dsv4.model.tiny import write_model_spec  # noqa: E402
+
+MODES = {"disaggregated": (1, ()), "colocated": (0, ("--role", "colocated"))}
+
+
+def model_config(args) -> ModelConfig:
+    if args.dry_run:
+        return tiny_config().with_overrides(num_nextn_predict_layers=0)
+    ratios = tuple(int(r) for r in args.layers.split(","))
+    return flash_config(len(ratios), ratios).with_overrides(
+        n_routed_experts=args.experts, num_nextn_predict_layers=0
+    )
+
+
+def service_args(args) -> tuple[str, ...]:
+    device = "cpu" if args.dry_run else "cuda"
+    return ("--device", device, "--max-model-len", str(args.max_model_len),
+            "--max-num-seqs", str(args.max_num_seqs), "--num-blocks", str(args.num_blocks),
+            "--max-num-batched-tokens", str(args.budget), "--log-level", "warning",
+            *args.extra_service_args)  # fmt: skip
+
+
+def loadtest(target: str, out: Path, label: str, rate: str, num_prompts: int, input_len: int,
+             output_len: int, ratio: float, args, concurrency: int = 0) -> dict:  # fmt: skip
+    """One `dsv4 loadtest` run -> its result JSON (per-request records in `label`.jsonl)."""
+    cmd = [sys.executable, "-m", "dsv4.cli", "loadtest", "--target", target,
+           "--dataset-name", "random", "--num-prompts", str(num_prompts),
+           "--random-input-len", str(input_len), "--random-output-len", str(output_len),
+           "--random-range-ratio", str(ratio), "--request-rate", rate, "--seed", "1",
+           "--goodput", *args.goodput, "--timeout-s", "600", "--no-progress", "--label", label,
+           "--result-json", str(out / f"{label}.json"),
+           "--per-request-jsonl", str(out / f"{label}.jsonl")]  # fmt: skip
+    if concurrency:
+        cmd += ["--max-concurrency", str(concurrency)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    print(done.stdout[-2500:], done.stderr[-1500:], flush=True)
+    path = out / f"{label}.json"
+    return json.loads(path.read_text()) if path.exists() else {"error": done.stderr[-800:]}
+
+
+def handoff_share(jsonl: Path) -> dict:
+    """Mean KV hand-off time (decode side) against mean TTFT, from per-request usage."""
+    rows = [json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()]
+    ok = [r for r in rows if r.get("ttft_ms") and r.get("server_usage")]
+    if not ok:
+        return {}
+    kv = sum(r["server_usage"]["kv_transfer_ms"] for r in ok) / len(ok)
+    ttft = sum(r["ttft_ms"] for r in ok) / len(ok)
+    return {"mean_kv_transfer_ms": kv, "mean_ttft_ms": ttft, "kv_share_of_ttft": kv / ttft}
+
+
+def run_mode(mode: str, spec_dir: Path, out: Path, args) -> dict:
+    num_prefill, extra = MODES[mode]
+    port = free_port()
+    spec = ClusterSpec(model_dir=f"random:{spec_dir}", router_port=port, num_prefill=num_prefill,
+                       num_decode=1, service_args=(*service_args(args), *extra),
+                       log_dir=str(out / f"logs-{mode}"), grace_s=15.0)  # fmt: skip
+    result: dict = {"mode": mode}
+    started = time.monotonic()
+    with LocalCluster(spec) as cluster:
+        result["start_s"] = round(time.monotonic() - started, 1)
+        target = cluster.router_address
+        p = args.probe_scale
+        result["probe_ttft_1024"] = loadtest(target, out, f"{mode}-ttft1024", "inf", 3 * p,
+                                             args.probe_prompt, 1, 0.0, args, concurrency=1)  # fmt: skip
+        result["probe_tpot_b1"] = loadtest(target, out, f"{mode}-tpot-b1", "inf", p,
+                                           args.probe_prompt, args.probe_output, 0.0, args,
+                                           concurrency=1)  # fmt: skip
+        sweep = []
+        for rate, n in zip(args.rate_list, args.prompt_counts):
+            label = f"{mode}-rate{rate}"
+            res = loadtest(target, out, label, rate, n, args.input_len, args.output_len,
+                           args.range_ratio, args)  # fmt: skip
+            res["handoff"] = handoff_share(out / f"{label}.jsonl") if mode != "colocated" else {}
+            sweep.append(res)
+        result["sweep"] = sweep
+    return result
+
+
+def transformers_baseline(cfg: ModelConfig, args) -> dict:
+    """transformers' DeepseekV4ForCausalLM, random weights of the same shape, eager attention:
+    TTFT of one 1024-token prompt and TPOT of greedy decoding at batch 1."""
+    import torch
+
+    try:
+        from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+    except ImportError as exc:
+        return {"error": f"transformers has no DeepSeek-V4: {exc}"}
+    device = "cpu" if args.dry_run else "cuda"
+    hf_cfg = DeepseekV4Config(**cfg.to_hf_dict())
+    with torch.device(device):
+        model = DeepseekV4ForCausalLM(hf_cfg).to(torch.bfloat16).eval()
+    ids = torch.randint(2, cfg.vocab_size, (1, args.probe_prompt), device=device)
+
+    def sync() -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    with torch.no_grad():
+        model(ids[:, :64])  # warm-up
+        sync()
+        t0 = time.perf_counter()
+        out = model(ids, use_cache=True)
+        sync()
+        ttft = (time.perf_counter() - t0) * 1e3
+        past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        steps = []
+        for _ in range(args.hf_decode_steps):
+            sync()
+            t0 = time.perf_counter()
+            out = model(token, past_key_values=past, use_cache=True)
+            token = out.logits[:, -1:].argmax(-1)
+            sync()
+            steps.append((time.perf_counter() - t0) * 1e3)
+            past = out.past_key_values
+    steps.sort()
+    return {"ttft_1024_ms": ttft, "tpot_b1_ms": steps[len(steps) // 2],
+            "decode_steps": len(steps)}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out-dir", type=Path, required=True)
+    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny model")
+    ap.add_argument("--layers", default="0,4,128,4")
+    ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--modes", default="disaggregated,colocated")
+    ap.add_argument("--rates", default="1,2,4,8")
+    ap.add_argument("--prompts-per-rate", default="12,16,24,32")
+    ap.add_argument("--input-len", type=int, default=4608)
+    ap.add_argument("--output-len", type=int, default=320)
+    ap.add_argument("--range-ratio", type=float, default=0.6)
+    ap.add_argument("--probe-prompt", type=int, default=1024)
+    ap.add_argument("--probe-output", type=int, default=256)
+    ap.add_argument("--probe-scale", type=int, default=2)
+    ap.add_argument("--goodput", nargs="+", default=["ttft:2000", "tpot:50"])
+    ap.add_argument("--max-model-len", type=int, default=8704)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--num-blocks", type=int, default=2048)
+    ap.add_argument("--budget", type=int, default=16384)
+    ap.add_argument("--hf-decode-steps", type=int, default=32)
+    ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--extra-service-args", nargs="*", default=[])
+    args = ap.parse_args(argv)
+    if args.dry_run:
+        args.rates, args.prompts_per_rate, args.input_len, args.output_len = "4,8", "4,6", 96, 8
+        args.probe_prompt, args.probe_output, args.probe_scale = 64, 6, 1
+        args.max_model_len, args.num_blocks, args.budget = 512, 256, 512
+        args.hf_decode_steps = 3
+    args.rate_list = args.rates.split(",")
+    args.prompt_counts = [int(n) for n in args.prompts_per_rate.split(",")]
+    out = args.out_dir
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = model_config(args)
+    spec_dir = write_model_spec(out / "model", cfg)
+    summary: dict = {"model": {"layers": args.layers, "experts": cfg.n_routed_experts,
+                               "hidden": cfg.hidden_size, "dry_run": args.dry_run}}  # fmt: skip
+    for mode in args.modes.split(","):
+        try:
+            summary[mode] = run_mode(mode, spec_dir, out, args)
+        except Exception as exc:  # one mode failing is a result too; keep the others
+            summary[mode] = {"error": repr(exc)[-2000:]}
+        (out / "e2e-summary.json").write_text(json.dumps(summary, indent=1))
+    if not args.skip_transformers:
+        try:
+            summary["transformers"] = transformers_baseline(cfg, args)
+        except Exception as exc:
+            summary["transformers"] = {"error": repr(exc)[-2000:]}
+    (out / "e2e-summary.json").write_text(json.dumps(summary, indent=1))
+    print(json.dumps({k: v for k, v in summary.items() if k != "model"}, indent=1)[:6000])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
