@@ -23,6 +23,7 @@ import argparse
 import gc
 import json
 import sys
+import traceback
 from pathlib import Path
 
 import torch
@@ -50,10 +51,18 @@ def _options(batches, contexts, capture: bool) -> GraphOptions:
 
 
 def _core(args, model, kernels, k: int, buckets):
+    """A core with its decode passes captured; if capture fails, say why and go on eagerly
+    (the eager numbers are still worth having from a device run)."""
     capture = model.embed.weight.device.type == "cuda"
-    return es.build_core(model, kernels, max_model_len=buckets[-1], max_seqs=max(args.batch_list),
-                         budget=args.budget, num_blocks=args.num_blocks, spec_tokens=k,
-                         graphs=_options(args.batch_list, buckets, capture))  # fmt: skip
+    kw = dict(max_model_len=buckets[-1], max_seqs=max(args.batch_list), budget=args.budget,
+              num_blocks=args.num_blocks, spec_tokens=k)  # fmt: skip
+    try:
+        return es.build_core(model, kernels, **kw,
+                             graphs=_options(args.batch_list, buckets, capture))  # fmt: skip
+    except Exception:
+        traceback.print_exc()
+        print("  CAPTURE FAILED: eager only", flush=True)
+        return es.build_core(model, kernels, **kw)
 
 
 def _bucket_contexts(contexts, k: int) -> list[int]:
@@ -68,7 +77,7 @@ def run_plain(args, model, kernels) -> list[dict]:
     runner = core.runner
     forwards = {name: es.variant(core, name) for name in (*GRAPH_VARIANTS[1:], "all_off")}
     forwards["all_on"] = runner.paged
-    graphs = {"all_on": runner.graphs}
+    graphs = {"all_on": runner.graphs} if runner.graphs is not None else {}
     options = _options(batches, buckets, dev.type == "cuda")
     for name in GRAPH_VARIANTS[1:]:
         model.fuse_first_hc = es.fused_first(name)

@@ -84,15 +84,27 @@ def handoff_share(jsonl: Path) -> dict:
     return {"mean_kv_transfer_ms": kv, "mean_ttft_ms": ttft, "kv_share_of_ttft": kv / ttft}
 
 
+def _start(mode: str, spec_dir: Path, out: Path, args, extra: tuple[str, ...]) -> LocalCluster:
+    num_prefill, role_args = MODES[mode]
+    spec = ClusterSpec(model_dir=f"random:{spec_dir}", router_port=free_port(),
+                       num_prefill=num_prefill, num_decode=1,
+                       service_args=(*service_args(args), *role_args, *extra),
+                       log_dir=str(out / f"logs-{mode}{'-'.join(extra)}"), grace_s=15.0)  # fmt: skip
+    cluster = LocalCluster(spec)
+    cluster.start(ready_timeout_s=240.0)
+    return cluster
+
+
 def run_mode(mode: str, spec_dir: Path, out: Path, args) -> dict:
-    num_prefill, extra = MODES[mode]
-    port = free_port()
-    spec = ClusterSpec(model_dir=f"random:{spec_dir}", router_port=port, num_prefill=num_prefill,
-                       num_decode=1, service_args=(*service_args(args), *extra),
-                       log_dir=str(out / f"logs-{mode}"), grace_s=15.0)  # fmt: skip
-    result: dict = {"mode": mode}
+    result: dict = {"mode": mode, "cuda_graphs": not args.dry_run}
     started = time.monotonic()
-    with LocalCluster(spec) as cluster:
+    try:
+        cluster = _start(mode, spec_dir, out, args, ())
+    except Exception as exc:  # e.g. a graph capture failure: say so, serve eagerly
+        result["start_error"] = repr(exc)[-1500:]
+        result["cuda_graphs"] = False
+        cluster = _start(mode, spec_dir, out, args, ("--no-cuda-graphs",))
+    with cluster:
         result["start_s"] = round(time.monotonic() - started, 1)
         target = cluster.router_address
         p = args.probe_scale
