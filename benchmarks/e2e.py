@@ -104,7 +104,7 @@ def run_mode(mode: str, spec_dir: Path, out: Path, args) -> dict:
         result["start_error"] = repr(exc)[-1500:]
         result["cuda_graphs"] = False
         cluster = _start(mode, spec_dir, out, args, ("--no-cuda-graphs",))
-    with cluster:
+    try:
         result["start_s"] = round(time.monotonic() - started, 1)
         target = cluster.router_address
         p = args.probe_scale
@@ -121,6 +121,8 @@ def run_mode(mode: str, spec_dir: Path, out: Path, args) -> dict:
             res["handoff"] = handoff_share(out / f"{label}.jsonl") if mode != "colocated" else {}
             sweep.append(res)
         result["sweep"] = sweep
+    finally:
+        cluster.stop()
     return result
 
 
@@ -173,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--experts", type=int, default=256)
     ap.add_argument("--modes", default="disaggregated,colocated")
     ap.add_argument("--rates", default="1,2,4,8")
-    ap.add_argument("--prompts-per-rate", default="12,16,24,32")
+    ap.add_argument("--prompts-per-rate", default="10,12,16,24")
     ap.add_argument("--input-len", type=int, default=4608)
     ap.add_argument("--output-len", type=int, default=320)
     ap.add_argument("--range-ratio", type=float, default=0.6)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One device call (issues 7 and 12): the GPU tests of the captured decode passes, the decode
-# TPOT benchmark (graphs, switches, MTP) and the end-to-end run. Each part has its own time
+# One device call (issues 7 and 12): the decode TPOT benchmark (graphs, switches, MTP), the
+# end-to-end run, then the GPU tests of the captured decode passes. Each part has its own time
 # limit and writes under $OUT, so a failing part leaves the others' results.
 #   pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 #   bash benchmarks/h200_session.sh
@@ -12,16 +12,16 @@ logs=/tmp/h200-logs
 mkdir -p "$out" "$logs"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$logs/gpu.txt"
 python3 -c "import torch, triton, grpc, google.protobuf as pb; print(torch.__version__, triton.__version__, grpc.__version__, pb.__version__)" >> "$logs/gpu.txt" 2>&1
-timeout "${T_TESTS:-110}" python3 -m pytest -q -p no:cacheprovider -m gpu \
-    tests/engine/test_decode_graphs.py tests/engine/test_paged_speculative.py > "$logs/gpu-tests.txt" 2>&1
-echo "gpu tests rc=$?" | tee -a "$logs/gpu-tests.txt"
-tail -5 "$logs/gpu-tests.txt"
 timeout "${T_DECODE:-200}" python3 benchmarks/decode_graphs.py --out "$out/decode-graphs-h200.json" \
     > "$logs/decode-graphs.log" 2>&1
 echo "decode rc=$?"; grep -E "^decode_tpot|k=. B=" "$logs/decode-graphs.log" | cut -c1-150
-timeout "${T_E2E:-260}" python3 benchmarks/e2e.py --out-dir /tmp/e2e > "$logs/e2e.log" 2>&1
+timeout "${T_E2E:-240}" python3 benchmarks/e2e.py --out-dir /tmp/e2e > "$logs/e2e.log" 2>&1
 echo "e2e rc=$?"
 cp /tmp/e2e/e2e-summary.json "$out/" 2>/dev/null
+timeout "${T_TESTS:-80}" python3 -m pytest -q -p no:cacheprovider -m gpu \
+    tests/engine/test_decode_graphs.py tests/engine/test_paged_speculative.py > "$logs/gpu-tests.txt" 2>&1
+echo "gpu tests rc=$?" | tee -a "$logs/gpu-tests.txt"
+tail -5 "$logs/gpu-tests.txt"
 tar czf "$out/logs.tgz" -C /tmp --exclude=e2e/model h200-logs e2e 2>/dev/null
 python3 - "$out" <<'PY'
 import json, sys
