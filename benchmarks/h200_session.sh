@@ -14,9 +14,10 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$logs/gp
 python3 -c "import torch, triton, grpc, google.protobuf as pb; print(torch.__version__, triton.__version__, grpc.__version__, pb.__version__)" >> "$logs/gpu.txt" 2>&1
 timeout "${T_DECODE:-200}" python3 benchmarks/decode_graphs.py --out "$out/decode-graphs-h200.json" \
     > "$logs/decode-graphs.log" 2>&1
-echo "decode rc=$?"; grep -E "^decode_tpot|k=. B=" "$logs/decode-graphs.log" | cut -c1-150
+rc=$?; echo "decode rc=$rc"; grep -E "^decode_tpot|k=. B=|FAILED|Error" "$logs/decode-graphs.log" | cut -c1-160
+[ $rc -ne 0 ] && tail -12 "$logs/decode-graphs.log" | cut -c1-300
 timeout "${T_E2E:-240}" python3 benchmarks/e2e.py --out-dir /tmp/e2e > "$logs/e2e.log" 2>&1
-echo "e2e rc=$?"
+rc=$?; echo "e2e rc=$rc"; [ $rc -ne 0 ] && tail -12 "$logs/e2e.log" | cut -c1-300
 cp /tmp/e2e/e2e-summary.json "$out/" 2>/dev/null
 timeout "${T_TESTS:-80}" python3 -m pytest -q -p no:cacheprovider -m gpu \
     tests/engine/test_decode_graphs.py tests/engine/test_paged_speculative.py > "$logs/gpu-tests.txt" 2>&1
