@@ -62,6 +62,7 @@ def loadtest(target: str, out: Path, label: str, rate: str, num_prompts: int, in
            "--dataset-name", "random", "--num-prompts", str(num_prompts),
            "--random-input-len", str(input_len), "--random-output-len", str(output_len),
            "--random-range-ratio", str(ratio), "--request-rate", rate, "--seed", "1",
+           "--num-warmups", str(args.num_warmups),
            "--goodput", *args.goodput, "--timeout-s", "600", "--no-progress", "--label", label,
            "--result-json", str(out / f"{label}.json"),
            "--per-request-jsonl", str(out / f"{label}.jsonl")]  # fmt: skip
@@ -189,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", type=int, default=16384)
     ap.add_argument("--hf-decode-steps", type=int, default=32)
     ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--num-warmups", type=int, default=2, help="per loadtest run")
     ap.add_argument("--extra-service-args", nargs="*", default=[])
     args = ap.parse_args(argv)
     if args.dry_run:

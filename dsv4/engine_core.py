@@ -127,6 +127,22 @@ class EngineCore:
                 self._prefill_only.discard(rid)
         return self.scheduler.update(output)
 
+    def warm_up(self, num_prompt_tokens: int, num_new_tokens: int = 4) -> None:
+        """Serve one throw-away request before the worker takes traffic, so that kernel
+        compilation and autotuning land here and not in a client's first TTFT. Leaves nothing
+        behind (checked)."""
+        from dsv4.scheduler.request import Request
+
+        prompt = tuple(2 + i % 97 for i in range(max(1, num_prompt_tokens)))
+        self.add_request(Request("__warm_up__", prompt, max_new_tokens=num_new_tokens,
+                                 eos_token_id=None))  # fmt: skip
+        for _ in range(10_000):
+            if not self.has_work():
+                break
+            self.step()
+        leaks = self.find_leaks()
+        assert not leaks, leaks
+
     # ---- introspection -----------------------------------------------------------------------
     def load(self) -> EngineLoad:
         sched = self.scheduler

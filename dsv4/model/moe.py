@@ -11,6 +11,7 @@ the shared expert is clamped too unless `cfg.clamp_shared_expert` is False (§16
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -125,6 +126,7 @@ class MoE(nn.Module):
             self.shared_experts = Expert(d, inter * cfg.n_shared_experts, limit)
         # None: the `experts` modules above; else an offloaded store (dsv4.model.offload).
         self.expert_store: ExpertStore | None = None
+        self.stacked_experts: ExpertWeights | None = None  # set by `stack_experts_`
 
     def forward(self, u: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         """u [..., D] (ffn_norm applied), token_ids [...] -> [..., D]."""
@@ -145,3 +147,35 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             out += self.shared_experts(flat).float()
         return out.to(u.dtype).view(shape)
+
+
+@dataclass(frozen=True)
+class ExpertWeights:
+    """One MoE layer's routed experts in the grouped-GEMM layout of `kernels.moe`: w13
+    [E, 2I, D] (rows [0, I) = w1 gate, [I, 2I) = w3 up) and w2 [E, D, I]."""
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+
+
+def stack_experts_(moe: MoE, device: torch.device | str | None = None) -> ExpertWeights:
+    """Give the routed experts ONE stacked storage and re-point every expert's parameters at
+    slices of it, so the weights exist once (the per-expert modules still work). Values are
+    copied over, unless the experts are still on the meta device (a model being built: the
+    storage is then allocated on `device` and filled by the caller). Kept on the module as
+    `moe.stacked_experts`."""
+    first = moe.experts[0].w1.weight
+    inter, dim = first.shape
+    device = first.device if device is None else torch.device(device)
+    e = len(moe.experts)
+    w13 = torch.empty(e, 2 * inter, dim, dtype=first.dtype, device=device)
+    w2 = torch.empty(e, dim, inter, dtype=first.dtype, device=device)
+    with torch.no_grad():
+        for i, expert in enumerate(moe.experts):
+            views = (w13[i, :inter], w13[i, inter:], w2[i])
+            for module, view in zip((expert.w1, expert.w3, expert.w2), views):
+                if not module.weight.is_meta:
+                    view.copy_(module.weight)
+                module.weight = nn.Parameter(view, requires_grad=False)
+    moe.stacked_experts = ExpertWeights(w13, w2)
+    return moe.stacked_experts

@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 
 from dsv4.model.config import ModelConfig, flash_config, tiny_config
 from dsv4.model.inventory import TensorSpec, checkpoint_tensors, model_tensors, quantized_kind
+from dsv4.model.moe import stack_experts_
 from dsv4.model.quant import fp8_block_quantize, mxfp4_quantize
 from dsv4.model.tokenizer import build_tokenizer
 
@@ -160,7 +161,12 @@ def random_model(
     gen = torch.Generator(device if draw_on_device else "cpu").manual_seed(seed)
     with torch.device("meta"):
         model = DeepseekV4(cfg).cast_(dtype)  # final dtypes first: no fp32 copy of the model
-    model = model.to_empty(device=device)
+    for block in (*model.layers, *model.mtp):  # routed experts straight into stacked storage:
+        stack_experts_(block.ffn, device)  # stacking them later would hold them twice at once
+    for module in model.modules():
+        own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+        if any(t.is_meta for t in own):
+            module.to_empty(device=device, recurse=False)
     state = model.state_dict()
     with torch.no_grad():
         for spec in model_tensors(cfg, include_mtp=bool(len(model.mtp))):

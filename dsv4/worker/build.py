@@ -195,6 +195,9 @@ def build_worker_runtime(
         paged=paged_options(config),
         graphs=graph_options(config),
     )
+    if config.model.device.startswith("cuda"):
+        s = config.scheduler
+        core.warm_up(min(s.max_num_batched_tokens, max(1, config.model.max_model_len - 8)))
     roles = pattern.roles
     # Share of ratio-4 layers whose top-k comes from the IndexCache instead of their indexer.
     core.runner.index_cache_hit_ratio = roles.count("S") / len(roles) if roles else 0.0

@@ -1,8 +1,8 @@
 """Kernel-ready weights of the paged forward, derived once from the reference model.
 
-- Routed experts: w13 [E, 2I, D] (rows [0, I) = w1 gate, [I, 2I) = w3 up) and w2 [E, D, I], the
-  grouped-GEMM layout of `kernels.moe`. The model's per-expert parameters are re-pointed at
-  slices of the stacked tensors, so the weights exist once (the reference path still works).
+- Routed experts: `dsv4.model.moe.ExpertWeights` (w13 [E, 2I, D], w2 [E, D, I]), the grouped-GEMM
+  layout of `kernels.moe`; the per-expert parameters are views of it, so the weights exist
+  once (the reference path still works).
 - Compressors: wkv and wgate stacked and upcast to fp32 once ([2 c d', D]): the compressor's
   math is fp32 (DSV4_ARCH.md §6.4) and upcasting per step would re-read the bf16 weights.
 - Attention output: wo_a viewed [G, o_lora, (H/G) d] for the grouped projection.
@@ -16,38 +16,21 @@ import torch
 
 from dsv4.errors import ConfigError
 from dsv4.model.deepseek_v4 import DeepseekV4
-from dsv4.model.moe import MoE
-
-
-@dataclass(frozen=True)
-class ExpertWeights:
-    w13: torch.Tensor  # [E, 2I, D]
-    w2: torch.Tensor  # [E, D, I]
+from dsv4.model.moe import ExpertWeights, MoE, stack_experts_
 
 
 def stack_experts(moe: MoE) -> ExpertWeights:
-    """Stack once and alias the expert modules' parameters to the stacked storage (a second
-    paged forward over the same model, e.g. a benchmark's A/B variant, reuses the stack)."""
+    """The layer's stacked experts: built with the model (`random_model`), by an earlier paged
+    forward over the same model (a benchmark's A/B variant), or stacked here once."""
     if moe.expert_store is not None:
         raise ConfigError("forward", "paged", "offloaded experts need the reference forward")
-    cached = getattr(moe, "stacked_experts", None)
+    cached = moe.stacked_experts
     if cached is not None and cached.w13.data_ptr() == moe.experts[0].w1.weight.data_ptr():
         return cached
-    experts = moe.experts
-    w1 = experts[0].w1.weight
-    inter, dim = w1.shape
-    w13 = torch.empty(len(experts), 2 * inter, dim, dtype=w1.dtype, device=w1.device)
-    w2 = torch.empty(len(experts), dim, inter, dtype=w1.dtype, device=w1.device)
-    with torch.no_grad():
-        for e, expert in enumerate(experts):
-            w13[e, :inter].copy_(expert.w1.weight)
-            w13[e, inter:].copy_(expert.w3.weight)
-            w2[e].copy_(expert.w2.weight)
-            expert.w1.weight.data = w13[e, :inter]
-            expert.w3.weight.data = w13[e, inter:]
-            expert.w2.weight.data = w2[e]
-    moe.stacked_experts = ExpertWeights(w13, w2)
-    return moe.stacked_experts
+    stacked = stack_experts_(moe)
+    if stacked.w13.is_cuda:  # hand the per-expert blocks back before the next layer stacks
+        torch.cuda.empty_cache()
+    return stacked
 
 
 @dataclass(frozen=True)
