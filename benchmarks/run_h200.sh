@@ -8,9 +8,11 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 out=${OUT:-benchmarks/results}
 mkdir -p "$out"
 python3 -c "import torch; assert torch.cuda.is_available(), 'needs a CUDA GPU'"
-python3 -m pytest tests/kernels tests/transfer tests/spec -q -p no:cacheprovider -m gpu
+python3 -m pytest tests/kernels tests/transfer tests/spec tests/engine -q -p no:cacheprovider -m gpu
 python3 benchmarks/kernels.py --out "$out/kernels-h200.json"
 python3 benchmarks/kernels_attention.py --out "$out/kernels-attention-h200.json"
 python3 benchmarks/kernels_moe.py --out "$out/kernels-moe-h200.json"
 python3 benchmarks/prefill.py --lengths 8192,32768 --out "$out/prefill-h200.json"
 python3 benchmarks/offload.py --out "$out/offload-h200.json"
+python3 benchmarks/decode_graphs.py --out "$out/decode-graphs-h200.json"
+python3 benchmarks/e2e.py --out-dir "$out/e2e"
