@@ -35,9 +35,7 @@ if str(ROOT) not in sys.path:
 
 from benchmarks import engine_setup as es  # noqa: E402
 from benchmarks.attribution import attribute  # noqa: E402
-from benchmarks.engine import _drain, _prefill_all  # noqa: E402
 from dsv4.runner.paged.decode_graphs import DecodeGraphs, GraphOptions  # noqa: E402
-from dsv4.scheduler.batch import RequestStepOutput, StepOutput  # noqa: E402
 
 # switches whose baseline can be captured (t2r per builder and the boundary list are host work:
 # graphs make them moot, they are measured eagerly in benchmarks/engine.py)
@@ -101,7 +99,7 @@ def run_plain(args, model, kernels) -> None:
     records = args.records
     for ctx in contexts:
         for b in batches:
-            rids = _prefill_all(core, gen, model.cfg.vocab_size, b, ctx, f"c{ctx}b{b}")
+            rids = es.prefill_all(core, gen, model.cfg.vocab_size, b, ctx, f"c{ctx}b{b}")
             batch = core.scheduler.schedule()
             assert len(batch.decodes) == b and not batch.prefills
             runs = [
@@ -130,17 +128,10 @@ def run_plain(args, model, kernels) -> None:
             on = times.get("graph:all_on", times["eager:all_on"])
             records.append(es.record("decode_tpot_graphs", shape, on, "eager paged step (all "
                                      "switches on)", times["eager:all_on"], 100 * floor / on))  # fmt: skip
-            for name, t in times.items():
-                same = sum(x == y for x, y in zip(tokens[name], tokens["eager:all_on"])) / b
-                print(f"  {name:36s} {t:9.3f} ms  tokens equal to eager all_on: {same:.0%}")
-                if name not in ("graph:all_on", "eager:all_on"):
-                    rec = es.record("decode_tpot_graphs_switch", f"{shape},switch={name}", on,
-                                    f"{name} (baseline)", t, 100 * floor / on)  # fmt: skip
-                    rec["tokens_equal"] = same
-                    records.append(rec)
-            core.scheduler.update(StepOutput(tuple(RequestStepOutput(r.request_id, (2,))
-                                                   for r in batch.requests)))  # fmt: skip
-            _drain(core, rids)
+            records += es.switch_records("decode_tpot_graphs_switch", shape, times, tokens,
+                                         on_ms=on, token_ref="eager:all_on",
+                                         skip=("graph:all_on", "eager:all_on"), floor_ms=floor)  # fmt: skip
+            es.end_decode_step(core, batch, rids)
             _save(args)
 
 
@@ -157,7 +148,7 @@ def run_mtp(args, model, kernels) -> None:
         expected = 1 + sum(rates[:k])
         for ctx in contexts:
             for b in batches:
-                rids = _prefill_all(core, gen, model.cfg.vocab_size, b, ctx, f"k{k}c{ctx}b{b}")
+                rids = es.prefill_all(core, gen, model.cfg.vocab_size, b, ctx, f"k{k}c{ctx}b{b}")
                 batch = core.scheduler.schedule()
                 assert len(batch.decodes) == b and all(
                     r.num_draft_tokens == k for r in batch.decodes
@@ -182,9 +173,7 @@ def run_mtp(args, model, kernels) -> None:
                                 times["eager"] / expected, 100 * floor / times["graph"])  # fmt: skip
                 rec["step_time_us"] = round(times["graph"] * 1e3, 1)
                 records.append(rec)
-                core.scheduler.update(StepOutput(tuple(RequestStepOutput(r.request_id, (2,))
-                                                       for r in batch.requests)))  # fmt: skip
-                _drain(core, rids)
+                es.end_decode_step(core, batch, rids)
                 _save(args)
         del core, graphs, runner
         gc.collect()  # graphs and their memory pools go with the core

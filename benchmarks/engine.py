@@ -36,7 +36,6 @@ if str(ROOT) not in sys.path:
 
 from benchmarks import engine_setup as es  # noqa: E402
 from dsv4.model.index_cache import IndexPattern  # noqa: E402
-from dsv4.scheduler.batch import RequestStepOutput, StepOutput  # noqa: E402
 from dsv4.scheduler.request import Request  # noqa: E402
 
 
@@ -49,17 +48,6 @@ def _drain(core, rids) -> None:
         core.abort(rid)
     while core.has_work():
         core.step()
-
-
-def _prefill_all(core, gen, vocab, batch, context, tag) -> list[str]:
-    rids = [f"{tag}-{i}" for i in range(batch)]
-    for rid in rids:
-        core.add_request(Request(rid, _prompt(gen, vocab, context), max_new_tokens=64,
-                                 eos_token_id=None))  # fmt: skip
-    started: set[str] = set()
-    while len(started) < batch:
-        started.update(o.request_id for o in core.step() if o.new_token_ids)
-    return rids
 
 
 def run_decode(args) -> list[dict]:
@@ -76,7 +64,7 @@ def run_decode(args) -> list[dict]:
     records = []
     for ctx in contexts:
         for b in batches:
-            rids = _prefill_all(core, gen, cfg.vocab_size, b, ctx, f"c{ctx}b{b}")
+            rids = es.prefill_all(core, gen, cfg.vocab_size, b, ctx, f"c{ctx}b{b}")
             batch = core.scheduler.schedule()
             assert len(batch.decodes) == b and not batch.prefills
             times, tokens = {}, {}
@@ -98,17 +86,10 @@ def run_decode(args) -> list[dict]:
             records.append(es.record("decode_tpot", shape, on, "reference forward (per-request "
                                      "states, torch attention)", times["reference_forward"],
                                      100 * floor / on))  # fmt: skip
-            for name, t in times.items():
-                same = sum(x == y for x, y in zip(tokens[name], tokens["all_on"])) / b
-                print(f"  {name:30s} {t:9.3f} ms  tokens equal to all_on: {same:.0%}")
-                if name not in ("all_on", "reference_forward"):
-                    rec = es.record("decode_tpot_switch", f"{shape},switch={name}", on,
-                                    f"{name} (baseline)", t, 100 * floor / on)  # fmt: skip
-                    rec["tokens_equal"] = same
-                    records.append(rec)
-            core.scheduler.update(StepOutput(tuple(RequestStepOutput(r.request_id, (2,))
-                                                   for r in batch.requests)))  # fmt: skip
-            _drain(core, rids)
+            records += es.switch_records("decode_tpot_switch", shape, times, tokens, on_ms=on,
+                                         token_ref="all_on", skip=("all_on", "reference_forward"),
+                                         floor_ms=floor)  # fmt: skip
+            es.end_decode_step(core, batch, rids)
     return records
 
 
@@ -193,7 +174,7 @@ def run_planner(args) -> list[dict]:
             import time
 
             start = time.perf_counter()
-            rids = _prefill_all(core, gen, cfg.vocab_size, n, length, f"{plan}{rep}")
+            rids = es.prefill_all(core, gen, cfg.vocab_size, n, length, f"{plan}{rep}")
             es.sync(dev)
             runs.append((time.perf_counter() - start) * 1e3)
             _drain(core, rids)

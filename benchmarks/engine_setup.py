@@ -19,6 +19,7 @@ from dsv4.model.kernel_bridge import install_kernels
 from dsv4.model.tiny import random_model
 from dsv4.runner.paged import MetadataSwitches, PagedForward, PagedSwitches
 from dsv4.scheduler.config import SchedulerConfig
+from dsv4.scheduler.request import Request
 from kernels.backend import KernelBackendConfig
 
 PEAK_BYTES_PER_S = 4.3e12
@@ -168,3 +169,44 @@ def record(name, shape, time_ms, baseline, baseline_ms, pct) -> dict:
         "baseline_time_us": round(baseline_ms * 1e3, 1),
         "speedup": round(baseline_ms / time_ms, 3), "pct_roofline": round(pct, 2),
     }  # fmt: skip
+
+
+def switch_records(record_name: str, shape: str, times: dict, tokens: dict, *, on_ms: float,
+                   token_ref: str, skip: tuple[str, ...], floor_ms: float) -> list[dict]:  # fmt: skip
+    """One record per variant (its time as the baseline of `on_ms`) with the share of its
+    greedy tokens equal to `token_ref`'s; prints every variant."""
+    out = []
+    ref = tokens[token_ref]
+    for name, t in times.items():
+        same = sum(x == y for x, y in zip(tokens[name], ref)) / len(ref)
+        print(f"  {name:36s} {t:9.3f} ms  tokens equal to {token_ref}: {same:.0%}")
+        if name not in skip:
+            rec = record(record_name, f"{shape},switch={name}", on_ms, f"{name} (baseline)", t,
+                         100 * floor_ms / on_ms)  # fmt: skip
+            rec["tokens_equal"] = same
+            out.append(rec)
+    return out
+
+
+def end_decode_step(core, batch, rids) -> None:
+    """Hand the timed step back to the scheduler (one token each) and finish the requests."""
+    from dsv4.scheduler.batch import RequestStepOutput, StepOutput
+
+    core.scheduler.update(StepOutput(tuple(RequestStepOutput(r.request_id, (2,))
+                                           for r in batch.requests)))  # fmt: skip
+    for rid in rids:
+        core.abort(rid)
+    while core.has_work():
+        core.step()
+
+
+def prefill_all(core, gen, vocab, batch, context, tag) -> list[str]:
+    """Admit `batch` random prompts of `context` tokens; step until each has its first token."""
+    rids = [f"{tag}-{i}" for i in range(batch)]
+    for rid in rids:
+        prompt = tuple(torch.randint(2, vocab, (context,), generator=gen).tolist())
+        core.add_request(Request(rid, prompt, max_new_tokens=64, eos_token_id=None))
+    started: set[str] = set()
+    while len(started) < batch:
+        started.update(o.request_id for o in core.step() if o.new_token_ids)
+    return rids
