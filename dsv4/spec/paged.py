@@ -26,7 +26,6 @@ import torch
 
 from dsv4.runner.paged.decode_graphs import DecodeGraphs
 from dsv4.runner.paged.forward import PagedForward
-from dsv4.runner.paged.step import StepTokens
 from dsv4.runner.sampler import Sampler, SamplingSpec, filtered_probs
 from dsv4.scheduler.batch import ScheduledBatch, ScheduledRequest
 from dsv4.spec.acceptance import accept_greedy, accept_sampled
@@ -104,7 +103,7 @@ class PagedSpeculator:
         padded = {r.request_id: (*tokens[r.request_id], *[0] * (r.num_draft_tokens - len(tokens[r.request_id])))
                   for r in batch.decodes}  # fmt: skip
         res = self.forward(batch, padded)
-        step = StepTokens.of(batch.requests)
+        step = res.tokens
         logit_row, cursor = {}, 0
         for r in batch.requests:
             if r.samples_token:

@@ -13,8 +13,9 @@ from dsv4.model.tiny import random_model
 from dsv4.runner.paged.decode_graphs import GraphOptions
 from dsv4.runner.paged.graphs import batch_buckets, bucket_of, context_buckets
 from tests.engine.conftest import greedy_request, make_core, run_to_completion
-from tests.engine.test_engine_core import NEW_TOKENS, prompts
+from tests.engine.test_engine_core import NEW_TOKENS
 from tests.engine.test_paged_forward import reference  # noqa: F401  (fixture)
+from tests.engine.test_paged_forward import run as _run
 from tests.leak import assert_no_leaks
 
 STATIC = GraphOptions(max_batch=4, max_model_len=2048, capture=False)
@@ -27,14 +28,6 @@ def test_buckets() -> None:
     assert context_buckets(131_076, 512) == (2048, 8192, 32768, 131_076)
     assert context_buckets(1000, 512) == (1000,)
     assert bucket_of(3, (1, 2, 4)) == 4 and bucket_of(5, (1, 2, 4)) is None
-
-
-def _run(core, model) -> dict[str, list[int]]:
-    for rid, prompt in prompts(model.cfg.vocab_size).items():
-        core.add_request(greedy_request(rid, prompt, NEW_TOKENS))
-    out = run_to_completion(core)
-    assert_no_leaks(core)
-    return out
 
 
 def test_static_decode_steps_give_the_reference_tokens(tiny, reference) -> None:  # noqa: F811

@@ -11,8 +11,6 @@ import zlib
 import pytest
 
 from dsv4.runner.paged.decode_graphs import GraphOptions
-from dsv4.runner.sampler import SamplingSpec
-from dsv4.scheduler.request import Request
 from dsv4.spec.drafter import Draft
 from dsv4.spec.paged import PagedSpeculator
 from tests.engine.conftest import greedy_request, make_core, run_to_completion
@@ -22,6 +20,7 @@ from tests.engine.test_speculative import (  # noqa: F401  (fixtures)
     mtp_model,
     prompts,
     reference,
+    sampled_outputs,
 )
 from tests.leak import assert_no_leaks
 
@@ -145,18 +144,9 @@ def test_paged_preemption_keeps_outputs_exact(mtp_model) -> None:  # noqa: F811
 
 
 def test_paged_sampled_speculation_is_seed_reproducible(mtp_model) -> None:  # noqa: F811
-    def run() -> dict[str, list[int]]:
-        core = paged_spec_core(mtp_model, 2, STATIC)
-        for i, (rid, prompt) in enumerate(prompts(mtp_model.cfg.vocab_size).items()):
-            spec = SamplingSpec(temperature=0.8, top_k=50, seed=100 + i)
-            core.add_request(Request(rid, tuple(prompt), 6, spec, eos_token_id=None))
-        outputs = run_to_completion(core)
-        assert core.runner.spec_metrics.num_verify_steps > 0
-        assert_no_leaks(core)
-        return outputs
-
-    first = run()
-    assert first == run() and all(len(v) == 6 for v in first.values())
+    first = sampled_outputs(paged_spec_core(mtp_model, 2, STATIC), mtp_model)
+    assert first == sampled_outputs(paged_spec_core(mtp_model, 2, STATIC), mtp_model)
+    assert all(len(v) == 6 for v in first.values())
 
 
 def test_speculator_forgets_finished_requests(mtp_model) -> None:  # noqa: F811

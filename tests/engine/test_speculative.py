@@ -141,22 +141,24 @@ def test_lone_long_prompt_gets_the_prefill_budget_end_to_end(mtp_model, mode, fi
     assert_no_leaks(core)
 
 
-def test_sampled_speculation_is_seed_reproducible(mtp_model) -> None:
+def sampled_outputs(core, model) -> dict[str, list[int]]:
+    """Every prompt sampled (T 0.8, top-k 50, its own seed) to 6 tokens with speculation."""
     from dsv4.runner.sampler import SamplingSpec
     from dsv4.scheduler.request import Request
 
-    def run() -> dict[str, list[int]]:
-        core = make_spec_core(mtp_model, 2)
-        for i, (rid, prompt) in enumerate(prompts(mtp_model.cfg.vocab_size).items()):
-            spec = SamplingSpec(temperature=0.8, top_k=50, seed=100 + i)
-            core.add_request(Request(rid, tuple(prompt), 6, spec, eos_token_id=None))
-        outputs = run_to_completion(core)
-        assert core.runner.spec_metrics.num_verify_steps > 0
-        assert_no_leaks(core)
-        return outputs
+    for i, (rid, prompt) in enumerate(prompts(model.cfg.vocab_size).items()):
+        spec = SamplingSpec(temperature=0.8, top_k=50, seed=100 + i)
+        core.add_request(Request(rid, tuple(prompt), 6, spec, eos_token_id=None))
+    outputs = run_to_completion(core)
+    assert core.runner.spec_metrics.num_verify_steps > 0
+    assert_no_leaks(core)
+    return outputs
 
-    first = run()
-    assert first == run() and all(len(v) == 6 for v in first.values())
+
+def test_sampled_speculation_is_seed_reproducible(mtp_model) -> None:
+    first = sampled_outputs(make_spec_core(mtp_model, 2), mtp_model)
+    assert first == sampled_outputs(make_spec_core(mtp_model, 2), mtp_model)
+    assert all(len(v) == 6 for v in first.values())
 
 
 def test_preemption_and_lost_contexts_keep_outputs_exact(mtp_model) -> None:
