@@ -82,11 +82,12 @@ def run_plain(args, model, kernels) -> None:
     buckets = _bucket_contexts(contexts, 0)
     core = _core(args, model, kernels, 0, buckets)  # captures all_on
     runner = core.runner
-    forwards = {name: es.variant(core, name) for name in (*GRAPH_VARIANTS[1:], "all_off")}
+    variants = [n for n in GRAPH_VARIANTS[1:] if n in args.variant_list]
+    forwards = {name: es.variant(core, name) for name in (*variants, "all_off")}
     forwards["all_on"] = runner.paged
     graphs = {"all_on": runner.graphs} if runner.graphs is not None else {}
     options = _options(batches, buckets, dev.type == "cuda")
-    for name in GRAPH_VARIANTS[1:]:
+    for name in variants:
         model.fuse_first_hc = es.fused_first(name)
         try:
             graphs[name] = DecodeGraphs(forwards[name], runner.cache, options, 0)
@@ -199,6 +200,11 @@ def main(argv: list[str] | None = None) -> int:
         "(benchmarks/results/mtp-acceptance-trained-tiny.json)",
     )
     parser.add_argument("--only", choices=("plain", "mtp"), default=None)
+    parser.add_argument(
+        "--variants",
+        default=",".join(GRAPH_VARIANTS[1:]),
+        help="switch variants captured beside all_on (comma list; '' = none)",
+    )
     args = parser.parse_args(argv)
     if args.dry_run:
         args.batches, args.contexts, args.budget, args.num_blocks = "1,3", "300,40", 512, 256
@@ -206,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     elif not torch.cuda.is_available():
         parser.error("needs a CUDA GPU (or --dry-run)")
     args.records, args.attribution = [], []
+    args.variant_list = [v for v in args.variants.split(",") if v]
     args.batch_list = [int(b) for b in args.batches.split(",")]
     args.context_list = [int(c) for c in args.contexts.split(",")]
     cfg = es.model_config(args.layers, args.experts, args.dry_run, mtp=True)

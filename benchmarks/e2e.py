@@ -31,7 +31,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "benchm
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from dsv4.cluster import ClusterSpec, LocalCluster, free_port  # noqa: E402
+from dsv4.cluster import AUTO_PORTS, ClusterSpec, LocalCluster, free_port  # noqa: E402
 from dsv4.model.config import ModelConfig, flash_config, tiny_config  # noqa: E402
 from dsv4.model.tiny import write_model_spec  # noqa: E402
 
@@ -85,12 +85,40 @@ def handoff_share(jsonl: Path) -> dict:
     return {"mean_kv_transfer_ms": kv, "mean_ttft_ms": ttft, "kv_share_of_ttft": kv / ttft}
 
 
+def engine_steps(cluster: LocalCluster) -> dict:
+    """Each worker's `dsv4_engine_*` counters (steps and seconds by kind) from its /metrics."""
+    import urllib.request
+
+    found: dict = {}
+    for svc in cluster.services:
+        if svc.role == "router" or not svc.metrics_port:
+            continue
+        try:
+            text = urllib.request.urlopen(svc.metrics_url, timeout=5).read().decode()
+        except OSError as exc:
+            found[svc.name] = {"error": repr(exc)}
+            continue
+        found[svc.name] = {line.split(" ")[0]: float(line.split(" ")[1])
+                           for line in text.splitlines() if line.startswith("dsv4_engine_")}  # fmt: skip
+    return found
+
+
+def gpu_processes(seconds: int = 3) -> subprocess.Popen | None:
+    """`nvidia-smi pmon` for a few seconds (per-process SM %) while a probe runs, or None."""
+    try:
+        return subprocess.Popen(["nvidia-smi", "pmon", "-s", "u", "-c", str(seconds)],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    except OSError:
+        return None
+
+
 def _start(mode: str, spec_dir: Path, out: Path, args, extra: tuple[str, ...]) -> LocalCluster:
     num_prefill, role_args = MODES[mode]
     spec = ClusterSpec(model_dir=f"random:{spec_dir}", router_port=free_port(),
                        num_prefill=num_prefill, num_decode=1,
                        service_args=(*service_args(args), *role_args, *extra),
-                       log_dir=str(out / f"logs-{mode}{'-'.join(extra)}"), grace_s=15.0)  # fmt: skip
+                       log_dir=str(out / f"logs-{mode}{'-'.join(extra)}"), grace_s=15.0,
+                       metrics_base_port=AUTO_PORTS)  # fmt: skip
     cluster = LocalCluster(spec)
     cluster.start(ready_timeout_s=240.0)
     return cluster
@@ -111,9 +139,14 @@ def run_mode(mode: str, spec_dir: Path, out: Path, args) -> dict:
         p = args.probe_scale
         result["probe_ttft_1024"] = loadtest(target, out, f"{mode}-ttft1024", "inf", 3 * p,
                                              args.probe_prompt, 1, 0.0, args, concurrency=1)  # fmt: skip
+        result["steps_after_ttft_probe"] = engine_steps(cluster)
+        pmon = None if args.dry_run else gpu_processes()
         result["probe_tpot_b1"] = loadtest(target, out, f"{mode}-tpot-b1", "inf", p,
                                            args.probe_prompt, args.probe_output, 0.0, args,
                                            concurrency=1)  # fmt: skip
+        result["steps_after_tpot_probe"] = engine_steps(cluster)
+        if pmon is not None:
+            result["pmon_tpot_probe"] = pmon.communicate(timeout=30)[0][-3000:]
         sweep = []
         for rate, n in zip(args.rate_list, args.prompt_counts):
             label = f"{mode}-rate{rate}"
@@ -122,6 +155,7 @@ def run_mode(mode: str, spec_dir: Path, out: Path, args) -> dict:
             res["handoff"] = handoff_share(out / f"{label}.jsonl") if mode != "colocated" else {}
             sweep.append(res)
         result["sweep"] = sweep
+        result["steps_after_sweep"] = engine_steps(cluster)
     finally:
         cluster.stop()
     return result

@@ -1,9 +1,16 @@
 #!/usr/bin/env bash
-# One device call (issues 7 and 12): the decode TPOT benchmark (graphs, switches, MTP), the
-# end-to-end run, then the GPU tests of the captured decode passes. Each part has its own time
-# limit and writes under $OUT, so a failing part leaves the others' results.
-#   pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-#   bash benchmarks/h200_session.sh
+# One device call (issues 6, 7 and 12). PARTS picks, run in this order:
+#   fi      FlashInfer's sampling and hash_topk modules JIT-compile in the background (CPU) while
+#           the GPU parts run; after e2e, the sampling and hash-routing benchmarks against them;
+#   mhc     the GPU tests of the mHC kernels and their benchmark (kernels.py --only hc_);
+#   decode  the decode TPOT benchmark (graphs, switches, MTP);
+#   e2e     the end-to-end run (disaggregated, colocated, transformers);
+#   tests   the GPU tests of the captured decode passes.
+# DECODE_ARGS and E2E_ARGS add arguments to the decode and end-to-end benchmarks.
+# Each part has its own time limit and writes under $OUT, so a failing part leaves the others'.
+#   pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl .whl-fi/*.whl \
+#     && export PYTHONPATH=/tmp/site
+#   PARTS="fi e2e" bash benchmarks/h200_session.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -12,17 +19,48 @@ logs=/tmp/h200-logs
 mkdir -p "$out" "$logs"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$logs/gpu.txt"
 python3 -c "import torch, triton, grpc, google.protobuf as pb; print(torch.__version__, triton.__version__, grpc.__version__, pb.__version__)" >> "$logs/gpu.txt" 2>&1
+parts=" ${PARTS:-decode e2e tests} "
+has() { [[ $parts == *" $1 "* ]]; }
+if has fi; then  # nvcc runs on the CPU cores while the GPU parts below use the card
+    (timeout "${T_JIT:-400}" python3 -c "
+import flashinfer.sampling as s; s.get_sampling_module()
+from flashinfer.fused_moe.hash_topk import get_hash_topk_module; get_hash_topk_module()
+print('flashinfer modules built')" > "$logs/fi-jit.log" 2>&1) &
+    jit_pid=$!
+fi
+has mhc && {
+timeout "${T_MHC:-100}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_mhc.py \
+    > "$logs/mhc-tests.txt" 2>&1
+echo "mhc gpu tests rc=$?"; tail -3 "$logs/mhc-tests.txt"
+timeout "${T_MHC:-100}" python3 benchmarks/kernels.py --only hc_ --out "$out/kernels-mhc-h200.json" \
+    > "$logs/mhc-bench.log" 2>&1
+echo "mhc bench rc=$?"; grep -E "^hc_|Error" "$logs/mhc-bench.log" | cut -c1-200
+}
+has decode && {
 timeout "${T_DECODE:-200}" python3 benchmarks/decode_graphs.py --out "$out/decode-graphs-h200.json" \
-    > "$logs/decode-graphs.log" 2>&1
+    ${DECODE_ARGS:-} > "$logs/decode-graphs.log" 2>&1
 rc=$?; echo "decode rc=$rc"; grep -E "^decode_tpot|k=. B=|FAILED|Error" "$logs/decode-graphs.log" | cut -c1-160
 [ $rc -ne 0 ] && tail -12 "$logs/decode-graphs.log" | cut -c1-300
-timeout "${T_E2E:-240}" python3 benchmarks/e2e.py --out-dir /tmp/e2e > "$logs/e2e.log" 2>&1
+}
+has e2e && {
+timeout "${T_E2E:-240}" python3 benchmarks/e2e.py --out-dir /tmp/e2e ${E2E_ARGS:-} > "$logs/e2e.log" 2>&1
 rc=$?; echo "e2e rc=$rc"; [ $rc -ne 0 ] && tail -12 "$logs/e2e.log" | cut -c1-300
 cp /tmp/e2e/e2e-summary.json "$out/" 2>/dev/null
+}
+if has fi; then
+    wait "$jit_pid"; echo "flashinfer jit rc=$?"; tail -3 "$logs/fi-jit.log" | cut -c1-300
+    timeout "${T_FI:-120}" python3 benchmarks/kernels_moe.py --only sample --out "$out/kernels-sampling-h200.json" \
+        > "$logs/fi-bench.log" 2>&1
+    timeout "${T_FI:-120}" python3 benchmarks/kernels.py --only hash_route --out "$out/kernels-hash-h200.json" \
+        >> "$logs/fi-bench.log" 2>&1
+    echo "fi bench rc=$?"; grep -E "^(sample|hash_route)|Error|error" "$logs/fi-bench.log" | cut -c1-220
+fi
+has tests && {
 timeout "${T_TESTS:-80}" python3 -m pytest -q -p no:cacheprovider -m gpu \
     tests/engine/test_decode_graphs.py tests/engine/test_paged_speculative.py > "$logs/gpu-tests.txt" 2>&1
 echo "gpu tests rc=$?" | tee -a "$logs/gpu-tests.txt"
 tail -5 "$logs/gpu-tests.txt"
+}
 tar czf "$out/logs.tgz" -C /tmp --exclude=e2e/model h200-logs e2e 2>/dev/null
 python3 - "$out" <<'PY'
 import json, sys

@@ -54,6 +54,31 @@ def _route_cases(dev, sizes, dry) -> Iterator[Case]:
                        "hash_route_ref (unfused torch)",
                        lambda a=(logits, ids, tid2eid, scale): routing.hash_route_ref(*a),
                        t * (6 * 4 * 2 + 8 + 6 * 8))  # fmt: skip
+            hash_topk = None if dry else _flashinfer_hash_topk(logits, ids, tid2eid, scale)
+            if hash_topk is not None:
+                yield Case("hash_route", f"T={t},E={num_experts},k=6",
+                           lambda a=(logits, ids, tid2eid, scale): routing.hash_route(*a),
+                           "flashinfer hash_topk", hash_topk,
+                           t * (6 * 4 * 2 + 8 + 6 * 8))  # fmt: skip
+
+
+def _flashinfer_hash_topk(logits, ids, tid2eid, scale):
+    """FlashInfer's DSv4 hash router as a baseline, after checking it agrees with ours, or None.
+
+    hash_topk's routed weights are sqrt(softplus)/sum without the routed scale; ours carry it,
+    so ours / scale must equal theirs (same experts, same order: both read tid2eid rows).
+    """
+    try:
+        from flashinfer.fused_moe.hash_topk import hash_topk
+    except ImportError as exc:
+        print(f"hash_route: flashinfer hash_topk unavailable ({exc}), skipped", flush=True)
+        return None
+    ids64 = ids.long().contiguous()
+    theirs_w, theirs_e = hash_topk(logits, ids64, tid2eid)
+    ours_w, ours_e = routing.hash_route(logits, ids64, tid2eid, scale)
+    torch.testing.assert_close(ours_e, theirs_e)
+    torch.testing.assert_close(ours_w / scale, theirs_w, rtol=1e-5, atol=1e-6)
+    return lambda: hash_topk(logits, ids64, tid2eid)
 
 
 def _mhc_cases(dev, sizes, dry) -> Iterator[Case]:

@@ -15,6 +15,7 @@ dedicated thread and bridges it to asyncio. Three ways a request enters:
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dsv4.cache.manager import KVCacheManager
@@ -23,6 +24,28 @@ from dsv4.runner.model_runner import ModelRunner
 from dsv4.scheduler.batch import RequestOutput
 from dsv4.scheduler.request import Request
 from dsv4.scheduler.scheduler import Scheduler
+
+STEP_KINDS = ("prefill", "graph", "eager")  # mixed/prefill steps; decode-only: replayed or not
+
+
+@dataclass
+class StepCounters:
+    """Steps run and their host-timed seconds per kind (`STEP_KINDS`), read at scrape time.
+
+    "graph" steps replayed a captured decode pass, "eager" decode-only steps did not (a batch
+    or context past the largest bucket, graphs off): a decode pool serving "eager" steps under
+    load has its graph buckets sized wrong. Written by the engine thread only."""
+
+    steps: dict[str, int]
+    seconds: dict[str, float]
+
+    @classmethod
+    def zero(cls) -> StepCounters:
+        return cls(dict.fromkeys(STEP_KINDS, 0), dict.fromkeys(STEP_KINDS, 0.0))
+
+    def add(self, kind: str, seconds: float) -> None:
+        self.steps[kind] += 1
+        self.seconds[kind] += seconds
 
 
 @dataclass(frozen=True)
@@ -57,6 +80,7 @@ class EngineCore:
         self._adopted: dict[str, Request] = {}
         self.held: dict[str, HeldBlocks] = {}
         self.num_steps = 0
+        self.step_counters = StepCounters.zero()
 
     # ---- requests in -----------------------------------------------------------------------
     def add_request(self, request: Request, *, prefill_only: bool = False) -> None:
@@ -114,7 +138,13 @@ class EngineCore:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
+        replays = self.runner.num_graph_replays
+        started = time.perf_counter()
         output = self.runner.execute(batch)
+        kind = "prefill" if batch.prefills else "eager"
+        if self.runner.num_graph_replays != replays:
+            kind = "graph"
+        self.step_counters.add(kind, time.perf_counter() - started)
         self.num_steps += 1
         # Retain finished prefills' blocks before update() frees the requests.
         sampled = {o.request_id: o.new_token_ids for o in output.outputs if o.new_token_ids}
@@ -127,19 +157,21 @@ class EngineCore:
                 self._prefill_only.discard(rid)
         return self.scheduler.update(output)
 
-    def warm_up(self, num_prompt_tokens: int, num_new_tokens: int = 4) -> None:
-        """Serve one throw-away request before the worker takes traffic, so that kernel
-        compilation and autotuning land here and not in a client's first TTFT. Leaves nothing
-        behind (checked)."""
+    def warm_up(self, prompt_lengths: int | Sequence[int], num_new_tokens: int = 4) -> None:
+        """Serve throw-away requests (one per prompt length, one after another) before the
+        worker takes traffic, so that kernel compilation and autotuning land here and not in
+        a client's TTFT. Leaves nothing behind (checked)."""
         from dsv4.scheduler.request import Request
 
-        prompt = tuple(2 + i % 97 for i in range(max(1, num_prompt_tokens)))
-        self.add_request(Request("__warm_up__", prompt, max_new_tokens=num_new_tokens,
-                                 eos_token_id=None))  # fmt: skip
-        for _ in range(10_000):
-            if not self.has_work():
-                break
-            self.step()
+        lengths = (prompt_lengths,) if isinstance(prompt_lengths, int) else prompt_lengths
+        for n, length in enumerate(lengths):
+            prompt = tuple(2 + i % 97 for i in range(max(1, length)))
+            self.add_request(Request(f"__warm_up_{n}__", prompt, max_new_tokens=num_new_tokens,
+                                     eos_token_id=None))  # fmt: skip
+            for _ in range(10_000):
+                if not self.has_work():
+                    break
+                self.step()
         leaks = self.find_leaks()
         assert not leaks, leaks
 

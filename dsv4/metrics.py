@@ -60,6 +60,25 @@ class CallbackCounter(Collector):
         yield CounterMetricFamily(self._name, self._documentation, value=self._read())
 
 
+class StepCollector(Collector):
+    """`dsv4_engine_steps_total{kind}` and `dsv4_engine_step_seconds_total{kind}` from the
+    engine's `StepCounters` (kinds: prefill, graph, eager), copied at scrape time."""
+
+    def __init__(self, counters: object) -> None:
+        self._counters = counters
+
+    def collect(self) -> Iterator[Metric]:
+        steps = dict(self._counters.steps)  # type: ignore[attr-defined]
+        seconds = dict(self._counters.seconds)  # type: ignore[attr-defined]
+        n = CounterMetricFamily("dsv4_engine_steps", "Engine steps by kind (prefill: any prefill in the batch; graph: a replayed decode pass; eager: a decode-only step that was not)", labels=("kind",))  # fmt: skip
+        t = CounterMetricFamily("dsv4_engine_step_seconds", "Host-timed seconds of engine steps by kind (model, sampling, tokens back on the host)", labels=("kind",))  # fmt: skip
+        for kind in steps:
+            n.add_metric((kind,), steps[kind])
+            t.add_metric((kind,), seconds[kind])
+        yield n
+        yield t
+
+
 def new_registry() -> CollectorRegistry:
     """A registry with the standard `process_*` series (RSS, CPU seconds, open fds)."""
     registry = CollectorRegistry(auto_describe=True)
@@ -123,6 +142,7 @@ class WorkerMetrics:
         num_running: Callable[[], int],
         is_draining: Callable[[], bool],
         index_cache_hit_ratio: Callable[[], float],
+        step_counters: object = None,
     ) -> WorkerMetrics:
         """`load()` returns an `EngineLoad` (dsv4.engine_core); callbacks run at scrape time."""
         r = registry
@@ -148,6 +168,8 @@ class WorkerMetrics:
             registry=r,
         )
         hit.set_function(index_cache_hit_ratio)
+        if step_counters is not None:  # an EngineCore's StepCounters
+            r.register(StepCollector(step_counters))
         return cls(info=info, index_cache_hit_ratio=hit)
 
 

@@ -231,6 +231,12 @@ class WorkerSection(Section):
     worker_id: str = setting("", "unique id; empty: role-host-pid")
     advertise_address: str = setting("", "host:port peers dial; empty: host:bound port")
     drain_timeout_s: float = setting(30.0, "graceful drain limit on shutdown", min=0)
+    # The engine thread waits on the GPU with the GIL released; the gRPC/asyncio side then
+    # holds it up to this interval before the next step may start (CPython's default is 5 ms,
+    # the length of a whole decode step). 0: keep the interpreter's default.
+    gil_switch_interval_ms: float = setting(
+        0.5, "sys.setswitchinterval for the worker process; 0: the default", min=0
+    )
 
 
 @dataclass(frozen=True)

@@ -90,6 +90,11 @@ class ModelRunner:
                 self.spec = SpeculativeDecoder(model, cache, self.sampler, k)
 
     @property
+    def num_graph_replays(self) -> int:
+        """Target-pass replays so far (0 without graphs): tells graph steps from eager ones."""
+        return 0 if self.graphs is None else self.graphs.passes["target"].num_runs
+
+    @property
     def spec_metrics(self) -> SpecMetrics | None:
         """Drafted / accepted counts per draft position (None without speculation)."""
         return None if self.spec is None else self.spec.metrics

@@ -197,7 +197,7 @@ def build_worker_runtime(
     )
     if config.model.device.startswith("cuda"):
         s = config.scheduler
-        core.warm_up(min(s.max_num_batched_tokens, max(1, config.model.max_model_len - 8)))
+        core.warm_up(warm_up_lengths(s.max_num_batched_tokens, config.model.max_model_len))
     roles = pattern.roles
     # Share of ratio-4 layers whose top-k comes from the IndexCache instead of their indexer.
     core.runner.index_cache_hit_ratio = roles.count("S") / len(roles) if roles else 0.0
@@ -235,6 +235,19 @@ def paged_options(config: ServeConfig) -> dict | None:
     switches = PagedSwitches(compressor_boundary_only=f.compressor_boundary_only,
                              skip_topk=f.skip_topk)  # fmt: skip
     return {"metadata": metadata, "switches": switches}
+
+
+def warm_up_lengths(budget: int, max_model_len: int) -> tuple[int, ...]:
+    """Prompt lengths of the start-up requests: every power of two from 16 to the largest
+    prompt one step takes, that prompt, then (when longer) a max-length prompt whose chunks
+    walk the context through its size classes. Triton kernels pick block sizes from
+    next_power_of_2(tokens or entries) and compile once per size class: a single warm-up
+    prompt left the other classes to compile inside clients' TTFTs (measured on the H200: a
+    4459-token prompt after an 8696-token warm-up took 1.55 s instead of ~0.1 s)."""
+    longest = max(1, max_model_len - 8)
+    largest = min(budget, longest)
+    lengths = [1 << p for p in range(4, largest.bit_length()) if 1 << p < largest]
+    return (*lengths, largest, *((longest,) if longest > largest else ()))
 
 
 def graph_options(config: ServeConfig):

@@ -111,6 +111,7 @@ def worker_metrics(
         num_running=num_running,
         is_draining=is_draining,
         index_cache_hit_ratio=lambda: index_cache_hit_ratio(runtime),
+        step_counters=runtime.engine.core.step_counters,
     )
 
 

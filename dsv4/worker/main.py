@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import sys
 import time
 
 import torch
@@ -36,6 +37,8 @@ def run_worker(config: ServeConfig) -> int:
     """Serve until SIGTERM/SIGINT; `config.worker.role` picks prefill or decode/colocated."""
     if not config.model.device.startswith("cuda"):
         torch.set_num_threads(max(1, min(torch.get_num_threads(), 2)))
+    if config.worker.gil_switch_interval_ms > 0:
+        sys.setswitchinterval(config.worker.gil_switch_interval_ms / 1e3)
     return asyncio.run(_serve(config))
 
 

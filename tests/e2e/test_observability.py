@@ -78,6 +78,9 @@ def test_prefill_metrics_count_exports_and_return_to_idle(cluster) -> None:
     assert m["dsv4_worker_kv_blocks_used"] == 0 and m["dsv4_worker_kv_blocks_free"] > 0
     assert m["dsv4_worker_running_requests"] == 0 and m["dsv4_worker_queued_requests"] == 0
     assert m["dsv4_prefill_queued_tokens"] == 0
+    assert m['dsv4_engine_steps_total{kind="prefill"}'] >= 1  # prompts may share a step
+    assert m['dsv4_engine_steps_total{kind="graph"}'] == 0  # a prefill worker never decodes
+    assert m['dsv4_engine_step_seconds_total{kind="prefill"}'] > 0
 
 
 def test_decode_metrics_count_pulls_and_bytes(cluster) -> None:
@@ -90,6 +93,11 @@ def test_decode_metrics_count_pulls_and_bytes(cluster) -> None:
     assert m["dsv4_decode_mtp_accepted_tokens_total"] == 0
     assert m["dsv4_worker_index_cache_hit_ratio"] == 0
     assert m["dsv4_worker_kv_blocks_used"] == 0 and m["dsv4_worker_running_requests"] == 0
+    # CPU workers run no graphs: every decode step of the adopted requests is eager, none is a
+    # prefill (the prompt's KV was pulled, not recomputed)
+    assert m['dsv4_engine_steps_total{kind="eager"}'] >= MAX_NEW_TOKENS - 1
+    assert m['dsv4_engine_steps_total{kind="prefill"}'] == 0
+    assert m['dsv4_engine_steps_total{kind="graph"}'] == 0
 
 
 def json_lines(cluster, name: str) -> list[dict]:

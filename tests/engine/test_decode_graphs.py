@@ -71,8 +71,8 @@ def test_padding_rows_write_only_scratch_blocks(tiny) -> None:
 def test_warm_up_leaves_nothing_behind(tiny, reference) -> None:  # noqa: F811
     """Workers on CUDA serve one throw-away request at start-up (compile, autotune)."""
     core = make_core(tiny, budget=64, paged={}, graphs=STATIC)
-    core.warm_up(100)
-    assert core.num_steps > 4 and core.kv.num_free_blocks == core.kv.num_blocks
+    core.warm_up((16, 100))
+    assert core.num_steps > 8 and core.kv.num_free_blocks == core.kv.num_blocks
     assert _run(core, tiny) == reference
 
 

@@ -8,6 +8,7 @@ import torch
 from tolerances import assert_close
 
 from kernels.mhc import (
+    _mix_config,
     _sinkhorn_ref,
     hc_head,
     hc_head_ref,
@@ -62,6 +63,44 @@ def test_hc_pre_split_over_hidden(block_k):
     h_fn, h_scale, h_base = _params(100, 3, n_mix=M)
     h = hc_head(x, h_fn, h_scale, h_base, EPS, RMS_EPS, block_k=block_k)
     assert_close(h, hc_head_ref(x, h_fn, h_scale, h_base, EPS, RMS_EPS), "activation")
+
+
+@pytest.mark.parametrize("num_tokens", [1, 3, 17])
+@pytest.mark.parametrize("use_dot", [False, True], ids=["fma", "dot"])
+@pytest.mark.parametrize("block_k", [None, 16], ids=["one-split", "splits"])
+def test_hc_mix_both_gemv_paths(num_tokens, use_dot, block_k):
+    """FMA GEMV (the GPU's choice below 16 tokens) and tl.dot GEMV (from 16 on), each forced at
+    odd token counts, with one split (finish inside the GEMV program) and with 3 splits."""
+    kw = dict(block_k=block_k, use_dot=use_dot)
+    x = _x(num_tokens, 40, torch.bfloat16, 30 + num_tokens)
+    fn, scale, base = _params(40, 31)
+    ref = hc_pre_ref(x, fn, scale, base, ITERS, EPS, RMS_EPS)
+    _check_pre(hc_pre(x, fn, scale, base, ITERS, EPS, RMS_EPS, **kw), ref)
+    e = x[:, 0].contiguous()
+    ref = hc_pre_first_layer_ref(e, fn, scale, base, ITERS, EPS, RMS_EPS)
+    for f in (fn, fn.view(-1, M, 40).sum(1)):  # unfolded, folded over the streams
+        _check_pre(hc_pre_first_layer(e, f, scale, base, ITERS, EPS, RMS_EPS, **kw), ref)
+    h_fn, h_scale, h_base = _params(40, 32, n_mix=M)
+    h = hc_head(x.float(), h_fn, h_scale, h_base, EPS, RMS_EPS, **kw)
+    assert_close(h, hc_head_ref(x.float(), h_fn, h_scale, h_base, EPS, RMS_EPS), "activation")
+
+
+def test_mix_config_decode_sizes():
+    """The launch configuration depends on sizes only (CPU tests run the GPU's), D = 4096."""
+    c1, c16, c64, c512 = (_mix_config(t, 4096, (2 + M) * M) for t in (1, 16, 64, 512))
+    assert not c1["use_dot"] and c1["block_t"] == 1 and c1["num_splits"] == 64
+    assert c1["d_per_split"] == c1["block_k"]  # one chunk, one memory round trip per program
+    assert c16["use_dot"] and c64["use_dot"] and c64["num_splits"] == 64
+    assert (c1["fin_t"], c1["fin_warps"]) == (c64["fin_t"], c64["fin_warps"]) == (1, 1)
+    assert (c512["fin_t"], c512["fin_warps"], c512["num_splits"]) == (16, 4, 8)
+
+
+def test_hc_pre_decode_config_full_width():
+    """T = 1 at D = 4096: exactly the GPU's decode launch (64 GEMV splits, 16 finish programs)."""
+    x = _x(1, 4096, torch.bfloat16, 33)
+    fn, scale, base = _params(4096, 34)
+    ref = hc_pre_ref(x, fn, scale, base, ITERS, EPS, RMS_EPS)
+    _check_pre(hc_pre(x, fn, scale, base, ITERS, EPS, RMS_EPS), ref)
 
 
 def test_hc_pre_non_contiguous_streams():
@@ -145,7 +184,7 @@ def test_sinkhorn_order():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_tokens", [1, 64, 2048])
+@pytest.mark.parametrize("num_tokens", [1, 3, 17, 64, 2048])
 @pytest.mark.parametrize("hidden", [4096, 7168])
 def test_mhc_production_shapes_gpu(num_tokens, hidden):
     x = _x(num_tokens, hidden, torch.bfloat16, 18)
