@@ -24,12 +24,17 @@ def test_tiny_model_fits_a_small_card() -> None:
     assert plan.fits
 
 
-def test_warm_up_covers_every_power_of_two_size_class() -> None:
-    """Kernels compile once per next_power_of_2 class of tokens and entries: the start-up
-    requests visit each class up to one step's budget, then a max-length prompt."""
+def test_warm_up_covers_every_size_class_and_specialisation() -> None:
+    """Kernels compile once per next_power_of_2 class of tokens and entries and per "divisible
+    by 16" specialisation of their integer arguments: the start-up requests visit each class
+    with tokens and ratio-4 entries both divisible, both not, and mixed."""
     from dsv4.worker.build import warm_up_lengths
 
-    assert warm_up_lengths(16384, 8704) == (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192,
-                                            8696)  # fmt: skip
-    assert warm_up_lengths(2048, 131072)[-3:] == (1024, 2048, 131064)
+    lengths = warm_up_lengths(16384, 8704)
+    assert lengths[-1] == 8696 and max(lengths) == 8696 and len(set(lengths)) == len(lengths)
+    for p in range(7, 14):  # every class up to the budget, each with all four combinations
+        in_class = [n for n in lengths if (1 << (p - 1)) < n <= (1 << p)]
+        combos = {(n % 16 == 0, (n // 4) % 16 == 0) for n in in_class}
+        assert combos == {(True, True), (False, False), (True, False), (False, True)}, p
+    assert warm_up_lengths(2048, 131072)[-2:] == (2048, 131064)
     assert warm_up_lengths(8, 100) == (8, 92) and warm_up_lengths(64, 10) == (2,)
