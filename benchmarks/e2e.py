@@ -120,7 +120,7 @@ def _start(mode: str, spec_dir: Path, out: Path, args, extra: tuple[str, ...]) -
                        log_dir=str(out / f"logs-{mode}{'-'.join(extra)}"), grace_s=15.0,
                        metrics_base_port=AUTO_PORTS)  # fmt: skip
     cluster = LocalCluster(spec)
-    cluster.start(ready_timeout_s=240.0)
+    cluster.start(ready_timeout_s=600.0)  # a fresh host compiles every warm-up size class
     return cluster
 
 
