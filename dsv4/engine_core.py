@@ -214,8 +214,12 @@ def build_engine_core(
     metadata_options: object = None,
     paged: object = None,
     graphs: object = None,
+    batched_sampling: bool = True,
 ) -> EngineCore:
     """Layout -> paged cache -> runner + KV manager -> scheduler, for one model replica.
+
+    `batched_sampling` False keeps every row on the row-by-row CPU sampler (the slow path of
+    `features.batched_sampling`); True batches unseeded rows on CUDA (`Sampler`).
 
     `graphs` (a `dsv4.runner.paged.decode_graphs.GraphOptions`, with `paged`): capture the
     decode step's passes (or run them as static eager steps) before the core is returned."""
@@ -250,5 +254,8 @@ def build_engine_core(
         extra["graphs"] = DecodeGraphs(extra["paged"], cache, graphs,
                                        cache_options.num_speculative_tokens)  # fmt: skip
         extra["graphs"].capture()
-    runner = ModelRunner(model, cache, shared_metadata=shared_metadata, **extra)
+    from dsv4.runner.sampler import Sampler
+
+    sampler = Sampler(batched=None if batched_sampling else False)
+    runner = ModelRunner(model, cache, sampler, shared_metadata=shared_metadata, **extra)
     return EngineCore(scheduler, runner)

@@ -2,8 +2,14 @@
 
 Every request samples from its own `torch.Generator` when it carries a seed, so its output
 does not depend on which other requests share the batch. Temperature 0 is greedy (argmax, ties
-to the lowest id). On GPU, FlashInfer's sampling kernels can replace the torch path; this file
-is the reference both must agree with.
+to the lowest id). This file is the reference the batched kernels must agree with.
+
+Batched sampling (`batched`, on by default where the logits live on CUDA): the unseeded
+non-greedy rows of a step are sampled together on the device — FlashInfer's sampling kernels
+when installed, else batched torch (`kernels.sampling`) — and one host copy returns every
+row's token. The row-by-row path copies each row's filtered 129K-entry distribution to the
+host for a CPU multinomial (~1 ms per row on an H200 host: it was most of a served decode step
+at temperature 1). Seeded rows stay on their own CPU generators (batch independence).
 """
 
 from __future__ import annotations
@@ -49,9 +55,12 @@ def filtered_probs(logits: torch.Tensor, spec: SamplingSpec) -> torch.Tensor:
 class Sampler:
     """Samples one token per row of a logits batch; owns the per-request generators."""
 
-    def __init__(self, default_seed: int = 0) -> None:
+    def __init__(self, default_seed: int = 0, batched: bool | None = None) -> None:
+        """`batched`: None = on for CUDA logits; True also on CPU (tests); False = row by row."""
         self._default = torch.Generator().manual_seed(default_seed)
         self._generators: dict[str, torch.Generator] = {}
+        self.batched = batched
+        self._device_generators: dict[torch.device, torch.Generator] = {}
 
     def _generator(self, request_id: str, spec: SamplingSpec) -> torch.Generator:
         if spec.seed is None:
@@ -69,14 +78,40 @@ class Sampler:
         if logits.shape[0] != len(specs) or len(specs) != len(request_ids):
             raise ValueError("one request id and one SamplingSpec per logits row")
         out: list[int] = []
-        greedy = logits.argmax(dim=-1).tolist() if logits.shape[0] else []
+        picked = logits.argmax(dim=-1) if logits.shape[0] else logits.new_empty(0).long()
+        together = [i for i, s in enumerate(specs) if not s.is_greedy and s.seed is None]
+        on = self.batched if self.batched is not None else logits.is_cuda
+        if on and together:
+            rows = torch.tensor(together, device=logits.device)
+            picked = picked.index_copy(0, rows, self._sample_rows(logits.index_select(0, rows),
+                                                                  [specs[i] for i in together]))  # fmt: skip
+        else:
+            together = []
+        done = set(together)
+        chosen = picked.tolist()  # the step's one device -> host copy
         for row, (rid, spec) in enumerate(zip(request_ids, specs)):
-            if spec.is_greedy:
-                out.append(int(greedy[row]))
+            if spec.is_greedy or row in done:
+                out.append(int(chosen[row]))
                 continue
             probs = filtered_probs(logits[row], spec).cpu()
             out.append(int(torch.multinomial(probs, 1, generator=self._generator(rid, spec))))
         return out
+
+    def _sample_rows(self, logits: torch.Tensor, specs: list[SamplingSpec]) -> torch.Tensor:
+        """Unseeded non-greedy rows [R, V] on their device -> token ids [R] int64 (same device)."""
+        from kernels import sampling  # kernels.sampling imports this module
+
+        dev = logits.device
+        temperature = torch.tensor([s.temperature for s in specs], device=dev)
+        top_p = torch.tensor([s.top_p for s in specs], device=dev)
+        top_k = torch.tensor([s.top_k for s in specs], dtype=torch.int32, device=dev)
+        gen = self._device_generators.get(dev)
+        if gen is None:  # seeded from the default stream: reproducible per worker start
+            seed = int(torch.randint(0, 2**62, (), generator=self._default))
+            gen = self._device_generators[dev] = torch.Generator(dev).manual_seed(seed)
+        if logits.is_cuda and sampling.flashinfer_available():
+            return sampling.sample(logits, temperature, top_p, top_k, generator=gen)
+        return sampling.sample_torch(logits, temperature, top_p, top_k, generator=gen)
 
     def probs(self, logits: torch.Tensor, specs: list[SamplingSpec]) -> torch.Tensor:
         """[B, V] filtered probabilities (used by speculative rejection sampling)."""

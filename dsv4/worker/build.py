@@ -194,6 +194,7 @@ def build_worker_runtime(
         ),
         paged=paged_options(config),
         graphs=graph_options(config),
+        batched_sampling=f.batched_sampling,
     )
     if config.model.device.startswith("cuda"):
         s = config.scheduler

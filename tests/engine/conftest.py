@@ -28,7 +28,8 @@ def tiny():
 
 def make_core(
     model, *, kv="fp32", index="fp32", budget=4096, num_blocks=64, shared_metadata=None,
-    paged=None, kernels=None, index_pattern="", graphs=None, spec_tokens=0, **sched,
+    paged=None, kernels=None, index_pattern="", graphs=None, spec_tokens=0,
+    batched_sampling=True, **sched,
 ) -> EngineCore:  # fmt: skip
     """`paged`: None = the reference forward, else `build_engine_core(paged=...)`'s options;
     `graphs`: a `GraphOptions` (static decode passes); `spec_tokens`: MTP drafts k."""
@@ -41,6 +42,7 @@ def make_core(
     return build_engine_core(
         model, options, cfg, num_blocks=num_blocks, shared_metadata=shared_metadata,
         paged=paged, kernels=kernels, device=str(model.embed.weight.device), graphs=graphs,
+        batched_sampling=batched_sampling,
     )  # fmt: skip
 
 

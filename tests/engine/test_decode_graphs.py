@@ -106,3 +106,10 @@ def test_captured_decode_graphs_match_eager_on_the_gpu() -> None:
             assert core.runner.graphs.passes["target"].num_runs >= 6
         assert_no_leaks(core)
     assert outs[0] == outs[1]
+
+
+def test_batched_sampling_switch_reaches_the_sampler(tiny) -> None:
+    """features.batched_sampling: on = batch unseeded rows where the logits are on CUDA (None:
+    decided per step), off = the row-by-row CPU sampler everywhere."""
+    assert make_core(tiny).runner.sampler.batched is None
+    assert make_core(tiny, batched_sampling=False).runner.sampler.batched is False
