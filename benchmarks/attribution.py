@@ -23,6 +23,7 @@ COMPONENTS = (
     ("moe_experts", ("_w13_kernel", "_w2_kernel", "_moe_combine_kernel")),
     ("router", ("_route_kernel", "_hash_route_kernel")),
     ("mhc", ("_hc_pre_kernel", "_hc_finish_kernel", "_hc_post_kernel")),
+    ("norm_rope", ("_norm_rope_kernel",)),
     ("metadata", ("_range_slots_kernel", "_token_to_req_kernel", "_c4_topk_slots_kernel")),
     ("dense_gemm", ("gemm", "gemv", "cutlass", "xmma", "nvjet", "splitk", "sm90_")),
     ("sort_scan", ("sort", "scan", "radix", "bincount", "scatter", "searchsorted")),

@@ -30,6 +30,7 @@ from benchmarks.harness import Case, bench_main, measure, warm_up_clocks  # noqa
 from dsv4.runner.kv_codec import encode_rows  # noqa: E402
 from kernels import metadata, mhc, routing  # noqa: E402
 from kernels.kv_store import kv_store, kv_store_ref, min_entry_bytes  # noqa: E402
+from kernels.norm_rope import norm_rope, norm_rope_ref, rope_only, rope_only_ref  # noqa: E402
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "kernels-h200.json"
 M, ITERS, EPS = 4, 20, 1e-6
@@ -178,10 +179,36 @@ def _kv_store_cases(dev, sizes, dry) -> Iterator[Case]:
                    t * (d * 2 + entry + 4))  # fmt: skip
 
 
+def _glue_cases(dev, sizes, dry) -> Iterator[Case]:
+    """The attention layer's norm + rope glue: one launch against rms_norm then apply_rope."""
+    d, heads, hd, rope = sizes["hidden"], sizes["heads"], sizes["head_dim"], sizes["rope_dim"]
+    fast_nr = norm_rope_ref if dry else norm_rope
+    fast_r = rope_only_ref if dry else rope_only
+    for t in sizes["hc_tokens"]:
+        x = torch.randn(t, d, device=dev).bfloat16()
+        q = torch.randn(t, heads, hd, device=dev).bfloat16()
+        w = torch.ones(d, device=dev)
+        angles = torch.rand(t, rope // 2, device=dev) * 6.3
+        cos, sin = angles.cos(), angles.sin()
+        yield Case("norm_rope", f"rms_norm T={t},D={d}", lambda a=(x, w, 1e-6): fast_nr(*a),
+                   "rms_norm (torch)", lambda a=(x, w, 1e-6): norm_rope_ref(*a),
+                   t * d * 4 + d * 4)  # fmt: skip
+        yield Case("norm_rope", f"q norm+rope T={t},H={heads},d={hd},rope={rope}",
+                   lambda a=(q, None, 1e-6, cos, sin): fast_nr(*a),
+                   "rms_norm + apply_rope (torch)",
+                   lambda a=(q, None, 1e-6, cos, sin): norm_rope_ref(*a),
+                   t * heads * hd * 4 + t * rope * 4)  # fmt: skip
+        yield Case("rope", f"inverse T={t},H={heads},d={hd},rope={rope}",
+                   lambda a=(q, cos, sin, True): fast_r(*a), "apply_rope (torch)",
+                   lambda a=(q, cos, sin, True): rope_only_ref(*a),
+                   t * heads * hd * 4 + t * rope * 4)  # fmt: skip
+
+
 GPU_SIZES = {
     "experts": [(256, 1.5), (384, 2.5)],
     "route_tokens": [1, 64, 512, 8192],
     "hidden": 4096,
+    "heads": 64, "head_dim": 512, "rope_dim": 64,
     "hc_tokens": [1, 64, 512, 8192],
     "batches": [("decode bs32", [1] * 32), ("decode bs256", [1] * 256),
                 ("decode bs512", [1] * 512), ("mixed", [1] * 64 + [700, 300, 1024])],
@@ -191,6 +218,7 @@ GPU_SIZES = {
 }  # fmt: skip
 DRY_SIZES = {
     "experts": [(16, 1.5)], "route_tokens": [1, 5], "hidden": 32, "hc_tokens": [1, 3],
+    "heads": 2, "head_dim": 16, "rope_dim": 8,
     "batches": [("decode bs4", [1] * 4), ("mixed", [1, 7])],
     "prefill_tokens": 9, "window": 8, "c128_width": 16, "c4_tokens": 5, "topk": 8,
     "kv_tokens": [3], "kv_dim": 128, "kv_slots": 16,
@@ -205,7 +233,7 @@ def run(dry_run: bool, only: str = "") -> list[dict]:
         warm_up_clocks()
     cases = (
         c
-        for gen in (_route_cases, _mhc_cases, _metadata_cases, _kv_store_cases)
+        for gen in (_route_cases, _mhc_cases, _glue_cases, _metadata_cases, _kv_store_cases)
         for c in gen(dev, sizes, dry_run)
     )
     return list(measure(cases, dry_run, only))

@@ -19,6 +19,7 @@ from kernels.metadata import (
     window_slot_table,
 )
 from kernels.moe import moe_experts
+from kernels.norm_rope import norm_rope, rope_only
 from kernels.routing import hash_route, route
 from kernels.sampling import sample
 from kernels.sparse_attention import sparse_attention_decode, sparse_attention_prefill
@@ -40,8 +41,10 @@ __all__ = [
     "kv_gather",
     "kv_store",
     "moe_experts",
+    "norm_rope",
     "registry",
     "resolve",
+    "rope_only",
     "route",
     "sample",
     "select_backend",

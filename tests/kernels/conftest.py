@@ -29,6 +29,7 @@ if not torch.cuda.is_available():
                 "kernels.compressor",
                 "kernels.kv_store",
                 "kernels.moe",
+                "kernels.norm_rope",
                 "kernels.sampling",
             ):
                 importlib.reload(sys.modules[name])

@@ -18,8 +18,6 @@ from __future__ import annotations
 import torch
 
 from dsv4.model.attention import Attention
-from dsv4.model.layers import rms_norm
-from dsv4.model.rope import apply_rope
 from dsv4.runner.paged import kv_rows
 from dsv4.runner.paged.compress import run_compressor
 from dsv4.runner.paged.forward_state import ForwardState
@@ -36,10 +34,14 @@ def attention_layer(attn: Attention, lw: LayerWeights, fs: ForwardState, x: torc
     num_t = x.shape[0]
     h, hd = cfg.num_attention_heads, cfg.head_dim
     cos, sin = fs.rope(ratio)  # [T, rope/2]
-    qr = attn.q_norm(attn.wq_a(x))  # [T, q_lora]
-    q = rms_norm(attn.wq_b(qr).view(num_t, h, hd), None, cfg.rms_norm_eps)
-    q = apply_rope(q, cos, sin)  # [T, H, hd]
-    kv = apply_rope(attn.kv_norm(attn.wkv(x)), cos, sin)  # [T, hd]
+    # norm (+ rope) in one launch each: rms_norm then apply_rope on the reference backend
+    norm_rope, rope = (
+        resolve("norm_rope", meta.kernels, x.device),
+        resolve("rope", meta.kernels, x.device),
+    )
+    qr = norm_rope(attn.wq_a(x), attn.q_norm.weight, attn.q_norm.eps)  # [T, q_lora]
+    q = norm_rope(attn.wq_b(qr).view(num_t, h, hd), None, cfg.rms_norm_eps, cos, sin)  # [T, H, hd]
+    kv = norm_rope(attn.wkv(x), attn.kv_norm.weight, attn.kv_norm.eps, cos, sin)  # [T, hd]
     if attn.compressor is not None:
         run_compressor(attn.compressor, lw.compressor, g.compressor, fs.compressor_tables(ratio),
                        meta, x)  # fmt: skip
@@ -52,7 +54,7 @@ def attention_layer(attn: Attention, lw: LayerWeights, fs: ForwardState, x: torc
     out = torch.empty_like(q)
     n_dec = meta.shape.num_decode_tokens
     scale = hd**-0.5
-    sink = attn.attn_sink.float()
+    sink = lw.attn_sink  # [H] fp32
     if n_dec:
         table = meta.decode_candidates(ratio)
         if topk_dec is not None:
@@ -73,7 +75,7 @@ def attention_layer(attn: Attention, lw: LayerWeights, fs: ForwardState, x: torc
             table = torch.cat((table, mapped), dim=1)
         out[lo:hi] = prefill(q[lo:hi].contiguous(), ws, table, sink, scale,
                              rope_dim=cfg.qk_rope_head_dim)  # fmt: skip
-    out = apply_rope(out, cos, sin, inverse=True)
+    out = rope(out, cos, sin, inverse=True)
     return attn._project_out(out.unsqueeze(0)).squeeze(0)
 
 

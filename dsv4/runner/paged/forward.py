@@ -22,7 +22,7 @@ from dsv4.runner.paged.attention import attention_layer
 from dsv4.runner.paged.forward_state import ForwardState, PagedSwitches
 from dsv4.runner.paged.geometry import CacheGeometry
 from dsv4.runner.paged.step import MetadataSwitches, StepMetadata, StepTokens, upload
-from dsv4.runner.paged.weights import ExpertWeights, LayerWeights, prepare_weights
+from dsv4.runner.paged.weights import LayerWeights, prepare_weights
 from dsv4.runner.paged_cache import PagedKVCache
 from dsv4.scheduler.batch import ScheduledBatch
 from kernels.backend import KernelBackendConfig, resolve
@@ -59,7 +59,8 @@ class PagedForward:
         self.device = model.embed.weight.device
         dev = self.device
         self._ops = {name: resolve(name, kernels, dev) for name in
-                     ("hc_pre", "hc_pre_first_layer", "hc_post", "hc_head", "moe_experts")}  # fmt: skip
+                     ("hc_pre", "hc_pre_first_layer", "hc_post", "hc_head", "moe_experts",
+                      "norm_rope")}  # fmt: skip
         self._route = resolve("route", kernels, dev)
         self._hash_route = resolve("hash_route", kernels, dev)
 
@@ -129,23 +130,27 @@ class PagedForward:
         params = (block.hc_attn_fn, block.hc_attn_scale, block.hc_attn_base)
         pre = self._ops["hc_pre_first_layer" if first else "hc_pre"]
         u, post, comb = pre(x, *params, *hc)
-        y = attention_layer(block.attn, lw, fs, block.attn_norm(u))
+        norm = self._ops["norm_rope"]  # rms_norm in one launch
+        y = attention_layer(
+            block.attn, lw, fs, norm(u, block.attn_norm.weight, block.attn_norm.eps)
+        )
         x = self._ops["hc_post"](y.contiguous(), x, post, comb)
         params = (block.hc_ffn_fn, block.hc_ffn_scale, block.hc_ffn_base)
         u, post, comb = self._ops["hc_pre"](x, *params, *hc)
-        y = self._moe(block.ffn, lw.experts, block.ffn_norm(u), token_ids)
+        y = self._moe(block.ffn, lw, norm(u, block.ffn_norm.weight, block.ffn_norm.eps),
+                      token_ids)  # fmt: skip
         return self._ops["hc_post"](y.contiguous(), x, post, comb)
 
-    def _moe(self, moe: MoE, experts: ExpertWeights, u: torch.Tensor, token_ids: torch.Tensor):
+    def _moe(self, moe: MoE, lw: LayerWeights, u: torch.Tensor, token_ids: torch.Tensor):
         """u [T, D] -> [T, D]: routing, the grouped routed experts, the dense shared expert."""
-        cfg = self.cfg
-        logits = torch.nn.functional.linear(u.float(), moe.gate.weight.float())  # [T, E] fp32
+        cfg, experts = self.cfg, lw.experts
+        logits = torch.nn.functional.linear(u.float(), lw.gate_weight)  # [T, E] fp32
         if moe.gate.is_hash:
             w, ids = self._hash_route(
                 logits, token_ids, moe.gate.tid2eid, cfg.routed_scaling_factor
             )
         else:
-            w, ids = self._route(logits, moe.gate.bias.float(), cfg.num_experts_per_tok,
+            w, ids = self._route(logits, lw.gate_bias, cfg.num_experts_per_tok,
                                  cfg.routed_scaling_factor)  # fmt: skip
         y = self._ops["moe_experts"](u.contiguous(), ids, w, experts.w13, experts.w2,
                                      limit=cfg.swiglu_limit)  # [T, D] fp32  # fmt: skip

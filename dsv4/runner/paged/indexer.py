@@ -13,7 +13,6 @@ from __future__ import annotations
 import torch
 
 from dsv4.model.indexer import Indexer
-from dsv4.model.rope import apply_rope
 from dsv4.runner.paged.forward_state import ForwardState
 from dsv4.runner.paged.geometry import LayerGeometry
 from kernels.backend import resolve
@@ -45,15 +44,15 @@ def indexer_topk(indexer: Indexer, fs: ForwardState, g: LayerGeometry, x, qr, co
             out.append(select(lens, k, t2r, table, epb, slots_per_block=spb)[0])
             continue
         if q is None:
-            q, weights = _queries(indexer, x, qr, cos, sin)
+            q, weights = _queries(indexer, x, qr, cos, sin, meta.kernels)
         out.append(_topk_slices(meta, g, q, weights, lo, hi, max_vis, k, table, spb))
     return out[0], out[1]
 
 
-def _queries(indexer: Indexer, x, qr, cos, sin):
+def _queries(indexer: Indexer, x, qr, cos, sin, kernels):
     num_t = x.shape[0]
     q = indexer.wq_b(qr).view(num_t, indexer.num_heads, indexer.head_dim)
-    q = apply_rope(q, cos, sin)  # [T, H_I, d_I]
+    q = resolve("rope", kernels, x.device)(q, cos, sin)  # [T, H_I, d_I]
     scale = (indexer.head_dim * indexer.num_heads) ** -0.5
     return q, indexer.weights_proj(x).float() * scale  # [T, H_I] fp32
 

@@ -6,6 +6,8 @@
 - Compressors: wkv and wgate stacked and upcast to fp32 once ([2 c d', D]): the compressor's
   math is fp32 (DSV4_ARCH.md §6.4) and upcasting per step would re-read the bf16 weights.
 - Attention output: wo_a viewed [G, o_lora, (H/G) d] for the grouped projection.
+- Router weight and bias, attention sinks: fp32 copies made once (the router's and the sink's
+  math is fp32; converting per step was a copy kernel per layer in every decode step).
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ class LayerWeights:
     experts: ExpertWeights
     compressor: torch.Tensor | None  # [2 c d, D] fp32
     indexer_compressor: torch.Tensor | None  # [2 c d_I, D] fp32
+    gate_weight: torch.Tensor  # [E, D] fp32
+    gate_bias: torch.Tensor | None  # [E] fp32 (None: a hash-routed layer)
+    attn_sink: torch.Tensor  # [H] fp32
 
 
 def _stacked_fp32(comp) -> torch.Tensor:
@@ -51,5 +56,8 @@ def prepare_weights(model: DeepseekV4) -> tuple[LayerWeights, ...]:
         attn = block.attn
         comp = _stacked_fp32(attn.compressor) if attn.compressor is not None else None
         idx = _stacked_fp32(attn.indexer.compressor) if attn.indexer is not None else None
-        out.append(LayerWeights(stack_experts(block.ffn), comp, idx))
+        gate = block.ffn.gate
+        bias = None if gate.is_hash else gate.bias.float().contiguous()
+        out.append(LayerWeights(stack_experts(block.ffn), comp, idx, gate.weight.float().contiguous(),
+                                bias, attn.attn_sink.float().contiguous()))  # fmt: skip
     return tuple(out)
