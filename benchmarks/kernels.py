@@ -30,7 +30,8 @@ from benchmarks.harness import Case, bench_main, measure, warm_up_clocks  # noqa
 from dsv4.runner.kv_codec import encode_rows  # noqa: E402
 from kernels import metadata, mhc, routing  # noqa: E402
 from kernels.kv_store import kv_store, kv_store_ref, min_entry_bytes  # noqa: E402
-from kernels.norm_rope import norm_rope, norm_rope_ref, rope_only, rope_only_ref  # noqa: E402
+from kernels.norm_rope import norm_rope, norm_rope_ref, rope_ref  # noqa: E402
+from kernels.norm_rope import rope as rope_kernel  # noqa: E402
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "kernels-h200.json"
 M, ITERS, EPS = 4, 20, 1e-6
@@ -183,7 +184,7 @@ def _glue_cases(dev, sizes, dry) -> Iterator[Case]:
     """The attention layer's norm + rope glue: one launch against rms_norm then apply_rope."""
     d, heads, hd, rope = sizes["hidden"], sizes["heads"], sizes["head_dim"], sizes["rope_dim"]
     fast_nr = norm_rope_ref if dry else norm_rope
-    fast_r = rope_only_ref if dry else rope_only
+    fast_r = rope_ref if dry else rope_kernel
     for t in sizes["hc_tokens"]:
         x = torch.randn(t, d, device=dev).bfloat16()
         q = torch.randn(t, heads, hd, device=dev).bfloat16()
@@ -200,7 +201,7 @@ def _glue_cases(dev, sizes, dry) -> Iterator[Case]:
                    t * heads * hd * 4 + t * rope * 4)  # fmt: skip
         yield Case("rope", f"inverse T={t},H={heads},d={hd},rope={rope}",
                    lambda a=(q, cos, sin, True): fast_r(*a), "apply_rope (torch)",
-                   lambda a=(q, cos, sin, True): rope_only_ref(*a),
+                   lambda a=(q, cos, sin, True): rope_ref(*a),
                    t * heads * hd * 4 + t * rope * 4)  # fmt: skip
 
 

@@ -19,7 +19,7 @@ from kernels.metadata import (
     window_slot_table,
 )
 from kernels.moe import moe_experts
-from kernels.norm_rope import norm_rope, rope_only
+from kernels.norm_rope import norm_rope, rope
 from kernels.routing import hash_route, route
 from kernels.sampling import sample
 from kernels.sparse_attention import sparse_attention_decode, sparse_attention_prefill
@@ -44,7 +44,7 @@ __all__ = [
     "norm_rope",
     "registry",
     "resolve",
-    "rope_only",
+    "rope",
     "route",
     "sample",
     "select_backend",

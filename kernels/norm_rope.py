@@ -6,7 +6,7 @@
 
 exactly as `dsv4.model.layers.rms_norm` then `dsv4.model.rope.apply_rope`, including the cast
 to x.dtype between the two (the reference rounds the norm's output before rotating it). Either
-half can be off: `norm_rope(x, ..., rope=False)` is a plain RMSNorm, `rope_only(...)` a plain
+half can be off: `norm_rope(x, ..., rope=False)` is a plain RMSNorm, `rope(...)` a plain
 (inverse) rotation. In torch each of them is 5-10 small launches (casts, square, mean, rsqrt,
 muls; slices, unflatten, stack, cat); at decode batch sizes those launches, not their bytes,
 were the glue time of a CUDA-graph step (docs/BENCHMARKS.md, decode attribution).
@@ -108,16 +108,16 @@ def norm_rope_ref(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
     return y if cos is None else apply_rope(y, cos, sin)
 
 
-def rope_only(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
               inverse: bool = False) -> torch.Tensor:  # fmt: skip
     """apply_rope(x, cos, sin, inverse) in one launch: x [T, D] or [T, H, D]."""
     return _launch(x, None, 0.0, cos, sin, norm=False, rope=True, inverse=inverse)
 
 
-def rope_only_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   inverse: bool = False) -> torch.Tensor:  # fmt: skip
     return apply_rope(x, cos, sin, inverse=inverse)
 
 
-register_op("norm_rope", norm_rope, norm_rope_ref, family="glue")
-register_op("rope", rope_only, rope_only_ref, family="glue")
+register_op("norm_rope", norm_rope, norm_rope_ref, family="norm_rope")
+register_op("rope", rope, rope_ref, family="norm_rope")
