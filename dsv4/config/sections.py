@@ -148,6 +148,9 @@ class FeatureSwitches(Section):
     cuda_graph_max_batch: int = setting(
         128, "largest decode batch captured (larger steps run eagerly)", min=1, max=1024
     )
+    fuse_shared_expert: bool = setting(
+        False, "paged forward: the shared expert joins the grouped MoE GEMM in decode-sized steps"
+    )
     batched_sampling: bool = setting(
         True, "CUDA: sample a step's unseeded rows together on the GPU (off: row by row on CPU)"
     )

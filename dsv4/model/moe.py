@@ -152,30 +152,45 @@ class MoE(nn.Module):
 @dataclass(frozen=True)
 class ExpertWeights:
     """One MoE layer's routed experts in the grouped-GEMM layout of `kernels.moe`: w13
-    [E, 2I, D] (rows [0, I) = w1 gate, [I, 2I) = w3 up) and w2 [E, D, I]."""
+    [E, 2I, D] (rows [0, I) = w1 gate, [I, 2I) = w3 up) and w2 [E, D, I]. When the shared
+    expert has a routed expert's shape, dtype and clamp it lives in slot E of the same storage
+    (`w13_all` [E + 1, 2I, D], `w2_all`), so the grouped GEMM can run it as one more expert
+    (`w13`, `w2` are then views of the first E slots)."""
 
     w13: torch.Tensor
     w2: torch.Tensor
+    w13_all: torch.Tensor | None = None
+    w2_all: torch.Tensor | None = None
+
+
+def _shares_layout(moe: MoE) -> bool:
+    shared, first = moe.shared_experts, moe.experts[0]
+    return (shared is not None and shared.w1.weight.shape == first.w1.weight.shape
+            and shared.w1.weight.dtype == first.w1.weight.dtype
+            and shared.limit == first.limit)  # fmt: skip
 
 
 def stack_experts_(moe: MoE, device: torch.device | str | None = None) -> ExpertWeights:
-    """Give the routed experts ONE stacked storage and re-point every expert's parameters at
-    slices of it, so the weights exist once (the per-expert modules still work). Values are
-    copied over, unless the experts are still on the meta device (a model being built: the
-    storage is then allocated on `device` and filled by the caller). Kept on the module as
-    `moe.stacked_experts`."""
+    """Give the routed experts (and a same-shaped shared expert, in slot E) ONE stacked storage
+    and re-point every expert's parameters at slices of it, so the weights exist once (the
+    per-expert modules still work). Values are copied over, unless the experts are still on the
+    meta device (a model being built: the storage is then allocated on `device` and filled by
+    the caller). Kept on the module as `moe.stacked_experts`."""
     first = moe.experts[0].w1.weight
     inter, dim = first.shape
     device = first.device if device is None else torch.device(device)
     e = len(moe.experts)
-    w13 = torch.empty(e, 2 * inter, dim, dtype=first.dtype, device=device)
-    w2 = torch.empty(e, dim, inter, dtype=first.dtype, device=device)
+    experts = [*moe.experts, *([moe.shared_experts] if _shares_layout(moe) else [])]
+    w13 = torch.empty(len(experts), 2 * inter, dim, dtype=first.dtype, device=device)
+    w2 = torch.empty(len(experts), dim, inter, dtype=first.dtype, device=device)
     with torch.no_grad():
-        for i, expert in enumerate(moe.experts):
+        for i, expert in enumerate(experts):
             views = (w13[i, :inter], w13[i, inter:], w2[i])
             for module, view in zip((expert.w1, expert.w3, expert.w2), views):
                 if not module.weight.is_meta:
                     view.copy_(module.weight)
                 module.weight = nn.Parameter(view, requires_grad=False)
-    moe.stacked_experts = ExpertWeights(w13, w2)
+    fused = len(experts) > e
+    moe.stacked_experts = ExpertWeights(w13[:e], w2[:e], w13 if fused else None,
+                                        w2 if fused else None)  # fmt: skip
     return moe.stacked_experts

@@ -378,6 +378,12 @@ def offload_moe(
     )
     moe.experts = nn.ModuleList()
     moe.expert_store = store
+    if moe.stacked_experts is not None and moe.stacked_experts.w13_all is not None:
+        for module in (moe.shared_experts.w1, moe.shared_experts.w2, moe.shared_experts.w3):
+            # the shared expert lived in the routed storage's last slot: give it its own, so
+            # that storage is freed with the dropped experts
+            module.weight = nn.Parameter(module.weight.detach().clone(), requires_grad=False)
+    moe.stacked_experts = None
     return store
 
 

@@ -236,7 +236,7 @@ def paged_options(config: ServeConfig) -> dict | None:
         skip_redundant_fill=f.skip_redundant_fill,
     )
     switches = PagedSwitches(compressor_boundary_only=f.compressor_boundary_only,
-                             skip_topk=f.skip_topk)  # fmt: skip
+                             skip_topk=f.skip_topk, fuse_shared_expert=f.fuse_shared_expert)  # fmt: skip
     return {"metadata": metadata, "switches": switches}
 
 

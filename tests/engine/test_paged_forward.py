@@ -55,11 +55,14 @@ def test_paged_greedy_equals_reference(tiny, reference, budget: int, plan: str) 
         (MetadataSwitches(cached_token_to_req=False, skip_redundant_fill=False), PagedSwitches(), True),
         (MetadataSwitches(), PagedSwitches(skip_topk=False, compressor_boundary_only=False), True),
         (MetadataSwitches(), PagedSwitches(), False),
+        (MetadataSwitches(), PagedSwitches(fuse_shared_expert=True), True),
     ],
-    ids=["metadata-per-layer", "t2r-per-builder+prefill", "no-skip-topk", "unfused-first-mhc"],
+    ids=["metadata-per-layer", "t2r-per-builder+prefill", "no-skip-topk", "unfused-first-mhc",
+         "fused-shared-expert"],
 )  # fmt: skip
 def test_paged_switches_keep_outputs(tiny, reference, metadata, switches, fused) -> None:
-    """Every switch of the paged path off (its baseline) gives the same tokens."""
+    """Every switch of the paged path off (its baseline), and the shared expert fused into the
+    grouped GEMM, give the same tokens."""
     tiny.fuse_first_hc = fused
     try:
         core = make_core(tiny, budget=64, paged={"metadata": metadata, "switches": switches})
@@ -167,3 +170,17 @@ def test_paged_gpu_kernels_match_reference_ops_on_served_formats() -> None:
         assert (ref - tri).abs().max() < 0.06 * ref.abs().max()
     for core in cores:
         assert_no_leaks(core)
+
+
+def test_shared_expert_lives_in_the_routed_storage(tiny) -> None:
+    """The tiny model's shared expert has a routed expert's shape and clamp: it is slot E of
+    the stacked storage (what `fuse_shared_expert` runs), and its module reads that slot."""
+    from dsv4.runner.paged.weights import stack_experts
+
+    moe = tiny.layers[0].ffn
+    stacked = stack_experts(moe)
+    e = len(moe.experts)
+    assert stacked.w13_all is not None and stacked.w13_all.shape[0] == e + 1
+    inter = stacked.w13.shape[1] // 2
+    assert torch.equal(stacked.w13_all[e, :inter], moe.shared_experts.w1.weight)
+    assert stacked.w13_all[e].data_ptr() == moe.shared_experts.w1.weight.data_ptr()

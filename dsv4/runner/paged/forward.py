@@ -27,6 +27,11 @@ from dsv4.runner.paged_cache import PagedKVCache
 from dsv4.scheduler.batch import ScheduledBatch
 from kernels.backend import KernelBackendConfig, resolve
 
+# Largest step the shared expert joins the grouped GEMM at: decode batches, where it saves
+# launches; a long prefill keeps cuBLAS's dense GEMMs (the grouped kernel reaches ~35% of the
+# bf16 peak at 8192 tokens, dense GEMMs more).
+FUSE_SHARED_MAX_TOKENS = 256
+
 DEFAULT_METADATA = MetadataSwitches()
 DEFAULT_SWITCHES = PagedSwitches()
 
@@ -152,9 +157,16 @@ class PagedForward:
         else:
             w, ids = self._route(logits, lw.gate_bias, cfg.num_experts_per_tok,
                                  cfg.routed_scaling_factor)  # fmt: skip
-        y = self._ops["moe_experts"](u.contiguous(), ids, w, experts.w13, experts.w2,
+        w13, w2, num_t = experts.w13, experts.w2, u.shape[0]
+        fuse = (self.switches.fuse_shared_expert and experts.w13_all is not None
+                and num_t <= FUSE_SHARED_MAX_TOKENS)  # fmt: skip
+        if fuse:  # every token also to slot E (the shared expert) with weight 1
+            shared = torch.full((num_t, 1), w13.shape[0], dtype=ids.dtype, device=ids.device)
+            ids, w = torch.cat((ids, shared), 1), torch.cat((w, torch.ones_like(w[:, :1])), 1)
+            w13, w2 = experts.w13_all, experts.w2_all
+        y = self._ops["moe_experts"](u.contiguous(), ids, w, w13, w2,
                                      limit=cfg.swiglu_limit)  # [T, D] fp32  # fmt: skip
-        if moe.shared_experts is not None:
+        if moe.shared_experts is not None and not fuse:
             y += moe.shared_experts(u).float()
         return y.to(u.dtype)
 

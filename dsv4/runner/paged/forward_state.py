@@ -23,6 +23,10 @@ class PagedSwitches:
 
     compressor_boundary_only: bool = True  # #48957: compress programs only for boundaries
     skip_topk: bool = True  # #49486: no indexer q/logits/top-k when every row fits in k
+    # the shared expert as one more expert of the grouped GEMM (steps up to
+    # FUSE_SHARED_MAX_TOKENS tokens): one launch pair instead of 3 GEMMs + the SwiGLU glue.
+    # Off until timed on the card (docs/BENCHMARKS.md).
+    fuse_shared_expert: bool = False
 
 
 @dataclass
