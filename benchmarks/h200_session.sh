@@ -2,7 +2,8 @@
 # One device call (issues 6, 7 and 12). PARTS picks, run in this order:
 #   fi      FlashInfer's sampling and hash_topk modules JIT-compile in the background (CPU) while
 #           the GPU parts run; after e2e, the sampling and hash-routing benchmarks against them;
-#   mhc     the GPU tests of the mHC kernels and their benchmark (kernels.py --only hc_);
+#   mhc     the GPU tests of the mHC, norm/rope and sampler paths, and the benchmarks of the
+#           first two (kernels.py --only hc_, --only rope);
 #   decode  the decode TPOT benchmark (graphs, switches, MTP);
 #   e2e     the end-to-end run (disaggregated, colocated, transformers);
 #   tests   the GPU tests of the captured decode passes.
@@ -30,11 +31,13 @@ print('flashinfer modules built')" > "$logs/fi-jit.log" 2>&1) &
 fi
 has mhc && {
 timeout "${T_MHC:-100}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_mhc.py \
-    > "$logs/mhc-tests.txt" 2>&1
+    tests/kernels/test_norm_rope.py tests/unit/test_sampler.py > "$logs/mhc-tests.txt" 2>&1
 echo "mhc gpu tests rc=$?"; tail -3 "$logs/mhc-tests.txt"
 timeout "${T_MHC:-100}" python3 benchmarks/kernels.py --only hc_ --out "$out/kernels-mhc-h200.json" \
     > "$logs/mhc-bench.log" 2>&1
-echo "mhc bench rc=$?"; grep -E "^hc_|Error" "$logs/mhc-bench.log" | cut -c1-200
+timeout "${T_MHC:-100}" python3 benchmarks/kernels.py --only rope --out "$out/kernels-rope-h200.json" \
+    >> "$logs/mhc-bench.log" 2>&1
+echo "mhc bench rc=$?"; grep -E "^hc_|^norm_rope|^rope|Error" "$logs/mhc-bench.log" | cut -c1-200
 }
 has decode && {
 timeout "${T_DECODE:-200}" python3 benchmarks/decode_graphs.py --out "$out/decode-graphs-h200.json" \
