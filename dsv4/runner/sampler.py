@@ -8,8 +8,9 @@ Batched sampling (`batched`, on by default where the logits live on CUDA): the u
 non-greedy rows of a step are sampled together on the device — FlashInfer's sampling kernels
 when installed, else batched torch (`kernels.sampling`) — and one host copy returns every
 row's token. The row-by-row path copies each row's filtered 129K-entry distribution to the
-host for a CPU multinomial (~1 ms per row on an H200 host: it was most of a served decode step
-at temperature 1). Seeded rows stay on their own CPU generators (batch independence).
+host for a CPU multinomial, so its cost grows with the batch (it inflated the served decode
+steps of the H200 e2e run at temperature 1, docs/BENCHMARKS.md). Seeded rows stay on their
+own CPU generators (batch independence).
 """
 
 from __future__ import annotations
