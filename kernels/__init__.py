@@ -20,6 +20,7 @@ from kernels.metadata import (
 )
 from kernels.moe import moe_experts
 from kernels.norm_rope import norm_rope, rope
+from kernels.ring_offsets import ring_offsets
 from kernels.routing import hash_route, route
 from kernels.sampling import sample
 from kernels.sparse_attention import sparse_attention_decode, sparse_attention_prefill
@@ -44,6 +45,7 @@ __all__ = [
     "norm_rope",
     "registry",
     "resolve",
+    "ring_offsets",
     "rope",
     "route",
     "sample",

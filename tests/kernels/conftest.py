@@ -30,6 +30,7 @@ if not torch.cuda.is_available():
                 "kernels.kv_store",
                 "kernels.moe",
                 "kernels.norm_rope",
+                "kernels.ring_offsets",
                 "kernels.sampling",
             ):
                 importlib.reload(sys.modules[name])

@@ -73,16 +73,12 @@ def compressor_tables(meta: StepMetadata, ratio: int, *, all_tokens: bool) -> Co
 
 def _state_offsets(meta: StepMetadata, g: CompressorGeometry, slots: torch.Tensor,
                    reqs: torch.Tensor) -> torch.Tensor:  # fmt: skip
-    """Ring slots (-1 = none) of requests -> float offsets of their rows in the state page."""
+    """Ring slots (-1 = none) of requests -> float offsets of their rows in the state page
+    (`kernels.ring_offsets`: one launch on the Triton backend)."""
     ring = g.state
-    s = slots.clamp(min=0)
-    blocks = meta.t.ring_ids[reqs, ring.ring_block_index + s // ring.entries_per_block]
-    byte = (
-        blocks * meta.geo.stride
-        + ring.offset_bytes
-        + (s % ring.entries_per_block) * ring.entry_bytes
-    )
-    return torch.where(slots >= 0, byte // 4, -1)
+    fn = resolve("ring_offsets", meta.kernels, slots.device)
+    return fn(meta.t.ring_ids, reqs, slots, ring.ring_block_index, ring.entries_per_block,
+              meta.geo.stride, ring.offset_bytes, ring.entry_bytes)  # fmt: skip
 
 
 def run_compressor(
@@ -102,7 +98,7 @@ def run_compressor(
     kv = kv.contiguous()
     geo = meta.geo
     save = _state_offsets(meta, g, tables.save_slots, t.token_to_req.long())
-    rows = _state_offsets(meta, g, tables.cand_slots, tables.reqs[:, None])
+    rows = _state_offsets(meta, g, tables.cand_slots, tables.reqs)
     entry = tables.entry_block * g.entry_stride + g.entry_base + tables.entry_row * g.entry_unit
     fn = resolve("compressor_step", meta.kernels, x.device)
     if tables.all_tokens:
