@@ -41,7 +41,7 @@ from dsv4.runner.paged.decode_graphs import DecodeGraphs, GraphOptions  # noqa: 
 # graphs make them moot, they are measured eagerly in benchmarks/engine.py)
 GRAPH_VARIANTS = ("all_on", "shared_sparse_metadata_off", "skip_redundant_fill_off",
                   "skip_topk_off", "router_kernel_reference", "fused_mhc_off",
-                  "norm_rope_reference", "fused_shared_expert_on")  # fmt: skip
+                  "glue_kernels_reference", "fused_shared_expert_on")  # fmt: skip
 
 
 def _options(batches, contexts, capture: bool) -> GraphOptions:
