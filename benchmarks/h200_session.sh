@@ -31,7 +31,8 @@ print('flashinfer modules built')" > "$logs/fi-jit.log" 2>&1) &
 fi
 has mhc && {
 timeout "${T_MHC:-100}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_mhc.py \
-    tests/kernels/test_norm_rope.py tests/unit/test_sampler.py > "$logs/mhc-tests.txt" 2>&1
+    tests/kernels/test_norm_rope.py tests/kernels/test_ring_offsets.py tests/unit/test_sampler.py \
+    > "$logs/mhc-tests.txt" 2>&1
 echo "mhc gpu tests rc=$?"; tail -3 "$logs/mhc-tests.txt"
 timeout "${T_MHC:-100}" python3 benchmarks/kernels.py --only hc_ --out "$out/kernels-mhc-h200.json" \
     > "$logs/mhc-bench.log" 2>&1
