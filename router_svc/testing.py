@@ -7,6 +7,8 @@ everything and asserts the router leaked nothing (live requests, cleanup tasks, 
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -23,6 +25,7 @@ from router_svc.pool import PoolSettings
 from router_svc.server import RouterServer
 from router_svc.text_model import TextModel
 
+ROUTABLE_WAIT_S = 5.0
 FAST_PROBES = PoolSettings(probe_interval_s=0.05, probe_timeout_s=0.2, num_failures_to_down=2)
 _TEXT_MODELS: dict[int, TextModel] = {}
 
@@ -66,6 +69,8 @@ async def scripted_cluster(
     )
     try:
         await server.start()
+        if prefills or decodes:  # start() probes once; on a loaded box that probe can time out
+            await _until_routable(server, ROUTABLE_WAIT_S)
         channel = grpc.aio.insecure_channel(server.address)
         try:
             yield ScriptedCluster(
@@ -79,6 +84,15 @@ async def scripted_cluster(
             await worker.stop()
     leaks = server.find_leaks()
     assert not leaks, leaks
+
+
+async def _until_routable(server: RouterServer, timeout_s: float) -> None:
+    """Wait (bounded) until the pool can route a request: the scripted workers all answer
+    probes from the start, so this only absorbs a slow first probe round. Tests that make
+    workers unhealthy do so after the cluster is up."""
+    deadline_s = time.monotonic() + timeout_s
+    while not server.pool.snapshot().has_route and time.monotonic() < deadline_s:
+        await asyncio.sleep(0.02)
 
 
 def generate_request(
