@@ -32,6 +32,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from dsv4.cluster import AUTO_PORTS, ClusterSpec, LocalCluster, free_port  # noqa: E402
+from dsv4.metrics import scrape  # noqa: E402
 from dsv4.model.config import ModelConfig, flash_config, tiny_config  # noqa: E402
 from dsv4.model.tiny import write_model_spec  # noqa: E402
 
@@ -87,19 +88,16 @@ def handoff_share(jsonl: Path) -> dict:
 
 def engine_steps(cluster: LocalCluster) -> dict:
     """Each worker's `dsv4_engine_*` counters (steps and seconds by kind) from its /metrics."""
-    import urllib.request
-
     found: dict = {}
     for svc in cluster.services:
         if svc.role == "router" or not svc.metrics_port:
             continue
         try:
-            text = urllib.request.urlopen(svc.metrics_url, timeout=5).read().decode()
+            samples = scrape(svc.metrics_url)
         except OSError as exc:
             found[svc.name] = {"error": repr(exc)}
             continue
-        found[svc.name] = {line.split(" ")[0]: float(line.split(" ")[1])
-                           for line in text.splitlines() if line.startswith("dsv4_engine_")}  # fmt: skip
+        found[svc.name] = {k: v for k, v in samples.items() if k.startswith("dsv4_engine_")}
     return found
 
 

@@ -79,6 +79,21 @@ class StepCollector(Collector):
         yield t
 
 
+def scrape(url: str, timeout_s: float = 5.0) -> dict[str, float]:
+    """One /metrics scrape: {'name{label="v",...}': value} for every sample (labels sorted)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(url, timeout=timeout_s).read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return samples
+
+
 def new_registry() -> CollectorRegistry:
     """A registry with the standard `process_*` series (RSS, CPU seconds, open fds)."""
     registry = CollectorRegistry(auto_describe=True)
@@ -142,7 +157,7 @@ class WorkerMetrics:
         num_running: Callable[[], int],
         is_draining: Callable[[], bool],
         index_cache_hit_ratio: Callable[[], float],
-        step_counters: object = None,
+        step_counters: object,
     ) -> WorkerMetrics:
         """`load()` returns an `EngineLoad` (dsv4.engine_core); callbacks run at scrape time."""
         r = registry
@@ -168,8 +183,7 @@ class WorkerMetrics:
             registry=r,
         )
         hit.set_function(index_cache_hit_ratio)
-        if step_counters is not None:  # an EngineCore's StepCounters
-            r.register(StepCollector(step_counters))
+        r.register(StepCollector(step_counters))  # an EngineCore's StepCounters
         return cls(info=info, index_cache_hit_ratio=hit)
 
 

@@ -141,18 +141,3 @@ def kill(cluster: LocalCluster, name: str) -> None:
     service = cluster.service(name)
     os.kill(service.process.pid, signal.SIGKILL)
     service.process.wait(timeout=10)
-
-
-def scrape(url: str) -> dict[str, float]:
-    """One /metrics scrape: {'name{label="v",...}': value} for every sample (labels sorted)."""
-    import urllib.request
-
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = urllib.request.urlopen(url, timeout=5).read().decode()
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
-            samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
-    return samples

@@ -9,9 +9,10 @@ import json
 
 import grpc
 import pytest
-from e2e_cluster import assert_no_worker_leaks, generate, greedy, scrape
+from e2e_cluster import assert_no_worker_leaks, generate, greedy
 
 from dsv4.cluster import AUTO_PORTS, free_port
+from dsv4.metrics import scrape
 from tests.services.worker_cluster import PROMPTS, WORKER_ARGS, start_cluster, tiny_checkpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]

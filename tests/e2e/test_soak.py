@@ -14,9 +14,9 @@ import time
 from pathlib import Path
 
 import pytest
-from e2e_cluster import scrape
 
 from dsv4.cluster import free_port, is_serving, terminate
+from dsv4.metrics import scrape
 from tests.services.worker_cluster import WORKER_ARGS, tiny_checkpoint
 
 pytestmark = [
