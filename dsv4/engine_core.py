@@ -157,14 +157,13 @@ class EngineCore:
                 self._prefill_only.discard(rid)
         return self.scheduler.update(output)
 
-    def warm_up(self, prompt_lengths: int | Sequence[int], num_new_tokens: int = 4) -> None:
+    def warm_up(self, prompt_lengths: Sequence[int], num_new_tokens: int = 4) -> None:
         """Serve throw-away requests (one per prompt length, one after another) before the
         worker takes traffic, so that kernel compilation and autotuning land here and not in
         a client's TTFT. Leaves nothing behind (checked)."""
         from dsv4.scheduler.request import Request
 
-        lengths = (prompt_lengths,) if isinstance(prompt_lengths, int) else prompt_lengths
-        for n, length in enumerate(lengths):
+        for n, length in enumerate(prompt_lengths):
             prompt = tuple(2 + i % 97 for i in range(max(1, length)))
             self.add_request(Request(f"__warm_up_{n}__", prompt, max_new_tokens=num_new_tokens,
                                      eos_token_id=None))  # fmt: skip

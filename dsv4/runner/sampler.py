@@ -80,14 +80,12 @@ class Sampler:
             raise ValueError("one request id and one SamplingSpec per logits row")
         out: list[int] = []
         picked = logits.argmax(dim=-1) if logits.shape[0] else logits.new_empty(0).long()
-        together = [i for i, s in enumerate(specs) if not s.is_greedy and s.seed is None]
         on = self.batched if self.batched is not None else logits.is_cuda
-        if on and together:
+        together = [i for i, s in enumerate(specs) if on and not s.is_greedy and s.seed is None]
+        if together:
             rows = torch.tensor(together, device=logits.device)
             picked = picked.index_copy(0, rows, self._sample_rows(logits.index_select(0, rows),
                                                                   [specs[i] for i in together]))  # fmt: skip
-        else:
-            together = []
         done = set(together)
         chosen = picked.tolist()  # the step's one device -> host copy
         for row, (rid, spec) in enumerate(zip(request_ids, specs)):
@@ -103,9 +101,9 @@ class Sampler:
         from kernels import sampling  # kernels.sampling imports this module
 
         dev = logits.device
-        temperature = torch.tensor([s.temperature for s in specs], device=dev)
-        top_p = torch.tensor([s.top_p for s in specs], device=dev)
-        top_k = torch.tensor([s.top_k for s in specs], dtype=torch.int32, device=dev)
+        # one host -> device copy for the three per-row parameters (top_k is exact in fp32)
+        params = torch.tensor([(s.temperature, s.top_p, s.top_k) for s in specs]).to(dev)
+        temperature, top_p, top_k = params[:, 0], params[:, 1], params[:, 2].int()
         gen = self._device_generators.get(dev)
         if gen is None:  # seeded from the default stream: reproducible per worker start
             seed = int(torch.randint(0, 2**62, (), generator=self._default))
