@@ -22,6 +22,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$logs/gp
 python3 -c "import torch, triton, grpc, google.protobuf as pb; print(torch.__version__, triton.__version__, grpc.__version__, pb.__version__)" >> "$logs/gpu.txt" 2>&1
 parts=" ${PARTS:-decode e2e tests} "
 has() { [[ $parts == *" $1 "* ]]; }
+# run_into T LOG CMD...: CMD under `timeout T`, its output appended to LOG; prints its status
+run_into() { local t=$1 log=$2; shift 2; timeout "$t" "$@" >> "$log" 2>&1; echo "rc=$? ${*:1:4}"; }
 if has fi; then  # nvcc runs on the CPU cores while the GPU parts below use the card
     (timeout "${T_JIT:-400}" python3 -c "
 import flashinfer.sampling as s; s.get_sampling_module()
@@ -30,15 +32,15 @@ print('flashinfer modules built')" > "$logs/fi-jit.log" 2>&1) &
     jit_pid=$!
 fi
 has mhc && {
-timeout "${T_MHC:-100}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_mhc.py \
-    tests/kernels/test_norm_rope.py tests/kernels/test_ring_offsets.py tests/unit/test_sampler.py \
-    > "$logs/mhc-tests.txt" 2>&1
-echo "mhc gpu tests rc=$?"; tail -3 "$logs/mhc-tests.txt"
-timeout "${T_MHC:-100}" python3 benchmarks/kernels.py --only hc_ --out "$out/kernels-mhc-h200.json" \
-    > "$logs/mhc-bench.log" 2>&1
-timeout "${T_MHC:-100}" python3 benchmarks/kernels.py --only rope --out "$out/kernels-rope-h200.json" \
-    >> "$logs/mhc-bench.log" 2>&1
-echo "mhc bench rc=$?"; grep -E "^hc_|^norm_rope|^rope|Error" "$logs/mhc-bench.log" | cut -c1-200
+run_into "${T_MHC:-100}" "$logs/mhc-tests.txt" python3 -m pytest -q -p no:cacheprovider -m gpu \
+    tests/kernels/test_mhc.py tests/kernels/test_norm_rope.py tests/kernels/test_ring_offsets.py \
+    tests/unit/test_sampler.py
+tail -3 "$logs/mhc-tests.txt"
+for pair in hc_:mhc rope:rope; do
+    run_into "${T_MHC:-100}" "$logs/mhc-bench.log" python3 benchmarks/kernels.py \
+        --only "${pair%%:*}" --out "$out/kernels-${pair##*:}-h200.json"
+done
+grep -E "^hc_|^norm_rope|^rope|Error" "$logs/mhc-bench.log" | cut -c1-200
 }
 has decode && {
 timeout "${T_DECODE:-200}" python3 benchmarks/decode_graphs.py --out "$out/decode-graphs-h200.json" \
@@ -53,11 +55,11 @@ cp /tmp/e2e/e2e-summary.json "$out/" 2>/dev/null
 }
 if has fi; then
     wait "$jit_pid"; echo "flashinfer jit rc=$?"; tail -3 "$logs/fi-jit.log" | cut -c1-300
-    timeout "${T_FI:-120}" python3 benchmarks/kernels_moe.py --only sample --out "$out/kernels-sampling-h200.json" \
-        > "$logs/fi-bench.log" 2>&1
-    timeout "${T_FI:-120}" python3 benchmarks/kernels.py --only hash_route --out "$out/kernels-hash-h200.json" \
-        >> "$logs/fi-bench.log" 2>&1
-    echo "fi bench rc=$?"; grep -E "^(sample|hash_route)|Error|error" "$logs/fi-bench.log" | cut -c1-220
+    run_into "${T_FI:-120}" "$logs/fi-bench.log" python3 benchmarks/kernels_moe.py --only sample \
+        --out "$out/kernels-sampling-h200.json"
+    run_into "${T_FI:-120}" "$logs/fi-bench.log" python3 benchmarks/kernels.py --only hash_route \
+        --out "$out/kernels-hash-h200.json"
+    grep -E "^(sample|hash_route)|Error|error" "$logs/fi-bench.log" | cut -c1-220
 fi
 has tests && {
 timeout "${T_TESTS:-80}" python3 -m pytest -q -p no:cacheprovider -m gpu \
