@@ -10,6 +10,8 @@ bandwidth / 4.3 TB/s and FLOP/s / 790 TFLOP/s over compulsory traffic and work).
   target is >= 50% of 790 TFLOP/s) and 64 tokens (weight-bandwidth-bound), bf16 / FP8 / MXFP4
   weights, against the torch per-expert loop of `swiglu` (host-synchronising: do_bench).
   FLOPs = 6*T*K*D*I; bytes = the weights of the experts hit + x + y.
+- moe_align: the routing metadata of a decode step (T 1 / 16 / 64, K 6, E 256, block_m 16):
+  the one-launch kernel vs the ~14 torch ops of moe_align_ref; CUDA-graph replays.
 - compressor_step: a decode step of 64 tokens with no window boundary (#48957): the save-only
   launch vs the always-launched compress kernel + save; CUDA-graph replays. Target >= 1.8x.
   Also a step where all 64 tokens complete a ratio-128 window (the compress kernel's own cost)
@@ -34,14 +36,15 @@ elif str(ROOT) not in sys.path:
 from benchmarks.harness import Case, bench_main, measure  # noqa: E402
 from dsv4.model.quant import fp8_block_quantize, mxfp4_quantize  # noqa: E402
 from kernels import compressor, moe, sampling  # noqa: E402
+from kernels.moe_align import moe_align, moe_align_ref  # noqa: E402
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "kernels-moe-h200.json"
 GPU_SIZES = {"dim": 4096, "inter": 2048, "experts": 256, "k": 6, "moe_tokens": [8192, 64],
-             "formats": ["bf16", "fp8", "mxfp4"], "decode": 64,
+             "formats": ["bf16", "fp8", "mxfp4"], "decode": 64, "align_tokens": [1, 16, 64],
              "compressors": [(128, 512, "fp8_ue8m0"), (4, 512, "fp8_ue8m0"), (4, 128, "mxfp4")],
              "batch": 64, "vocab": 129280}  # fmt: skip
 DRY_SIZES = {"dim": 64, "inter": 32, "experts": 4, "k": 2, "moe_tokens": [5],
-             "formats": ["bf16", "mxfp4"], "decode": 3,
+             "formats": ["bf16", "mxfp4"], "decode": 3, "align_tokens": [3],
              "compressors": [(8, 64, "fp8_ue8m0"), (4, 64, "mxfp4")],
              "batch": 3, "vocab": 100}  # fmt: skip
 
@@ -77,6 +80,19 @@ def _moe_cases(dev, sizes, dry) -> Iterator[Case]:
                        lambda a=args: moe.moe_experts_ref(*a),
                        hit * per_expert + t * d * 6, 6.0 * t * k * d * i, graph=False)  # fmt: skip
         del w13, w2, s13, s2
+
+
+def _align_cases(dev, sizes, dry) -> Iterator[Case]:
+    e, k, block_m = sizes["experts"], sizes["k"], 16
+    fast = moe_align_ref if dry else moe_align
+    for t in sizes["align_tokens"]:
+        ids = torch.rand(t, e, device=dev).argsort(1)[:, :k].to(torch.int32)
+        n = t * k
+        out_bytes = (n // block_m + min(n, e)) * (block_m + 1) * 4  # sorted_ids + tile_e
+        yield Case("moe_align", f"decode T={t},K={k},E={e},block_m={block_m}",
+                   lambda a=ids: fast(a, e, block_m), "torch ops (moe_align_ref)",
+                   lambda a=ids: moe_align_ref(a, e, block_m), n * 4 + out_bytes,
+                   graph=not dry)  # fmt: skip
 
 
 def _compressor_step(dev, tokens, ratio, dim, fmt, positions):
@@ -146,11 +162,11 @@ def run(dry_run: bool, only: str = "") -> list[dict]:
     dev = "cpu" if dry_run else "cuda"
     sizes = DRY_SIZES if dry_run else GPU_SIZES
     torch.manual_seed(0)
-    cases = (
-        c
-        for gen in (_compressor_cases, _sampling_cases, _moe_cases)
-        for c in gen(dev, sizes, dry_run)
-    )
+    # (case name, its generator): a generator whose cases `only` excludes is never started,
+    # so `--only moe_align` does not first build 256 experts' weights in three formats
+    gens = (("compressor_step", _compressor_cases), ("sample", _sampling_cases),
+            ("moe_align", _align_cases), ("moe_experts", _moe_cases))  # fmt: skip
+    cases = (c for name, gen in gens if only in name for c in gen(dev, sizes, dry_run))
     return list(measure(cases, dry_run, only))
 
 

@@ -19,6 +19,7 @@ from kernels.metadata import (
     window_slot_table,
 )
 from kernels.moe import moe_experts
+from kernels.moe_align import moe_align
 from kernels.norm_rope import norm_rope, rope
 from kernels.ring_offsets import ring_offsets
 from kernels.routing import hash_route, route
@@ -41,6 +42,7 @@ __all__ = [
     "indexer_topk",
     "kv_gather",
     "kv_store",
+    "moe_align",
     "moe_experts",
     "norm_rope",
     "registry",

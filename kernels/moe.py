@@ -6,9 +6,10 @@ For every (token t, slot k) pair routed to expert e = expert_ids[t, k] with weig
 which is `dsv4.model.moe.swiglu` per expert, with its roundings (`moe_experts_ref` is that loop).
 
 Steps, all without a host sync (CUDA-graph capturable):
-1. `moe_align` (torch ops): the T*K pairs sorted by expert, each expert's run padded to a
-   multiple of BLOCK_M (pad = the sentinel T*K), and the expert of every BLOCK_M-row tile (-1 for
-   the unused tail tiles of the static upper bound floor(T*K / BLOCK_M) + min(T*K, E)).
+1. `moe_align` (kernels/moe_align.py: one launch up to 2048 pairs, torch ops above): the T*K
+   pairs sorted by expert, each expert's run padded to a multiple of BLOCK_M (pad = the sentinel
+   T*K), and the expert of every BLOCK_M-row tile (-1 for the unused tail tiles of the static
+   upper bound floor(T*K / BLOCK_M) + min(T*K, E)).
 2. `_w13_kernel`: per (row tile, BLOCK_N columns of I) the gate and up GEMMs share the gathered
    x tile; SwiGLU with the clamp in the epilogue; h [rows, I] bf16 in sorted order.
 3. `_w2_kernel`: per (row tile, BLOCK_N columns of D) h @ W2_e^T, stored bf16 to the pair's row
@@ -42,6 +43,7 @@ import triton.language as tl
 from dsv4.model.moe import swiglu
 from dsv4.model.quant import fp8_block_dequantize, mxfp4_dequantize
 from kernels.compressor import _bf16_rne
+from kernels.moe_align import moe_align
 from kernels.registry import register_op
 
 FORMATS = ("bf16", "fp8", "mxfp4")
@@ -211,30 +213,6 @@ def _moe_combine_kernel(rows_ptr, w_ptr, y_ptr, T, D, TOPK: tl.constexpr, BLOCK_
         r = tl.load(rows_ptr + pair[:, None] * D + d[None, :], mask=mk, other=0.0)
         acc += w[:, None] * r.to(tl.float32)
     tl.store(y_ptr + t.to(tl.int64)[:, None] * D + d[None, :], acc, mask=mk)
-
-
-def moe_align(expert_ids: torch.Tensor, num_experts: int, block_m: int):
-    """expert_ids [T, K] -> (sorted pair ids [P] int32, padded per expert to block_m, sentinel
-    T*K; tile expert [P / block_m] int32, -1 = unused tile). No host sync."""
-    flat = expert_ids.reshape(-1).long()
-    n = flat.numel()
-    dev = flat.device
-    # NOTE: not torch.bincount: on CUDA it reads max() back to size its output (a host sync
-    # that CUDA graph capture refuses).
-    counts = torch.zeros(num_experts, dtype=torch.long, device=dev)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    tiles = (counts + block_m - 1) // block_m
-    tile_end = torch.cumsum(tiles, 0)
-    max_tiles = n // block_m + min(n, num_experts)
-    order = torch.argsort(flat, stable=True)
-    sorted_e = flat[order]
-    rank = torch.arange(n, device=dev) - (torch.cumsum(counts, 0) - counts)[sorted_e]
-    dest = (tile_end - tiles)[sorted_e] * block_m + rank
-    sorted_ids = torch.full((max_tiles * block_m,), n, dtype=torch.int32, device=dev)
-    sorted_ids[dest] = order.to(torch.int32)
-    tile_e = torch.searchsorted(tile_end, torch.arange(max_tiles, device=dev), right=True)
-    tile_e = torch.where(tile_e < num_experts, tile_e, -1).to(torch.int32)
-    return sorted_ids, tile_e
 
 
 def _config(num_pairs: int, num_experts: int, on_gpu: bool) -> dict:

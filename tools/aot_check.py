@@ -87,6 +87,11 @@ def cases():
                       "lens_ptr": "*i32"},
                      dict(IS_WINDOW=False, ENTRIES_PER_BLOCK=2, SLOTS_PER_BLOCK=148, BLOCK_T=8,
                           BLOCK_W=128, WRITE_TAIL=True)))  # fmt: skip
+    for ids, block_n, block_e, block_t in (("*i32", 512, 256, 512), ("*i64", 2048, 512, 4096)):
+        out.append(_case("kernels.moe_align", "_align_kernel",
+                         {"ids_ptr": ids, "sorted_ptr": "*i32", "tile_e_ptr": "*i32"},
+                         dict(BLOCK_N=block_n, LOG_N=block_n.bit_length() - 1, BLOCK_E=block_e,
+                              BLOCK_T=block_t, BLOCK_S=2048)))  # fmt: skip
     return out
 
 

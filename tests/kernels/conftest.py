@@ -28,6 +28,7 @@ if not torch.cuda.is_available():
                 "kernels.sparse_attention",
                 "kernels.compressor",
                 "kernels.kv_store",
+                "kernels.moe_align",  # before kernels.moe, which imports it
                 "kernels.moe",
                 "kernels.norm_rope",
                 "kernels.ring_offsets",

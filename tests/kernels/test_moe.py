@@ -113,6 +113,6 @@ def test_benchmark_dry_run(tmp_path):
     out = tmp_path / "m.json"
     assert bench.main(["--dry-run", "--out", str(out)]) == 0
     records = json.loads(out.read_text())
-    assert {r["name"] for r in records} == {"moe_experts", "compressor_step", "sample"}
+    assert {r["name"] for r in records} == {"moe_experts", "moe_align", "compressor_step", "sample"}
     keys = {"name", "shape", "time_us", "baseline", "baseline_time_us", "speedup", "pct_roofline"}
     assert all(set(r) == keys for r in records)
