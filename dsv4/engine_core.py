@@ -160,13 +160,18 @@ class EngineCore:
     def warm_up(self, prompt_lengths: Sequence[int], num_new_tokens: int = 4) -> None:
         """Serve throw-away requests (one per prompt length, one after another) before the
         worker takes traffic, so that kernel compilation and autotuning land here and not in
-        a client's TTFT. Leaves nothing behind (checked)."""
+        a client's TTFT. The first request samples (temperature, top-k, top-p, no seed) so the
+        batched sampler's kernels build here too (FlashInfer JIT-compiles its sampling module
+        on first use: ~1.5 min on a fresh host); the rest are greedy. Leaves nothing behind
+        (checked)."""
+        from dsv4.runner.sampler import SamplingSpec
         from dsv4.scheduler.request import Request
 
+        sampled = SamplingSpec(temperature=1.0, top_p=0.9, top_k=50)
         for n, length in enumerate(prompt_lengths):
             prompt = tuple(2 + i % 97 for i in range(max(1, length)))
             self.add_request(Request(f"__warm_up_{n}__", prompt, max_new_tokens=num_new_tokens,
-                                     eos_token_id=None))  # fmt: skip
+                                     eos_token_id=None, sampling_params=sampled if n == 0 else None))  # fmt: skip
             for _ in range(10_000):
                 if not self.has_work():
                     break

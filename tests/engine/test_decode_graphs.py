@@ -71,8 +71,16 @@ def test_padding_rows_write_only_scratch_blocks(tiny) -> None:
 def test_warm_up_leaves_nothing_behind(tiny, reference) -> None:  # noqa: F811
     """Workers on CUDA serve one throw-away request at start-up (compile, autotune)."""
     core = make_core(tiny, budget=64, paged={}, graphs=STATIC)
+    sampler = core.runner.sampler
+    sampler.batched = True  # as on CUDA: the batched path is what must build at start-up
+    batched_rows: list[int] = []
+    sample_rows = sampler._sample_rows
+    sampler._sample_rows = lambda logits, specs: (batched_rows.append(len(specs)),
+                                                  sample_rows(logits, specs))[1]  # fmt: skip
     core.warm_up((16, 100))
     assert core.num_steps > 8 and core.kv.num_free_blocks == core.kv.num_blocks
+    assert batched_rows and set(batched_rows) == {1}  # the first request sampled, alone
+    sampler.batched = None
     assert _run(core, tiny) == reference
 
 
