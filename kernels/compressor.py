@@ -41,6 +41,7 @@ from dsv4.model.layers import rms_norm
 from dsv4.model.rope import apply_rope
 from dsv4.runner.kv_codec import encode_rows
 from kernels.registry import register_op
+from kernels.specialize import sizes_vary
 
 FORMATS = ("fp8_ue8m0", "mxfp4", "fp8_fp32scale", "bf16", "fp32")  # the last two: debug caches
 
@@ -231,7 +232,7 @@ def _compress_kernel(
             tl.store(out + D + k, sb.to(tl.uint8))
 
 
-@triton.jit
+@triton.jit(**sizes_vary("T"))
 def _save_kernel(
     # [a | z] of every token into its ring row (slot -1: skip)
     kv_ptr, gate_ptr, slots_ptr, state_ptr,

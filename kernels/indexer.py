@@ -35,6 +35,7 @@ import triton.language as tl
 
 from dsv4.runner.kv_codec import decode_rows
 from kernels.registry import register_op
+from kernels.specialize import sizes_vary
 
 KEY_FORMATS = {"plain": 0, "fp8_fp32scale": 1, "mxfp4": 2}
 _SPLIT_ALIGN = 256  # split boundaries are multiples of every BLOCK_N
@@ -70,7 +71,7 @@ def _load_keys(key_ptr, base, ok, DI: tl.constexpr, FMT: tl.constexpr, BLOCK_N: 
         return val * scale, tl.full([BLOCK_N], 1.0, tl.float32)
 
 
-@triton.jit
+@triton.jit(**sizes_vary("N", "split_len", "STRIDE_BT"))
 def _logits_kernel(
     # Pointers: q [T, HI, DI], weights [T, HI] fp32, keys [num_blocks, E, row] (paged view),
     # block_table [B, nb] int32, token_to_req [T] int32, lengths [T] int32; out scores [T, N] fp32
@@ -79,7 +80,7 @@ def _logits_kernel(
     N, stride_qt, stride_qh, stride_wt, stride_ot, split_len,
     # Compile-time shape, strides and format (fixed per serving config)
     HI: tl.constexpr, DI: tl.constexpr, E: tl.constexpr, STRIDE_KB: tl.constexpr,
-    STRIDE_KE: tl.constexpr, STRIDE_BT: tl.constexpr, FMT: tl.constexpr,
+    STRIDE_KE: tl.constexpr, STRIDE_BT, FMT: tl.constexpr,
     DOT_BF16: tl.constexpr,  # bf16 tensor-core dot (GPU); fp32 under the interpreter
     WRITE_TAIL: tl.constexpr,  # -inf past the visible entries (False: the top-k never reads them)
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -163,7 +164,10 @@ def indexer_logits(q, weights, keys, block_table, token_to_req, lengths, *, key_
     stride_row, stride_block, fmt = _key_geometry(keys, key_format, head_dim)
     if num_cols is None:
         num_cols = int(lengths.max()) if num_tokens else 0
-    out = torch.empty(num_tokens, num_cols, dtype=torch.float32, device=q.device)
+    # rows padded to 16 columns: the row stride keeps one "divisible by 16" class (vectorised
+    # stores) whatever the step's visible entries (kernels/specialize.py)
+    out = torch.empty(num_tokens, -(-num_cols // 16) * 16, dtype=torch.float32, device=q.device)
+    out = out[:, :num_cols]
     if num_tokens == 0 or num_cols == 0:
         return out
     on_gpu = q.is_cuda

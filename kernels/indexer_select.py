@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from kernels.registry import register_op
+from kernels.specialize import sizes_vary
 
 _MAX_ROW_IN_REGISTERS = 16384
 
@@ -52,7 +53,7 @@ def _global_slots(bt_row, i, ok, E: tl.constexpr, SLOTS_PER_BLOCK: tl.constexpr,
     return tl.where(ok, blk * SLOTS_PER_BLOCK + SLOT_BASE + i % E, -1)
 
 
-@triton.jit
+@triton.jit(**sizes_vary("N", "STRIDE_BT"))
 def _topk_kernel(
     # Pointers: scores [T, N] fp32, lengths [T], token_to_req [T], block_table [B, nb] int32;
     # outputs slots [T, K] int32, lens [T] int32
@@ -60,7 +61,7 @@ def _topk_kernel(
     N, stride_st,
     # Compile-time top-k width, slot geometry and strides
     K: tl.constexpr, E: tl.constexpr, SLOTS_PER_BLOCK: tl.constexpr, SLOT_BASE: tl.constexpr,
-    STRIDE_BT: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr,
+    STRIDE_BT, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr,
     ONE_CHUNK: tl.constexpr,  # the whole row fits in BLOCK: load it once
 ):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
@@ -116,13 +117,13 @@ def _topk_kernel(
     tl.store(lens_ptr + t, num_out)
 
 
-@triton.jit
+@triton.jit(**sizes_vary("T", "STRIDE_BT"))
 def _select_all_kernel(
     # Pointers: lengths [T], token_to_req [T], block_table [B, nb]; outputs slots [T, K], lens [T]
     len_ptr, t2r_ptr, bt_ptr, out_ptr, lens_ptr,
     T,
     K: tl.constexpr, E: tl.constexpr, SLOTS_PER_BLOCK: tl.constexpr, SLOT_BASE: tl.constexpr,
-    STRIDE_BT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+    STRIDE_BT, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < T

@@ -28,6 +28,7 @@ import triton.language as tl
 from dsv4.runner.kv_codec import decode_rows, encode_rows
 from kernels.compressor import _bf16_rne, _e4m3_bits, _pow2, _pow2_ceil_exp
 from kernels.registry import register_op
+from kernels.specialize import sizes_vary
 
 FORMATS = ("fp8_ue8m0", "bf16", "fp32")
 _ELEM_BYTES = {"bf16": 2, "fp32": 4}
@@ -63,7 +64,7 @@ def _load_bits(ptr, mask, W: tl.constexpr):
     return bits
 
 
-@triton.jit
+@triton.jit(**sizes_vary("T"))
 def _store_kernel(
     # Pointers: rows [T, D] (fp32, or bf16 as int16); slots [T] (-1 = skip); cache [S, ENTRY] u8
     rows_ptr, slot_ptr, cache_ptr,
@@ -129,7 +130,7 @@ def _store_out(ptr, x, mask, OUT_BF16: tl.constexpr):
         tl.store(ptr, x.to(ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(**sizes_vary("N"))
 def _gather_kernel(
     # Pointers: cache [S, >= record] u8; slots [N] (-1 = zeros); out [N, D] (bf16 as int16)
     cache_ptr, slot_ptr, out_ptr,

@@ -24,9 +24,10 @@ import triton
 import triton.language as tl
 
 from kernels.registry import register_op
+from kernels.specialize import sizes_vary
 
 
-@triton.jit
+@triton.jit(**sizes_vary("T", "B"))
 def _token_to_req_kernel(
     qsl_ptr,  # [B + 1] query start locations
     out_ptr,  # [T] int32
@@ -62,7 +63,7 @@ def token_to_req_indices(query_start_loc: torch.Tensor, num_tokens: int) -> torc
     return out
 
 
-@triton.jit
+@triton.jit(**sizes_vary("T", "width", "stride_bt", "stride_out"))
 def _range_slots_kernel(
     # Pointers: positions [T], token_to_req [T] int32, block_table [B, nb] int32;
     # outputs slots [T, width] int32, lens [T] int32
@@ -177,7 +178,7 @@ def c128_index_table_prefill(positions, token_to_req, block_table, width, entrie
                         slots_per_block=slots_per_block)  # fmt: skip
 
 
-@triton.jit
+@triton.jit(**sizes_vary("T", "STRIDE_BT"))
 def _c4_topk_slots_kernel(
     # Pointers: local_idx [T, TOPK] int32 (-1 pad), token_to_req [T], block_table [B, nb];
     # outputs slots [T, TOPK] int32, lens [T] int32
@@ -185,7 +186,7 @@ def _c4_topk_slots_kernel(
     T,
     # Compile-time shape and strides (fixed per serving config, #51967)
     TOPK: tl.constexpr, ENTRIES_PER_BLOCK: tl.constexpr, STRIDE_IDX: tl.constexpr,
-    STRIDE_BT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+    STRIDE_BT, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     k = tl.arange(0, BLOCK_K)

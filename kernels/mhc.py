@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from kernels.registry import register_op
+from kernels.specialize import sizes_vary
 
 MAX_SPLITS = 64  # D splits of the GEMV; (B) holds [splits, BLOCK_T, BLOCK_N] partials in registers
 DOT_MIN_TOKENS = 16  # from here on the GEMV uses tl.dot (16-row tiles are then full)
@@ -143,7 +144,7 @@ def _hc_collapse(pre, x0, rows, row_ok, x_ptr, u_ptr, D, d_lo, d_hi, stride_xt, 
                  mask=row_ok[:, None] & (d < d_hi)[None, :])  # fmt: skip
 
 
-@triton.jit
+@triton.jit(**sizes_vary("T"))
 def _hc_pre_kernel(
     # Pointers: x [T, M, D] (stride_xm may be 0), fn [N, K_F] fp32, scale, base; outputs u [T, D],
     # post [T, M], comb [T, M, M]; partial workspaces [SPLITS, T, BLOCK_N] and [SPLITS, T]
@@ -185,7 +186,7 @@ def _hc_pre_kernel(
                      BLOCK_D)  # fmt: skip
 
 
-@triton.jit
+@triton.jit(**sizes_vary("T"))
 def _hc_finish_kernel(
     # Grid (token blocks, D chunks of BLOCK_D): every program sums its tokens' split partials of
     # the M pre logits and collapses its D chunk; chunk 0 alone also sums all BLOCK_N mixes and
@@ -330,7 +331,7 @@ def _num_streams(n_mix: int) -> int:
     return m
 
 
-@triton.jit
+@triton.jit(**sizes_vary("T"))
 def _hc_post_kernel(
     # Pointers: y [T, D], x [T, M, D] (stride_xm 0 for the first layer), post [T, M],
     # comb [T, M, M]; output out [T, M, D] contiguous

@@ -45,6 +45,7 @@ from dsv4.model.quant import fp8_block_dequantize, mxfp4_dequantize
 from kernels.compressor import _bf16_rne
 from kernels.moe_align import moe_align
 from kernels.registry import register_op
+from kernels.specialize import sizes_vary
 
 FORMATS = ("bf16", "fp8", "mxfp4")
 
@@ -123,7 +124,7 @@ def _tile_ids(num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     return first_m + (pid % in_group) % size_m, (pid % in_group) // size_m
 
 
-@triton.jit
+@triton.jit(**sizes_vary("num_pairs", "num_pid_m"))
 def _w13_kernel(
     # Pointers: x [T, D] bf16; sorted pair ids [P] int32; tile expert [P / BLOCK_M] int32;
     # w13 [E, 2I, D(/2)] and its scales; output h [P, I] bf16
@@ -165,7 +166,7 @@ def _w13_kernel(
         tl.store(h_at, h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
-@triton.jit
+@triton.jit(**sizes_vary("num_pairs", "num_pid_m"))
 def _w2_kernel(
     # Pointers: h [P, I] bf16; sorted pair ids; tile expert; w2 [E, D, I(/2)] and scales;
     # output rows [T*K, D] bf16 (one per (token, slot) pair)
@@ -199,7 +200,7 @@ def _w2_kernel(
                  mask=row_ok[:, None] & n_ok[None, :])  # fmt: skip
 
 
-@triton.jit
+@triton.jit(**sizes_vary("T"))
 def _moe_combine_kernel(rows_ptr, w_ptr, y_ptr, T, D, TOPK: tl.constexpr, BLOCK_T: tl.constexpr,
                     BLOCK_D: tl.constexpr):  # fmt: skip
     """y[t] = sum_k w[t, k] * rows[t*K + k] in fp32, k ascending."""

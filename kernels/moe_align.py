@@ -29,6 +29,7 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from kernels.registry import register_op
+from kernels.specialize import sizes_vary
 
 # H200, CUDA graphs: 2.7 us at 6-96 pairs, 4.9 at 384 (E 256), 21-26 at 2048 (8 warps) against
 # 48-85 us for the torch ops; the sort is one [BLOCK_N] block in registers (8 keys per thread)
@@ -63,7 +64,7 @@ def _sort(x, LOG_N: tl.constexpr):
     return tl.reshape(h, [2**LOG_N])
 
 
-@triton.jit
+@triton.jit(**sizes_vary("n", "max_tiles"))
 def _align_kernel(
     # Pointers: expert ids [n] (the flattened [T, K], int32 or int64); outputs sorted_ids
     # [max_tiles * block_m] int32 and tile_e [max_tiles] int32

@@ -19,9 +19,10 @@ import triton
 import triton.language as tl
 
 from kernels.registry import register_op
+from kernels.specialize import sizes_vary
 
 
-@triton.jit
+@triton.jit(**sizes_vary("total", "num_reqs"))
 def _ring_offsets_kernel(
     ring_ptr, req_ptr, slot_ptr, out_ptr,  # ring_ids [B, NR] int64, reqs [N], slots/out [N, C]
     total, C, num_reqs, stride_ring, rbi, epb, block_stride, offset_bytes, entry_bytes,

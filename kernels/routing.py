@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from kernels.registry import register_op
+from kernels.specialize import sizes_vary
 
 RENORM_EPS = 1e-20  # as in transformers' DeepseekV4TopKRouter
 
@@ -41,7 +42,7 @@ def _sqrt_softplus(x):
     return tl.sqrt(sp)
 
 
-@triton.jit
+@triton.jit(**sizes_vary("T"))
 def _route_kernel(
     # Pointers: logits [T, E] fp32, bias [E] fp32; outputs weights [T, K] fp32, ids [T, K] int32
     logits_ptr,
@@ -106,7 +107,7 @@ def _route_kernel(
     tl.store(ids_ptr + out_off, id_tile, mask=out_mask)
 
 
-@triton.jit
+@triton.jit(**sizes_vary("T"))
 def _hash_route_kernel(
     # Pointers: logits [T, E] fp32, token_ids [T], tid2eid [V, K]; outputs weights, ids [T, K]
     logits_ptr,

@@ -43,6 +43,7 @@ import triton.language as tl
 
 from dsv4.runner.kv_codec import decode_rows
 from kernels.registry import register_op
+from kernels.specialize import sizes_vary
 
 LOG2E = 1.4426950408889634
 _SPLIT_ALIGN = 64  # GPU split boundaries are multiples of every BLOCK_N
@@ -82,7 +83,7 @@ def _load_rows(kv_ptr, kv16_ptr, slot, ok, d,
         return tl.load(kv_ptr + row[:, None] * ENTRY + d[None, :], mask=mask, other=0.0).to(dt)
 
 
-@triton.jit
+@triton.jit(**sizes_vary("C", "stride_st", "split_len", "comp_base"))
 def _attn_kernel(
     # Pointers: q [T, H, D]; kv rows [num_slots, ENTRY] (uint8 fp8 rows, or bf16/fp32 rows) and
     # the same storage viewed as bf16 (rope of fp8 rows); slots [T, C] int32, -1 = none;

@@ -79,7 +79,7 @@ def cases():
         out.append(_case("kernels.indexer", "_logits_kernel",
                          {"q_ptr": "*bf16", "w_ptr": "*fp32", "key_ptr": "*u8", "bt_ptr": "*i32",
                           "t2r_ptr": "*i32", "len_ptr": "*i32", "out_ptr": "*fp32"},
-                         dict(HI=64, DI=128, E=64, STRIDE_KB=86432, STRIDE_KE=68, STRIDE_BT=64,
+                         dict(HI=64, DI=128, E=64, STRIDE_KB=86432, STRIDE_KE=68,
                               FMT=2, DOT_BF16=True, WRITE_TAIL=tail, BLOCK_H=64,
                               BLOCK_N=128)))  # fmt: skip
     out.append(_case("kernels.metadata", "_range_slots_kernel",
