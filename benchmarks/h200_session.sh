@@ -5,6 +5,7 @@
 #           the GPU parts run; after e2e, the sampling and hash-routing benchmarks against them;
 #   mhc     the GPU tests of the mHC, norm/rope and sampler paths, and the benchmarks of the
 #           first two (kernels.py --only hc_, --only rope);
+#   fresh   the GPU tests of the indexer, metadata and moe_align kernels, moe_align's benchmark;
 #   decode  the decode TPOT benchmark (graphs, switches, MTP);
 #   e2e     the end-to-end run (disaggregated, colocated, transformers);
 #   tests   the GPU tests of the captured decode passes.
@@ -44,6 +45,14 @@ for pair in hc_:mhc rope:rope; do
         --only "${pair%%:*}" --out "$out/kernels-${pair##*:}-h200.json"
 done
 grep -E "^hc_|^norm_rope|^rope|Error" "$logs/mhc-bench.log" | cut -c1-200
+}
+has fresh && {  # the GPU tests of the last kernel changes, and the one-launch moe_align
+run_into "${T_FRESH:-100}" "$logs/fresh-tests.txt" python3 -m pytest -q -p no:cacheprovider -m gpu \
+    tests/kernels/test_moe_align.py tests/kernels/test_indexer.py tests/kernels/test_metadata.py
+tail -3 "$logs/fresh-tests.txt"
+run_into 60 "$logs/align-bench.log" python3 benchmarks/kernels_moe.py --only moe_align \
+    --out "$out/kernels-align-h200.json"
+grep -E "^moe_align|Error" "$logs/align-bench.log" | cut -c1-200
 }
 has decode && {
 timeout "${T_DECODE:-200}" python3 benchmarks/decode_graphs.py --out "$out/decode-graphs-h200.json" \

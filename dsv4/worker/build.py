@@ -199,8 +199,12 @@ def build_worker_runtime(
     if config.model.device.startswith("cuda"):
         s = config.scheduler
         lengths = warm_up_lengths(s.max_num_batched_tokens, config.model.max_model_len)
-        # a prefill worker only samples first tokens: its warm-up needs no decode steps
-        core.warm_up(lengths, num_new_tokens=1 if config.worker.role == "prefill" else 4)
+        role = config.worker.role
+        # a prefill worker only samples first tokens: its warm-up needs no decode steps; a
+        # colocated one also admits prompts beside a decoding request (mixed steps)
+        mixed = tuple(n for n in lengths if n & (n - 1) == 0 or n == lengths[-1])
+        core.warm_up(lengths, num_new_tokens=1 if role == "prefill" else 4,
+                     mixed_lengths=mixed if role == "colocated" else ())  # fmt: skip
     roles = pattern.roles
     # Share of ratio-4 layers whose top-k comes from the IndexCache instead of their indexer.
     core.runner.index_cache_hit_ratio = roles.count("S") / len(roles) if roles else 0.0

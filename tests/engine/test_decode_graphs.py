@@ -84,6 +84,25 @@ def test_warm_up_leaves_nothing_behind(tiny, reference) -> None:  # noqa: F811
     assert _run(core, tiny) == reference
 
 
+def test_colocated_warm_up_runs_mixed_prefill_and_decode_steps(tiny) -> None:
+    """`mixed_lengths`: each prompt's first chunk shares a step with a decoding request, so
+    the mixed steps of chunked prefill compile at start-up (not in a client's TTFT)."""
+    core = make_core(tiny, budget=64, paged={})
+    schedule, seen = core.scheduler.schedule, []
+
+    def recording():
+        batch = schedule()
+        seen.append((len(batch.decodes), sum(p.num_tokens for p in batch.prefills)))
+        return batch
+
+    core.scheduler.schedule = recording
+    core.warm_up((16,), mixed_lengths=(40, 100))
+    mixed = [tokens for decodes, tokens in seen if decodes and tokens]
+    assert mixed[:1] == [40] and 63 in mixed  # 100 tokens: a 63-token chunk beside the decode
+    assert core.kv.num_free_blocks == core.kv.num_blocks
+    assert_no_leaks(core)
+
+
 def test_graphs_need_the_paged_forward(tiny) -> None:
     from dsv4.errors import ConfigError
 
