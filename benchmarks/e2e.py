@@ -40,11 +40,13 @@ MODES = {"disaggregated": (1, ()), "colocated": (0, ("--role", "colocated"))}
 
 
 def model_config(args) -> ModelConfig:
+    # checkpoint experts: the routed experts drawn and served in MXFP4 (V4-Flash's format)
+    quantized = {"expert_dtype": "fp4"} if args.expert_weights == "checkpoint" else {}
     if args.dry_run:
-        return tiny_config().with_overrides(num_nextn_predict_layers=0)
+        return tiny_config().with_overrides(num_nextn_predict_layers=0, **quantized)
     ratios = tuple(int(r) for r in args.layers.split(","))
     return flash_config(len(ratios), ratios).with_overrides(
-        n_routed_experts=args.experts, num_nextn_predict_layers=0
+        n_routed_experts=args.experts, num_nextn_predict_layers=0, **quantized
     )
 
 
@@ -53,7 +55,7 @@ def service_args(args) -> tuple[str, ...]:
     return ("--device", device, "--max-model-len", str(args.max_model_len),
             "--max-num-seqs", str(args.max_num_seqs), "--num-blocks", str(args.num_blocks),
             "--max-num-batched-tokens", str(args.budget), "--log-level", "warning",
-            *args.extra_service_args)  # fmt: skip
+            "--expert-weights", args.expert_weights, *args.extra_service_args)  # fmt: skip
 
 
 def loadtest(target: str, out: Path, label: str, rate: str, num_prompts: int, input_len: int,
@@ -224,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--num-warmups", type=int, default=2, help="per loadtest run")
     ap.add_argument("--extra-service-args", nargs="*", default=[])
+    ap.add_argument("--expert-weights", choices=("bf16", "checkpoint"), default="bf16",
+                    help="routed experts served in bf16 or as the checkpoint's MXFP4")  # fmt: skip
     args = ap.parse_args(argv)
     if args.dry_run:
         args.rates, args.prompts_per_rate, args.input_len, args.output_len = "4,8", "4,6", 96, 8
@@ -237,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = model_config(args)
     spec_dir = write_model_spec(out / "model", cfg)
     summary: dict = {"model": {"layers": args.layers, "experts": cfg.n_routed_experts,
-                               "hidden": cfg.hidden_size, "dry_run": args.dry_run}}  # fmt: skip
+                               "expert_weights": args.expert_weights, "hidden": cfg.hidden_size,
+                               "dry_run": args.dry_run}}  # fmt: skip
     for mode in args.modes.split(","):
         try:
             summary[mode] = run_mode(mode, spec_dir, out, args)

@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from dsv4.model.moe import swiglu
-from dsv4.model.quant import fp8_block_dequantize, mxfp4_dequantize
+from dsv4.model.quant import dequantize
 from kernels.compressor import _bf16_rne
 from kernels.moe_align import moe_align
 from kernels.registry import register_op
@@ -290,13 +290,11 @@ def moe_experts(
     return y
 
 
-def dequantize_expert(w: torch.Tensor, scale: torch.Tensor | None, format: str) -> torch.Tensor:
-    """One expert's weight [rows, cols(/2)] in `format` -> bf16 [rows, cols]."""
-    if format == "bf16":
-        return w
-    if format == "fp8":
-        return fp8_block_dequantize(w, scale, 128, torch.bfloat16)
-    return mxfp4_dequantize(w, scale, torch.bfloat16)
+def dequantize_expert(w: torch.Tensor, scale: torch.Tensor | None, format: str,
+                      dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:  # fmt: skip
+    """One expert's weight [rows, cols(/2)] in `format` -> [rows, cols] in `dtype` (bf16: as
+    stored)."""
+    return w if format == "bf16" else dequantize(w, scale, format, dtype)
 
 
 def moe_experts_ref(
@@ -311,14 +309,15 @@ def moe_experts_ref(
     limit: float | None = None,
 ) -> torch.Tensor:
     """Reference (and the slow path): the model's loop over experts of `swiglu`, with each
-    expert's weights dequantised first."""
+    expert's weights dequantised first, to x's dtype (an fp32 model on CPU stays fp32)."""
     inter = w13.shape[1] // 2
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     ids = expert_ids.long()
     for e in ids.unique().tolist():
         token_idx, slot = torch.where(ids == e)
-        w13_e = dequantize_expert(w13[e], None if w13_scale is None else w13_scale[e], format)
-        w2_e = dequantize_expert(w2[e], None if w2_scale is None else w2_scale[e], format)
+        s13, s2 = (None if s is None else s[e] for s in (w13_scale, w2_scale))
+        w13_e = dequantize_expert(w13[e], s13, format, x.dtype)
+        w2_e = dequantize_expert(w2[e], s2, format, x.dtype)
         y = swiglu(x[token_idx], w13_e[:inter], w2_e, w13_e[inter:], limit)
         out.index_add_(0, token_idx, y.float() * weights[token_idx, slot].unsqueeze(-1))
     return out

@@ -153,6 +153,10 @@ class FeatureSwitches(Section):
         "paged forward: the shared expert joins the grouped MoE GEMM in decode-sized steps "
         "(H200: 1.06x at batch 1; its GEMM rounds unlike cuBLAS's, so tokens may differ)",
     )
+    expert_weights: str = setting(
+        "bf16", "routed experts: bf16 or checkpoint (MXFP4/FP8 as stored, ~1/4 of the bytes)",
+        choices=("bf16", "checkpoint"),
+    )  # fmt: skip
     batched_sampling: bool = setting(
         True, "CUDA: sample a step's unseeded rows together on the GPU (off: row by row on CPU)"
     )
@@ -161,6 +165,9 @@ class FeatureSwitches(Section):
         pattern = self.index_topk_pattern
         if pattern and (set(pattern) - {"F", "S"} or pattern[0] != "F"):
             self.fail("index_topk_pattern", "use only F and S, starting with F (e.g. FSFS)")
+        if self.fuse_shared_expert and self.expert_weights == "checkpoint":
+            self.fail("fuse_shared_expert", "the grouped GEMM takes one format per launch "
+                      "(the shared expert is bf16): off with expert_weights checkpoint")  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,12 @@ Router: g = W_g u (fp32), s = sqrt(softplus(g)).
 Weights: the unbiased s of the chosen experts, renormalised, times routed_scaling_factor.
 Experts are SwiGLU with the gate clamped above and the up-projection clamped to +-limit;
 the shared expert is clamped too unless `cfg.clamp_shared_expert` is False (§16.1).
+
+Routed experts are held either as modules in the model dtype (`experts`, stacked for the grouped
+GEMM by `stack_experts_`) or, served in the checkpoint's own MXFP4 / FP8 format, only as one
+quantised stacked storage (`quantized_experts_`): the paged forward hands it to the kernel as
+is, and this module's reference forward dequantises each selected expert per call (exact: the
+values a dequantising load would hold).
 """
 
 from __future__ import annotations
@@ -18,8 +24,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dsv4.errors import ConfigError
 from dsv4.model.config import ModelConfig
 from dsv4.model.layers import hot_op, linear, linear_fp32
+from dsv4.model.quant import MXFP4_BLOCK, dequantize
+
+# ModelConfig.expert_dtype of a checkpoint -> the `kernels.moe` format its experts are served in
+SERVED_FORMATS = {"fp4": "mxfp4", "fp8": "fp8"}
+FP8_BLOCK = 128  # the grouped GEMM's FP8 scale block
 
 
 @hot_op("route")
@@ -126,7 +138,8 @@ class MoE(nn.Module):
             self.shared_experts = Expert(d, inter * cfg.n_shared_experts, limit)
         # None: the `experts` modules above; else an offloaded store (dsv4.model.offload).
         self.expert_store: ExpertStore | None = None
-        self.stacked_experts: ExpertWeights | None = None  # set by `stack_experts_`
+        # set by `stack_experts_` (views of `experts`) or `quantized_experts_` (the only copy)
+        self.stacked_experts: ExpertWeights | None = None
 
     def forward(self, u: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         """u [..., D] (ffn_norm applied), token_ids [...] -> [..., D]."""
@@ -134,33 +147,90 @@ class MoE(nn.Module):
         flat = u.reshape(-1, shape[-1])  # [T, D]
         weights, ids = self.gate(flat, token_ids.reshape(-1))  # [T, K]
         out = torch.zeros(flat.shape, dtype=torch.float32, device=u.device)
-        store = self.expert_store
-        if store is not None:
-            store.prepare(ids)
+        if self.expert_store is not None:
+            self.expert_store.prepare(ids)
         # NOTE: dispatch by expert (token lists per expert), fp32 accumulation; the order is
         # the same with a store, so offloaded outputs equal resident ones bit for bit.
         for e in ids.unique().tolist():
             token_idx, slot = torch.where(ids == e)
-            expert = self.experts[e] if store is None else store.expert(e, token_idx.numel())
+            expert = self._expert(e, token_idx.numel())
             y = expert(flat[token_idx]).float() * weights[token_idx, slot].unsqueeze(-1)
             out.index_add_(0, token_idx, y)
         if self.shared_experts is not None:
             out += self.shared_experts(flat).float()
         return out.to(u.dtype).view(shape)
 
+    def _expert(self, e: int, num_tokens: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        if self.expert_store is not None:
+            return self.expert_store.expert(e, num_tokens)
+        stacked = self.stacked_experts
+        if stacked is None or not stacked.is_quantized:
+            return self.experts[e]
+        limit = self.cfg.swiglu_limit
+        return lambda u: swiglu(u, *stacked.dequantized(e, u.dtype), limit)
+
 
 @dataclass(frozen=True)
 class ExpertWeights:
-    """One MoE layer's routed experts in the grouped-GEMM layout of `kernels.moe`: w13
-    [E, 2I, D] (rows [0, I) = w1 gate, [I, 2I) = w3 up) and w2 [E, D, I]. When the shared
-    expert has a routed expert's shape, dtype and clamp it lives in slot E of the same storage
-    (`w13_all` [E + 1, 2I, D], `w2_all`), so the grouped GEMM can run it as one more expert
-    (`w13`, `w2` are then views of the first E slots)."""
+    """One MoE layer's routed experts in the grouped-GEMM layout of `kernels.moe`, in its
+    `format`:
+    - "bf16" (the model dtype): w13 [E, 2I, D] (rows [0, I) = w1 gate, [I, 2I) = w3 up), w2
+      [E, D, I]. When the shared expert has a routed expert's shape, dtype and clamp it lives
+      in slot E of the same storage (`w13_all` [E + 1, 2I, D], `w2_all`), so the grouped GEMM
+      can run it as one more expert (`w13`, `w2` are then views of the first E slots);
+    - "mxfp4": int8 w13 [E, 2I, D/2], w2 [E, D, I/2] (packed e2m1 pairs, low nibble = even
+      column), UE8M0 `w13_scale` [E, 2I, D/32], `w2_scale` [E, D, I/32];
+    - "fp8": e4m3 w13, w2 of the bf16 shapes, 128x128 block scales (UE8M0 or fp32)
+      `w13_scale` [E, 2I/128, ceil(D/128)], `w2_scale` [E, ceil(D/128), ceil(I/128)].
+    The quantised formats never hold the shared expert (it is dequantised: another format)."""
 
     w13: torch.Tensor
     w2: torch.Tensor
     w13_all: torch.Tensor | None = None
     w2_all: torch.Tensor | None = None
+    format: str = "bf16"
+    w13_scale: torch.Tensor | None = None
+    w2_scale: torch.Tensor | None = None
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.format != "bf16"
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes of the E routed experts, scales included (a shared slot E excluded)."""
+        parts = (self.w13, self.w2, self.w13_scale, self.w2_scale)
+        return sum(t.numel() * t.element_size() for t in parts if t is not None)
+
+    def parts(self, e: int) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+        """Expert e's w1, w2, w3 as (weight, scale) views of the storage, in the checkpoint's
+        per-expert shapes (DSV4_ARCH.md §13): what a loader fills."""
+        inter = self.w13.shape[1] // 2
+        split = inter // FP8_BLOCK if self.format == "fp8" else inter  # w1's scale rows
+        s13 = self.w13_scale[e] if self.w13_scale is not None else None
+        s2 = self.w2_scale[e] if self.w2_scale is not None else None
+        return {
+            "w1": (self.w13[e, :inter], None if s13 is None else s13[:split]),
+            "w2": (self.w2[e], s2),
+            "w3": (self.w13[e, inter:], None if s13 is None else s13[split:]),
+        }
+
+    def dequantized(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """Expert e's (w1, w2, w3) dense in `dtype` (`swiglu`'s argument order)."""
+        views = self.parts(e)
+        return tuple(dequantize(w, s, self.format, dtype) for w, s in
+                     (views["w1"], views["w2"], views["w3"]))  # fmt: skip
+
+
+def served_expert_format(cfg: ModelConfig, expert_weights: str) -> str:
+    """The format routed experts are held in: "bf16" (the model dtype: `expert_weights` "bf16",
+    or a checkpoint of bf16 experts) or the checkpoint's "mxfp4" / "fp8" (`expert_weights`
+    "checkpoint", `features.expert_weights`)."""
+    if expert_weights not in ("bf16", "checkpoint"):
+        raise ConfigError("features.expert_weights", expert_weights, "use bf16 or checkpoint")
+    if expert_weights == "bf16":
+        return "bf16"
+    return SERVED_FORMATS.get(cfg.expert_dtype, "bf16")
 
 
 def _shares_layout(moe: MoE) -> bool:
@@ -193,4 +263,36 @@ def stack_experts_(moe: MoE, device: torch.device | str | None = None) -> Expert
     fused = len(experts) > e
     moe.stacked_experts = ExpertWeights(w13[:e], w2[:e], w13 if fused else None,
                                         w2 if fused else None)  # fmt: skip
+    return moe.stacked_experts
+
+
+def quantized_experts_(
+    moe: MoE, fmt: str, device: torch.device | str, scale_dtype: torch.dtype | None = None
+) -> ExpertWeights:
+    """Replace the routed expert modules by ONE stacked storage in the checkpoint's format `fmt`
+    ("mxfp4" | "fp8"), allocated empty on `device` for a loader to fill through `parts`, so no
+    dense copy ever exists. `scale_dtype`: the FP8 scales' (UE8M0 default, or fp32); MXFP4
+    scales are UE8M0. Kept on the module as `moe.stacked_experts`."""
+    cfg = moe.cfg
+    e, d, inter = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    if fmt == "mxfp4":
+        shapes = ((e, 2 * inter, d // 2), (e, d, inter // 2),
+                  (e, 2 * inter, d // MXFP4_BLOCK), (e, d, inter // MXFP4_BLOCK))  # fmt: skip
+        dtypes = (torch.int8, torch.int8, torch.float8_e8m0fnu, torch.float8_e8m0fnu)
+    elif fmt == "fp8":
+        if cfg.fp8_block_size != FP8_BLOCK or inter % FP8_BLOCK:
+            raise ConfigError("features.expert_weights", "checkpoint",
+                              f"FP8 experts are served with {FP8_BLOCK}x{FP8_BLOCK} scale blocks "
+                              f"and moe_intermediate_size a multiple of {FP8_BLOCK} (this model: "
+                              f"blocks {cfg.fp8_block_size}, I {inter}): serve them as bf16")  # fmt: skip
+        blocks = lambda n: -(-n // FP8_BLOCK)  # noqa: E731
+        shapes = ((e, 2 * inter, d), (e, d, inter),
+                  (e, 2 * inter // FP8_BLOCK, blocks(d)), (e, blocks(d), blocks(inter)))  # fmt: skip
+        scale = scale_dtype or torch.float8_e8m0fnu
+        dtypes = (torch.float8_e4m3fn, torch.float8_e4m3fn, scale, scale)
+    else:
+        raise ValueError(f"not a quantised expert format: {fmt!r}")
+    w13, w2, s13, s2 = (torch.empty(s, dtype=t, device=device) for s, t in zip(shapes, dtypes))
+    moe.experts = nn.ModuleList()  # the stacked storage is the only copy
+    moe.stacked_experts = ExpertWeights(w13, w2, format=fmt, w13_scale=s13, w2_scale=s2)
     return moe.stacked_experts

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from dsv4.errors import ConfigError
 from dsv4.model.moe import MoE, swiglu
 from dsv4.model.quant import E2M1_MAGNITUDES, MXFP4_BLOCK, mxfp4_quantize
 
@@ -348,15 +349,20 @@ def offload_moe(
 ) -> OffloadedExperts:
     """Move `moe`'s routed experts into a store: the first `E - num_offloaded` of `hot` (most
     used first; default 0..E-1) stay on the device, the rest go to host memory. The `experts`
-    modules are dropped (their memory freed); `moe.expert_store` serves the forward."""
-    experts = moe.experts
-    num = len(experts)
+    modules (or the MXFP4 stacked storage of `features.expert_weights=checkpoint`, packed as
+    stored) are dropped (their memory freed); `moe.expert_store` serves the forward."""
+    cfg, stacked = moe.cfg, moe.stacked_experts
+    native = stacked is not None and stacked.is_quantized
+    if native and (stacked.format, fmt) != ("mxfp4", "mxfp4"):
+        raise ConfigError("features.expert_weights", "checkpoint",
+                          f"experts held as {stacked.format} offload only as MXFP4 blobs (asked: "
+                          f"{fmt}): load them as bf16 to offload them {fmt}")  # fmt: skip
+    num = cfg.n_routed_experts
     if not 0 <= num_offloaded <= num:
         raise ValueError(f"num_offloaded must be in [0, {num}], got {num_offloaded}")
-    first = experts[0]
-    device = torch.device(device or first.w1.weight.device)
-    dtype = first.w1.weight.dtype
-    inter, dim = first.w1.weight.shape
+    like = moe.gate.weight if native else moe.experts[0].w1.weight  # the compute dtype
+    dtype, device = like.dtype, torch.device(device or like.device)
+    inter, dim = cfg.moe_intermediate_size, cfg.hidden_size
     layout = (
         ExpertFormat.mxfp4(dim, inter, dtype)
         if fmt == "mxfp4"
@@ -367,18 +373,25 @@ def offload_moe(
     resident = torch.empty(len(resident_ids), layout.nbytes, dtype=torch.uint8, device=device)
     host: dict[int, torch.Tensor] = {}
     with torch.no_grad():
-        for e, expert in enumerate(experts):
-            blob = expert_blob(layout, expert.w1.weight, expert.w2.weight, expert.w3.weight, device)
+        for e in range(num):
+            if native:
+                blob = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
+                parts = stacked.parts(e)
+                layout.pack({**{n: w for n, (w, _) in parts.items()},
+                             **{f"{n}_scale": s for n, (_, s) in parts.items()}}, blob)  # fmt: skip
+            else:
+                ex = moe.experts[e]
+                blob = expert_blob(layout, ex.w1.weight, ex.w2.weight, ex.w3.weight, device)
             if e in resident_ids:
                 resident[resident_ids.index(e)].copy_(blob)
             else:
                 host[e] = host_copy(blob)
     store = OffloadedExperts(
-        layout, resident_ids, resident, host, cache_slots, first.limit, device, policy
+        layout, resident_ids, resident, host, cache_slots, cfg.swiglu_limit, device, policy
     )
     moe.experts = nn.ModuleList()
     moe.expert_store = store
-    if moe.stacked_experts is not None and moe.stacked_experts.w13_all is not None:
+    if stacked is not None and stacked.w13_all is not None:
         for module in (moe.shared_experts.w1, moe.shared_experts.w2, moe.shared_experts.w3):
             # the shared expert lived in the routed storage's last slot: give it its own, so
             # that storage is freed with the dropped experts

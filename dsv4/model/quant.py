@@ -106,3 +106,15 @@ def mxfp4_dequantize(
     nibbles = torch.stack((raw & 0xF, raw >> 4), dim=-1).view(out_dim, in_dim)
     values = e2m1_decode(nibbles).view(out_dim, in_dim // MXFP4_BLOCK, MXFP4_BLOCK)
     return (values * scale_e8m0.float()[..., None]).view(out_dim, in_dim).to(dtype)
+
+
+def dequantize(
+    weight: torch.Tensor, scale: torch.Tensor | None, fmt: str, dtype: torch.dtype
+) -> torch.Tensor:
+    """A weight in a `kernels.moe` format -> `dtype`: "bf16" (dense, cast), "fp8" (e4m3 with
+    128x128 block scales, UE8M0 or fp32) or "mxfp4" (packed e2m1 pairs, UE8M0 per 32)."""
+    if fmt == "fp8":
+        return fp8_block_dequantize(weight, scale, 128, dtype)
+    if fmt == "mxfp4":
+        return mxfp4_dequantize(weight, scale, dtype)
+    return weight.to(dtype)

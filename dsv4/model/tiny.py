@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 
 from dsv4.model.config import ModelConfig, flash_config, tiny_config
 from dsv4.model.inventory import TensorSpec, checkpoint_tensors, model_tensors, quantized_kind
-from dsv4.model.moe import stack_experts_
+from dsv4.model.moe import MoE, quantized_experts_, served_expert_format, stack_experts_
 from dsv4.model.quant import fp8_block_quantize, mxfp4_quantize
 from dsv4.model.tokenizer import build_tokenizer
 
@@ -149,26 +149,48 @@ def random_model(
     device: str = "cpu",
     *,
     draw_on_device: bool = False,
+    expert_weights: str = "bf16",
 ):
     """A model filled in memory from the same initialisers as the checkpoint writer (no I/O).
 
     GPU benchmarks use this for Flash-shaped models that would take minutes to write to disk;
     `draw_on_device` draws the values with a generator on `device` (other values than the CPU
-    stream of the same seed, but no host-side fill of tens of GB).
+    stream of the same seed, but no host-side fill of tens of GB). `expert_weights` "checkpoint"
+    (`features.expert_weights`) holds the routed experts as `cfg.expert_dtype` says a checkpoint
+    stores them (MXFP4 / FP8): each expert's draw is quantised into the stacked storage, so
+    they equal a written checkpoint's experts (other weights stay unrounded) and no dense copy
+    exists. Every other value is the same draw as with "bf16".
     """
     from dsv4.model.deepseek_v4 import DeepseekV4
 
     gen = torch.Generator(device if draw_on_device else "cpu").manual_seed(seed)
     with torch.device("meta"):
         model = DeepseekV4(cfg).cast_(dtype)  # final dtypes first: no fp32 copy of the model
+    fmt = served_expert_format(cfg, expert_weights)
     for block in (*model.layers, *model.mtp):  # routed experts straight into stacked storage:
-        stack_experts_(block.ffn, device)  # stacking them later would hold them twice at once
+        if fmt == "bf16":  # stacking them later would hold them twice at once
+            stack_experts_(block.ffn, device)
+        else:
+            quantized_experts_(block.ffn, fmt, device)
     for module in model.modules():
         own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
         if any(t.is_meta for t in own):
             module.to_empty(device=device, recurse=False)
     state = model.state_dict()
+    moes = {name: m for name, m in model.named_modules() if isinstance(m, MoE)}
     with torch.no_grad():
         for spec in model_tensors(cfg, include_mtp=bool(len(model.mtp))):
-            state[spec.name].copy_(random_tensor(spec, cfg, gen))  # rounds as .to(dtype)
+            value = random_tensor(spec, cfg, gen)
+            if spec.name in state:
+                state[spec.name].copy_(value)  # rounds as .to(dtype)
+                continue
+            prefix, _, rest = spec.name.partition(".experts.")  # a quantised routed expert
+            e, part, _ = rest.split(".")
+            weight, scale = moes[prefix].stacked_experts.parts(int(e))[part]
+            codes, scales = _QUANTIZERS[fmt](value)
+            weight.copy_(codes)
+            scale.copy_(scales)
     return model.eval()
+
+
+_QUANTIZERS = {"mxfp4": mxfp4_quantize, "fp8": fp8_block_quantize}

@@ -10,7 +10,9 @@ Accepted layouts: one `model.safetensors`, shards listed by `model.safetensors.i
   without the MTP layer).
 
 FP8 linears (e4m3 + 128x128 e8m0 `.scale`) and MXFP4 experts (int8 packed e2m1 + e8m0 `.scale`
-per 32) are dequantised to the parameter dtype, one tensor at a time.
+per 32) are dequantised to the parameter dtype, one tensor at a time; with `expert_weights=
+"checkpoint"` the routed experts are instead copied as stored into their stacked storage
+(`dsv4.model.moe.quantized_experts_`, what the paged forward's grouped GEMM reads).
 
 All-or-nothing: every file header is read and every name, shape and dtype validated before the
 first byte is copied, so a missing, unexpected, mis-shaped tensor or an unreadable file raises
@@ -35,6 +37,7 @@ from dsv4.errors import CheckpointError
 from dsv4.model.config import ModelConfig
 from dsv4.model.deepseek_v4 import DeepseekV4
 from dsv4.model.inventory import quantized_kind
+from dsv4.model.moe import MoE, quantized_experts_, served_expert_format
 from dsv4.model.quant import fp8_block_dequantize, mxfp4_dequantize
 
 __all__ = ["checkpoint_files", "load_into", "load_model", "official_name", "quantized_kind"]
@@ -111,11 +114,6 @@ def _read_headers(files: list[Path]) -> dict[str, _Stored]:
     return stored
 
 
-def checkpoint_names(path: str | Path) -> set[str]:
-    """Official names of every tensor stored in the checkpoint at `path`."""
-    return set(_read_headers(checkpoint_files(path)))
-
-
 Decode = Callable[[dict[str, torch.Tensor]], torch.Tensor]
 
 
@@ -156,6 +154,42 @@ def _plan_one(
     return [name], lambda t: t[name]
 
 
+_QUANTIZED_DTYPES = {"mxfp4": ("I8", "U8"), "fp8": ("F8_E4M3",)}
+
+
+def _plan_stored(name: str, target: torch.Tensor, dtypes, stored: dict[str, _Stored]) -> Decode:
+    """Validate one tensor copied as stored (a quantised expert's weight or scale)."""
+    entry = stored.get(name)
+    if entry is None:
+        raise CheckpointError(f"missing tensor {name!r} (expected shape {tuple(target.shape)})")
+    if entry.dtype not in dtypes:
+        raise CheckpointError(f"tensor {name!r} has dtype {entry.dtype}, expected one of {dtypes} "
+                              "(served as stored: features.expert_weights=checkpoint)")  # fmt: skip
+    if entry.shape != tuple(target.shape):
+        raise CheckpointError(f"tensor {name!r} has shape {entry.shape}, expected "
+                              f"{tuple(target.shape)}")  # fmt: skip
+    if target.dtype in (torch.int8, torch.float8_e4m3fn):  # raw bytes, reinterpreted
+        return lambda t: t[name].view(target.dtype)
+    return lambda t: t[name]  # scales: copy_ converts (exact for UE8M0 values)
+
+
+def _plan_quantized_experts(model: DeepseekV4, stored: dict[str, _Stored]):
+    """(target, [name], decode) for every routed expert tensor of the layers whose experts are
+    held as stored (`quantized_experts_`)."""
+    for prefix, moe in model.named_modules():
+        experts = moe.stacked_experts if isinstance(moe, MoE) else None
+        if experts is None or not experts.is_quantized:
+            continue
+        dtypes = _QUANTIZED_DTYPES[experts.format]
+        for e in range(experts.w13.shape[0]):
+            for part, (weight, scale) in experts.parts(e).items():
+                stem = f"{prefix}.experts.{e}.{part}"
+                yield weight, [f"{stem}.weight"], _plan_stored(f"{stem}.weight", weight, dtypes,
+                                                               stored)  # fmt: skip
+                yield scale, [f"{stem}.scale"], _plan_stored(f"{stem}.scale", scale,
+                                                             _SCALE_DTYPES, stored)  # fmt: skip
+
+
 def load_into(model: DeepseekV4, path: str | Path) -> None:
     """Copy the checkpoint at `path` into `model` (validated first; all-or-nothing)."""
     stored = _read_headers(checkpoint_files(path))
@@ -164,6 +198,9 @@ def load_into(model: DeepseekV4, path: str | Path) -> None:
     used: set[str] = set()
     for name, target in targets.items():
         names, decode = _plan_one(name, target, stored, model.cfg.fp8_block_size)
+        used.update(names)
+        plan.append((target, names, decode))
+    for target, names, decode in _plan_quantized_experts(model, stored):
         used.update(names)
         plan.append((target, names, decode))
     unexpected = sorted(set(stored) - used)
@@ -185,17 +222,33 @@ def load_into(model: DeepseekV4, path: str | Path) -> None:
 
 
 def load_model(
-    path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    *,
+    expert_weights: str = "bf16",
 ) -> tuple[DeepseekV4, ModelConfig]:
-    """Build a `DeepseekV4` for the checkpoint dir `path` and load its weights."""
+    """Build a `DeepseekV4` for the checkpoint dir `path` and load its weights.
+
+    `expert_weights` (`features.expert_weights`): "bf16" dequantises the routed experts to
+    `dtype` like every weight; "checkpoint" keeps MXFP4 / FP8 experts as stored, stacked for
+    the grouped GEMM (`dsv4.model.moe.quantized_experts_`): about a quarter of the bf16 bytes
+    for MXFP4, and no dense copy at any point of the load."""
     cfg = ModelConfig.from_file(path)
-    names = checkpoint_names(path)
-    if cfg.has_mtp and not any(n.startswith("mtp.") for n in names):
+    stored = _read_headers(checkpoint_files(path))
+    if cfg.has_mtp and not any(n.startswith("mtp.") for n in stored):
         log.warning("%s holds no mtp.* tensors (a transformers save?): building without MTP", path)
         cfg = cfg.with_overrides(num_nextn_predict_layers=0)
     with torch.device("meta"):
         model = DeepseekV4(cfg)
     model.cast_(dtype)
+    fmt = served_expert_format(cfg, expert_weights)
+    if fmt != "bf16":
+        first = stored.get("layers.0.ffn.experts.0.w1.scale")
+        scale_dtype = torch.float32 if first is not None and first.dtype == "F32" else None
+        for moe in model.modules():
+            if isinstance(moe, MoE):
+                quantized_experts_(moe, fmt, device, scale_dtype)
     model.to_empty(device=device)
     load_into(model, path)
     return model.eval(), cfg

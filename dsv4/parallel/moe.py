@@ -51,6 +51,9 @@ class ExpertParallelMoE(MoE):
                 "expert offload", "on", "expert offload cannot be combined with expert "
                 "parallelism: turn one of them off"
             )  # fmt: skip
+        if moe.stacked_experts is not None and moe.stacked_experts.is_quantized:
+            raise ConfigError("features.expert_weights", "checkpoint", "expert parallelism "
+                              "shards expert modules: load the experts as bf16")  # fmt: skip
         # Skeleton without allocation; gate, experts and shared expert are replaced below.
         with torch.device("meta"):
             super().__init__(moe.cfg, layer_id)

@@ -116,6 +116,12 @@ BAD = {
         "no such file",
     ),
     "unknown key": ({"cache.blocksize": 1}, "cache.blocksize", "did you mean 'cache.block_size'"),
+    "expert weights": ({"features.expert_weights": "fp4"}, "expert_weights", "bf16, checkpoint"),
+    "fused shared expert, stored experts": (
+        {"features.expert_weights": "checkpoint", "features.fuse_shared_expert": True},
+        "features.fuse_shared_expert",
+        "one format per launch",
+    ),
 }
 
 
@@ -174,6 +180,16 @@ def test_secrets_stay_out_of_repr_and_dumps() -> None:
 
 def test_yaml_dump_round_trips(tmp_path: Path) -> None:
     config = load_config({"discovery.prefill_addresses": "a:1", "cache.num_blocks": 7}, None, {})
+    path = _yaml(tmp_path, config_to_yaml(config, redact_secrets=False))
+    assert load_config({}, path, {}) == config
+
+
+def test_expert_weights_switch_round_trips(tmp_path: Path) -> None:
+    """Routed experts as stored (MXFP4 / FP8) is one switch: flag, env, YAML; bf16 by default."""
+    assert load_config({}, None, {}).features.expert_weights == "bf16"
+    config = config_from_args(_parse(["--expert-weights", "checkpoint"]), {})
+    assert config.features.expert_weights == "checkpoint"
+    assert load_config({}, None, {"DSV4_EXPERT_WEIGHTS": "checkpoint"}) == config
     path = _yaml(tmp_path, config_to_yaml(config, redact_secrets=False))
     assert load_config({}, path, {}) == config
 

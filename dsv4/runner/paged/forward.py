@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dsv4.errors import ConfigError
 from dsv4.model.block import Block
 from dsv4.model.deepseek_v4 import DeepseekV4
 from dsv4.model.moe import MoE
@@ -61,6 +62,8 @@ class PagedForward:
         self.metadata = metadata
         self.switches = switches
         self.weights = prepare_weights(model)
+        if switches.fuse_shared_expert:
+            _check_fusable(self.weights)
         self.device = model.embed.weight.device
         dev = self.device
         self._ops = {name: resolve(name, kernels, dev) for name in
@@ -147,7 +150,8 @@ class PagedForward:
         return self._ops["hc_post"](y.contiguous(), x, post, comb)
 
     def _moe(self, moe: MoE, lw: LayerWeights, u: torch.Tensor, token_ids: torch.Tensor):
-        """u [T, D] -> [T, D]: routing, the grouped routed experts, the dense shared expert."""
+        """u [T, D] -> [T, D]: routing, the grouped routed experts (in their served format:
+        bf16, or the checkpoint's MXFP4 / FP8 dequantised in the kernel), the shared expert."""
         cfg, experts = self.cfg, lw.experts
         logits = torch.nn.functional.linear(u.float(), lw.gate_weight)  # [T, E] fp32
         if moe.gate.is_hash:
@@ -164,11 +168,24 @@ class PagedForward:
             shared = torch.full((num_t, 1), w13.shape[0], dtype=ids.dtype, device=ids.device)
             ids, w = torch.cat((ids, shared), 1), torch.cat((w, torch.ones_like(w[:, :1])), 1)
             w13, w2 = experts.w13_all, experts.w2_all
-        y = self._ops["moe_experts"](u.contiguous(), ids, w, w13, w2,
+        y = self._ops["moe_experts"](u.contiguous(), ids, w, w13, w2, experts.format,
+                                     experts.w13_scale, experts.w2_scale,
                                      limit=cfg.swiglu_limit)  # [T, D] fp32  # fmt: skip
         if moe.shared_experts is not None and not fuse:
             y += moe.shared_experts(u).float()
         return y.to(u.dtype)
+
+
+def _check_fusable(weights: tuple[LayerWeights, ...]) -> None:
+    """The grouped GEMM takes one weight format per launch: the shared expert (dequantised at
+    load) cannot join routed experts held in the checkpoint's MXFP4 / FP8."""
+    for lw in weights:
+        if lw.experts.is_quantized:
+            raise ConfigError("features.fuse_shared_expert", True,
+                              f"the routed experts are served as {lw.experts.format} "
+                              "(features.expert_weights=checkpoint) and the shared expert "
+                              "dequantised, and one grouped GEMM takes one format: turn "
+                              "fuse_shared_expert off or serve expert_weights=bf16")  # fmt: skip
 
 
 def _drafts_of(request, drafts: dict[str, tuple[int, ...]] | None) -> tuple[int, ...]:

@@ -2,7 +2,8 @@
 
 - Routed experts: `dsv4.model.moe.ExpertWeights` (w13 [E, 2I, D], w2 [E, D, I]), the grouped-GEMM
   layout of `kernels.moe`; the per-expert parameters are views of it, so the weights exist
-  once (the reference path still works).
+  once (the reference path still works). Experts served in the checkpoint's MXFP4 / FP8
+  (`features.expert_weights=checkpoint`) are loaded straight into that layout, with scales.
 - Compressors: wkv and wgate stacked and upcast to fp32 once ([2 c d', D]): the compressor's
   math is fp32 (DSV4_ARCH.md §6.4) and upcasting per step would re-read the bf16 weights.
 - Attention output: wo_a viewed [G, o_lora, (H/G) d] for the grouped projection.
@@ -27,6 +28,8 @@ def stack_experts(moe: MoE) -> ExpertWeights:
     if moe.expert_store is not None:
         raise ConfigError("forward", "paged", "offloaded experts need the reference forward")
     cached = moe.stacked_experts
+    if cached is not None and cached.is_quantized:  # loaded stacked: the only copy
+        return cached
     if cached is not None and cached.w13.data_ptr() == moe.experts[0].w1.weight.data_ptr():
         return cached
     stacked = stack_experts_(moe)
