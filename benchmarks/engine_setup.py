@@ -55,20 +55,24 @@ VARIANTS: dict[str, tuple[MetadataSwitches, PagedSwitches, dict[str, str], bool]
 }  # fmt: skip
 
 
-def model_config(layers: str, experts: int, dry_run: bool, mtp: bool = False) -> ModelConfig:
+def model_config(layers: str, experts: int, dry_run: bool, mtp: bool = False,
+                 expert_weights: str = "bf16") -> ModelConfig:  # fmt: skip
+    """`expert_weights` "checkpoint": the routed experts are MXFP4 (V4-Flash's checkpoint format)
+    and served so (`features.expert_weights`)."""
     ratios = tuple(int(r) for r in layers.split(","))
-    nextn = 1 if mtp else 0
+    over = {"num_nextn_predict_layers": 1 if mtp else 0}
+    if expert_weights == "checkpoint":
+        over["expert_dtype"] = "fp4"
     if dry_run:
-        return tiny_config().with_overrides(num_nextn_predict_layers=nextn)
-    return flash_config(len(ratios), ratios).with_overrides(
-        n_routed_experts=experts, num_nextn_predict_layers=nextn
-    )
+        return tiny_config().with_overrides(**over)
+    return flash_config(len(ratios), ratios).with_overrides(n_routed_experts=experts, **over)
 
 
-def build_model(cfg: ModelConfig, dry_run: bool, seed: int = 0):
+def build_model(cfg: ModelConfig, dry_run: bool, seed: int = 0, expert_weights: str = "bf16"):
     device = "cpu" if dry_run else "cuda"
     dtype = torch.bfloat16
-    model = random_model(cfg, seed=seed, dtype=dtype, device=device, draw_on_device=not dry_run)
+    model = random_model(cfg, seed=seed, dtype=dtype, device=device, draw_on_device=not dry_run,
+                         expert_weights=expert_weights)  # fmt: skip
     kernels = KernelBackendConfig(default="ref" if dry_run else "triton")
     install_kernels(kernels, device)  # the reference forward's hot ops, too
     return model, kernels
@@ -130,6 +134,9 @@ def param_bytes(model) -> tuple[int, int]:
                 expert += p.numel() * p.element_size()
         elif not name.startswith("embed."):
             dense += p.numel() * p.element_size()
+    stacked = model.layers[0].ffn.stacked_experts
+    if stacked is not None and stacked.is_quantized:  # experts held only as MXFP4 / FP8 storage
+        expert = stacked.nbytes // model.cfg.n_routed_experts
     return dense, expert
 
 

@@ -159,3 +159,21 @@ def test_offload_packs_the_stored_mxfp4_experts(models, checkpoint) -> None:
         assert torch.equal(native(ids).logits, models[0](ids).logits)
     with pytest.raises(ConfigError, match="as MXFP4 blobs"):
         offload_model(models[1], num_offloaded=1, cache_slots=1, fmt="dense")
+
+
+def test_decode_benchmark_serves_mxfp4_experts(tmp_path) -> None:
+    """`benchmarks/decode_graphs.py --expert-weights checkpoint` (the GPU A/B against bf16
+    experts) runs end to end on the CPU, and its read floor counts the MXFP4 bytes."""
+    from benchmarks import decode_graphs
+    from benchmarks import engine_setup as es
+
+    out = tmp_path / "decode.json"
+    argv = ["--dry-run", "--out", str(out), "--only", "plain", "--variants", "",
+            "--expert-weights", "checkpoint"]  # fmt: skip
+    assert decode_graphs.main(argv) == 0
+    records = json.loads(out.read_text())
+    assert records and all("experts=mxfp4" in r["shape"] for r in records)
+    cfg = es.model_config("0,4,128,4", 8, True, expert_weights="checkpoint")
+    model, _ = es.build_model(cfg, True, expert_weights="checkpoint")
+    d, inter = cfg.hidden_size, cfg.moe_intermediate_size
+    assert es.param_bytes(model)[1] == 3 * d * inter // 2 + 3 * d * inter // 32  # e2m1 + UE8M0
