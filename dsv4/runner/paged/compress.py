@@ -13,7 +13,7 @@ ring slot (p >= end - slots): the save kernel writes rows in parallel.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,6 +21,7 @@ from dsv4.model.compressor import Compressor
 from dsv4.model.rope import inv_freq, rope_cos_sin
 from dsv4.runner.paged.geometry import CompressorGeometry
 from dsv4.runner.paged.step import StepMetadata
+from dsv4.runner.paged.weights import CompressorWeights
 from kernels import compressor as compressor_kernels
 from kernels.backend import resolve
 
@@ -38,6 +39,20 @@ class CompressorTables:
     cos: torch.Tensor  # [NB, rope/2] fp32 at the entry position r * i
     sin: torch.Tensor
     save_slots: torch.Tensor  # [T] int64 ring slot per token, -1 = not saved
+    phase: torch.Tensor  # [T] int64 position mod ratio: each token's ape row
+    # (entry stride, entry unit) -> [NB] int64 block * stride + row * unit: the part of the entry
+    # address that every compressor of this ratio and entry format shares (filled on first use)
+    _entry_offsets: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict, repr=False,
+                                                                compare=False)  # fmt: skip
+
+    def entry_address(self, g: CompressorGeometry) -> torch.Tensor:
+        """[NB] int64 address of each program's entry in g's cache page (KV slot or byte)."""
+        key = (g.entry_stride, g.entry_unit)
+        offsets = self._entry_offsets.get(key)
+        if offsets is None:
+            offsets = self.entry_block * g.entry_stride + self.entry_row * g.entry_unit
+            self._entry_offsets[key] = offsets
+        return offsets + g.entry_base
 
 
 def compressor_tables(meta: StepMetadata, ratio: int, *, all_tokens: bool) -> CompressorTables:
@@ -68,7 +83,7 @@ def compressor_tables(meta: StepMetadata, ratio: int, *, all_tokens: bool) -> Co
     save = torch.where(keep, t.positions % slots, -1)
     nis = (p - t.starts[req] + 1).int()
     return CompressorTables(ratio, all_tokens, idx, req, nis, cand_slots, block, entry % epb,
-                            cos.contiguous(), sin.contiguous(), save)  # fmt: skip
+                            cos.contiguous(), sin.contiguous(), save, t.positions % ratio)  # fmt: skip
 
 
 def _state_offsets(meta: StepMetadata, g: CompressorGeometry, slots: torch.Tensor,
@@ -83,23 +98,23 @@ def _state_offsets(meta: StepMetadata, g: CompressorGeometry, slots: torch.Tenso
 
 def run_compressor(
     module: Compressor,
-    weights: torch.Tensor,
+    weights: CompressorWeights,
     g: CompressorGeometry,
     tables: CompressorTables,
     meta: StepMetadata,
     x: torch.Tensor,
 ) -> None:
     """x [T, D] (the attention input) -> entries of the boundary tokens into the cache and
-    state rows into the ring. `weights` [2 c d', D] fp32: wkv and wgate stacked (one GEMM)."""
+    state rows into the ring. `weights`: wkv and wgate stacked (one GEMM), ape, in fp32."""
     t = meta.t
-    proj = torch.nn.functional.linear(x.float(), weights)  # [T, 2 c d'] fp32
+    proj = torch.nn.functional.linear(x.float(), weights.proj)  # [T, 2 c d'] fp32
     kv, gate = proj.chunk(2, dim=1)
-    gate = gate + module.ape.float()[t.positions % g.ratio]
+    gate = gate + weights.ape[tables.phase]
     kv = kv.contiguous()
     geo = meta.geo
     save = _state_offsets(meta, g, tables.save_slots, t.token_to_req.long())
     rows = _state_offsets(meta, g, tables.cand_slots, tables.reqs)
-    entry = tables.entry_block * g.entry_stride + g.entry_base + tables.entry_row * g.entry_unit
+    entry = tables.entry_address(g)
     fn = resolve("compressor_step", meta.kernels, x.device)
     if tables.all_tokens:
         on_triton = fn is compressor_kernels.compressor_step

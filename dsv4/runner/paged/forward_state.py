@@ -25,7 +25,8 @@ class PagedSwitches:
     skip_topk: bool = True  # #49486: no indexer q/logits/top-k when every row fits in k
     # the shared expert as one more expert of the grouped GEMM (steps up to
     # FUSE_SHARED_MAX_TOKENS tokens): one launch pair instead of 3 GEMMs + the SwiGLU glue.
-    # Off until timed on the card (docs/BENCHMARKS.md).
+    # Off: 1.06x at batch 1 only on the H200, and not bitwise equal to cuBLAS's shared expert
+    # (docs/BENCHMARKS.md).
     fuse_shared_expert: bool = False
 
 
@@ -39,6 +40,7 @@ class ForwardState:
     _rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     _comp: dict[int, CompressorTables] = field(default_factory=dict)
     _chunks: dict[int, tuple[ChunkTables, ...]] = field(default_factory=dict)
+    _window: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     def rope(self, ratio: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) [T, rope/2] of every token for layers of `ratio` (plain or YaRN)."""
@@ -79,6 +81,9 @@ class ForwardState:
         token of its request in this step reuses the slot."""
         t = self.meta.t
         ring = g.window.slots
-        keep = t.positions >= t.ends[t.token_to_req.long()] - ring
-        slots = self.meta.win_base[g.layer_id].long() + t.positions % ring
+        if ring not in self._window:  # shared by every layer with this ring size
+            keep = t.positions >= t.ends[t.token_to_req.long()] - ring  # [T] bool
+            self._window[ring] = keep, t.positions % ring  # [T] int64 ring row of each token
+        keep, row = self._window[ring]
+        slots = self.meta.win_base[g.layer_id].long() + row
         kv_rows.store(self.meta.geo, torch.where(keep, slots, -1), kv, self.meta.kernels)

@@ -4,8 +4,9 @@
   layout of `kernels.moe`; the per-expert parameters are views of it, so the weights exist
   once (the reference path still works). Experts served in the checkpoint's MXFP4 / FP8
   (`features.expert_weights=checkpoint`) are loaded straight into that layout, with scales.
-- Compressors: wkv and wgate stacked and upcast to fp32 once ([2 c d', D]): the compressor's
-  math is fp32 (DSV4_ARCH.md §6.4) and upcasting per step would re-read the bf16 weights.
+- Compressors: wkv and wgate stacked and upcast to fp32 once ([2 c d', D]), and the ape table
+  upcast once: the compressor's math is fp32 (DSV4_ARCH.md §6.4) and upcasting per step would
+  re-read the bf16 weights (and launch a cast per compressor).
 - Attention output: wo_a viewed [G, o_lora, (H/G) d] for the grouped projection.
 - Router weight and bias, attention sinks: fp32 copies made once (the router's and the sink's
   math is fp32; converting per step was a copy kernel per layer in every decode step).
@@ -39,17 +40,24 @@ def stack_experts(moe: MoE) -> ExpertWeights:
 
 
 @dataclass(frozen=True)
+class CompressorWeights:
+    proj: torch.Tensor  # [2 c d', D] fp32: wkv over wgate (one GEMM)
+    ape: torch.Tensor  # [r, c d'] fp32: the gate's position bias, row p mod r
+
+
+@dataclass(frozen=True)
 class LayerWeights:
     experts: ExpertWeights
-    compressor: torch.Tensor | None  # [2 c d, D] fp32
-    indexer_compressor: torch.Tensor | None  # [2 c d_I, D] fp32
+    compressor: CompressorWeights | None
+    indexer_compressor: CompressorWeights | None
     gate_weight: torch.Tensor  # [E, D] fp32
     gate_bias: torch.Tensor | None  # [E] fp32 (None: a hash-routed layer)
     attn_sink: torch.Tensor  # [H] fp32
 
 
-def _stacked_fp32(comp) -> torch.Tensor:
-    return torch.cat((comp.wkv.weight, comp.wgate.weight)).float().contiguous()
+def _stacked_fp32(comp) -> CompressorWeights:
+    proj = torch.cat((comp.wkv.weight, comp.wgate.weight)).float().contiguous()
+    return CompressorWeights(proj, comp.ape.float().contiguous())
 
 
 def prepare_weights(model: DeepseekV4) -> tuple[LayerWeights, ...]:
