@@ -187,10 +187,7 @@ def random_model(
             prefix, _, rest = spec.name.partition(".experts.")  # a quantised routed expert
             e, part, _ = rest.split(".")
             weight, scale = moes[prefix].stacked_experts.parts(int(e))[part]
-            codes, scales = _QUANTIZERS[fmt](value)
-            weight.copy_(codes)
-            scale.copy_(scales)
+            stored = encode_tensor(spec.name, value, "bf16", cfg)  # as the writer stores it
+            weight.copy_(stored[spec.name])
+            scale.copy_(stored[spec.name.removesuffix("weight") + "scale"])
     return model.eval()
-
-
-_QUANTIZERS = {"mxfp4": mxfp4_quantize, "fp8": fp8_block_quantize}
