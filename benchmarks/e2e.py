@@ -31,23 +31,13 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "benchm
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.engine_setup import model_config  # noqa: E402
 from dsv4.cluster import AUTO_PORTS, ClusterSpec, LocalCluster, free_port  # noqa: E402
 from dsv4.metrics import scrape  # noqa: E402
-from dsv4.model.config import ModelConfig, flash_config, tiny_config  # noqa: E402
+from dsv4.model.config import ModelConfig  # noqa: E402
 from dsv4.model.tiny import write_model_spec  # noqa: E402
 
 MODES = {"disaggregated": (1, ()), "colocated": (0, ("--role", "colocated"))}
-
-
-def model_config(args) -> ModelConfig:
-    # checkpoint experts: the routed experts drawn and served in MXFP4 (V4-Flash's format)
-    quantized = {"expert_dtype": "fp4"} if args.expert_weights == "checkpoint" else {}
-    if args.dry_run:
-        return tiny_config().with_overrides(num_nextn_predict_layers=0, **quantized)
-    ratios = tuple(int(r) for r in args.layers.split(","))
-    return flash_config(len(ratios), ratios).with_overrides(
-        n_routed_experts=args.experts, num_nextn_predict_layers=0, **quantized
-    )
 
 
 def service_args(args) -> tuple[str, ...]:
@@ -238,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     args.prompt_counts = [int(n) for n in args.prompts_per_rate.split(",")]
     out = args.out_dir
     out.mkdir(parents=True, exist_ok=True)
-    cfg = model_config(args)
+    # no MTP layer (see the module doc); checkpoint experts: MXFP4, V4-Flash's format
+    cfg = model_config(args.layers, args.experts, args.dry_run, expert_weights=args.expert_weights)
     spec_dir = write_model_spec(out / "model", cfg)
     summary: dict = {"model": {"layers": args.layers, "experts": cfg.n_routed_experts,
                                "expert_weights": args.expert_weights, "hidden": cfg.hidden_size,
