@@ -28,10 +28,12 @@ on the dequantised values, as the reference's dequantise-then-GEMM):
   [E, rows, cols/32]. The even and odd columns of the x tile are loaded separately and meet the
   low and high nibbles in two half-K dots, so no nibble interleave is needed.
 
-Shared expert: not fused. In the checkpoints it is FP8 while the routed experts are MXFP4 (one
-launch would need a per-tile format switch), and at 8192 tokens it is a dense [T, D] x [D, 2I]
-GEMM that runs at full tile occupancy on its own; fusing it saves two launches (~10 us of ~6 ms).
-Call `moe_experts` with expert_ids = 0 and one expert's weights for it (`shared_expert`).
+Shared expert: fused only behind `features.fuse_shared_expert` (bf16 experts, decode-sized
+steps: the paged forward routes every token to slot E of the stacked storage). In checkpoints it
+is FP8 while the routed experts are MXFP4 (one launch takes one format), at 8192 tokens it is a
+dense GEMM at full tile occupancy on its own, and on the H200 the fusion paid 1.06x at batch 1
+only while rounding unlike cuBLAS (docs/BENCHMARKS.md), so it is off by default. Call
+`moe_experts` with expert_ids = 0 and one expert's weights for it alone (`shared_expert`).
 """
 
 from __future__ import annotations
