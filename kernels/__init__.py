@@ -8,6 +8,7 @@ switch (`kernels.backend.dispatch` / `resolve`) with a frozen `KernelBackendConf
 from kernels import registry  # noqa: I001  (first: the op modules register into it)
 from kernels.backend import KernelBackendConfig, dispatch, resolve, select_backend
 from kernels.compressor import compressor_step
+from kernels.fp8_linear import fp8_grouped_linear, fp8_linear
 from kernels.indexer import indexer_logits
 from kernels.indexer_select import indexer_select_all, indexer_topk
 from kernels.kv_store import kv_gather, kv_store
@@ -32,6 +33,8 @@ __all__ = [
     "c128_index_table",
     "compressor_step",
     "dispatch",
+    "fp8_grouped_linear",
+    "fp8_linear",
     "hash_route",
     "hc_head",
     "hc_post",

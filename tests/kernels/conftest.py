@@ -27,6 +27,7 @@ if not torch.cuda.is_available():
                 "kernels.indexer_select",
                 "kernels.sparse_attention",
                 "kernels.compressor",
+                "kernels.fp8_linear",
                 "kernels.kv_store",
                 "kernels.moe_align",  # before kernels.moe, which imports it
                 "kernels.moe",

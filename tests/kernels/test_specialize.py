@@ -13,13 +13,15 @@ import kernels
 
 # argument names that carry a token / entry / pair / tile count or a per-step width
 SIZE_NAMES = {"T", "N", "n", "B", "C", "num_pairs", "num_pid_m", "max_tiles", "total",
-              "num_reqs", "split_len", "width", "comp_base", "STRIDE_BT", "stride_bt"}  # fmt: skip
+              "num_reqs", "split_len", "width", "comp_base", "STRIDE_BT", "stride_bt",
+              "num_partials"}  # fmt: skip
 # sizes that are fixed by the model and the layout, not by the step
 FIXED = {
     ("_hc_pre_kernel", "N"),
     ("_hc_finish_kernel", "N"),  # N = mix outputs, M(2 + M)
-    ("_ring_offsets_kernel", "C"),
-}  # C = ring rows per compressed entry
+    ("_ring_offsets_kernel", "C"),  # C = ring rows per compressed entry
+    ("_fp8_linear_kernel", "N"),  # N = a linear's output features
+}
 
 
 def _kernels():
