@@ -126,7 +126,7 @@ def _num_sms(device_index: int) -> int:
 def _config(rows: int, n: int, k: int, groups: int, device: torch.device) -> dict:
     """Tiles and the K split for a [rows, K] x [N, K]^T product per group."""
     if device.type != "cuda":  # interpreter: few, large programs
-        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=4, num_warps=4, num_stages=1,
+        return dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=64, GROUP_M=4, num_warps=4, num_stages=1,
                     splits=1)  # fmt: skip
     if rows <= 64:  # decode: stream the weight, one row tile, fill the SMs by splitting K
         cfg = dict(BLOCK_M=max(16, triton.next_power_of_2(rows)), BLOCK_N=64, BLOCK_K=128,
