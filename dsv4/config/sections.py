@@ -157,6 +157,10 @@ class FeatureSwitches(Section):
         "bf16", "routed experts: bf16 or checkpoint (MXFP4/FP8 as stored, ~1/4 of the bytes)",
         choices=("bf16", "checkpoint"),
     )  # fmt: skip
+    linear_weights: str = setting(
+        "bf16", "attention/shared-expert/MTP linears: bf16 or checkpoint (FP8 as stored, ~1/2 "
+        "of the bytes)", choices=("bf16", "checkpoint"),
+    )  # fmt: skip
     batched_sampling: bool = setting(
         True, "CUDA: sample a step's unseeded rows together on the GPU (off: row by row on CPU)"
     )
@@ -168,6 +172,9 @@ class FeatureSwitches(Section):
         if self.fuse_shared_expert and self.expert_weights == "checkpoint":
             self.fail("fuse_shared_expert", "the grouped GEMM takes one format per launch "
                       "(the shared expert is bf16): off with expert_weights checkpoint")  # fmt: skip
+        if self.fuse_shared_expert and self.linear_weights == "checkpoint":
+            self.fail("fuse_shared_expert", "the grouped GEMM takes one format per launch "
+                      "(the shared expert is FP8): off with linear_weights checkpoint")  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from torch import nn
 
 from dsv4.model.compressor import Compressor
 from dsv4.model.config import ModelConfig
+from dsv4.model.fp8 import grouped_linear
 from dsv4.model.index_cache import TopkRelay
 from dsv4.model.indexer import Indexer
 from dsv4.model.layers import RMSNorm, hot_op, linear, rms_norm
@@ -178,6 +179,5 @@ class Attention(nn.Module):
         cfg = self.cfg
         b, s = o.shape[:2]
         grouped = o.reshape(b, s, cfg.o_groups, -1)  # [B, S, G, (H/G)*hd]
-        wo_a = self.wo_a.weight.view(cfg.o_groups, cfg.o_lora_rank, -1)  # [G, o_lora, (H/G)*hd]
-        z = torch.einsum("bsgk,gok->bsgo", grouped, wo_a)  # [B, S, G, o_lora]
+        z = grouped_linear(self.wo_a, grouped)  # [B, S, G, o_lora]: wo_a [G*o_lora, (H/G)*hd]
         return self.wo_b(z.flatten(2))

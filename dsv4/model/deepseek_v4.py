@@ -24,6 +24,7 @@ from dsv4.model.state import SequenceState
 
 # Parameters kept in fp32 whatever the model dtype (they are fp32 in the checkpoint, §7).
 FP32_PARAM_SUFFIXES = ("_fn", "_base", "_scale", ".ape", ".attn_sink", ".gate.bias")
+_STORED_DTYPES = (torch.float8_e4m3fn, torch.float8_e8m0fnu)
 
 
 @dataclass(frozen=True)
@@ -52,8 +53,11 @@ class DeepseekV4(nn.Module):
         self.fuse_first_hc = True
 
     def cast_(self, dtype: torch.dtype) -> DeepseekV4:
-        """Cast floating parameters to `dtype`, keeping the fp32 ones of §7 in fp32."""
+        """Cast floating parameters to `dtype`, keeping the fp32 ones of §7 in fp32 (and FP8
+        linears held as stored, `dsv4.model.fp8`, as they are)."""
         for name, param in self.named_parameters():
+            if param.dtype in _STORED_DTYPES or name.endswith(".scale"):  # an FP8Linear's
+                continue
             target = torch.float32 if name.endswith(FP32_PARAM_SUFFIXES) else dtype
             param.data = param.data.to(target)
         return self

@@ -51,11 +51,25 @@ def _hc_post(y, x, post, comb):
     return out.view(*lead, m, d)
 
 
+def _fp8_linear(x, weight, scale):
+    from kernels.fp8_linear import fp8_linear
+
+    return fp8_linear(x, weight, scale)  # takes [..., K] as the model passes it
+
+
+def _fp8_grouped_linear(x, weight, scale):
+    from kernels.fp8_linear import fp8_grouped_linear
+
+    return fp8_grouped_linear(x, weight, scale)
+
+
 # model hot op -> (kernel op that decides its backend, adapter)
 BRIDGES: dict[str, tuple[str, Callable[..., Any]]] = {
     "route": ("route", _route),
     "hc_pre": ("hc_pre", _hc_pre),
     "hc_post": ("hc_post", _hc_post),
+    "fp8_linear": ("fp8_linear", _fp8_linear),
+    "fp8_grouped_linear": ("fp8_grouped_linear", _fp8_grouped_linear),
 }
 
 

@@ -89,11 +89,16 @@ def swiglu(
     u: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, limit: float | None
 ) -> torch.Tensor:
     """w2(silu(min(w1 u, limit)) * clamp(w3 u, -limit, limit)); limit None = no clamp."""
-    gate, up = F.linear(u, w1).float(), F.linear(u, w3).float()
+    return F.linear(_gated(F.linear(u, w1), F.linear(u, w3), limit).to(u.dtype), w2)
+
+
+def _gated(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
+    """silu(min(gate, limit)) * clamp(up, -limit, limit) in fp32."""
+    gate, up = gate.float(), up.float()
     if limit is not None:
         gate = gate.clamp(max=limit)
         up = up.clamp(-limit, limit)
-    return F.linear((F.silu(gate) * up).to(u.dtype), w2)
+    return F.silu(gate) * up
 
 
 class ExpertStore(Protocol):
@@ -120,7 +125,9 @@ class Expert(nn.Module):
         self.limit = limit
 
     def forward(self, u: torch.Tensor) -> torch.Tensor:
-        return swiglu(u, self.w1.weight, self.w2.weight, self.w3.weight, self.limit)
+        # through the modules (`swiglu`'s math): dense, or `FP8Linear` for a shared expert
+        # held as stored (features.linear_weights)
+        return self.w2(_gated(self.w1(u), self.w3(u), self.limit).to(u.dtype))
 
 
 class MoE(nn.Module):

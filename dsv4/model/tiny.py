@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 from dsv4.model.config import ModelConfig, flash_config, tiny_config
+from dsv4.model.fp8 import quantized_linears_, served_linear_format
 from dsv4.model.inventory import TensorSpec, checkpoint_tensors, model_tensors, quantized_kind
 from dsv4.model.moe import MoE, quantized_experts_, served_expert_format, stack_experts_
 from dsv4.model.quant import fp8_block_quantize, mxfp4_quantize
@@ -150,6 +151,7 @@ def random_model(
     *,
     draw_on_device: bool = False,
     expert_weights: str = "bf16",
+    linear_weights: str = "bf16",
 ):
     """A model filled in memory from the same initialisers as the checkpoint writer (no I/O).
 
@@ -159,7 +161,9 @@ def random_model(
     (`features.expert_weights`) holds the routed experts as `cfg.expert_dtype` says a checkpoint
     stores them (MXFP4 / FP8): each expert's draw is quantised into the stacked storage, so
     they equal a written checkpoint's experts (other weights stay unrounded) and no dense copy
-    exists. Every other value is the same draw as with "bf16".
+    exists. `linear_weights` "checkpoint" (`features.linear_weights`) likewise holds the FP8
+    linears of an FP8 config as `FP8Linear` (each draw quantised as the writer stores it).
+    Every other value is the same draw as with "bf16".
     """
     from dsv4.model.deepseek_v4 import DeepseekV4
 
@@ -167,6 +171,8 @@ def random_model(
     with torch.device("meta"):
         model = DeepseekV4(cfg).cast_(dtype)  # final dtypes first: no fp32 copy of the model
     fmt = served_expert_format(cfg, expert_weights)
+    if served_linear_format(cfg, linear_weights) == "fp8":
+        quantized_linears_(model, device)
     for block in (*model.layers, *model.mtp):  # routed experts straight into stacked storage:
         if fmt == "bf16":  # stacking them later would hold them twice at once
             stack_experts_(block.ffn, device)
@@ -181,8 +187,13 @@ def random_model(
     with torch.no_grad():
         for spec in model_tensors(cfg, include_mtp=bool(len(model.mtp))):
             value = random_tensor(spec, cfg, gen)
-            if spec.name in state:
-                state[spec.name].copy_(value)  # rounds as .to(dtype)
+            target = state.get(spec.name)
+            if target is not None and target.dtype == torch.float8_e4m3fn:  # an FP8Linear
+                for name, t in encode_tensor(spec.name, value, "bf16", cfg).items():
+                    state[name].copy_(t)  # weight and scale as the writer stores them
+                continue
+            if target is not None:
+                target.copy_(value)  # rounds as .to(dtype)
                 continue
             prefix, _, rest = spec.name.partition(".experts.")  # a quantised routed expert
             e, part, _ = rest.split(".")

@@ -12,7 +12,8 @@ Accepted layouts: one `model.safetensors`, shards listed by `model.safetensors.i
 FP8 linears (e4m3 + 128x128 e8m0 `.scale`) and MXFP4 experts (int8 packed e2m1 + e8m0 `.scale`
 per 32) are dequantised to the parameter dtype, one tensor at a time; with `expert_weights=
 "checkpoint"` the routed experts are instead copied as stored into their stacked storage
-(`dsv4.model.moe.quantized_experts_`, what the paged forward's grouped GEMM reads).
+(`dsv4.model.moe.quantized_experts_`, what the paged forward's grouped GEMM reads), and with
+`linear_weights="checkpoint"` the FP8 linears into `FP8Linear` modules (`dsv4.model.fp8`).
 
 All-or-nothing: every file header is read and every name, shape and dtype validated before the
 first byte is copied, so a missing, unexpected, mis-shaped tensor or an unreadable file raises
@@ -36,6 +37,7 @@ from safetensors import safe_open
 from dsv4.errors import CheckpointError
 from dsv4.model.config import ModelConfig
 from dsv4.model.deepseek_v4 import DeepseekV4
+from dsv4.model.fp8 import FP8Linear, quantized_linears_, served_linear_format
 from dsv4.model.inventory import quantized_kind
 from dsv4.model.moe import MoE, quantized_experts_, served_expert_format
 from dsv4.model.quant import fp8_block_dequantize, mxfp4_dequantize
@@ -157,14 +159,16 @@ def _plan_one(
 _QUANTIZED_DTYPES = {"mxfp4": ("I8", "U8"), "fp8": ("F8_E4M3",)}
 
 
-def _plan_stored(name: str, target: torch.Tensor, dtypes, stored: dict[str, _Stored]) -> Decode:
-    """Validate one tensor copied as stored (a quantised expert's weight or scale)."""
+def _plan_stored(name: str, target: torch.Tensor, dtypes, stored: dict[str, _Stored],
+                 switch: str = "features.expert_weights") -> Decode:  # fmt: skip
+    """Validate one tensor copied as stored (a quantised expert's or linear's weight or scale;
+    `switch` is the setting that asked for it)."""
     entry = stored.get(name)
     if entry is None:
         raise CheckpointError(f"missing tensor {name!r} (expected shape {tuple(target.shape)})")
     if entry.dtype not in dtypes:
         raise CheckpointError(f"tensor {name!r} has dtype {entry.dtype}, expected one of {dtypes} "
-                              "(served as stored: features.expert_weights=checkpoint)")  # fmt: skip
+                              f"(served as stored: {switch}=checkpoint)")  # fmt: skip
     if entry.shape != tuple(target.shape):
         raise CheckpointError(f"tensor {name!r} has shape {entry.shape}, expected "
                               f"{tuple(target.shape)}")  # fmt: skip
@@ -190,13 +194,29 @@ def _plan_quantized_experts(model: DeepseekV4, stored: dict[str, _Stored]):
                                                              _SCALE_DTYPES, stored)  # fmt: skip
 
 
+def _stored_linear_dtypes(model: DeepseekV4) -> dict[str, tuple[str, ...]]:
+    """The state_dict names of the `FP8Linear` modules (held as stored) -> accepted dtypes."""
+    out: dict[str, tuple[str, ...]] = {}
+    for prefix, module in model.named_modules():
+        if isinstance(module, FP8Linear):
+            out[f"{prefix}.weight"] = _QUANTIZED_DTYPES["fp8"]
+            out[f"{prefix}.scale"] = tuple(sorted(_SCALE_DTYPES))
+    return out
+
+
 def load_into(model: DeepseekV4, path: str | Path) -> None:
     """Copy the checkpoint at `path` into `model` (validated first; all-or-nothing)."""
     stored = _read_headers(checkpoint_files(path))
     targets = model.state_dict(keep_vars=True)
+    as_stored = _stored_linear_dtypes(model)
     plan: list[tuple[torch.Tensor, list[str], Decode]] = []
     used: set[str] = set()
     for name, target in targets.items():
+        if name in as_stored:
+            decode = _plan_stored(name, target, as_stored[name], stored, "features.linear_weights")
+            used.add(name)
+            plan.append((target, [name], decode))
+            continue
         names, decode = _plan_one(name, target, stored, model.cfg.fp8_block_size)
         used.update(names)
         plan.append((target, names, decode))
@@ -227,13 +247,17 @@ def load_model(
     device: str | torch.device = "cpu",
     *,
     expert_weights: str = "bf16",
+    linear_weights: str = "bf16",
 ) -> tuple[DeepseekV4, ModelConfig]:
     """Build a `DeepseekV4` for the checkpoint dir `path` and load its weights.
 
     `expert_weights` (`features.expert_weights`): "bf16" dequantises the routed experts to
     `dtype` like every weight; "checkpoint" keeps MXFP4 / FP8 experts as stored, stacked for
     the grouped GEMM (`dsv4.model.moe.quantized_experts_`): about a quarter of the bf16 bytes
-    for MXFP4, and no dense copy at any point of the load."""
+    for MXFP4, and no dense copy at any point of the load. `linear_weights`
+    (`features.linear_weights`) likewise for the FP8 linears: "checkpoint" holds them as
+    `FP8Linear` (e4m3 + block scales, about half the bf16 bytes). Either falls back to
+    `dtype` for a checkpoint whose config says those tensors are not quantised."""
     cfg = ModelConfig.from_file(path)
     stored = _read_headers(checkpoint_files(path))
     if cfg.has_mtp and not any(n.startswith("mtp.") for n in stored):
@@ -249,6 +273,10 @@ def load_model(
         for moe in model.modules():
             if isinstance(moe, MoE):
                 quantized_experts_(moe, fmt, device, scale_dtype)
+    if served_linear_format(cfg, linear_weights) == "fp8":
+        first = stored.get("layers.0.attn.wq_a.scale")
+        scale_dtype = torch.float32 if first is not None and first.dtype == "F32" else None
+        quantized_linears_(model, device, scale_dtype)
     model.to_empty(device=device)
     load_into(model, path)
     return model.eval(), cfg

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dsv4.errors import ConfigError
 from dsv4.model.config import ModelConfig
 from dsv4.model.deepseek_v4 import DeepseekV4
+from dsv4.model.fp8 import FP8Linear
 from dsv4.parallel.attention import TensorParallelAttention
 from dsv4.parallel.group import ParallelGroup
 from dsv4.parallel.moe import ExpertParallelMoE
@@ -47,6 +48,9 @@ def shard_model(model: DeepseekV4, group: ParallelGroup) -> DeepseekV4:
     # Refuse before rewriting anything, so a failed call leaves the model as it was.
     if any(isinstance(block.attn, TensorParallelAttention) for block in blocks):
         raise ConfigError("model", "already sharded", "shard a freshly built model once")
+    if any(isinstance(m, FP8Linear) for m in model.modules()):
+        raise ConfigError("features.linear_weights", "checkpoint", "tensor parallelism slices "
+                          "dense linears: load the linears as bf16")  # fmt: skip
     if any(block.ffn.expert_store is not None for block in blocks):
         raise ConfigError(
             "expert offload", "on", "cannot be combined with expert parallelism: turn one off"

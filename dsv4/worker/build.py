@@ -107,6 +107,7 @@ def load_weights(config: ServeConfig) -> tuple[torch.nn.Module, ModelConfig, Tex
     m = config.model
     dtype = _DTYPES[m.dtype]
     experts = config.features.expert_weights  # "checkpoint": MXFP4 / FP8 experts as stored
+    linears = config.features.linear_weights  # "checkpoint": FP8 linears as stored
     if m.path == "tiny":
         from dsv4.model.config import tiny_config
         from dsv4.model.tiny import random_model
@@ -114,7 +115,7 @@ def load_weights(config: ServeConfig) -> tuple[torch.nn.Module, ModelConfig, Tex
 
         cfg = tiny_config()
         model = random_model(cfg, seed=m.seed, dtype=dtype, device=m.device,
-                             expert_weights=experts)  # fmt: skip
+                             expert_weights=experts, linear_weights=linears)  # fmt: skip
         return model, cfg, TextCodec(build_tokenizer(cfg.vocab_size, cfg.bos_token_id))
     from dsv4.model.weights import load_model
 
@@ -124,9 +125,11 @@ def load_weights(config: ServeConfig) -> tuple[torch.nn.Module, ModelConfig, Tex
         cfg = ModelConfig.from_file(m.model_dir)
         on_gpu = m.device.startswith("cuda")
         model = random_model(cfg, seed=m.seed, dtype=dtype, device=m.device,
-                             draw_on_device=on_gpu, expert_weights=experts)  # fmt: skip
+                             draw_on_device=on_gpu, expert_weights=experts,
+                             linear_weights=linears)  # fmt: skip
     else:
-        model, cfg = load_model(m.path, dtype=dtype, device=m.device, expert_weights=experts)
+        model, cfg = load_model(m.path, dtype=dtype, device=m.device, expert_weights=experts,
+                                linear_weights=linears)  # fmt: skip
     tokenizer_dir = m.tokenizer or m.model_dir
     try:
         codec = TextCodec.from_dir(tokenizer_dir)

@@ -15,8 +15,9 @@ GIB = 1 << 30
 def startup_plan(config: ServeConfig, model_cfg: ModelConfig, gpu_total_bytes: int) -> MemoryPlan:
     """The plan for one worker on one GPU of `gpu_total_bytes`; raises `PlanDoesNotFit`.
 
-    The model holds every linear dequantised to bf16 and the routed experts as
-    `features.expert_weights` says (bf16, or the checkpoint's MXFP4 / FP8), and workers keep
+    The model holds the FP8 linears as `features.linear_weights` says (bf16, or the
+    checkpoint's FP8 with block scales) and the routed experts as `features.expert_weights`
+    says (bf16, or the checkpoint's MXFP4 / FP8), and workers keep
     experts on the GPU (no host offload), so those are the formats and the host budget planned
     for. KV is sized for one maximum-length request: the worker sizes the rest from what
     remains."""
@@ -32,7 +33,7 @@ def startup_plan(config: ServeConfig, model_cfg: ModelConfig, gpu_total_bytes: i
         num_speculative_tokens=spec.num_speculative_tokens if spec.method == "mtp" else 0,
         cuda_graphs=config.features.cuda_graphs and config.features.forward == "paged",
         memory_fraction=config.cache.memory_fraction,
-        formats=WeightFormats("bf16", config.features.expert_weights),
+        formats=WeightFormats(config.features.linear_weights, config.features.expert_weights),
         cache=CacheOptions(
             block_size=config.cache.block_size,
             kv_dtype="fp8" if config.cache.kv_dtype == "auto" else config.cache.kv_dtype,

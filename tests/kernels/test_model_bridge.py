@@ -25,7 +25,8 @@ def test_model_logits_match_with_triton_hot_ops() -> None:
         assert kernel_backend() == "torch"
         reference = model(ids).logits
         chosen = install_kernels(KernelBackendConfig("triton"), DEVICE)
-        assert chosen == {"route": "triton", "hc_pre": "triton", "hc_post": "triton"}
+        assert set(chosen) == {"route", "hc_pre", "hc_post", "fp8_linear", "fp8_grouped_linear"}
+        assert set(chosen.values()) == {"triton"}
         fused = model(ids).logits
     finally:
         install_kernels(KernelBackendConfig("ref"), DEVICE)

@@ -122,6 +122,12 @@ BAD = {
         "features.fuse_shared_expert",
         "one format per launch",
     ),
+    "linear weights": ({"features.linear_weights": "fp8"}, "linear_weights", "bf16, checkpoint"),
+    "fused shared expert, stored linears": (
+        {"features.linear_weights": "checkpoint", "features.fuse_shared_expert": True},
+        "features.fuse_shared_expert",
+        "the shared expert is FP8",
+    ),
 }
 
 
@@ -190,6 +196,16 @@ def test_expert_weights_switch_round_trips(tmp_path: Path) -> None:
     config = config_from_args(_parse(["--expert-weights", "checkpoint"]), {})
     assert config.features.expert_weights == "checkpoint"
     assert load_config({}, None, {"DSV4_EXPERT_WEIGHTS": "checkpoint"}) == config
+    path = _yaml(tmp_path, config_to_yaml(config, redact_secrets=False))
+    assert load_config({}, path, {}) == config
+
+
+def test_linear_weights_switch_round_trips(tmp_path: Path) -> None:
+    """FP8 linears as stored is one switch: flag, env, YAML; bf16 by default."""
+    assert load_config({}, None, {}).features.linear_weights == "bf16"
+    config = config_from_args(_parse(["--linear-weights", "checkpoint"]), {})
+    assert config.features.linear_weights == "checkpoint"
+    assert load_config({}, None, {"DSV4_LINEAR_WEIGHTS": "checkpoint"}) == config
     path = _yaml(tmp_path, config_to_yaml(config, redact_secrets=False))
     assert load_config({}, path, {}) == config
 

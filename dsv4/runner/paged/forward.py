@@ -18,6 +18,7 @@ import torch
 from dsv4.errors import ConfigError
 from dsv4.model.block import Block
 from dsv4.model.deepseek_v4 import DeepseekV4
+from dsv4.model.fp8 import FP8Linear
 from dsv4.model.moe import MoE
 from dsv4.runner.paged.attention import attention_layer
 from dsv4.runner.paged.forward_state import ForwardState, PagedSwitches
@@ -63,7 +64,7 @@ class PagedForward:
         self.switches = switches
         self.weights = prepare_weights(model)
         if switches.fuse_shared_expert:
-            _check_fusable(self.weights)
+            _check_fusable(model, self.weights)
         self.device = model.embed.weight.device
         dev = self.device
         self._ops = {name: resolve(name, kernels, dev) for name in
@@ -176,9 +177,16 @@ class PagedForward:
         return y.to(u.dtype)
 
 
-def _check_fusable(weights: tuple[LayerWeights, ...]) -> None:
+def _check_fusable(model: DeepseekV4, weights: tuple[LayerWeights, ...]) -> None:
     """The grouped GEMM takes one weight format per launch: the shared expert (dequantised at
-    load) cannot join routed experts held in the checkpoint's MXFP4 / FP8."""
+    load) cannot join routed experts held in the checkpoint's MXFP4 / FP8, nor can a shared
+    expert held as FP8 (`features.linear_weights=checkpoint`) join bf16 ones."""
+    shared = [m.shared_experts for m in model.modules() if isinstance(m, MoE)]
+    if any(s is not None and isinstance(s.w1, FP8Linear) for s in shared):
+        raise ConfigError("features.fuse_shared_expert", True,
+                          "the shared expert is held as FP8 (features.linear_weights="
+                          "checkpoint) and one grouped GEMM takes one format: turn "
+                          "fuse_shared_expert off or serve linear_weights=bf16")  # fmt: skip
     for lw in weights:
         if lw.experts.is_quantized:
             raise ConfigError("features.fuse_shared_expert", True,
