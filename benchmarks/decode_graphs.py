@@ -68,6 +68,12 @@ def _bucket_contexts(contexts, k: int) -> list[int]:
     return sorted(c + 128 + k for c in contexts)  # a decode at position c + a few drafts
 
 
+def _format_tags(args) -> str:
+    """The served weight formats, in each record's shape (bf16: no tag)."""
+    tags = ",experts=mxfp4" if args.expert_weights == "checkpoint" else ""
+    return tags + (",linears=fp8" if args.linear_weights == "checkpoint" else "")
+
+
 def _save(args) -> None:
     """Results so far (a device call may end before the benchmark does)."""
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -127,7 +133,7 @@ def run_plain(args, model, kernels) -> None:
                         print(f"  attribution {name} B={b}: {found}", flush=True)
             runner.paged, runner.graphs, model.fuse_first_hc = forwards["all_on"], None, True
             shape = f"B={b},ctx={ctx},layers={args.layers},E={model.cfg.n_routed_experts}"
-            shape += ",experts=mxfp4" if args.expert_weights == "checkpoint" else ""
+            shape += _format_tags(args)
             on = times.get("graph:all_on", times["eager:all_on"])
             records.append(es.record("decode_tpot_graphs", shape, on, "eager paged step (all "
                                      "switches on)", times["eager:all_on"], 100 * floor / on))  # fmt: skip
@@ -164,7 +170,7 @@ def run_mtp(args, model, kernels) -> None:
                 runner.graphs = runner.spec.graphs = runner.spec.mtp.graphs = graphs
                 floor = es.decode_floor_ms(model, b, ctx, runner.cache.layout.kv_entry_bytes)
                 shape = f"B={b},ctx={ctx},k={k},tokens_per_step={expected:.2f}"
-                shape += ",experts=mxfp4" if args.expert_weights == "checkpoint" else ""
+                shape += _format_tags(args)
                 tpot = times["graph"] / expected
                 # the floor of a one-token step over the spec step: the share of the card
                 # a spec step uses (per token it would exceed 100%)
@@ -205,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", choices=("plain", "mtp"), default=None)
     parser.add_argument("--expert-weights", choices=("bf16", "checkpoint"), default="bf16",
                         help="routed experts in bf16 or MXFP4 as a checkpoint stores them")  # fmt: skip
+    parser.add_argument("--linear-weights", choices=("bf16", "checkpoint"), default="bf16",
+                        help="attention/shared-expert/MTP linears in bf16 or FP8 (128x128 "
+                        "block scales) as a checkpoint stores them")  # fmt: skip
     parser.add_argument(
         "--variants",
         default=",".join(GRAPH_VARIANTS[1:]),
@@ -220,9 +229,9 @@ def main(argv: list[str] | None = None) -> int:
     args.variant_list = [v for v in args.variants.split(",") if v]
     args.batch_list = [int(b) for b in args.batches.split(",")]
     args.context_list = [int(c) for c in args.contexts.split(",")]
-    cfg = es.model_config(args.layers, args.experts, args.dry_run, mtp=True,
-                          expert_weights=args.expert_weights)  # fmt: skip
-    model, kernels = es.build_model(cfg, args.dry_run, expert_weights=args.expert_weights)
+    formats = dict(expert_weights=args.expert_weights, linear_weights=args.linear_weights)
+    cfg = es.model_config(args.layers, args.experts, args.dry_run, mtp=True, **formats)
+    model, kernels = es.build_model(cfg, args.dry_run, **formats)
     if args.only in (None, "plain"):
         run_plain(args, model, kernels)
         gc.collect()  # the plain core and its graphs

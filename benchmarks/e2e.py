@@ -45,7 +45,8 @@ def service_args(args) -> tuple[str, ...]:
     return ("--device", device, "--max-model-len", str(args.max_model_len),
             "--max-num-seqs", str(args.max_num_seqs), "--num-blocks", str(args.num_blocks),
             "--max-num-batched-tokens", str(args.budget), "--log-level", "warning",
-            "--expert-weights", args.expert_weights, *args.extra_service_args)  # fmt: skip
+            "--expert-weights", args.expert_weights, "--linear-weights", args.linear_weights,
+            *args.extra_service_args)  # fmt: skip
 
 
 def loadtest(target: str, out: Path, label: str, rate: str, num_prompts: int, input_len: int,
@@ -161,7 +162,7 @@ def transformers_baseline(cfg: ModelConfig, args) -> dict:
     except ImportError as exc:
         return {"error": f"transformers has no DeepSeek-V4: {exc}"}
     device = "cpu" if args.dry_run else "cuda"
-    hf_cfg = DeepseekV4Config(**cfg.to_hf_dict())
+    hf_cfg = DeepseekV4Config(**cfg.with_overrides(linear_dtype="bf16").to_hf_dict())  # dense
     with torch.device(device):
         model = DeepseekV4ForCausalLM(hf_cfg).to(torch.bfloat16).eval()
     ids = torch.randint(2, cfg.vocab_size, (1, args.probe_prompt), device=device)
@@ -218,6 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--extra-service-args", nargs="*", default=[])
     ap.add_argument("--expert-weights", choices=("bf16", "checkpoint"), default="bf16",
                     help="routed experts served in bf16 or as the checkpoint's MXFP4")  # fmt: skip
+    ap.add_argument("--linear-weights", choices=("bf16", "checkpoint"), default="bf16",
+                    help="attention/shared-expert linears served in bf16 or as the checkpoint's "
+                    "FP8 (128x128 block scales)")  # fmt: skip
     args = ap.parse_args(argv)
     if args.dry_run:
         args.rates, args.prompts_per_rate, args.input_len, args.output_len = "4,8", "4,6", 96, 8
@@ -228,11 +232,14 @@ def main(argv: list[str] | None = None) -> int:
     args.prompt_counts = [int(n) for n in args.prompts_per_rate.split(",")]
     out = args.out_dir
     out.mkdir(parents=True, exist_ok=True)
-    # no MTP layer (see the module doc); checkpoint experts: MXFP4, V4-Flash's format
-    cfg = model_config(args.layers, args.experts, args.dry_run, expert_weights=args.expert_weights)
+    # no MTP layer (see the module doc); checkpoint experts: MXFP4, V4-Flash's format; checkpoint
+    # linears: FP8 e4m3 with 128x128 block scales
+    cfg = model_config(args.layers, args.experts, args.dry_run, expert_weights=args.expert_weights,
+                       linear_weights=args.linear_weights)  # fmt: skip
     spec_dir = write_model_spec(out / "model", cfg)
     summary: dict = {"model": {"layers": args.layers, "experts": cfg.n_routed_experts,
-                               "expert_weights": args.expert_weights, "hidden": cfg.hidden_size,
+                               "expert_weights": args.expert_weights,
+                               "linear_weights": args.linear_weights, "hidden": cfg.hidden_size,
                                "dry_run": args.dry_run}}  # fmt: skip
     for mode in args.modes.split(","):
         try:

@@ -56,23 +56,28 @@ VARIANTS: dict[str, tuple[MetadataSwitches, PagedSwitches, dict[str, str], bool]
 
 
 def model_config(layers: str, experts: int, dry_run: bool, mtp: bool = False,
-                 expert_weights: str = "bf16") -> ModelConfig:  # fmt: skip
+                 expert_weights: str = "bf16", linear_weights: str = "bf16") -> ModelConfig:  # fmt: skip
     """`expert_weights` "checkpoint": the routed experts are MXFP4 (V4-Flash's checkpoint format)
-    and served so (`features.expert_weights`)."""
+    and served so (`features.expert_weights`); `linear_weights` "checkpoint": the attention,
+    shared-expert and MTP linears are FP8 with 128x128 block scales, served so
+    (`features.linear_weights`)."""
     ratios = tuple(int(r) for r in layers.split(","))
     over = {"num_nextn_predict_layers": 1 if mtp else 0}
     if expert_weights == "checkpoint":
         over["expert_dtype"] = "fp4"
+    if linear_weights == "checkpoint":
+        over["linear_dtype"] = "fp8"
     if dry_run:
         return tiny_config().with_overrides(**over)
     return flash_config(len(ratios), ratios).with_overrides(n_routed_experts=experts, **over)
 
 
-def build_model(cfg: ModelConfig, dry_run: bool, seed: int = 0, expert_weights: str = "bf16"):
+def build_model(cfg: ModelConfig, dry_run: bool, seed: int = 0, expert_weights: str = "bf16",
+                linear_weights: str = "bf16"):  # fmt: skip
     device = "cpu" if dry_run else "cuda"
     dtype = torch.bfloat16
     model = random_model(cfg, seed=seed, dtype=dtype, device=device, draw_on_device=not dry_run,
-                         expert_weights=expert_weights)  # fmt: skip
+                         expert_weights=expert_weights, linear_weights=linear_weights)  # fmt: skip
     kernels = KernelBackendConfig(default="ref" if dry_run else "triton")
     install_kernels(kernels, device)  # the reference forward's hot ops, too
     return model, kernels
@@ -126,7 +131,8 @@ def timed(fn, device: torch.device, repeats: int, warmup: int) -> float:
 
 
 def param_bytes(model) -> tuple[int, int]:
-    """(bytes of every non-routed-expert weight, bytes of one routed expert)."""
+    """(bytes of every non-routed-expert weight, bytes of one routed expert), as held (FP8
+    linears: their e4m3 weights and scales)."""
     dense = expert = 0
     for name, p in model.named_parameters():
         if ".experts." in name:

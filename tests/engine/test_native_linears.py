@@ -170,3 +170,35 @@ def test_unsupported_combinations_are_refused(models) -> None:
     with pytest.raises(ConfigError, match="tensor parallelism") as info:
         shard_model(models[1], ParallelGroup.single())
     assert info.value.field_name == "features.linear_weights"
+
+
+def test_offload_keeps_the_fp8_linears(checkpoint, models) -> None:
+    """Expert offload moves routed experts only: the FP8 linears stay as loaded."""
+    from dsv4.model.offload import offload_model
+
+    native = load_model(checkpoint, linear_weights="checkpoint")[0]  # offload consumes it
+    offload_model(native, num_offloaded=5, cache_slots=2)
+    assert _fp8_modules(native)
+    with torch.no_grad():
+        ids = torch.arange(2, 30)[None]
+        assert torch.equal(native(ids).logits, models[0](ids).logits)
+
+
+def test_decode_benchmark_serves_fp8_linears(tmp_path) -> None:
+    """`benchmarks/decode_graphs.py --linear-weights checkpoint` (the GPU A/B against bf16
+    linears) runs end to end on the CPU, and its read floor counts the FP8 bytes."""
+    from benchmarks import decode_graphs
+    from benchmarks import engine_setup as es
+
+    out = tmp_path / "decode.json"
+    argv = ["--dry-run", "--out", str(out), "--only", "plain", "--variants", "",
+            "--linear-weights", "checkpoint"]  # fmt: skip
+    assert decode_graphs.main(argv) == 0
+    records = json.loads(out.read_text())
+    assert records and all("linears=fp8" in r["shape"] for r in records)
+    cfg = es.model_config("0,4,128,4", 8, True, linear_weights="checkpoint")
+    model, _ = es.build_model(cfg, True, linear_weights="checkpoint")
+    dense, _ = es.build_model(es.model_config("0,4,128,4", 8, True), True)
+    fp8 = sum(m.weight.numel() for m in _fp8_modules(model).values())
+    scales = sum(m.scale.numel() for m in _fp8_modules(model).values())
+    assert es.param_bytes(dense)[0] - es.param_bytes(model)[0] == fp8 - scales  # 2 B -> 1 B

@@ -114,3 +114,19 @@ def test_fp8_linear_is_graph_capturable_gpu():
         y = fp8_linear(x, w, s)
     graph.replay()
     assert torch.equal(y, want)
+
+
+def test_benchmark_dry_run(tmp_path):
+    """benchmarks/kernels_linear.py --dry-run (CPU, tiny shapes, references) writes its records."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "kernels_linear.py"
+    spec = importlib.util.spec_from_file_location("bench_kernels_linear", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "l.json"
+    assert bench.main(["--dry-run", "--out", str(out)]) == 0
+    records = json.loads(out.read_text())
+    assert {r["name"] for r in records} == {"fp8_linear", "fp8_grouped_linear"}

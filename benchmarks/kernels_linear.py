@@ -1,0 +1,96 @@
+"""FP8 weight-only linears on one GPU: the fp8_linear kernel against cuBLAS on bf16 weights.
+
+    python benchmarks/kernels_linear.py         # H200: writes results/kernels-linear-h200.json
+    python benchmarks/kernels_linear.py --dry-run --out /tmp/l.json   # CPU: tiny shapes, refs
+
+Same record format and timing as benchmarks/kernels.py (CUDA-graph replays; pct_roofline is
+the larger of bandwidth / 4.3 TB/s and FLOP/s / 790 TFLOP/s over compulsory traffic and work).
+The V4-Flash linears that checkpoints store as FP8 (`features.linear_weights=checkpoint`), at
+decode rows (1, 16, 64: weight-bandwidth-bound, the FP8 weight is half the bf16 bytes) and
+prefill rows (1024, 8192: compute-bound), with UE8M0 scales:
+- fp8_linear: wkv [512, 4096], wq_a [1024, 4096], wq_b [32768, 1024], wo_b [4096, 8192],
+  shared expert w1 [2048, 4096] and w2 [4096, 2048], e_proj [4096, 4096], against F.linear on
+  the same weight dequantised to bf16 (what `linear_weights=bf16` serves);
+- fp8_grouped_linear: wo_a, 8 groups of [1024, 4096], against the bf16 einsum of the model.
+Bytes = the FP8 weight + scales + x + y; FLOPs = 2 T N K.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if sys.path and Path(sys.path[0] or ".").resolve() == Path(__file__).resolve().parent:
+    sys.path[0] = str(ROOT)  # this folder first on sys.path would shadow `kernels`
+elif str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.harness import Case, bench_main, measure, warm_up_clocks  # noqa: E402
+from dsv4.model.quant import fp8_block_dequantize, fp8_block_quantize  # noqa: E402
+from kernels.fp8_linear import (  # noqa: E402
+    fp8_grouped_linear,
+    fp8_grouped_linear_ref,
+    fp8_linear,
+    fp8_linear_ref,
+)
+
+DEFAULT_OUT = ROOT / "benchmarks" / "results" / "kernels-linear-h200.json"
+GPU_SIZES = {"rows": [1, 16, 64, 1024, 8192], "groups": (8, 1024, 4096),
+             "linears": {"wkv": (512, 4096), "wq_a": (1024, 4096), "wq_b": (32768, 1024),
+                         "wo_b": (4096, 8192), "shared_w1": (2048, 4096),
+                         "shared_w2": (4096, 2048), "e_proj": (4096, 4096)}}  # fmt: skip
+DRY_SIZES = {"rows": [3], "groups": (2, 64, 256), "linears": {"wq_a": (128, 256)}}
+
+
+def _weight(n: int, k: int, dev):
+    w = torch.randn(n, k, device=dev) / k**0.5
+    codes, scale = fp8_block_quantize(w)
+    return codes, scale, fp8_block_dequantize(codes, scale, 128, torch.bfloat16)
+
+
+def _linear_cases(dev, sizes, dry) -> Iterator[Case]:
+    fast = fp8_linear_ref if dry else fp8_linear
+    for name, (n, k) in sizes["linears"].items():
+        codes, scale, dense = _weight(n, k, dev)
+        for t in sizes["rows"]:
+            x = torch.randn(t, k, device=dev, dtype=torch.bfloat16)
+            yield Case("fp8_linear", f"{name},T={t},N={n},K={k}",
+                       lambda f=fast, a=(x, codes, scale): f(*a), "cuBLAS bf16 F.linear",
+                       lambda a=(x, dense): torch.nn.functional.linear(*a),
+                       n * k + scale.numel() + 2 * t * (n + k), 2.0 * t * n * k)  # fmt: skip
+        del codes, scale, dense
+
+
+def _grouped_cases(dev, sizes, dry) -> Iterator[Case]:
+    g, n, k = sizes["groups"]
+    codes, scale, dense = _weight(g * n, k, dev)
+    w = dense.view(g, n, k)
+    fast = fp8_grouped_linear_ref if dry else fp8_grouped_linear
+    for t in sizes["rows"]:
+        x = torch.randn(1, t, g, k, device=dev, dtype=torch.bfloat16)
+        yield Case("fp8_grouped_linear", f"wo_a,T={t},G={g},N={n},K={k}",
+                   lambda f=fast, a=(x, codes, scale): f(*a), "bf16 einsum (the model's)",
+                   lambda a=x: torch.einsum("bsgk,gok->bsgo", a, w),
+                   g * n * k + scale.numel() + 2 * t * g * (n + k), 2.0 * t * g * n * k)  # fmt: skip
+
+
+def run(dry_run: bool, only: str = "") -> list[dict]:
+    dev = "cpu" if dry_run else "cuda"
+    sizes = DRY_SIZES if dry_run else GPU_SIZES
+    torch.manual_seed(0)
+    if not dry_run:
+        warm_up_clocks()
+    cases = (c for gen in (_linear_cases, _grouped_cases) for c in gen(dev, sizes, dry_run))
+    return list(measure(cases, dry_run, only))
+
+
+def main(argv: list[str] | None = None) -> int:
+    return bench_main(__doc__.split("\n")[0], run, DEFAULT_OUT, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
