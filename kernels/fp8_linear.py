@@ -99,7 +99,8 @@ def _fp8_linear_kernel(
         acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
     if ROUND_OUT:  # the interpreter truncates on the cast; the GPU rounds
         acc = _bf16_rne(acc)
-    out_at = out_ptr + pid_s * stride_os + rows.to(tl.int64)[:, None] * stride_ot + g * stride_og
+    out_at = (out_ptr + pid_s.to(tl.int64) * stride_os + rows.to(tl.int64)[:, None] * stride_ot
+              + g * stride_og)  # fmt: skip
     tl.store(out_at + n[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & n_ok[None, :])  # fmt: skip
 
@@ -111,8 +112,10 @@ def _fp8_linear_reduce_kernel(part_ptr, y_ptr, total, num_partials, ROUND_BF16: 
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = i < total
     acc = tl.zeros([BLOCK], tl.float32)
-    for s in range(num_partials):
-        acc += tl.load(part_ptr + s * total + i, mask=ok, other=0.0)
+    parts = part_ptr + i
+    for _ in range(num_partials):
+        acc += tl.load(parts, mask=ok, other=0.0)
+        parts += total  # a pointer step: no int32 product s * total
     if ROUND_BF16:
         acc = _bf16_rne(acc)
     tl.store(y_ptr + i, acc.to(y_ptr.dtype.element_ty), mask=ok)
