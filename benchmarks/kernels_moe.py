@@ -16,8 +16,6 @@ bandwidth / 4.3 TB/s and FLOP/s / 790 TFLOP/s over compulsory traffic and work).
   launch vs the always-launched compress kernel + save; CUDA-graph replays. Target >= 1.8x.
   Also a step where all 64 tokens complete a ratio-128 window (the compress kernel's own cost)
   against the torch reference.
-- moe_mxfp4: MXFP4 experts at 1-8192 tokens through tl.dot_scaled vs the hand nibble decode,
-  and (moe_mxfp4_vs_bf16) vs bf16 experts on the same routing; CUDA-graph replays.
 - sample: FlashInfer top-k/top-p sampling vs the batched torch path at batch 64, vocab 129,280.
 """
 
@@ -42,11 +40,10 @@ from kernels.moe_align import moe_align, moe_align_ref  # noqa: E402
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "kernels-moe-h200.json"
 GPU_SIZES = {"dim": 4096, "inter": 2048, "experts": 256, "k": 6, "moe_tokens": [8192, 64],
-             "mx_tokens": [1, 16, 64, 1024, 8192],
              "formats": ["bf16", "fp8", "mxfp4"], "decode": 64, "align_tokens": [1, 16, 64],
              "compressors": [(128, 512, "fp8_ue8m0"), (4, 512, "fp8_ue8m0"), (4, 128, "mxfp4")],
              "batch": 64, "vocab": 129280}  # fmt: skip
-DRY_SIZES = {"dim": 64, "inter": 32, "experts": 4, "k": 2, "moe_tokens": [5], "mx_tokens": [3],
+DRY_SIZES = {"dim": 64, "inter": 32, "experts": 4, "k": 2, "moe_tokens": [5],
              "formats": ["bf16", "mxfp4"], "decode": 3, "align_tokens": [3],
              "compressors": [(8, 64, "fp8_ue8m0"), (4, 64, "mxfp4")],
              "batch": 3, "vocab": 100}  # fmt: skip
@@ -83,35 +80,6 @@ def _moe_cases(dev, sizes, dry) -> Iterator[Case]:
                        lambda a=args: moe.moe_experts_ref(*a),
                        hit * per_expert + t * d * 6, 6.0 * t * k * d * i, graph=False)  # fmt: skip
         del w13, w2, s13, s2
-
-
-def _mxfp4_cases(dev, sizes, dry) -> Iterator[Case]:
-    """The served decode/prefill sizes: MXFP4 through tl.dot_scaled against the hand-written
-    nibble decode, and against the same routing on bf16 experts (CUDA-graph replays)."""
-    d, i, e, k = sizes["dim"], sizes["inter"], sizes["experts"], sizes["k"]
-    mx, bf = _expert_weights(sizes, "mxfp4", dev), _expert_weights(sizes, "bf16", dev)
-    per_expert = sum(t[0].numel() * t.element_size() for t in mx)
-    fn = moe.moe_experts_ref if dry else moe.moe_experts
-    hand = {} if dry else {"tune": {"MX_DOT": False, "BLOCK_K": 64}}
-    for t in sizes["mx_tokens"]:
-        x = torch.randn(t, d, device=dev, dtype=torch.bfloat16)
-        ids = torch.rand(t, e, device=dev).argsort(1)[:, :k].to(torch.int32)
-        w = torch.rand(t, k, device=dev) + 0.1
-        a_mx, a_bf = (x, ids, w, *mx[:2], "mxfp4", *mx[2:], 10.0), (x, ids, w, *bf[:2])
-        work = dict(num_bytes=ids.unique().numel() * per_expert + t * d * 6,
-                    flops=6.0 * t * k * d * i, graph=not dry)  # fmt: skip
-        shape = f"T={t},D={d},I={i},E={e},K={k}"
-        yield Case(
-            "moe_mxfp4",
-            f"{shape},dot_scaled",
-            lambda a=a_mx: fn(*a),
-            "hand nibble decode (BLOCK_K 64)",
-            lambda a=a_mx: fn(*a, **hand),
-            **work,
-        )
-        yield Case("moe_mxfp4_vs_bf16", f"{shape},dot_scaled", lambda a=a_mx: fn(*a),
-                   "bf16 experts, same kernel", lambda a=a_bf: fn(*a, "bf16", None, None, 10.0),
-                   **work)  # fmt: skip
 
 
 def _align_cases(dev, sizes, dry) -> Iterator[Case]:
@@ -197,8 +165,7 @@ def run(dry_run: bool, only: str = "") -> list[dict]:
     # (case name, its generator): a generator whose cases `only` excludes is never started,
     # so `--only moe_align` does not first build 256 experts' weights in three formats
     gens = (("compressor_step", _compressor_cases), ("sample", _sampling_cases),
-            ("moe_align", _align_cases), ("moe_experts", _moe_cases),
-            ("moe_mxfp4_vs_bf16", _mxfp4_cases))  # fmt: skip
+            ("moe_align", _align_cases), ("moe_experts", _moe_cases))  # fmt: skip
     cases = (c for name, gen in gens if only in name for c in gen(dev, sizes, dry_run))
     return list(measure(cases, dry_run, only))
 
