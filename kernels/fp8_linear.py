@@ -52,11 +52,14 @@ def _tile_ids(num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 @triton.jit
 def _block_scale(s_rows, n_ok, k0, stride_sk, SCALE_E8M0: tl.constexpr):
     """The [BLOCK_N] fp32 scales of weight rows `s_rows` (pointers) at K step k0."""
+    # one return: Triton 3.6 type-checks every return of a jit function, constexpr-dead or not
     if SCALE_E8M0:
         sb = tl.load(s_rows + (k0 // 128) * stride_sk, mask=n_ok, other=127).to(tl.int32) & 0xFF
         # byte 0 is 2^-127, an fp32 subnormal (0 << 23 would read as zero)
-        return tl.where(sb == 0, 5.877471754111438e-39, (sb << 23).to(tl.float32, bitcast=True))
-    return tl.load(s_rows + (k0 // 128) * stride_sk, mask=n_ok, other=1.0)
+        scale = tl.where(sb == 0, 5.877471754111438e-39, (sb << 23).to(tl.float32, bitcast=True))
+    else:
+        scale = tl.load(s_rows + (k0 // 128) * stride_sk, mask=n_ok, other=1.0)
+    return scale
 
 
 @triton.jit(**sizes_vary("T", "split_len"))
