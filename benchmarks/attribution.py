@@ -25,7 +25,7 @@ COMPONENTS = (
     ("mhc", ("_hc_pre_kernel", "_hc_finish_kernel", "_hc_post_kernel")),
     ("norm_rope", ("_norm_rope_kernel",)),
     ("metadata", ("_range_slots_kernel", "_token_to_req_kernel", "_c4_topk_slots_kernel")),
-    ("dense_gemm", ("gemm", "gemv", "cutlass", "xmma", "nvjet", "splitk", "sm90_")),
+    ("dense_gemm", ("gemm", "gemv", "cutlass", "xmma", "nvjet", "splitk", "sm90_", "_fp8_linear")),
     ("sort_scan", ("sort", "scan", "radix", "bincount", "scatter", "searchsorted")),
 )
 

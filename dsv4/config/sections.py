@@ -154,12 +154,13 @@ class FeatureSwitches(Section):
         "(H200: 1.06x at batch 1; its GEMM rounds unlike cuBLAS's, so tokens may differ)",
     )
     expert_weights: str = setting(
-        "bf16", "routed experts: bf16 or checkpoint (MXFP4/FP8 as stored, ~1/4 of the bytes)",
+        "bf16", "routed experts: bf16 or checkpoint (MXFP4/FP8 as stored, ~1/4 of the bytes; "
+        "slower than bf16 on an H200)",
         choices=("bf16", "checkpoint"),
     )  # fmt: skip
     linear_weights: str = setting(
         "bf16", "attention/shared-expert/MTP linears: bf16 or checkpoint (FP8 as stored, ~1/2 "
-        "of the bytes)", choices=("bf16", "checkpoint"),
+        "of the bytes; slower than bf16 on an H200)", choices=("bf16", "checkpoint"),
     )  # fmt: skip
     batched_sampling: bool = setting(
         True, "CUDA: sample a step's unseeded rows together on the GPU (off: row by row on CPU)"
