@@ -1,0 +1,149 @@
+"""Compile the kernels the interpreter ran for Hopper (sm_90), on the CPU, with no GPU.
+
+The CPU interpreter executes a kernel's Python, so it accepts code that Triton's compiler
+rejects: one H200 call was lost to `_block_scale` returning a uint8 load in one constexpr branch
+and an fp32 in the other ("Inconsistent return types"), which the interpreter never checks.
+Triton's wheel carries the whole CUDA pipeline (TTIR -> TTGIR -> LLVM -> PTX -> cubin with its
+own ptxas), so the same launches can be compiled for `GPUTarget("cuda", 90, 32)` here.
+
+`record_launches()` wraps the interpreter's launch and keeps, per kernel, the first launch of
+each distinct constexpr set (the compile key that matters here): argument types from the
+tensors and scalars passed, constexpr values, num_warps / num_stages. `compile_recorded()`
+compiles them in a child process without TRITON_INTERPRET (there `@triton.jit` builds real
+JITFunctions, which the compiler needs for the kernels' callees). It compiles with this
+machine's Triton, which may be newer than a GPU host's: a check of the code, not of that host.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import pickle
+import subprocess
+import sys
+from dataclasses import astuple, dataclass
+from pathlib import Path
+
+import torch
+
+_TORCH_TO_TRITON = {
+    torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64",
+    torch.int8: "i8", torch.uint8: "u8", torch.int16: "i16", torch.int32: "i32",
+    torch.int64: "i64", torch.bool: "i1", torch.float8_e4m3fn: "fp8e4nv",
+    torch.float8_e5m2: "fp8e5",
+}  # fmt: skip
+_LAUNCH_OPTIONS = ("num_warps", "num_stages")
+MAX_VARIANTS = 3  # constexpr sets kept per kernel
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch as the compiler needs it (picklable: no tensors)."""
+
+    module: str
+    name: str
+    signature: tuple[tuple[str, str], ...]  # (parameter, triton type or "constexpr")
+    constexprs: tuple[tuple[str, object], ...]
+    options: tuple[tuple[str, int], ...]
+
+
+def _arg_type(value) -> str | None:
+    if isinstance(value, torch.Tensor):
+        return "*" + _TORCH_TO_TRITON[value.dtype]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -(2**31) <= value < 2**31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    return None  # None and other values compile as constexprs
+
+
+def launch_of(kernel, args: tuple, kwargs: dict) -> Launch | None:
+    """The Launch of `kernel(*args, **kwargs)`; None when an argument cannot be typed."""
+    params = inspect.signature(kernel.fn).parameters
+    bound = dict(zip(kernel.arg_names, args, strict=False))
+    bound.update({k: v for k, v in kwargs.items() if k in params})
+    signature, constexprs = [], []
+    for name, param in params.items():
+        if name not in bound:
+            if param.default is inspect.Parameter.empty:
+                return None
+            bound[name] = param.default
+        value = bound[name]
+        if "constexpr" in str(param.annotation) or _arg_type(value) is None:
+            constexprs.append((name, getattr(value, "value", value)))
+            signature.append((name, "constexpr"))
+        else:
+            signature.append((name, _arg_type(value)))
+    options = tuple((k, int(kwargs[k])) for k in _LAUNCH_OPTIONS if k in kwargs)
+    module = kernel.fn.__module__
+    return Launch(module, kernel.fn.__name__, tuple(signature), tuple(constexprs), options)
+
+
+# (module, kernel) -> its recorded launches; filled once `record_launches()` ran. Import this
+# module only as `tests.kernels.sm90_build`, so there is one such dict.
+RECORDED: dict[tuple[str, str], list[Launch]] = {}
+
+
+def record_launches() -> None:
+    """Wrap the interpreter's launch so that every kernel launch fills RECORDED."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    seen, run = RECORDED, InterpretedFunction.run
+    if getattr(run, "records", False):
+        return
+
+    def recording_run(self, *args, grid, warmup, **kwargs):
+        if self.fn.__module__.startswith("kernels."):
+            launch = launch_of(self, args, kwargs)
+            if launch is not None:
+                kept = seen.setdefault((launch.module, launch.name), [])
+                if len(kept) < MAX_VARIANTS and all(k.constexprs != launch.constexprs
+                                                    for k in kept):  # fmt: skip
+                    kept.append(launch)
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    recording_run.records = True
+    InterpretedFunction.run = recording_run
+
+
+def compile_recorded(launches: list[Launch], timeout_s: float = 600.0) -> list[str]:
+    """Compile every launch for sm_90 in a child process; returns one line per failure."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"  # Triton 3.9 warns on every compile otherwise
+    root = Path(__file__).resolve().parents[2]
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    child = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve())],
+        input=pickle.dumps([astuple(launch) for launch in launches]),
+        capture_output=True, env=env, cwd=root, timeout=timeout_s, check=False,
+    )  # fmt: skip
+    if child.returncode != 0:
+        return [f"the compile process failed ({child.returncode}): {child.stderr[-3000:]!r}"]
+    return pickle.loads(child.stdout)
+
+
+def _compile_all(launches: list[tuple]) -> list[str]:
+    import importlib
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    target, failures = GPUTarget("cuda", 90, 32), []
+    for launch in (Launch(*fields) for fields in launches):
+        kernel = getattr(importlib.import_module(launch.module), launch.name)
+        src = ASTSource(kernel, dict(launch.signature), dict(launch.constexprs))
+        try:
+            triton.compile(src, target=target, options=dict(launch.options))
+        except Exception as exc:  # reported per kernel, with its message
+            consts = {k: v for k, v in launch.constexprs if k.isupper()}
+            cause = f" <- {exc.__cause__!r}" if exc.__cause__ is not None else ""
+            failures.append(f"{launch.module}.{launch.name} {consts}: "
+                            f"{type(exc).__name__}: {str(exc)[-1500:]}{cause[:1500]}")  # fmt: skip
+    return failures
+
+
+if __name__ == "__main__":
+    sys.stdout.buffer.write(pickle.dumps(_compile_all(pickle.loads(sys.stdin.buffer.read()))))
