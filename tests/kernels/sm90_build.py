@@ -47,8 +47,14 @@ class Launch:
     options: tuple[tuple[str, int], ...]
 
 
+class _Untyped(Exception):
+    """An argument this module cannot name a Triton type for: the launch is not recorded."""
+
+
 def _arg_type(value) -> str | None:
     if isinstance(value, torch.Tensor):
+        if value.dtype not in _TORCH_TO_TRITON:
+            raise _Untyped(value.dtype)
         return "*" + _TORCH_TO_TRITON[value.dtype]
     if isinstance(value, bool):
         return "i1"
@@ -96,7 +102,10 @@ def record_launches() -> None:
 
     def recording_run(self, *args, grid, warmup, **kwargs):
         if self.fn.__module__.startswith("kernels."):
-            launch = launch_of(self, args, kwargs)
+            try:
+                launch = launch_of(self, args, kwargs)
+            except _Untyped:
+                launch = None
             if launch is not None:
                 kept = seen.setdefault((launch.module, launch.name), [])
                 if len(kept) < MAX_VARIANTS and all(k.constexprs != launch.constexprs
