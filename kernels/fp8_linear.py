@@ -33,20 +33,11 @@ import triton.language as tl
 
 from dsv4.model import fp8 as model_fp8
 from kernels.compressor import _bf16_rne
+from kernels.moe import _tile_ids  # grouped tile order: row tiles sweep W's columns together
 from kernels.registry import register_op
 from kernels.specialize import sizes_vary
 
 FP8_BLOCK = model_fp8.FP8_BLOCK
-
-
-@triton.jit
-def _tile_ids(num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
-    """Grouped order: GROUP_M row tiles sweep the column tiles together (L2 reuse of W)."""
-    pid = tl.program_id(0)
-    in_group = GROUP_M * num_pid_n
-    first_m = (pid // in_group) * GROUP_M
-    size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
-    return first_m + (pid % in_group) % size_m, (pid % in_group) // size_m
 
 
 @triton.jit

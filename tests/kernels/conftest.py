@@ -27,10 +27,10 @@ if not torch.cuda.is_available():
                 "kernels.indexer_select",
                 "kernels.sparse_attention",
                 "kernels.compressor",
-                "kernels.fp8_linear",
                 "kernels.kv_store",
                 "kernels.moe_align",  # before kernels.moe, which imports it
                 "kernels.moe",
+                "kernels.fp8_linear",  # after kernels.moe, whose _tile_ids it calls
                 "kernels.norm_rope",
                 "kernels.ring_offsets",
                 "kernels.sampling",
