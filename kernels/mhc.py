@@ -144,7 +144,7 @@ def _hc_collapse(pre, x0, rows, row_ok, x_ptr, u_ptr, D, d_lo, d_hi, stride_xt, 
                  mask=row_ok[:, None] & (d < d_hi)[None, :])  # fmt: skip
 
 
-@triton.jit(**sizes_vary("T"))
+@triton.jit(**sizes_vary("T", "d_per_split"))
 def _hc_pre_kernel(
     # Pointers: x [T, M, D] (stride_xm may be 0), fn [N, K_F] fp32, scale, base; outputs u [T, D],
     # post [T, M], comb [T, M, M]; partial workspaces [SPLITS, T, BLOCK_N] and [SPLITS, T]
@@ -186,7 +186,7 @@ def _hc_pre_kernel(
                      BLOCK_D)  # fmt: skip
 
 
-@triton.jit(**sizes_vary("T"))
+@triton.jit(**sizes_vary("T", "num_splits"))
 def _hc_finish_kernel(
     # Grid (token blocks, D chunks of BLOCK_D): every program sums its tokens' split partials of
     # the M pre logits and collapses its D chunk; chunk 0 alone also sums all BLOCK_N mixes and

@@ -14,7 +14,7 @@ import kernels
 # argument names that carry a token / entry / pair / tile count or a per-step width
 SIZE_NAMES = {"T", "N", "n", "B", "C", "num_pairs", "num_pid_m", "max_tiles", "total",
               "num_reqs", "split_len", "width", "comp_base", "STRIDE_BT", "stride_bt",
-              "num_partials"}  # fmt: skip
+              "num_partials", "num_splits", "d_per_split"}  # fmt: skip
 # sizes that are fixed by the model and the layout, not by the step
 FIXED = {
     ("_hc_pre_kernel", "N"),
