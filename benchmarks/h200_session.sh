@@ -7,6 +7,8 @@
 #           first two (kernels.py --only hc_, --only rope);
 #   fresh   the GPU tests of the indexer, metadata and moe_align kernels, moe_align's benchmark;
 #   decode  the decode TPOT benchmark (graphs, switches, MTP);
+#   formats the served weight formats: FP8 linear GPU tests, its row-tile sweep, and the decode
+#           step with bf16 / FP8 linears / FP8 linears + MXFP4 experts in one call (A/B);
 #   e2e     the end-to-end run (disaggregated, colocated, transformers);
 #   tests   the GPU tests of the captured decode passes.
 # DECODE_ARGS and E2E_ARGS add arguments to the decode and end-to-end benchmarks.
@@ -59,6 +61,21 @@ timeout "${T_DECODE:-200}" python3 benchmarks/decode_graphs.py --out "$out/decod
     ${DECODE_ARGS:-} > "$logs/decode-graphs.log" 2>&1
 rc=$?; echo "decode rc=$rc"; grep -E "^decode_tpot|k=. B=|FAILED|Error" "$logs/decode-graphs.log" | cut -c1-160
 [ $rc -ne 0 ] && tail -12 "$logs/decode-graphs.log" | cut -c1-300
+}
+has formats && {
+run_into "${T_FORMATS:-90}" "$logs/formats-tests.txt" python3 -m pytest -q -p no:cacheprovider \
+    -m gpu tests/kernels/test_fp8_linear.py tests/kernels/test_moe.py
+tail -3 "$logs/formats-tests.txt"
+run_into 90 "$logs/formats-bench.log" python3 benchmarks/kernels_linear.py --only fp8_linear_tile \
+    --out "$out/kernels-linear-tiles-h200.json"
+grep -E "^fp8_linear_tile|Error" "$logs/formats-bench.log" | cut -c1-200
+for fmt in "bf16 bf16" "checkpoint bf16" "checkpoint checkpoint"; do
+    set -- $fmt
+    run_into 150 "$logs/formats-decode.log" python3 benchmarks/decode_graphs.py --only plain \
+        --variants '' --batches 1,16,64 --contexts 4096 --linear-weights "$1" \
+        --expert-weights "$2" --out "$out/decode-formats-$1-$2.json"
+done
+grep -E "^decode_tpot_graphs |Error" "$logs/formats-decode.log" | cut -c1-200
 }
 # the served workers sample with FlashInfer: let its JIT finish first, or its nvcc processes
 # share the CPU cores with the workers' start-up and the load test (a skewed run, seen once)

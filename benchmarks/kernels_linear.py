@@ -11,7 +11,12 @@ prefill rows (1024, 8192: compute-bound), with UE8M0 scales:
 - fp8_linear: wkv [512, 4096], wq_a [1024, 4096], wq_b [32768, 1024], wo_b [4096, 8192],
   shared expert w1 [2048, 4096] and w2 [4096, 2048], e_proj [4096, 4096], against F.linear on
   the same weight dequantised to bf16 (what `linear_weights=bf16` serves);
-- fp8_grouped_linear: wo_a, 8 groups of [1024, 4096], against the bf16 einsum of the model.
+- fp8_grouped_linear: wo_a, 8 groups of [1024, 4096], against the bf16 einsum of the model;
+- fp8_linear_tile (`--only fp8_linear_tile`): the kernel's own row tiles at 64 and 1024 rows,
+  each `tune` against the default config. On the H200 the default 64-row decode tile ran at
+  0.03-0.20x of cuBLAS while 16 rows ran at 0.33-0.63x: tiles of 64+ rows take Hopper's
+  wgmma path, whose B operand (the weight, dequantised in registers) goes through shared
+  memory; 16-row tiles use mma.sync with B in registers (a hypothesis this sweep tests).
 Bytes = the FP8 weight + scales + x + y; FLOPs = 2 T N K.
 """
 
@@ -43,7 +48,12 @@ GPU_SIZES = {"rows": [1, 16, 64, 1024, 8192], "groups": (8, 1024, 4096),
              "linears": {"wkv": (512, 4096), "wq_a": (1024, 4096), "wq_b": (32768, 1024),
                          "wo_b": (4096, 8192), "shared_w1": (2048, 4096),
                          "shared_w2": (4096, 2048), "e_proj": (4096, 4096)}}  # fmt: skip
-DRY_SIZES = {"rows": [3], "groups": (2, 64, 256), "linears": {"wq_a": (128, 256)}}
+DRY_SIZES = {"rows": [3], "groups": (2, 64, 256), "linears": {"wq_a": (128, 256)},
+             "tile_rows": [3], "tile_linears": ("wq_a",)}  # fmt: skip
+GPU_SIZES["tile_rows"], GPU_SIZES["tile_linears"] = [64, 1024], ("wq_a", "wo_b", "shared_w1")
+# row-tile overrides swept by fp8_linear_tile (None: the default config's tile)
+TILE_TUNES = ({"BLOCK_M": 16}, {"BLOCK_M": 32}, {"BLOCK_M": 16, "BLOCK_N": 32},
+              {"BLOCK_M": 32, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4})  # fmt: skip
 
 
 def _weight(n: int, k: int, dev):
@@ -65,6 +75,23 @@ def _linear_cases(dev, sizes, dry) -> Iterator[Case]:
         del codes, scale, dense
 
 
+def _tile_cases(dev, sizes, dry) -> Iterator[Case]:
+    for name in sizes["tile_linears"]:
+        n, k = sizes["linears"][name]
+        codes, scale, _ = _weight(n, k, dev)
+        for t in sizes["tile_rows"]:
+            x = torch.randn(t, k, device=dev, dtype=torch.bfloat16)
+            for tune in TILE_TUNES:
+                fast = (lambda a, **_: fp8_linear_ref(*a)) if dry else (
+                    lambda a, tune: fp8_linear(*a, tune=tune))  # fmt: skip
+                label = ",".join(f"{key}={v}" for key, v in tune.items())
+                yield Case("fp8_linear_tile", f"{name},T={t},N={n},K={k},{label}",
+                           lambda f=fast, a=(x, codes, scale), u=tune: f(a, tune=u),
+                           "default config", lambda f=fast, a=(x, codes, scale): f(a, tune=None),
+                           n * k + scale.numel() + 2 * t * (n + k), 2.0 * t * n * k)  # fmt: skip
+        del codes, scale
+
+
 def _grouped_cases(dev, sizes, dry) -> Iterator[Case]:
     g, n, k = sizes["groups"]
     codes, scale, dense = _weight(g * n, k, dev)
@@ -84,7 +111,10 @@ def run(dry_run: bool, only: str = "") -> list[dict]:
     torch.manual_seed(0)
     if not dry_run:
         warm_up_clocks()
-    cases = (c for gen in (_linear_cases, _grouped_cases) for c in gen(dev, sizes, dry_run))
+    gens = (("fp8_linear", _linear_cases), ("fp8_grouped_linear", _grouped_cases),
+            ("fp8_linear_tile", _tile_cases))  # fmt: skip
+    # a generator whose cases `only` excludes is never started (no weights drawn for it)
+    cases = (c for name, gen in gens if only in name for c in gen(dev, sizes, dry_run))
     return list(measure(cases, dry_run, only))
 
 

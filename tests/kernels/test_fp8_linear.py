@@ -129,4 +129,4 @@ def test_benchmark_dry_run(tmp_path):
     out = tmp_path / "l.json"
     assert bench.main(["--dry-run", "--out", str(out)]) == 0
     records = json.loads(out.read_text())
-    assert {r["name"] for r in records} == {"fp8_linear", "fp8_grouped_linear"}
+    assert {r["name"] for r in records} == {"fp8_linear", "fp8_grouped_linear", "fp8_linear_tile"}
