@@ -12,8 +12,9 @@ prefill rows (1024, 8192: compute-bound), with UE8M0 scales:
   shared expert w1 [2048, 4096] and w2 [4096, 2048], e_proj [4096, 4096], against F.linear on
   the same weight dequantised to bf16 (what `linear_weights=bf16` serves);
 - fp8_grouped_linear: wo_a, 8 groups of [1024, 4096], against the bf16 einsum of the model;
-- fp8_linear_tile (`--only fp8_linear_tile`): the kernel's own row tiles at 64 and 1024 rows,
-  each `tune` against the default config. On the H200 the default 64-row decode tile ran at
+- fp8_linear_tile (`--only fp8_linear_tile`): the kernel's own configs at 1, 64 and 1024 rows
+  (row tiles, and POST_SCALE: the block scale applied to the dot's sums), each `tune` against
+  the default config. On the H200 the default 64-row decode tile ran at
   0.03-0.20x of cuBLAS while 16 rows ran at 0.33-0.63x: tiles of 64+ rows take Hopper's
   wgmma path, whose B operand (the weight, dequantised in registers) goes through shared
   memory; 16-row tiles use mma.sync with B in registers (a hypothesis this sweep tests).
@@ -50,9 +51,10 @@ GPU_SIZES = {"rows": [1, 16, 64, 1024, 8192], "groups": (8, 1024, 4096),
                          "shared_w2": (4096, 2048), "e_proj": (4096, 4096)}}  # fmt: skip
 DRY_SIZES = {"rows": [3], "groups": (2, 64, 256), "linears": {"wq_a": (128, 256)},
              "tile_rows": [3], "tile_linears": ("wq_a",)}  # fmt: skip
-GPU_SIZES["tile_rows"], GPU_SIZES["tile_linears"] = [64, 1024], ("wq_a", "wo_b", "shared_w1")
-# row-tile overrides swept by fp8_linear_tile (None: the default config's tile)
-TILE_TUNES = ({"BLOCK_M": 16}, {"BLOCK_M": 32}, {"BLOCK_M": 16, "BLOCK_N": 32},
+GPU_SIZES["tile_rows"], GPU_SIZES["tile_linears"] = [1, 64, 1024], ("wq_a", "wo_b", "shared_w1")
+# config overrides swept by fp8_linear_tile, each against the default config
+TILE_TUNES = ({"POST_SCALE": True}, {"BLOCK_M": 16}, {"BLOCK_M": 16, "POST_SCALE": True},
+              {"BLOCK_M": 32}, {"BLOCK_M": 16, "BLOCK_N": 32},
               {"BLOCK_M": 32, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4})  # fmt: skip
 
 

@@ -38,6 +38,11 @@ from kernels.registry import register_op
 from kernels.specialize import sizes_vary
 
 FP8_BLOCK = model_fp8.FP8_BLOCK
+# POST_SCALE: cast the e4m3 tile straight to bf16 and multiply the dot's [BLOCK_M, BLOCK_N] sums
+# by the block scale, instead of scaling every [BLOCK_K, BLOCK_N] weight element in fp32 before
+# the cast (BLOCK_K / BLOCK_M times fewer ALU ops in front of the MMA at decode sizes; the same
+# products, the sum split at K-step boundaries). Off until timed on a GPU (`tune`).
+POST_SCALE_DEFAULT = False
 
 
 @triton.jit
@@ -63,6 +68,7 @@ def _fp8_linear_kernel(
     stride_xt, stride_xg, stride_wn, stride_sn, stride_sk, stride_os, stride_ot, stride_og,
     # Meta-parameters
     SCALE_E8M0: tl.constexpr, ROUND_W: tl.constexpr, ROUND_OUT: tl.constexpr, UPCAST: tl.constexpr,
+    POST_SCALE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
@@ -83,14 +89,19 @@ def _fp8_linear_kernel(
         k_ok = kk < K
         a = tl.load(x_rows[:, None] + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(w_rows[None, :] + kk[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        w = b.to(tl.float32) * _block_scale(s_rows, n_ok, k0, stride_sk, SCALE_E8M0)[None, :]
+        scale = _block_scale(s_rows, n_ok, k0, stride_sk, SCALE_E8M0)  # [BLOCK_N]
         if UPCAST:  # the interpreter computes on raw bf16 bits otherwise
             a = a.to(tl.float32)
-            if ROUND_W:  # the reference's dequantised bf16 weight (rounds fp32 scales)
-                w = _bf16_rne(w)
+        if POST_SCALE:  # e4m3 -> x's dtype (exact), the power-of-two scale on the step's sums
+            w = b.to(tl.float32) if UPCAST else b.to(x_ptr.dtype.element_ty)
+            acc += tl.dot(a, w, input_precision=DOT_PRECISION) * scale[None, :]
         else:
-            w = w.to(x_ptr.dtype.element_ty)  # [BLOCK_K, BLOCK_N]
-        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+            w = b.to(tl.float32) * scale[None, :]
+            if UPCAST and ROUND_W:  # the reference's dequantised bf16 weight (rounds fp32 scales)
+                w = _bf16_rne(w)
+            elif not UPCAST:
+                w = w.to(x_ptr.dtype.element_ty)  # [BLOCK_K, BLOCK_N]
+            acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
     if ROUND_OUT:  # the interpreter truncates on the cast; the GPU rounds
         acc = _bf16_rne(acc)
     out_at = (out_ptr + pid_s.to(tl.int64) * stride_os + rows.to(tl.int64)[:, None] * stride_ot
@@ -157,6 +168,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, tune: di
     per_split = triton.cdiv(steps, cfg.pop("splits"))
     splits = triton.cdiv(steps, per_split)
     e8m0 = scale.dtype == torch.float8_e8m0fnu
+    # the scale on the dot's sums is exact only for power-of-two (UE8M0) scales
+    post_scale = bool(cfg.pop("POST_SCALE", POST_SCALE_DEFAULT)) and e8m0
     s = scale.view(torch.uint8) if e8m0 else scale.float()
     out = y if splits == 1 else torch.empty(splits, rows, groups, n, dtype=torch.float32,
                                             device=x.device)  # fmt: skip
@@ -170,7 +183,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, tune: di
         x.stride(0), x.stride(1), weight.stride(0), s.stride(0), s.stride(1),
         os, out.stride(-3), out.stride(-2),
         SCALE_E8M0=e8m0, ROUND_W=round_bf16, ROUND_OUT=round_bf16 and splits == 1, UPCAST=not on_gpu,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **cfg,
+        POST_SCALE=post_scale, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **cfg,
     )  # fmt: skip
     if splits > 1:
         total, block = rows * groups * n, 1024
@@ -183,7 +196,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *,
                tune: dict | None = None) -> torch.Tensor:  # fmt: skip
     """x [..., K] bf16 (or fp32) @ W^T -> [..., N] in x.dtype; W = weight [N, K] e4m3 x scale
     [ceil(N/128), ceil(K/128)] (UE8M0 or fp32). `tune`: config overrides (BLOCK_M/N/K,
-    GROUP_M, num_warps, num_stages, splits)."""
+    GROUP_M, num_warps, num_stages, splits, POST_SCALE)."""
     lead, k = x.shape[:-1], x.shape[-1]
     flat = x.reshape(-1, 1, k)
     if flat.stride(2) != 1:

@@ -33,7 +33,7 @@ _TORCH_TO_TRITON = {
     torch.float8_e5m2: "fp8e5",
 }  # fmt: skip
 _LAUNCH_OPTIONS = ("num_warps", "num_stages")
-MAX_VARIANTS = 3  # constexpr sets kept per kernel
+MAX_VARIANTS = 8  # constexpr sets kept per kernel
 
 
 @dataclass(frozen=True)

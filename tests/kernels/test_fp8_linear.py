@@ -51,6 +51,19 @@ def test_fp8_linear_matches_ref_on_odd_shapes(rows, splits, scale_dtype):
     assert_close(y, fp8_linear_ref(x, w, s), "activation")
 
 
+@pytest.mark.parametrize("rows,splits", [(1, 2), (17, 1)])
+def test_fp8_linear_post_scale_matches_ref(rows, splits):
+    """POST_SCALE: the UE8M0 scale multiplies each K step's sums instead of the weight tile."""
+    w, s = _weight(130, 300, torch.float8_e8m0fnu, rows + 20)
+    x = _x((rows, 300), torch.bfloat16, rows + 21)
+    y = fp8_linear(x, w, s, tune={"splits": splits, "POST_SCALE": True})
+    assert_close(y, fp8_linear_ref(x, w, s), "activation")
+    g = _x((2, 3, 2, 260), torch.bfloat16, 22)
+    wg, sg = _weight(2 * 40, 260, torch.float8_e8m0fnu, 23)
+    assert_close(fp8_grouped_linear(g, wg, sg, tune={"POST_SCALE": True}),
+                 fp8_grouped_linear_ref(g, wg, sg), "activation")  # fmt: skip
+
+
 def test_fp8_linear_fp32_leading_dims_and_strided_rows():
     """An fp32 model (CPU reference runs) keeps fp32; [B, S, K] inputs and row-strided views."""
     w, s = _weight(72, 200, torch.float8_e8m0fnu, 3)
@@ -99,6 +112,8 @@ def test_fp8_linear_production_shapes_gpu(rows):
         y = fp8_linear(x, w, s)
         assert_close(y, fp8_linear_ref(x, w, s), "activation")
         assert torch.equal(y, fp8_linear(x, w, s))  # deterministic: no atomics
+        post = fp8_linear(x, w, s, tune={"POST_SCALE": True})
+        assert_close(post, fp8_linear_ref(x, w, s), "activation")
     w, s = _weight(8 * 1024, 4096, torch.float32, 8)
     x = _x((rows, 8, 4096), torch.bfloat16, 9)
     assert_close(fp8_grouped_linear(x, w, s), fp8_grouped_linear_ref(x, w, s), "activation")
