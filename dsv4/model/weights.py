@@ -204,6 +204,13 @@ def _stored_linear_dtypes(model: DeepseekV4) -> dict[str, tuple[str, ...]]:
     return out
 
 
+def _stored_scale_dtype(stored: dict[str, _Stored], name: str) -> torch.dtype | None:
+    """torch.float32 when the checkpoint stores the scale `name` as F32 (-Base checkpoints),
+    else None (the UE8M0 default of the quantised storage)."""
+    first = stored.get(name)
+    return torch.float32 if first is not None and first.dtype == "F32" else None
+
+
 def load_into(model: DeepseekV4, path: str | Path) -> None:
     """Copy the checkpoint at `path` into `model` (validated first; all-or-nothing)."""
     stored = _read_headers(checkpoint_files(path))
@@ -268,15 +275,12 @@ def load_model(
     model.cast_(dtype)
     fmt = served_expert_format(cfg, expert_weights)
     if fmt != "bf16":
-        first = stored.get("layers.0.ffn.experts.0.w1.scale")
-        scale_dtype = torch.float32 if first is not None and first.dtype == "F32" else None
+        scale_dtype = _stored_scale_dtype(stored, "layers.0.ffn.experts.0.w1.scale")
         for moe in model.modules():
             if isinstance(moe, MoE):
                 quantized_experts_(moe, fmt, device, scale_dtype)
     if served_linear_format(cfg, linear_weights) == "fp8":
-        first = stored.get("layers.0.attn.wq_a.scale")
-        scale_dtype = torch.float32 if first is not None and first.dtype == "F32" else None
-        quantized_linears_(model, device, scale_dtype)
+        quantized_linears_(model, device, _stored_scale_dtype(stored, "layers.0.attn.wq_a.scale"))
     model.to_empty(device=device)
     load_into(model, path)
     return model.eval(), cfg
