@@ -77,11 +77,10 @@ def launch_of(kernel, args: tuple, kwargs: dict) -> Launch | None:
                 return None
             bound[name] = param.default
         value = bound[name]
-        if "constexpr" in str(param.annotation) or _arg_type(value) is None:
+        kind = None if "constexpr" in str(param.annotation) else _arg_type(value)
+        if kind is None:
             constexprs.append((name, getattr(value, "value", value)))
-            signature.append((name, "constexpr"))
-        else:
-            signature.append((name, _arg_type(value)))
+        signature.append((name, kind or "constexpr"))
     options = tuple((k, int(kwargs[k])) for k in _LAUNCH_OPTIONS if k in kwargs)
     module = kernel.fn.__module__
     return Launch(module, kernel.fn.__name__, tuple(signature), tuple(constexprs), options)
@@ -96,21 +95,21 @@ def record_launches() -> None:
     """Wrap the interpreter's launch so that every kernel launch fills RECORDED."""
     from triton.runtime.interpreter import InterpretedFunction
 
-    seen, run = RECORDED, InterpretedFunction.run
+    run = InterpretedFunction.run
     if getattr(run, "records", False):
         return
 
     def recording_run(self, *args, grid, warmup, **kwargs):
-        if self.fn.__module__.startswith("kernels."):
+        key = (self.fn.__module__, self.fn.__name__)
+        # a kernel whose variants are all kept costs its launches nothing more
+        if key[0].startswith("kernels.") and len(RECORDED.get(key, ())) < MAX_VARIANTS:
             try:
                 launch = launch_of(self, args, kwargs)
             except _Untyped:
                 launch = None
-            if launch is not None:
-                kept = seen.setdefault((launch.module, launch.name), [])
-                if len(kept) < MAX_VARIANTS and all(k.constexprs != launch.constexprs
-                                                    for k in kept):  # fmt: skip
-                    kept.append(launch)
+            kept = RECORDED.get(key, [])
+            if launch is not None and all(k.constexprs != launch.constexprs for k in kept):
+                RECORDED.setdefault(key, []).append(launch)
         return run(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     recording_run.records = True
