@@ -78,18 +78,19 @@ def _linear_cases(dev, sizes, dry) -> Iterator[Case]:
 
 
 def _tile_cases(dev, sizes, dry) -> Iterator[Case]:
+    def launch(args, tune):  # a dry run times the reference: `tune` is the kernel's
+        return fp8_linear_ref(*args) if dry else fp8_linear(*args, tune=tune)
+
     for name in sizes["tile_linears"]:
         n, k = sizes["linears"][name]
         codes, scale, _ = _weight(n, k, dev)
         for t in sizes["tile_rows"]:
-            x = torch.randn(t, k, device=dev, dtype=torch.bfloat16)
+            args = (torch.randn(t, k, device=dev, dtype=torch.bfloat16), codes, scale)
             for tune in TILE_TUNES:
-                fast = (lambda a, **_: fp8_linear_ref(*a)) if dry else (
-                    lambda a, tune: fp8_linear(*a, tune=tune))  # fmt: skip
                 label = ",".join(f"{key}={v}" for key, v in tune.items())
                 yield Case("fp8_linear_tile", f"{name},T={t},N={n},K={k},{label}",
-                           lambda f=fast, a=(x, codes, scale), u=tune: f(a, tune=u),
-                           "default config", lambda f=fast, a=(x, codes, scale): f(a, tune=None),
+                           lambda a=args, u=tune: launch(a, u), "default config",
+                           lambda a=args: launch(a, None),
                            n * k + scale.numel() + 2 * t * (n + k), 2.0 * t * n * k)  # fmt: skip
         del codes, scale
 
