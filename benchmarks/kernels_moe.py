@@ -10,6 +10,13 @@ bandwidth / 4.3 TB/s and FLOP/s / 790 TFLOP/s over compulsory traffic and work).
   target is >= 50% of 790 TFLOP/s) and 64 tokens (weight-bandwidth-bound), bf16 / FP8 / MXFP4
   weights, against the torch per-expert loop of `swiglu` (host-synchronising: do_bench).
   FLOPs = 6*T*K*D*I; bytes = the weights of the experts hit + x + y.
+- moe_tile (`--only moe_tile`): the GEMMs' own configs at T = 1, 16, 64, 1024, 8192, each
+  `tune` in TILE_TUNES against the default config (CUDA-graph replays). On the H200 MXFP4 ran
+  3.4-8.9x slower than bf16 even at one token. SWAP_AB computes each tile as W_tile @ x^T: the
+  weight dequantised in registers becomes the MMA's A operand (Hopper's wgmma reads B from
+  shared memory only) and its rows the M side (wgmma needs 64; the default 16- and 32-row tiles
+  compile to mma.sync). bf16, whose weight tile is not built in registers, is the control and
+  takes the plain swap only.
 - moe_align: the routing metadata of a decode step (T 1 / 16 / 64, K 6, E 256, block_m 16):
   the one-launch kernel vs the ~14 torch ops of moe_align_ref; CUDA-graph replays.
 - compressor_step: a decode step of 64 tokens with no window boundary (#48957): the save-only
@@ -47,6 +54,17 @@ DRY_SIZES = {"dim": 64, "inter": 32, "experts": 4, "k": 2, "moe_tokens": [5],
              "formats": ["bf16", "mxfp4"], "decode": 3, "align_tokens": [3],
              "compressors": [(8, 64, "fp8_ue8m0"), (4, 64, "mxfp4")],
              "batch": 3, "vocab": 100}  # fmt: skip
+GPU_SIZES["tile_tokens"] = [1, 16, 64, 1024, 8192]
+GPU_SIZES["tile_formats"] = ["mxfp4", "fp8", "bf16"]
+DRY_SIZES["tile_tokens"], DRY_SIZES["tile_formats"] = [3], ["mxfp4"]
+# config overrides swept by moe_tile, each against the default config (BLOCK_M 16 at T <= 64,
+# 32 at 1024, 64 at 8192; BLOCK_N 128; BLOCK_K 64; 4 warps, 8 at BLOCK_M 64). With SWAP_AB the
+# BLOCK_N weight rows are the MMA's M side: 8 warps give each warpgroup 64 of them (compiled for
+# sm_90, 4 warps sent the dequantised FP8 tile through shared memory, 8 did not). A tune that
+# resolves to a config timed already at that T (8 warps at 8192) is skipped.
+TILE_TUNES = ({"SWAP_AB": True}, {"SWAP_AB": True, "num_warps": 8},
+              {"SWAP_AB": True, "BLOCK_M": 16, "BLOCK_N": 64},
+              {"SWAP_AB": True, "BLOCK_K": 128, "num_warps": 8})  # fmt: skip
 
 
 def _expert_weights(sizes, fmt, dev):
@@ -62,24 +80,53 @@ def _expert_weights(sizes, fmt, dev):
     return torch.stack(q13), torch.stack(q2), torch.stack(s13), torch.stack(s2)
 
 
+def _step(dev, sizes, t, weights, fmt):
+    """moe_experts' arguments for a step of t tokens, and its bytes (the weights of the experts
+    hit + x + y) and FLOPs."""
+    d, i, e, k = sizes["dim"], sizes["inter"], sizes["experts"], sizes["k"]
+    x = torch.randn(t, d, device=dev, dtype=torch.bfloat16)
+    ids = torch.rand(t, e, device=dev).argsort(1)[:, :k].to(torch.int32)
+    w = torch.rand(t, k, device=dev) + 0.1
+    w13, w2, s13, s2 = weights
+    per_expert = sum(a[0].numel() * a.element_size() for a in weights if a is not None)
+    num_bytes = ids.unique().numel() * per_expert + t * d * 6
+    return (x, ids, w, w13, w2, fmt, s13, s2, 10.0), num_bytes, 6.0 * t * k * d * i
+
+
 def _moe_cases(dev, sizes, dry) -> Iterator[Case]:
     d, i, e, k = sizes["dim"], sizes["inter"], sizes["experts"], sizes["k"]
     for fmt in sizes["formats"]:
-        w13, w2, s13, s2 = _expert_weights(sizes, fmt, dev)
-        per_expert = sum(t[0].numel() * t.element_size() for t in (w13, w2))
-        per_expert += sum(t[0].numel() * t.element_size() for t in (s13, s2) if t is not None)
+        weights = _expert_weights(sizes, fmt, dev)
         for t in sizes["moe_tokens"]:
-            x = torch.randn(t, d, device=dev, dtype=torch.bfloat16)
-            ids = torch.rand(t, e, device=dev).argsort(1)[:, :k].to(torch.int32)
-            w = torch.rand(t, k, device=dev) + 0.1
-            args = (x, ids, w, w13, w2, fmt, s13, s2, 10.0)
-            hit = ids.unique().numel()
+            args, num_bytes, flops = _step(dev, sizes, t, weights, fmt)
             fn = moe.moe_experts_ref if dry else moe.moe_experts
             yield Case("moe_experts", f"T={t},D={d},I={i},E={e},K={k},{fmt}",
                        lambda f=fn, a=args: f(*a), "torch loop over experts (moe_experts_ref)",
-                       lambda a=args: moe.moe_experts_ref(*a),
-                       hit * per_expert + t * d * 6, 6.0 * t * k * d * i, graph=False)  # fmt: skip
-        del w13, w2, s13, s2
+                       lambda a=args: moe.moe_experts_ref(*a), num_bytes, flops,
+                       graph=False)  # fmt: skip
+        del weights
+
+
+def _tile_cases(dev, sizes, dry) -> Iterator[Case]:
+    def launch(args, tune):  # a dry run times the reference: `tune` is the kernel's
+        return moe.moe_experts_ref(*args) if dry else moe.moe_experts(*args, tune=tune)
+
+    for fmt in sizes["tile_formats"]:
+        weights = _expert_weights(sizes, fmt, dev)
+        for t in sizes["tile_tokens"]:
+            args, num_bytes, flops = _step(dev, sizes, t, weights, fmt)
+            default = moe._config(t * sizes["k"], sizes["experts"], on_gpu=not dry)
+            timed = [{**default, "SWAP_AB": moe.SWAP_AB_DEFAULT}]
+            for tune in TILE_TUNES if fmt != "bf16" else TILE_TUNES[:1]:
+                if {**timed[0], **tune} in timed:  # the default's or an earlier tune's config
+                    continue
+                timed.append({**timed[0], **tune})
+                label = ",".join(f"{key}={v}" for key, v in tune.items())
+                yield Case("moe_tile", f"T={t},{fmt},{label}",
+                           lambda a=args, u=tune: launch(a, u), "default config",
+                           lambda a=args: launch(a, None), num_bytes, flops,
+                           graph=not dry)  # fmt: skip
+        del weights
 
 
 def _align_cases(dev, sizes, dry) -> Iterator[Case]:
@@ -165,7 +212,8 @@ def run(dry_run: bool, only: str = "") -> list[dict]:
     # (case name, its generator): a generator whose cases `only` excludes is never started,
     # so `--only moe_align` does not first build 256 experts' weights in three formats
     gens = (("compressor_step", _compressor_cases), ("sample", _sampling_cases),
-            ("moe_align", _align_cases), ("moe_experts", _moe_cases))  # fmt: skip
+            ("moe_align", _align_cases), ("moe_experts", _moe_cases),
+            ("moe_tile", _tile_cases))  # fmt: skip
     cases = (c for name, gen in gens if only in name for c in gen(dev, sizes, dry_run))
     return list(measure(cases, dry_run, only))
 

@@ -27,6 +27,9 @@ on the dequantised values, as the reference's dequantise-then-GEMM):
 - "mxfp4": int8 [E, rows, cols/2] packed e2m1 pairs (low nibble = even column), UE8M0 scales
   [E, rows, cols/32]. The even and odd columns of the x tile are loaded separately and meet the
   low and high nibbles in two half-K dots, so no nibble interleave is needed.
+Prefill-sized MXFP4 steps (>= DEQUANT_MIN_PAIRS_PER_EXPERT pairs an expert) instead dequantise
+the experts chunk by chunk into a bf16 scratch and run these GEMMs in bf16 (kernels/
+moe_dequant.py): on the H200 3x faster at 8192 tokens than the per-element nibble decode.
 
 Shared expert: fused only behind `features.fuse_shared_expert` (bf16 experts, decode-sized
 steps: the paged forward routes every token to slot E of the stacked storage). In checkpoints it
@@ -50,6 +53,11 @@ from kernels.registry import register_op
 from kernels.specialize import sizes_vary
 
 FORMATS = ("bf16", "fp8", "mxfp4")
+# SWAP_AB: compute each tile transposed, W_tile @ a^T, so the weight dequantised in registers is
+# the MMA's A operand (Hopper's wgmma reads B from shared memory only) and a decode step's few
+# rows per expert sit on the MMA's N side. `_config` turns it on for quantised experts at
+# decode sizes (BLOCK_M 16), where the H200 sweep (--only moe_tile) measured it faster.
+SWAP_AB_DEFAULT = False
 
 
 @triton.jit
@@ -78,40 +86,65 @@ def _load_a(a_rows, k0, row_ok, K, FMT: tl.constexpr, BLOCK_K: tl.constexpr,
 
 
 @triton.jit
+def _mma(acc, a, w, SWAP_AB: tl.constexpr):
+    """acc [BLOCK_M, BLOCK_N] += a @ w, or with SWAP_AB acc [BLOCK_N, BLOCK_M] += w @ a^T: w
+    [BLOCK_N, k] is then the MMA's A operand, which Hopper's wgmma may take from registers (B
+    only from shared memory), and the weight rows fill the MMA's M side."""
+    if SWAP_AB:
+        acc = tl.dot(w, tl.trans(a), acc)
+    else:
+        acc = tl.dot(a, w, acc)
+    return acc
+
+
+@triton.jit
 def _dot_w(acc, a0, a1, w_ptr, s_ptr, n, n_ok, k0, K, stride_wn, stride_sn, stride_sk,
            FMT: tl.constexpr, SCALE_E8M0: tl.constexpr, BLOCK_K: tl.constexpr,
-           BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
-    """acc += a @ W[n, k0:k0+BLOCK_K]^T with W dequantised in registers (one expert's w_ptr)."""
-    w_rows = w_ptr + n.to(tl.int64)[None, :] * stride_wn
-    if FMT == 2:  # MXFP4: [BLOCK_K/2, BLOCK_N] packed bytes, scales per 32 columns
-        kh = tl.arange(0, BLOCK_K // 2)
-        mk = (k0 + 2 * kh < K)[:, None] & n_ok[None, :]
-        packed = tl.load(w_rows + (k0 // 2 + kh)[:, None], mask=mk, other=0).to(tl.int32) & 0xFF
-        ks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-        s_rows = s_ptr + n.to(tl.int64)[None, :] * stride_sn
-        sb = tl.load(s_rows + ks[:, None] * stride_sk, mask=(ks * 32 < K)[:, None] & n_ok[None, :],
+           BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, SWAP_AB: tl.constexpr):  # fmt: skip
+    """acc += a @ W[n, k0:k0+BLOCK_K]^T with W dequantised in registers (one expert's w_ptr);
+    SWAP_AB: acc^T [BLOCK_N, BLOCK_M] += W[n, k0:k0+BLOCK_K] @ a^T (W tiles [BLOCK_N, BLOCK_K])."""
+    kh = tl.arange(0, BLOCK_K // 2)
+    ks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+    kk = k0 + tl.arange(0, BLOCK_K)
+    if SWAP_AB:  # weight tiles [BLOCK_N, BLOCK_K(/2)]: W's own layout
+        wn, wn_ok = n.to(tl.int64)[:, None], n_ok[:, None]
+        kh, ks, kk = kh[None, :], ks[None, :], kk[None, :]
+    else:  # weight tiles [BLOCK_K(/2), BLOCK_N]
+        wn, wn_ok = n.to(tl.int64)[None, :], n_ok[None, :]
+        kh, ks, kk = kh[:, None], ks[:, None], kk[:, None]
+    w_rows = w_ptr + wn * stride_wn
+    if FMT == 2:  # MXFP4: packed bytes, scales per 32 columns
+        # NOTE: masked per 32-column scale group (K and k0 are multiples of 32), not per byte:
+        # compiled for sm_90, a per-byte mask (2*kh strides by 2) split them into 1-byte loads
+        # that were not pipelined
+        mk = (k0 + 32 * (kh // 16) < K) & wn_ok
+        packed = tl.load(w_rows + (k0 // 2 + kh), mask=mk, other=0).to(tl.int32) & 0xFF
+        sb = tl.load(s_ptr + wn * stride_sn + ks * stride_sk, mask=(ks * 32 < K) & wn_ok,
                      other=127).to(tl.int32) & 0xFF  # fmt: skip
-        scale = (sb << 23).to(tl.float32, bitcast=True)  # 2^(byte - 127)
-        scale = tl.reshape(tl.broadcast_to(scale[:, None, :], [BLOCK_K // 32, 16, BLOCK_N]),
-                           [BLOCK_K // 2, BLOCK_N])  # fmt: skip
+        scale = (sb << 23).to(tl.float32, bitcast=True)  # 2^(byte - 127), each over 16 bytes
+        if SWAP_AB:
+            scale = tl.reshape(tl.broadcast_to(scale[:, :, None], [BLOCK_N, BLOCK_K // 32, 16]),
+                               [BLOCK_N, BLOCK_K // 2])  # fmt: skip
+        else:
+            scale = tl.reshape(tl.broadcast_to(scale[:, None, :], [BLOCK_K // 32, 16, BLOCK_N]),
+                               [BLOCK_K // 2, BLOCK_N])  # fmt: skip
         lo = (_e2m1_value(packed & 15) * scale).to(a0.dtype)
         hi = (_e2m1_value(packed >> 4) * scale).to(a0.dtype)
-        acc = tl.dot(a0, lo, acc)
-        acc = tl.dot(a1, hi, acc)
+        acc = _mma(acc, a0, lo, SWAP_AB)
+        acc = _mma(acc, a1, hi, SWAP_AB)
     else:
-        kk = k0 + tl.arange(0, BLOCK_K)
-        b = tl.load(w_rows + kk[:, None], mask=(kk < K)[:, None] & n_ok[None, :], other=0.0)
+        b = tl.load(w_rows + kk, mask=(kk < K) & wn_ok, other=0.0)
         if FMT == 1:  # FP8 e4m3 with one scale per 128x128 block
-            s_off = (n // 128).to(tl.int64) * stride_sn + (k0 // 128) * stride_sk
+            s_off = (wn // 128) * stride_sn + (k0 // 128) * stride_sk
             if SCALE_E8M0:
-                sb = tl.load(s_ptr + s_off, mask=n_ok, other=127).to(tl.int32) & 0xFF
+                sb = tl.load(s_ptr + s_off, mask=wn_ok, other=127).to(tl.int32) & 0xFF
                 scale = (sb << 23).to(tl.float32, bitcast=True)
             else:
-                scale = tl.load(s_ptr + s_off, mask=n_ok, other=1.0)
-            b = (b.to(tl.float32) * scale[None, :]).to(a0.dtype)
+                scale = tl.load(s_ptr + s_off, mask=wn_ok, other=1.0)
+            b = (b.to(tl.float32) * scale).to(a0.dtype)
         elif UPCAST:
             b = b.to(tl.float32)
-        acc = tl.dot(a0, b, acc)
+        acc = _mma(acc, a0, b, SWAP_AB)
     return acc
 
 
@@ -137,7 +170,7 @@ def _w13_kernel(
     # Meta-parameters
     TOPK: tl.constexpr, FMT: tl.constexpr, SCALE_E8M0: tl.constexpr, HAS_LIMIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, UPCAST: tl.constexpr,
+    GROUP_M: tl.constexpr, UPCAST: tl.constexpr, SWAP_AB: tl.constexpr = False,
 ):  # fmt: skip
     pid_m, pid_n = _tile_ids(num_pid_m, tl.cdiv(INTER, BLOCK_N), GROUP_M)
     e = tl.load(tile_e_ptr + pid_m)
@@ -150,20 +183,24 @@ def _w13_kernel(
         n_ok = n < INTER
         w_e = w_ptr + e.to(tl.int64) * stride_we
         s_e = s_ptr + e.to(tl.int64) * stride_se
-        acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_g = tl.zeros([BLOCK_N, BLOCK_M] if SWAP_AB else [BLOCK_M, BLOCK_N], tl.float32)
+        acc_u = tl.zeros_like(acc_g)
         for k0 in range(0, D, BLOCK_K):
             a0, a1 = _load_a(a_rows, k0, row_ok, D, FMT, BLOCK_K, UPCAST)
             acc_g = _dot_w(acc_g, a0, a1, w_e, s_e, n, n_ok, k0, D, stride_wn, stride_sn,
-                           stride_sk, FMT, SCALE_E8M0, BLOCK_K, BLOCK_N, UPCAST)  # fmt: skip
+                           stride_sk, FMT, SCALE_E8M0, BLOCK_K, BLOCK_N, UPCAST,
+                           SWAP_AB)  # fmt: skip
             acc_u = _dot_w(acc_u, a0, a1, w_e, s_e, n + INTER, n_ok, k0, D, stride_wn, stride_sn,
-                           stride_sk, FMT, SCALE_E8M0, BLOCK_K, BLOCK_N, UPCAST)  # fmt: skip
+                           stride_sk, FMT, SCALE_E8M0, BLOCK_K, BLOCK_N, UPCAST,
+                           SWAP_AB)  # fmt: skip
         g = _bf16_rne(acc_g)  # the reference's F.linear outputs are bf16
         u = _bf16_rne(acc_u)
         if HAS_LIMIT:
             g = tl.minimum(g, limit)
             u = tl.minimum(tl.maximum(u, -limit), limit)
         h = _bf16_rne(g / (1.0 + tl.exp(-g)) * u)
+        if SWAP_AB:  # elementwise so far: one transpose, of h
+            h = tl.trans(h)
         h_at = h_ptr + rows.to(tl.int64)[:, None] * stride_h + n[None, :]
         tl.store(h_at, h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
@@ -179,7 +216,7 @@ def _w2_kernel(
     # Meta-parameters
     FMT: tl.constexpr, SCALE_E8M0: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, UPCAST: tl.constexpr,
+    GROUP_M: tl.constexpr, UPCAST: tl.constexpr, SWAP_AB: tl.constexpr = False,
 ):  # fmt: skip
     pid_m, pid_n = _tile_ids(num_pid_m, tl.cdiv(D, BLOCK_N), GROUP_M)
     e = tl.load(tile_e_ptr + pid_m)
@@ -192,14 +229,16 @@ def _w2_kernel(
         n_ok = n < D
         w_e = w_ptr + e.to(tl.int64) * stride_we
         s_e = s_ptr + e.to(tl.int64) * stride_se
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc = tl.zeros([BLOCK_N, BLOCK_M] if SWAP_AB else [BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, INTER, BLOCK_K):
             a0, a1 = _load_a(a_rows, k0, row_ok, INTER, FMT, BLOCK_K, UPCAST)
             acc = _dot_w(acc, a0, a1, w_e, s_e, n, n_ok, k0, INTER, stride_wn, stride_sn, stride_sk,
-                         FMT, SCALE_E8M0, BLOCK_K, BLOCK_N, UPCAST)  # fmt: skip
+                         FMT, SCALE_E8M0, BLOCK_K, BLOCK_N, UPCAST, SWAP_AB)  # fmt: skip
+        out = _bf16_rne(acc)
+        if SWAP_AB:
+            out = tl.trans(out)
         out_at = out_ptr + pair.to(tl.int64)[:, None] * stride_out + n[None, :]
-        tl.store(out_at, _bf16_rne(acc).to(out_ptr.dtype.element_ty),
-                 mask=row_ok[:, None] & n_ok[None, :])  # fmt: skip
+        tl.store(out_at, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit(**sizes_vary("T"))
@@ -218,13 +257,16 @@ def _moe_combine_kernel(rows_ptr, w_ptr, y_ptr, T, D, TOPK: tl.constexpr, BLOCK_
     tl.store(y_ptr + t.to(tl.int64)[:, None] * D + d[None, :], acc, mask=mk)
 
 
-def _config(num_pairs: int, num_experts: int, on_gpu: bool) -> dict:
+def _config(num_pairs: int, num_experts: int, on_gpu: bool, format: str = "bf16") -> dict:
     if not on_gpu:  # interpreter: few, large programs
         return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=32, GROUP_M=4, num_warps=4, num_stages=1)
     per_expert = num_pairs / num_experts
     block_m = 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64
-    return dict(BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=64, GROUP_M=4 if block_m == 64 else 8,
-                num_warps=8 if block_m == 64 else 4, num_stages=3)  # fmt: skip
+    cfg = dict(BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=64, GROUP_M=4 if block_m == 64 else 8,
+               num_warps=8 if block_m == 64 else 4, num_stages=3)  # fmt: skip
+    if format != "bf16" and block_m == 16:  # decode: H200, 1-64 tokens, 1.05-1.35x (moe_tile)
+        cfg.update(SWAP_AB=True, BLOCK_N=64)
+    return cfg
 
 
 def _scale_args(scale: torch.Tensor | None, like: torch.Tensor):
@@ -245,9 +287,12 @@ def moe_experts(
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
     limit: float | None = None,
+    *,
+    tune: dict | None = None,
 ) -> torch.Tensor:
     """Routed experts: x [T, D] bf16, expert_ids [T, K] int, weights [T, K] fp32, w13/w2 (and
-    scales) in `format` (see the module doc) -> y [T, D] fp32 = sum_k w * expert(x)."""
+    scales) in `format` (see the module doc) -> y [T, D] fp32 = sum_k w * expert(x). `tune`:
+    config overrides (BLOCK_M/N/K, GROUP_M, num_warps, num_stages, SWAP_AB, DEQUANT)."""
     assert format in FORMATS, format
     assert x.dim() == 2 and x.dtype == torch.bfloat16 and x.stride(1) == 1
     num_tokens, dim = x.shape
@@ -260,8 +305,17 @@ def moe_experts(
     num_pairs = num_tokens * topk
     if num_pairs == 0:
         return y
-    cfg = _config(num_pairs, num_experts, x.is_cuda)
-    bm, fmt = cfg["BLOCK_M"], FORMATS.index(format)
+    tune = dict(tune or {})
+    # prefill-sized MXFP4: dequantise to a bf16 scratch, then the bf16 GEMMs (kernels/moe_dequant)
+    if tune.pop("DEQUANT", _use_dequant(num_pairs, num_experts, format, x.is_cuda)):
+        return _moe_experts_dequant(x, expert_ids, weights, w13, w2, format, w13_scale, w2_scale,
+                                    limit)  # fmt: skip
+    cfg = {**_config(num_pairs, num_experts, x.is_cuda, format), **tune}
+    swap_ab = bool(cfg.pop("SWAP_AB", SWAP_AB_DEFAULT))
+    bm, bk, fmt = cfg["BLOCK_M"], cfg["BLOCK_K"], FORMATS.index(format)
+    assert format != "fp8" or 128 % bk == 0, "an FP8 K step must sit in one scale block"
+    # MXFP4 K steps and masks work in whole scale groups of 32 columns
+    assert format != "mxfp4" or bk % 32 == dim % 32 == inter % 32 == 0, (bk, dim, inter)
     # NOTE: the one-launch align on CUDA; under the CPU interpreter its in-register sort costs
     # ~0.2 s a call (its own tests cover it), so the engine's interpreted runs use the torch ops
     align = moe_align if x.is_cuda else moe_align_ref
@@ -271,7 +325,7 @@ def moe_experts(
     rows = torch.empty(num_pairs, dim, dtype=torch.bfloat16, device=x.device)
     s13, e8m0, st13 = _scale_args(w13_scale, w13)
     s2, _, st2 = _scale_args(w2_scale, w2)
-    common = dict(FMT=fmt, SCALE_E8M0=e8m0, UPCAST=not x.is_cuda, **cfg)
+    common = dict(FMT=fmt, SCALE_E8M0=e8m0, UPCAST=not x.is_cuda, SWAP_AB=swap_ab, **cfg)
     grid13 = (num_pid_m * triton.cdiv(inter, cfg["BLOCK_N"]),)
     _w13_kernel[grid13](
         x, sorted_ids, tile_e, w13, s13, h,
@@ -293,6 +347,18 @@ def moe_experts(
         TOPK=topk, BLOCK_T=block_t, BLOCK_D=block_d,
     )  # fmt: skip
     return y
+
+
+def _use_dequant(*args) -> bool:
+    from kernels.moe_dequant import use_dequant  # it imports this module's kernels
+
+    return use_dequant(*args)
+
+
+def _moe_experts_dequant(*args) -> torch.Tensor:
+    from kernels.moe_dequant import moe_experts_dequant  # it imports this module's kernels
+
+    return moe_experts_dequant(*args)
 
 
 def dequantize_expert(w: torch.Tensor, scale: torch.Tensor | None, format: str,

@@ -30,12 +30,16 @@ if not torch.cuda.is_available():
                 "kernels.kv_store",
                 "kernels.moe_align",  # before kernels.moe, which imports it
                 "kernels.moe",
+                "kernels.moe_dequant",  # after kernels.moe, whose kernels it launches
+                "kernels.fp8_dequant",
+                "kernels.fp8_gemv",  # after fp8_dequant, whose _block_scale it calls
                 "kernels.fp8_linear",  # after kernels.moe, whose _tile_ids it calls
                 "kernels.norm_rope",
                 "kernels.ring_offsets",
                 "kernels.sampling",
             ):
-                importlib.reload(sys.modules[name])
+                if name in sys.modules:  # kernels.moe_dequant loads on first use
+                    importlib.reload(sys.modules[name])
             importlib.reload(sys.modules["kernels"])
 
     # every interpreted launch is recorded, to be compiled for sm_90 (test_sm90_compile.py)

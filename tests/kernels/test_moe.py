@@ -36,12 +36,12 @@ def _routing(num_tokens, num_experts, k, seed):
     return ids.to(DEVICE), (w / w.sum(1, keepdim=True) * 1.5).to(DEVICE)
 
 
-def _check(num_tokens, dim, inter, num_experts, k, fmt, limit, seed=0):
+def _check(num_tokens, dim, inter, num_experts, k, fmt, limit, seed=0, tune=None):
     w13, w2, s13, s2 = _weights(num_experts, dim, inter, fmt, seed)
     g = torch.Generator().manual_seed(seed + 1)
     x = (torch.randn(num_tokens, dim, generator=g) * 2).bfloat16().to(DEVICE)
     ids, w = _routing(num_tokens, num_experts, k, seed)
-    y = moe_experts(x, ids, w, w13, w2, fmt, s13, s2, limit)
+    y = moe_experts(x, ids, w, w13, w2, fmt, s13, s2, limit, tune=tune)
     ref = moe_experts_ref(x, ids, w, w13, w2, fmt, s13, s2, limit)
     assert y.dtype == torch.float32 and y.shape == (num_tokens, dim)
     scale = ref.abs().amax().item() if num_tokens else 1.0
@@ -64,6 +64,21 @@ def test_moe_experts_clamp_and_no_limit():
 
 def test_moe_experts_odd_sizes():
     _check(3, 96, 48, 5, 3, "bf16", limit=10.0, seed=5)  # non-power-of-two D, I, E, K
+
+
+# config overrides: the swapped-operand tile (W_tile @ x^T) at the interpreter's tile and at
+# other row / column / K tiles, and the default orientation at the last; BLOCK_K 64 leaves a
+# partial K step (half an MXFP4 step's scale groups masked) at D = 160
+TUNES = ({"SWAP_AB": True}, {"SWAP_AB": True, "BLOCK_M": 32, "BLOCK_N": 16},
+         {"SWAP_AB": True, "BLOCK_N": 32, "BLOCK_K": 64}, {"BLOCK_N": 32, "BLOCK_K": 64})  # fmt: skip
+
+
+@pytest.mark.parametrize("tune", TUNES, ids=("swap", "swap,m32,n16", "swap,n32,k64", "n32,k64"))
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "mxfp4"])
+def test_moe_experts_tunes_match_ref(fmt, tune):
+    _check(5, 64, 32, 4, 2, fmt, limit=10.0, seed=7, tune=tune)
+    dim, inter = (160, 96) if fmt == "mxfp4" else (100, 40)  # MXFP4 needs multiples of 32
+    _check(3, dim, inter, 5, 3, fmt, limit=10.0, seed=8, tune=tune)  # odd D, I, E, K
 
 
 def test_shared_expert_is_one_expert():
@@ -93,11 +108,12 @@ def test_moe_align_invariants(block_m):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("swap_ab", [False, True])
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "mxfp4"])
 @pytest.mark.parametrize("num_tokens", [1, 64, 8192])
-def test_moe_experts_production_shapes_gpu(fmt, num_tokens):
+def test_moe_experts_production_shapes_gpu(fmt, num_tokens, swap_ab):
     """V4-Flash: D 4096, I 2048, E 256, K 6."""
-    _check(num_tokens, 4096, 2048, 256, 6, fmt, limit=10.0)
+    _check(num_tokens, 4096, 2048, 256, 6, fmt, limit=10.0, tune={"SWAP_AB": swap_ab})
 
 
 def test_benchmark_dry_run(tmp_path):
@@ -113,6 +129,7 @@ def test_benchmark_dry_run(tmp_path):
     out = tmp_path / "m.json"
     assert bench.main(["--dry-run", "--out", str(out)]) == 0
     records = json.loads(out.read_text())
-    assert {r["name"] for r in records} == {"moe_experts", "moe_align", "compressor_step", "sample"}
+    names = {"moe_experts", "moe_tile", "moe_align", "compressor_step", "sample"}
+    assert {r["name"] for r in records} == names
     keys = {"name", "shape", "time_us", "baseline", "baseline_time_us", "speedup", "pct_roofline"}
     assert all(set(r) == keys for r in records)

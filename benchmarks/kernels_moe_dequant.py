@@ -1,0 +1,93 @@
+"""MoE experts over FP8 / MXFP4 weights: dequantise to a bf16 scratch, then the bf16 GEMMs.
+
+    python benchmarks/kernels_moe_dequant.py    # H200: writes results/kernels-moe-dequant-h200.json
+    python benchmarks/kernels_moe_dequant.py --dry-run --out /tmp/d.json   # CPU: tiny shapes, refs
+
+Same record format as benchmarks/kernels.py (pct_roofline is the larger of bandwidth / 4.3 TB/s
+and FLOP/s / 790 TFLOP/s over compulsory traffic and work), timed with do_bench (eager, as a
+prefill runs; the scratch is up to 1 GiB). V4-Flash experts (D 4096, I 2048, E 256, K 6),
+random routing as benchmarks/kernels_moe.py draws it, T = 64 / 256 / 1024 / 4096 / 8192
+tokens, for MXFP4 and FP8 weights quantised from the same bf16 experts:
+- moe_experts_dequant: kernels/moe_dequant.py's `moe_experts_dequant` against `moe_experts`
+  dequantising in registers on the same weights: the two sides of `use_dequant`, whose
+  DEQUANT_MIN_PAIRS_PER_EXPERT this sweep sets (pairs per expert = 6 T / 256);
+- moe_experts_dequant_bf16: the same against `moe_experts` on the bf16 experts, the floor: the
+  gap is the dequantise pass (~3.8 ms MXFP4, ~4.5 ms FP8 at full bandwidth).
+FLOPs = 6*T*K*D*I; bytes = the quantised weights of the experts hit + x + y.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if sys.path and Path(sys.path[0] or ".").resolve() == Path(__file__).resolve().parent:
+    sys.path[0] = str(ROOT)  # this folder first on sys.path would shadow `kernels`
+elif str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.harness import Case, bench_main, measure, warm_up_clocks  # noqa: E402
+from dsv4.model.quant import fp8_block_quantize, mxfp4_quantize  # noqa: E402
+from kernels import moe  # noqa: E402
+from kernels.moe_dequant import moe_experts_dequant  # noqa: E402
+
+DEFAULT_OUT = ROOT / "benchmarks" / "results" / "kernels-moe-dequant-h200.json"
+GPU_SIZES = {"dim": 4096, "inter": 2048, "experts": 256, "k": 6,
+             "tokens": [64, 256, 1024, 4096, 8192], "formats": ["mxfp4", "fp8"]}  # fmt: skip
+DRY_SIZES = {"dim": 64, "inter": 32, "experts": 4, "k": 2, "tokens": [5],
+             "formats": ["mxfp4", "fp8"]}  # fmt: skip
+
+
+def _quantize(w: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16 [E, rows, cols] -> (codes, scales) in `fmt`, one expert at a time."""
+    quant = fp8_block_quantize if fmt == "fp8" else mxfp4_quantize
+    codes, scales = zip(*(quant(we) for we in w))
+    return torch.stack(codes), torch.stack(scales)
+
+
+def _cases(dev, sizes, dry) -> Iterator[Case]:
+    d, i, e, k = sizes["dim"], sizes["inter"], sizes["experts"], sizes["k"]
+    w13 = torch.randn(e, 2 * i, d, device=dev, dtype=torch.bfloat16) / d**0.5
+    w2 = torch.randn(e, d, i, device=dev, dtype=torch.bfloat16) / i**0.5
+    # a dry run times the reference on both sides: the Triton kernels need a GPU
+    fast = moe.moe_experts_ref if dry else moe_experts_dequant
+    slow = moe.moe_experts_ref if dry else moe.moe_experts
+    for fmt in sizes["formats"]:
+        (q13, s13), (q2, s2) = _quantize(w13, fmt), _quantize(w2, fmt)
+        per_expert = sum(t[0].numel() * t.element_size() for t in (q13, q2, s13, s2))
+        for t in sizes["tokens"]:
+            x = torch.randn(t, d, device=dev, dtype=torch.bfloat16)
+            ids = torch.rand(t, e, device=dev).argsort(1)[:, :k].to(torch.int32)
+            w = torch.rand(t, k, device=dev) + 0.1
+            args = (x, ids, w, q13, q2, fmt, s13, s2, 10.0)
+            bf16_args = (x, ids, w, w13, w2, "bf16", None, None, 10.0)
+            shape = f"T={t},D={d},I={i},E={e},K={k},{fmt}"
+            num_bytes = ids.unique().numel() * per_expert + t * d * 6
+            yield Case("moe_experts_dequant", shape, lambda a=args: fast(*a),
+                       f"moe_experts, {fmt} dequantised in registers", lambda a=args: slow(*a),
+                       num_bytes, 6.0 * t * k * d * i, graph=False)  # fmt: skip
+            yield Case("moe_experts_dequant_bf16", shape, lambda a=args: fast(*a),
+                       "moe_experts on the bf16 experts", lambda a=bf16_args: slow(*a),
+                       num_bytes, 6.0 * t * k * d * i, graph=False)  # fmt: skip
+        del q13, q2, s13, s2
+
+
+def run(dry_run: bool, only: str = "") -> list[dict]:
+    dev = "cpu" if dry_run else "cuda"
+    sizes = DRY_SIZES if dry_run else GPU_SIZES
+    torch.manual_seed(0)
+    if not dry_run:
+        warm_up_clocks()
+    return list(measure(_cases(dev, sizes, dry_run), dry_run, only))
+
+
+def main(argv: list[str] | None = None) -> int:
+    return bench_main(__doc__.split("\n")[0], run, DEFAULT_OUT, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,224 @@
+"""Prefill MoE over quantised experts: dequantise them to bf16 once, then the bf16 grouped GEMMs.
+
+`kernels.moe.moe_experts` dequantises FP8 / MXFP4 weights in registers inside the GEMM's K loop,
+once per (row tile, column tile) that reads them. For MXFP4 the per-element nibble decode
+(shifts, masks, a select, an fp32 scale multiply and a cast) is ALU-bound: on the H200, at
+V4-Flash shapes (E 256, D 4096, I 2048, K 6), it takes 11.6 ms at 1024 tokens and 71 ms at 8192
+against 3.2 ms and 8.0 ms for the same kernel on bf16 experts (3.6-8.9x, docs/BENCHMARKS.md).
+A prefill-sized batch reads every expert's weights many times, so decoding each weight element
+once is far cheaper: this module writes a chunk of experts to a bf16 scratch with a
+bandwidth-bound kernel (0.5 B read + 2 B written per MXFP4 element, 1 + 2 B for FP8) and runs
+moe.py's kernels with FMT=0 on it. All 256 experts are 6.4 G elements: ~3.8 ms (MXFP4) or
+~4.5 ms (FP8) at 4.3 TB/s, against the 71 ms kernel. The values are identical (e2m1 x 2^k and
+e4m3 x 2^k are exact in bf16; an fp32 FP8 scale rounds to nearest as `dequantize` does), so
+outputs match the in-register path up to fp32 summation order.
+
+NOTE: FP8 in registers was only 1.14x slower than bf16 at 8192 tokens (10.4 vs 9.1 ms), so the
+dequantise pass (~4.5 ms) may not pay for FP8 at all; `use_dequant`'s threshold is a starting
+point for benchmarks/kernels_moe_dequant.py to settle.
+
+Steps of `moe_experts_dequant`, without a host sync:
+1. one `moe_align` of all pairs, BLOCK_M from moe.py's `_config`;
+2. per chunk of experts [e0, e1): `dequantize_experts` of w13 and w2 into one reused scratch
+   (allocated once per call, at most SCRATCH_BYTES), tile_e remapped to the chunk (tile_e - e0
+   inside it, else -1: those tiles exit at once), `_w13_kernel` and `_w2_kernel` with FMT=0;
+3. one `_moe_combine_kernel` over the [T*K, D] rows every chunk wrote into.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import moe
+from kernels.compressor import _bf16_rne
+from kernels.moe import _e2m1_value, _scale_args, dequantize_expert
+from kernels.moe_align import moe_align, moe_align_ref
+from kernels.specialize import sizes_vary
+
+DEQUANT_FORMATS = ("fp8", "mxfp4")
+# Bound of the bf16 scratch of one chunk. A V4-Flash expert is 3 * 4096 * 2048 bf16 elements =
+# 48 MiB, so a chunk is 21 experts (1008 MiB) and 256 experts take 13 chunks.
+SCRATCH_BYTES = 1 << 30
+# Average (token, slot) pairs per expert from which `moe_experts` takes this path. On the H200
+# (V4-Flash experts, benchmarks/results/kernels-moe-dequant-h200.json) MXFP4 in registers took
+# 6.1 ms at 24 pairs an expert (1024 tokens) against 10.9 ms here, and 27.8 / 47.6 ms at 96 / 192
+# against 12.8 / 15.9 ms: the crossover is near 40. FP8 in registers won at every size (9.7 ms
+# against 13.9 ms at 8192 tokens), so FP8 never takes it.
+DEQUANT_MIN_PAIRS_PER_EXPERT = 48
+# Dequantise tiles: BLOCK_R and BLOCK_C divide 128, so an FP8 tile sits in one scale block.
+_BLOCK_R, _BLOCK_C = 32, 128
+
+
+@triton.jit(**sizes_vary("e0"))
+def _dequant_kernel(
+    # Pointers: w [E, rows, cols] e4m3 or [E, rows, cols/2] packed e2m1; its scales;
+    # output [e1 - e0, rows, cols] bf16
+    w_ptr, s_ptr, out_ptr,
+    # Sizes, strides (elements)
+    e0, rows, cols,
+    stride_we, stride_wr, stride_se, stride_sr, stride_sc, stride_oe, stride_or,
+    # Meta-parameters
+    FMT: tl.constexpr, SCALE_E8M0: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    pid_c, pid_r, pid_e = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    e = (e0 + pid_e).to(tl.int64)
+    r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    r_ok = r < rows
+    w_rows = w_ptr + e * stride_we + r.to(tl.int64)[:, None] * stride_wr
+    s_e = s_ptr + e * stride_se
+    if FMT == 2:  # MXFP4: BLOCK_C/2 bytes a row, one UE8M0 scale per 32 columns
+        kh = pid_c * (BLOCK_C // 2) + tl.arange(0, BLOCK_C // 2)
+        mk = r_ok[:, None] & (2 * kh < cols)[None, :]
+        packed = tl.load(w_rows + kh[None, :], mask=mk, other=0).to(tl.int32) & 0xFF
+        ks = pid_c * (BLOCK_C // 32) + tl.arange(0, BLOCK_C // 32)
+        s_at = s_e + r.to(tl.int64)[:, None] * stride_sr + ks[None, :] * stride_sc
+        sb = tl.load(s_at, mask=r_ok[:, None] & (ks * 32 < cols)[None, :], other=127)
+        scale = ((sb.to(tl.int32) & 0xFF) << 23).to(tl.float32, bitcast=True)  # 2^(byte - 127)
+        scale = tl.reshape(tl.broadcast_to(scale[:, :, None], [BLOCK_R, BLOCK_C // 32, 16]),
+                           [BLOCK_R, BLOCK_C // 2])  # fmt: skip
+        lo = _e2m1_value(packed & 15) * scale  # even columns
+        hi = _e2m1_value(packed >> 4) * scale  # odd columns
+        w = tl.reshape(tl.join(lo, hi), [BLOCK_R, BLOCK_C])
+    else:  # FP8 e4m3, the tile's one 128x128 block scale
+        mk = r_ok[:, None] & (c < cols)[None, :]
+        w = tl.load(w_rows + c[None, :], mask=mk, other=0.0).to(tl.float32)
+        s_at = s_e + (pid_r * BLOCK_R // 128) * stride_sr + (pid_c * BLOCK_C // 128) * stride_sc
+        if SCALE_E8M0:
+            scale = ((tl.load(s_at).to(tl.int32) & 0xFF) << 23).to(tl.float32, bitcast=True)
+        else:
+            scale = tl.load(s_at)
+        w = w * scale
+    out_at = out_ptr + pid_e.to(tl.int64) * stride_oe + r.to(tl.int64)[:, None] * stride_or
+    # NOTE: rounded in fp32 first: the interpreter truncates fp32 -> bf16 (exact values only
+    # reach the store: a no-op there, and for UE8M0 scales everywhere)
+    tl.store(out_at + c[None, :], _bf16_rne(w).to(out_ptr.dtype.element_ty),
+             mask=r_ok[:, None] & (c < cols)[None, :])  # fmt: skip
+
+
+def dequantize_experts(
+    w: torch.Tensor,
+    scale: torch.Tensor,
+    format: str,
+    e0: int = 0,
+    e1: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Experts [e0, e1) of w [E, rows, cols(/2)] with its scales, in `format` ("fp8" or "mxfp4",
+    layouts of kernels/moe.py) -> bf16 [e1 - e0, rows, cols], written to the first e1 - e0
+    experts of `out` ([>= e1 - e0, rows, cols] bf16, unit column stride) when given."""
+    assert format in DEQUANT_FORMATS, format
+    e1 = w.shape[0] if e1 is None else e1
+    rows, cols = w.shape[1], w.shape[2] * (2 if format == "mxfp4" else 1)
+    assert 0 <= e0 <= e1 <= w.shape[0] and w.stride(2) == 1
+    if out is None:
+        out = torch.empty(e1 - e0, rows, cols, dtype=torch.bfloat16, device=w.device)
+    assert out.dtype == torch.bfloat16 and out.shape[0] >= e1 - e0 and out.stride(2) == 1
+    assert tuple(out.shape[1:]) == (rows, cols), (tuple(out.shape), rows, cols)
+    if e1 == e0:
+        return out[:0]
+    s, e8m0, st = _scale_args(scale, w)
+    grid = (triton.cdiv(cols, _BLOCK_C), triton.cdiv(rows, _BLOCK_R), e1 - e0)
+    _dequant_kernel[grid](
+        w, s, out, e0, rows, cols, w.stride(0), w.stride(1), *st, out.stride(0), out.stride(1),
+        FMT=moe.FORMATS.index(format), SCALE_E8M0=e8m0, BLOCK_R=_BLOCK_R, BLOCK_C=_BLOCK_C,
+        num_warps=4,
+    )  # fmt: skip
+    return out[: e1 - e0]
+
+
+def dequantize_experts_ref(
+    w: torch.Tensor,
+    scale: torch.Tensor,
+    format: str,
+    e0: int = 0,
+    e1: int | None = None,
+) -> torch.Tensor:
+    """Reference: `moe.dequantize_expert` of each expert in [e0, e1), stacked."""
+    e1 = w.shape[0] if e1 is None else e1
+    if e1 == e0:
+        cols = w.shape[2] * (2 if format == "mxfp4" else 1)
+        return torch.empty(0, w.shape[1], cols, dtype=torch.bfloat16, device=w.device)
+    return torch.stack([dequantize_expert(w[e], scale[e], format) for e in range(e0, e1)])
+
+
+def use_dequant(num_pairs: int, num_experts: int, format: str, on_gpu: bool) -> bool:
+    """Whether `moe_experts` should take `moe_experts_dequant`: MXFP4 experts with, on average,
+    at least DEQUANT_MIN_PAIRS_PER_EXPERT pairs an expert (the same rule on the CPU interpreter,
+    so tests reach the path). FP8 stays in registers (see the constant)."""
+    del on_gpu  # one rule on both
+    return format == "mxfp4" and num_pairs >= DEQUANT_MIN_PAIRS_PER_EXPERT * num_experts
+
+
+def _grouped_gemms(x, sorted_ids, tile_e, w13, w2, h, rows, topk, limit, cfg) -> None:
+    """moe.py's two GEMM launches, as `moe_experts` makes them, on bf16 w13 / w2 (tiles whose
+    tile_e is -1 exit at once)."""
+    num_pairs, dim = rows.shape
+    inter, num_pid_m = h.shape[1], tile_e.numel()
+    common = dict(FMT=0, SCALE_E8M0=True, UPCAST=not x.is_cuda, **cfg)
+    grid13 = (num_pid_m * triton.cdiv(inter, cfg["BLOCK_N"]),)
+    moe._w13_kernel[grid13](
+        x, sorted_ids, tile_e, w13, w13, h,
+        num_pairs, dim, inter, num_pid_m,
+        x.stride(0), w13.stride(0), w13.stride(1), 0, 0, 0, h.stride(0),
+        float(limit) if limit is not None else 0.0,
+        TOPK=topk, HAS_LIMIT=limit is not None, **common,
+    )  # fmt: skip
+    grid2 = (num_pid_m * triton.cdiv(dim, cfg["BLOCK_N"]),)
+    moe._w2_kernel[grid2](
+        h, sorted_ids, tile_e, w2, w2, rows,
+        num_pairs, dim, inter, num_pid_m,
+        h.stride(0), w2.stride(0), w2.stride(1), 0, 0, 0, rows.stride(0), **common,
+    )  # fmt: skip
+
+
+def moe_experts_dequant(
+    x: torch.Tensor,
+    expert_ids: torch.Tensor,
+    weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    format: str,
+    w13_scale: torch.Tensor,
+    w2_scale: torch.Tensor,
+    limit: float | None = None,
+    chunk_experts: int | None = None,
+) -> torch.Tensor:
+    """`moe.moe_experts` for "fp8" / "mxfp4" experts by way of a bf16 scratch (module doc):
+    x [T, D] bf16, expert_ids [T, K], weights [T, K] -> y [T, D] fp32. `chunk_experts`: experts
+    dequantised at a time (default: as many as fit in SCRATCH_BYTES)."""
+    assert format in DEQUANT_FORMATS, format
+    assert x.dim() == 2 and x.dtype == torch.bfloat16 and x.stride(1) == 1
+    num_tokens, dim = x.shape
+    topk = expert_ids.shape[1]
+    num_experts, inter = w13.shape[0], w13.shape[1] // 2
+    assert w2.shape[:2] == (num_experts, dim) and w13_scale is not None and w2_scale is not None
+    y = torch.zeros(num_tokens, dim, dtype=torch.float32, device=x.device)
+    num_pairs = num_tokens * topk
+    if num_pairs == 0:
+        return y
+    cfg = moe._config(num_pairs, num_experts, x.is_cuda)
+    align = moe_align if x.is_cuda else moe_align_ref  # as moe_experts: see its NOTE
+    sorted_ids, tile_e = align(expert_ids, num_experts, cfg["BLOCK_M"])
+    h = torch.empty(sorted_ids.numel(), inter, dtype=torch.bfloat16, device=x.device)
+    rows = torch.empty(num_pairs, dim, dtype=torch.bfloat16, device=x.device)
+    per_expert = 3 * inter * dim  # bf16 elements of one expert's w13 and w2
+    chunk = min(num_experts, chunk_experts or max(1, SCRATCH_BYTES // (2 * per_expert)))
+    scratch = torch.empty(chunk * per_expert, dtype=torch.bfloat16, device=x.device)
+    w13_bf16 = scratch[: chunk * 2 * inter * dim].view(chunk, 2 * inter, dim)
+    w2_bf16 = scratch[chunk * 2 * inter * dim :].view(chunk, dim, inter)
+    for e0 in range(0, num_experts, chunk):
+        e1 = min(e0 + chunk, num_experts)
+        dequantize_experts(w13, w13_scale, format, e0, e1, out=w13_bf16)
+        dequantize_experts(w2, w2_scale, format, e0, e1, out=w2_bf16)
+        chunk_tile_e = torch.where((tile_e >= e0) & (tile_e < e1), tile_e - e0, -1)
+        _grouped_gemms(x, sorted_ids, chunk_tile_e, w13_bf16, w2_bf16, h, rows, topk, limit, cfg)
+    block_t, block_d = (4, 1024) if x.is_cuda else (triton.next_power_of_2(num_tokens), 4096)
+    block_d = min(block_d, triton.next_power_of_2(dim))
+    moe._moe_combine_kernel[(triton.cdiv(num_tokens, block_t), triton.cdiv(dim, block_d))](
+        rows, weights.float().contiguous(), y, num_tokens, dim,
+        TOPK=topk, BLOCK_T=block_t, BLOCK_D=block_d,
+    )  # fmt: skip
+    return y
