@@ -12,12 +12,14 @@ prefill rows (1024, 8192: compute-bound), with UE8M0 scales:
   shared expert w1 [2048, 4096] and w2 [4096, 2048], e_proj [4096, 4096], against F.linear on
   the same weight dequantised to bf16 (what `linear_weights=bf16` serves);
 - fp8_grouped_linear: wo_a, 8 groups of [1024, 4096], against the bf16 einsum of the model;
-- fp8_linear_tile (`--only fp8_linear_tile`): the kernel's own configs at 1, 64 and 1024 rows
-  (row tiles, and POST_SCALE: the block scale applied to the dot's sums), each `tune` against
-  the default config. On the H200 the default 64-row decode tile ran at
-  0.03-0.20x of cuBLAS while 16 rows ran at 0.33-0.63x: tiles of 64+ rows take Hopper's
-  wgmma path, whose B operand (the weight, dequantised in registers) goes through shared
-  memory; 16-row tiles use mma.sync with B in registers (a hypothesis this sweep tests).
+- fp8_linear_tile (`--only fp8_linear_tile`): the kernel's own configs (TILE_TUNES, `{}` = the
+  default) at 1-1024 rows, each against cuBLAS on the bf16 weight, so the best per row count
+  reads off one table. On the H200 the first configs ran at 0.33-0.63x of cuBLAS at 1-16 rows,
+  0.03-0.20x at 64 and 0.12-0.20x at 1024+. Swept: SWAP_AB (the dequantised weight as the dot's
+  left operand: Hopper's wgmma takes A from registers, B only from shared memory), POST_SCALE
+  (the block scale on the dot's sums), row tiles, and DEQUANT (dequantise, then cuBLAS);
+- fp8_linear_gemv (`--only fp8_linear_gemv`): the decode GEMV (kernels/fp8_gemv.py) at 1-16
+  rows, its default config and GEMV_TUNES, each against cuBLAS on the bf16 weight.
 Bytes = the FP8 weight + scales + x + y; FLOPs = 2 T N K.
 """
 
@@ -51,11 +53,23 @@ GPU_SIZES = {"rows": [1, 16, 64, 1024, 8192], "groups": (8, 1024, 4096),
                          "shared_w2": (4096, 2048), "e_proj": (4096, 4096)}}  # fmt: skip
 DRY_SIZES = {"rows": [3], "groups": (2, 64, 256), "linears": {"wq_a": (128, 256)},
              "tile_rows": [3], "tile_linears": ("wq_a",)}  # fmt: skip
-GPU_SIZES["tile_rows"], GPU_SIZES["tile_linears"] = [1, 64, 1024], ("wq_a", "wo_b", "shared_w1")
-# config overrides swept by fp8_linear_tile, each against the default config
-TILE_TUNES = ({"POST_SCALE": True}, {"BLOCK_M": 16}, {"BLOCK_M": 16, "POST_SCALE": True},
-              {"BLOCK_M": 32}, {"BLOCK_M": 16, "BLOCK_N": 32},
-              {"BLOCK_M": 32, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4})  # fmt: skip
+GPU_SIZES["tile_rows"] = [1, 16, 64, 256, 1024]
+GPU_SIZES["tile_linears"] = ("wq_a", "wo_b", "shared_w1")
+GPU_SIZES["gemv_rows"] = [1, 2, 4, 8, 16]
+GPU_SIZES["gemv_linears"] = ("wq_a", "wq_b", "wo_b")
+DRY_SIZES["gemv_rows"], DRY_SIZES["gemv_linears"] = [2], ("wq_a",)
+# configs swept by fp8_linear_gemv, each against cuBLAS (`{}`: gemv_config's choice; the last:
+# dequantise + cuBLAS, the path the GEMV must beat)
+GEMV_TUNES = ({}, {"num_warps": 4}, {"BLOCK_N": 32, "num_warps": 4}, {"BLOCK_K": 128},
+              {"BLOCK_N": 8, "BLOCK_K": 128, "num_warps": 4}, {"splits": 1},
+              {"GEMV": False, "DEQUANT": True})  # fmt: skip
+# configs swept by fp8_linear_tile, each against cuBLAS (the kernel's: DEQUANT off)
+_KERNEL = {"DEQUANT": False}
+TILE_TUNES = ({}, _KERNEL, {**_KERNEL, "POST_SCALE": True}, {**_KERNEL, "BLOCK_M": 16},
+              {**_KERNEL, "SWAP_AB": True}, {**_KERNEL, "SWAP_AB": True, "POST_SCALE": True},
+              {**_KERNEL, "SWAP_AB": True, "BLOCK_N": 128},
+              {**_KERNEL, "SWAP_AB": True, "BLOCK_N": 128, "POST_SCALE": True},
+              {"DEQUANT": True})  # fmt: skip
 
 
 def _weight(n: int, k: int, dev):
@@ -77,22 +91,33 @@ def _linear_cases(dev, sizes, dry) -> Iterator[Case]:
         del codes, scale, dense
 
 
-def _tile_cases(dev, sizes, dry) -> Iterator[Case]:
+def _sweep_cases(dev, sizes, dry, group: str, tunes, base_tune: dict) -> Iterator[Case]:
+    """`group`'s configs (each `tunes` entry over `base_tune`) per linear and row count."""
+
     def launch(args, tune):  # a dry run times the reference: `tune` is the kernel's
         return fp8_linear_ref(*args) if dry else fp8_linear(*args, tune=tune)
 
-    for name in sizes["tile_linears"]:
+    for name in sizes[f"{group}_linears"]:
         n, k = sizes["linears"][name]
-        codes, scale, _ = _weight(n, k, dev)
-        for t in sizes["tile_rows"]:
-            args = (torch.randn(t, k, device=dev, dtype=torch.bfloat16), codes, scale)
-            for tune in TILE_TUNES:
-                label = ",".join(f"{key}={v}" for key, v in tune.items())
-                yield Case("fp8_linear_tile", f"{name},T={t},N={n},K={k},{label}",
-                           lambda a=args, u=tune: launch(a, u), "default config",
-                           lambda a=args: launch(a, None),
+        codes, scale, dense = _weight(n, k, dev)
+        for t in sizes[f"{group}_rows"]:
+            x = torch.randn(t, k, device=dev, dtype=torch.bfloat16)
+            for tune in tunes:
+                label = ",".join(f"{key}={v}" for key, v in tune.items()) or "default"
+                yield Case(f"fp8_linear_{group}", f"{name},T={t},N={n},K={k},{label}",
+                           lambda a=(x, codes, scale), u={**base_tune, **tune}: launch(a, u),
+                           "cuBLAS bf16 F.linear",
+                           lambda a=(x, dense): torch.nn.functional.linear(*a),
                            n * k + scale.numel() + 2 * t * (n + k), 2.0 * t * n * k)  # fmt: skip
-        del codes, scale
+        del codes, scale, dense
+
+
+def _tile_cases(dev, sizes, dry) -> Iterator[Case]:
+    return _sweep_cases(dev, sizes, dry, "tile", TILE_TUNES, {"GEMV": False})
+
+
+def _gemv_cases(dev, sizes, dry) -> Iterator[Case]:
+    return _sweep_cases(dev, sizes, dry, "gemv", GEMV_TUNES, {"GEMV": True})
 
 
 def _grouped_cases(dev, sizes, dry) -> Iterator[Case]:
@@ -115,7 +140,7 @@ def run(dry_run: bool, only: str = "") -> list[dict]:
     if not dry_run:
         warm_up_clocks()
     gens = (("fp8_linear", _linear_cases), ("fp8_grouped_linear", _grouped_cases),
-            ("fp8_linear_tile", _tile_cases))  # fmt: skip
+            ("fp8_linear_tile", _tile_cases), ("fp8_linear_gemv", _gemv_cases))  # fmt: skip
     # a generator whose cases `only` excludes is never started (no weights drawn for it)
     cases = (c for name, gen in gens if only in name for c in gen(dev, sizes, dry_run))
     return list(measure(cases, dry_run, only))

@@ -7,32 +7,36 @@ in registers right after its load: an fp32 multiply by its block's scale, one ca
 `fp8_linear_ref` (dequantise the weight, then F.linear) up to summation order. BLOCK_K divides
 128, so every K step reads one scale column.
 
-One kernel covers both regimes:
-- decode (T <= 64 rows): a weight-streaming GEMV. With N 512-1024 and K 4096 (wkv, wq_a) the
-  output tiles alone would occupy a few of the H200's 132 SMs, so K is split across S programs
-  per tile: each stores its fp32 partial sums [S, T, G, N] and `_fp8_linear_reduce_kernel`
-  adds them in split order, then casts. Deterministic (no atomics): for a given shape the
-  result does not depend on timing. S and the tiles are functions of (T, N, K, G) only.
-- prefill (T in the thousands): a tiled GEMM, grouped tile order for L2 reuse; split only when
-  the tiles leave most SMs idle and the partials stay small next to the weights.
-`fp8_grouped_linear` is the same kernel with a group grid axis: attn.wo_a's grouped output
-projection, z[:, g] = o[:, g] @ W[g*N:(g+1)*N]^T, in one launch (scale rows follow the global
-weight row, so a group need not start on a 128-row block).
+Three paths, by row count (each reachable through `tune` for the sweeps and tests):
+- T <= GEMV_MAX_ROWS (decode): `kernels/fp8_gemv.py`, CUDA-core FMAs with no MMA;
+- T >= DEQUANT_MIN_ROWS: the weight dequantised once (`kernels/fp8_dequant.py`), then cuBLAS:
+  the reference's own computation, so its output is equal, not just close;
+- between them, the tiled `tl.dot` kernel below: a weight-streaming GEMV-like tile with K split
+  across S programs for decode sizes (fp32 partials [S, T, G, N] added in split order by
+  `_fp8_linear_reduce_kernel`: deterministic, no atomics), a grouped-order tiled GEMM for
+  prefill sizes. S and the tiles are functions of (T, N, K, G) only.
+`fp8_grouped_linear` is the same with a group axis: attn.wo_a's grouped output projection,
+z[:, g] = o[:, g] @ W[g*N:(g+1)*N]^T, in one launch (scale rows follow the global weight row,
+so a group need not start on a 128-row block).
 
-No host sync and no data-dependent allocation: CUDA-graph capturable. The configs below are
-first choices, not tuned on an H200 yet (`tune` overrides them: a benchmark sweep).
+On the H200 the tiled kernel ran at 0.33-0.63x of cuBLAS on the bf16 weight at 1-16 rows,
+0.03-0.20x at 64 and 0.12-0.20x at 1024+, whatever its tiles, SWAP_AB or POST_SCALE; dequantise
++ cuBLAS ran at 0.45-0.66x at 1-64 rows and 0.8-1.0x from 1024 (benchmarks/results/
+kernels-linear-h200.json, docs/BENCHMARKS.md). No host sync and no data-dependent allocation:
+CUDA-graph capturable.
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from dsv4.model import fp8 as model_fp8
 from kernels.compressor import _bf16_rne
+from kernels.fp8_dequant import _block_scale, fp8_dequantize
+from kernels.fp8_gemv import _fp8_linear_reduce_kernel, gemv_config, launch_gemv, num_sms
 from kernels.moe import _tile_ids  # grouped tile order: row tiles sweep W's columns together
 from kernels.registry import register_op
 from kernels.specialize import sizes_vary
@@ -43,19 +47,19 @@ FP8_BLOCK = model_fp8.FP8_BLOCK
 # the cast (BLOCK_K / BLOCK_M times fewer ALU ops in front of the MMA at decode sizes; the same
 # products, the sum split at K-step boundaries). Off until timed on a GPU (`tune`).
 POST_SCALE_DEFAULT = False
-
-
-@triton.jit
-def _block_scale(s_rows, n_ok, k0, stride_sk, SCALE_E8M0: tl.constexpr):
-    """The [BLOCK_N] fp32 scales of weight rows `s_rows` (pointers) at K step k0."""
-    # one return: Triton 3.6 type-checks every return of a jit function, constexpr-dead or not
-    if SCALE_E8M0:
-        sb = tl.load(s_rows + (k0 // 128) * stride_sk, mask=n_ok, other=127).to(tl.int32) & 0xFF
-        # byte 0 is 2^-127, an fp32 subnormal (0 << 23 would read as zero)
-        scale = tl.where(sb == 0, 5.877471754111438e-39, (sb << 23).to(tl.float32, bitcast=True))
-    else:
-        scale = tl.load(s_rows + (k0 // 128) * stride_sk, mask=n_ok, other=1.0)
-    return scale
+# SWAP_AB: accT = W_tile @ x_tile^T. Hopper's wgmma reads its B operand only from shared memory
+# and may take A from registers, so the weight tile dequantised in registers belongs on the left
+# (as Marlin/Machete-style mixed-input kernels place it); decode's few token rows become the
+# MMA's N side. Off until timed on a GPU (`tune`).
+SWAP_AB_DEFAULT = False
+# From this many rows the weight is dequantised to x's dtype in one pass and the product runs in
+# cuBLAS: +3 bytes of traffic per weight element (~25 us for wq_b's 32M on an H200). Measured
+# faster than the tiled kernel at every row count from 1 to 8192 (`tune`: "DEQUANT").
+DEQUANT_MIN_ROWS = 1
+# Up to this many rows the GEMV (kernels/fp8_gemv.py) runs instead (`tune`: "GEMV"). On the
+# H200 it ran at 0.79-1.02x of cuBLAS on the bf16 weight at 1 row (wq_a, wq_b, wo_b) and
+# 0.77-0.79x at 2, where dequantise + cuBLAS ran at 0.39-0.65x; at 4 rows they tie.
+GEMV_MAX_ROWS = 2
 
 
 @triton.jit(**sizes_vary("T", "split_len"))
@@ -68,7 +72,7 @@ def _fp8_linear_kernel(
     stride_xt, stride_xg, stride_wn, stride_sn, stride_sk, stride_os, stride_ot, stride_og,
     # Meta-parameters
     SCALE_E8M0: tl.constexpr, ROUND_W: tl.constexpr, ROUND_OUT: tl.constexpr, UPCAST: tl.constexpr,
-    POST_SCALE: tl.constexpr,
+    POST_SCALE: tl.constexpr, SWAP_AB: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
@@ -82,53 +86,52 @@ def _fp8_linear_kernel(
     x_rows = x_ptr + rows.to(tl.int64) * stride_xt + g * stride_xg
     w_rows = w_ptr + w_row * stride_wn
     s_rows = s_ptr + (w_row // 128) * stride_sn
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    # SWAP_AB: accT [BLOCK_N, BLOCK_M] = W_tile @ x_tile^T, the dequantised weight as the LHS
+    acc = tl.zeros([BLOCK_N, BLOCK_M] if SWAP_AB else [BLOCK_M, BLOCK_N], tl.float32)
     k_lo = pid_s * split_len
     for k0 in range(k_lo, tl.minimum(K, k_lo + split_len), BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
         k_ok = kk < K
-        a = tl.load(x_rows[:, None] + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(w_rows[None, :] + kk[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if SWAP_AB:  # x^T [BLOCK_K, BLOCK_M], W [BLOCK_N, BLOCK_K] as stored (K contiguous)
+            a = tl.load(x_rows[None, :] + kk[:, None], mask=k_ok[:, None] & row_ok[None, :],
+                        other=0.0)  # fmt: skip
+            b = tl.load(w_rows[:, None] + kk[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                        other=0.0)  # fmt: skip
+        else:  # x [BLOCK_M, BLOCK_K], W^T [BLOCK_K, BLOCK_N]
+            a = tl.load(x_rows[:, None] + kk[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                        other=0.0)  # fmt: skip
+            b = tl.load(w_rows[None, :] + kk[:, None], mask=k_ok[:, None] & n_ok[None, :],
+                        other=0.0)  # fmt: skip
         scale = _block_scale(s_rows, n_ok, k0, stride_sk, SCALE_E8M0)  # [BLOCK_N]
+        scale = scale[:, None] if SWAP_AB else scale[None, :]
         if UPCAST:  # the interpreter computes on raw bf16 bits otherwise
             a = a.to(tl.float32)
         if POST_SCALE:  # e4m3 -> x's dtype (exact), the power-of-two scale on the step's sums
             w = b.to(tl.float32) if UPCAST else b.to(x_ptr.dtype.element_ty)
-            acc += tl.dot(a, w, input_precision=DOT_PRECISION) * scale[None, :]
+            if SWAP_AB:
+                acc += tl.dot(w, a, input_precision=DOT_PRECISION) * scale
+            else:
+                acc += tl.dot(a, w, input_precision=DOT_PRECISION) * scale
         else:
-            w = b.to(tl.float32) * scale[None, :]
+            w = b.to(tl.float32) * scale
             if UPCAST and ROUND_W:  # the reference's dequantised bf16 weight (rounds fp32 scales)
                 w = _bf16_rne(w)
             elif not UPCAST:
-                w = w.to(x_ptr.dtype.element_ty)  # [BLOCK_K, BLOCK_N]
-            acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+                w = w.to(x_ptr.dtype.element_ty)
+            if SWAP_AB:
+                acc = tl.dot(w, a, acc, input_precision=DOT_PRECISION)
+            else:
+                acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
     if ROUND_OUT:  # the interpreter truncates on the cast; the GPU rounds
         acc = _bf16_rne(acc)
-    out_at = (out_ptr + pid_s.to(tl.int64) * stride_os + rows.to(tl.int64)[:, None] * stride_ot
-              + g * stride_og)  # fmt: skip
-    tl.store(out_at + n[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & n_ok[None, :])  # fmt: skip
-
-
-@triton.jit(**sizes_vary("total", "num_partials"))
-def _fp8_linear_reduce_kernel(part_ptr, y_ptr, total, num_partials, ROUND_BF16: tl.constexpr,
-                              BLOCK: tl.constexpr):  # fmt: skip
-    """y[i] = sum_s part[s, i] in s order (fp32), cast to y's dtype; part [S, total]."""
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = i < total
-    acc = tl.zeros([BLOCK], tl.float32)
-    parts = part_ptr + i
-    for _ in range(num_partials):
-        acc += tl.load(parts, mask=ok, other=0.0)
-        parts += total  # a pointer step: no int32 product s * total
-    if ROUND_BF16:
-        acc = _bf16_rne(acc)
-    tl.store(y_ptr + i, acc.to(y_ptr.dtype.element_ty), mask=ok)
-
-
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+    out_rows = (out_ptr + pid_s.to(tl.int64) * stride_os + rows.to(tl.int64) * stride_ot
+                + g * stride_og)  # fmt: skip
+    if SWAP_AB:  # store the transposed tile through transposed pointers
+        tl.store(out_rows[None, :] + n[:, None], acc.to(out_ptr.dtype.element_ty),
+                 mask=n_ok[:, None] & row_ok[None, :])  # fmt: skip
+    else:
+        tl.store(out_rows[:, None] + n[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & n_ok[None, :])  # fmt: skip
 
 
 def _config(rows: int, n: int, k: int, groups: int, device: torch.device) -> dict:
@@ -145,7 +148,7 @@ def _config(rows: int, n: int, k: int, groups: int, device: torch.device) -> dic
         cfg = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
     tiles = triton.cdiv(rows, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]) * groups
     steps = triton.cdiv(k, cfg["BLOCK_K"])
-    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    sms = num_sms(device.index if device.index is not None else torch.cuda.current_device())
     # >= 2 K steps per split; partials (S x rows x N fp32) at most ~4x the weight's bytes
     splits = min(triton.cdiv(2 * sms, tiles), max(1, steps // 2), max(1, k // rows))
     return {**cfg, "splits": max(1, splits)}
@@ -162,7 +165,18 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, tune: di
     y = torch.empty(rows, groups, n, dtype=x.dtype, device=x.device)
     if rows == 0:
         return y
-    cfg = {**_config(rows, n, k, groups, x.device), **(tune or {})}
+    tune = dict(tune or {})
+    if tune.pop("GEMV", rows <= GEMV_MAX_ROWS):  # decode rows: CUDA-core FMAs, no MMA
+        launch_gemv(x, weight, scale, y, {**gemv_config(rows, n, k, groups, x.device), **tune})
+        return y
+    cfg = {**_config(rows, n, k, groups, x.device), **tune}
+    if cfg.pop("DEQUANT", rows >= DEQUANT_MIN_ROWS):  # dequantise once, then cuBLAS
+        w = fp8_dequantize(weight, scale, x.dtype)
+        if groups == 1:
+            return F.linear(x.view(rows, k), w).view(rows, 1, n)
+        # the bf16 model's product; einsum's output is a permuted bmm result, the caller views it
+        return torch.einsum("tgk,gnk->tgn", x, w.view(groups, n, k)).contiguous()
+    swap_ab = bool(cfg.pop("SWAP_AB", SWAP_AB_DEFAULT))
     assert FP8_BLOCK % cfg["BLOCK_K"] == 0, "a K step must sit in one scale block"
     steps = triton.cdiv(k, cfg["BLOCK_K"])
     per_split = triton.cdiv(steps, cfg.pop("splits"))
@@ -183,7 +197,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, tune: di
         x.stride(0), x.stride(1), weight.stride(0), s.stride(0), s.stride(1),
         os, out.stride(-3), out.stride(-2),
         SCALE_E8M0=e8m0, ROUND_W=round_bf16, ROUND_OUT=round_bf16 and splits == 1, UPCAST=not on_gpu,
-        POST_SCALE=post_scale, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **cfg,
+        POST_SCALE=post_scale, SWAP_AB=swap_ab, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **cfg,
     )  # fmt: skip
     if splits > 1:
         total, block = rows * groups * n, 1024
@@ -196,7 +210,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *,
                tune: dict | None = None) -> torch.Tensor:  # fmt: skip
     """x [..., K] bf16 (or fp32) @ W^T -> [..., N] in x.dtype; W = weight [N, K] e4m3 x scale
     [ceil(N/128), ceil(K/128)] (UE8M0 or fp32). `tune`: config overrides (BLOCK_M/N/K,
-    GROUP_M, num_warps, num_stages, splits, POST_SCALE)."""
+    GROUP_M, num_warps, num_stages, splits, POST_SCALE, SWAP_AB, DEQUANT)."""
     lead, k = x.shape[:-1], x.shape[-1]
     flat = x.reshape(-1, 1, k)
     if flat.stride(2) != 1:

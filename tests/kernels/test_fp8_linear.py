@@ -14,7 +14,7 @@ import importlib
 import pytest
 import torch
 
-from dsv4.model.quant import fp8_block_quantize
+from dsv4.model.quant import fp8_block_dequantize, fp8_block_quantize
 from kernels.fp8_linear import (
     fp8_grouped_linear,
     fp8_grouped_linear_ref,
@@ -24,6 +24,7 @@ from kernels.fp8_linear import (
 from tests.kernels.tolerances import assert_close
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TILED = {"GEMV": False, "DEQUANT": False}  # the tiled tl.dot kernel, at any row count
 
 
 def _weight(n, k, scale_dtype, seed):
@@ -47,7 +48,7 @@ def _x(shape, dtype, seed):
 def test_fp8_linear_matches_ref_on_odd_shapes(rows, splits, scale_dtype):
     w, s = _weight(130, 300, scale_dtype, rows)
     x = _x((rows, 300), torch.bfloat16, rows + 1)
-    y = fp8_linear(x, w, s, tune={"splits": splits})
+    y = fp8_linear(x, w, s, tune={"splits": splits, **TILED})
     assert_close(y, fp8_linear_ref(x, w, s), "activation")
 
 
@@ -56,19 +57,102 @@ def test_fp8_linear_post_scale_matches_ref(rows, splits):
     """POST_SCALE: the UE8M0 scale multiplies each K step's sums instead of the weight tile."""
     w, s = _weight(130, 300, torch.float8_e8m0fnu, rows + 20)
     x = _x((rows, 300), torch.bfloat16, rows + 21)
-    y = fp8_linear(x, w, s, tune={"splits": splits, "POST_SCALE": True})
+    y = fp8_linear(x, w, s, tune={"splits": splits, "POST_SCALE": True, **TILED})
     assert_close(y, fp8_linear_ref(x, w, s), "activation")
     g = _x((2, 3, 2, 260), torch.bfloat16, 22)
     wg, sg = _weight(2 * 40, 260, torch.float8_e8m0fnu, 23)
-    assert_close(fp8_grouped_linear(g, wg, sg, tune={"POST_SCALE": True}),
+    assert_close(fp8_grouped_linear(g, wg, sg, tune={"POST_SCALE": True, **TILED}),
                  fp8_grouped_linear_ref(g, wg, sg), "activation")  # fmt: skip
+
+
+@pytest.mark.parametrize("post_scale", [False, True], ids=["w_scale", "post_scale"])
+@pytest.mark.parametrize("scale_dtype", [torch.float8_e8m0fnu, torch.float32], ids=["e8m0", "f32"])
+@pytest.mark.parametrize("rows,splits", [(1, 3), (17, 1)])
+def test_fp8_linear_swap_ab_matches_ref(rows, splits, scale_dtype, post_scale):
+    """SWAP_AB: the weight tile on the dot's left, the transposed tile stored back."""
+    w, s = _weight(130, 300, scale_dtype, rows + 30)
+    x = _x((rows, 300), torch.bfloat16, rows + 31)
+    tune = {"splits": splits, "SWAP_AB": True, "POST_SCALE": post_scale, "BLOCK_N": 64, **TILED}
+    assert_close(fp8_linear(x, w, s, tune=tune), fp8_linear_ref(x, w, s), "activation")
+    g = _x((2, 3, 2, 260), torch.bfloat16, rows + 32)
+    wg, sg = _weight(2 * 40, 260, scale_dtype, rows + 33)
+    assert_close(fp8_grouped_linear(g, wg, sg, tune=tune), fp8_grouped_linear_ref(g, wg, sg),
+                 "activation")  # fmt: skip
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.float8_e8m0fnu, torch.float32], ids=["e8m0", "f32"])
+def test_fp8_dequantize_is_the_reference_weight(scale_dtype):
+    """The one-pass dequantiser writes the very bf16 values `fp8_block_dequantize` does."""
+    fp8 = importlib.import_module("kernels.fp8_linear")
+    w, s = _weight(170, 300, scale_dtype, 40)
+    assert torch.equal(fp8.fp8_dequantize(w, s, torch.bfloat16),
+                       fp8_block_dequantize(w, s, 128, torch.bfloat16))  # fmt: skip
+    assert torch.equal(fp8.fp8_dequantize(w, s, torch.float32),
+                       fp8_block_dequantize(w, s, 128, torch.float32))  # fmt: skip
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.float8_e8m0fnu, torch.float32], ids=["e8m0", "f32"])
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("rows,splits", [(1, 1), (1, 3), (5, 2), (16, 1)])
+def test_fp8_gemv_matches_ref(rows, splits, x_dtype, scale_dtype):
+    """The decode GEMV (kernels/fp8_gemv.py): odd N and K, a row tile wider than the rows, K
+    split across programs; fp32 scales scale every element as the dequantised weight does."""
+    w, s = _weight(130, 300, scale_dtype, rows + 50)
+    x = _x((rows, 300), x_dtype, rows + 51)
+    y = fp8_linear(x, w, s, tune={"GEMV": True, "splits": splits})
+    assert y.dtype == x_dtype
+    assert_close(y, fp8_linear_ref(x, w, s), "activation")
+    g = _x((1, rows, 2, 260), x_dtype, rows + 52)
+    wg, sg = _weight(2 * 40, 260, scale_dtype, rows + 53)
+    assert_close(fp8_grouped_linear(g, wg, sg, tune={"GEMV": True, "splits": splits}),
+                 fp8_grouped_linear_ref(g, wg, sg), "activation")  # fmt: skip
+
+
+def test_row_count_picks_the_path(monkeypatch):
+    """GEMV up to GEMV_MAX_ROWS, dequantise + F.linear from DEQUANT_MIN_ROWS (the reference's
+    own computation: equal, not just close), the tiled kernel between them."""
+    fp8 = importlib.import_module("kernels.fp8_linear")
+    calls = []
+    for name in ("fp8_dequantize", "launch_gemv", "_fp8_linear_kernel"):
+        real = getattr(fp8, name)
+        if name == "_fp8_linear_kernel":  # a launcher object: wrap its [grid] indexing
+            monkeypatch.setattr(fp8, name, _Recording(real, calls))
+        else:
+            monkeypatch.setattr(fp8, name, lambda *a, _f=real, _n=name: calls.append(_n) or _f(*a))
+    monkeypatch.setattr(fp8, "GEMV_MAX_ROWS", 2)
+    monkeypatch.setattr(fp8, "DEQUANT_MIN_ROWS", 8)
+    w, s = _weight(130, 300, torch.float8_e8m0fnu, 41)
+    x = _x((8, 300), torch.bfloat16, 42)
+    assert torch.equal(fp8_linear(x, w, s), fp8_linear_ref(x, w, s))
+    assert calls == ["fp8_dequantize"]
+    for rows, path in ((7, "_fp8_linear_kernel"), (2, "launch_gemv")):
+        calls.clear()
+        assert_close(fp8_linear(x[:rows], w, s), fp8_linear_ref(x[:rows], w, s), "activation")
+        assert calls == [path]
+    calls.clear()
+    wg, sg = _weight(2 * 40, 260, torch.float32, 43)
+    g = _x((2, 4, 2, 260), torch.bfloat16, 44)
+    y = fp8_grouped_linear(g, wg, sg)
+    assert calls == ["fp8_dequantize"] and y.shape == (2, 4, 2, 40)
+    assert_close(y, fp8_grouped_linear_ref(g, wg, sg), "activation")
+
+
+class _Recording:
+    """A Triton kernel whose launches are counted (`kernel[grid](...)`)."""
+
+    def __init__(self, kernel, calls):
+        self.kernel, self.calls = kernel, calls
+
+    def __getitem__(self, grid):
+        self.calls.append("_fp8_linear_kernel")
+        return self.kernel[grid]
 
 
 def test_fp8_linear_fp32_leading_dims_and_strided_rows():
     """An fp32 model (CPU reference runs) keeps fp32; [B, S, K] inputs and row-strided views."""
     w, s = _weight(72, 200, torch.float8_e8m0fnu, 3)
     x = _x((2, 3, 200), torch.float32, 4)
-    y = fp8_linear(x, w, s, tune={"splits": 2})
+    y = fp8_linear(x, w, s, tune={"splits": 2, **TILED})
     assert y.shape == (2, 3, 72)
     assert_close(y, fp8_linear_ref(x, w, s), "activation")
     wide = _x((5, 400), torch.bfloat16, 5)[:, :200]  # row stride 400
@@ -81,7 +165,7 @@ def test_fp8_grouped_linear_matches_ref(splits):
     """attn.wo_a: 2 groups of 40 rows (group 1 starts inside scale block 0), x [B, S, G, K]."""
     w, s = _weight(2 * 40, 260, torch.float8_e8m0fnu, 6)
     x = _x((2, 3, 2, 260), torch.bfloat16, 7)
-    y = fp8_grouped_linear(x, w, s, tune={"splits": splits})
+    y = fp8_grouped_linear(x, w, s, tune={"splits": splits, **TILED})
     assert y.shape == (2, 3, 2, 40)
     assert_close(y, fp8_grouped_linear_ref(x, w, s), "activation")
 
@@ -90,7 +174,7 @@ def test_split_choice_fills_the_gpu_for_decode_only(monkeypatch):
     """The config a 132-SM GPU gets: decode GEMVs split K until the grid covers the SMs (and no
     further than 2 K steps a split); large prefills run one split."""
     fp8 = importlib.import_module("kernels.fp8_linear")  # `kernels.fp8_linear` is the op
-    monkeypatch.setattr(fp8, "_num_sms", lambda index: 132)
+    monkeypatch.setattr(fp8, "num_sms", lambda index: 132)
     gpu = torch.device("cuda", 0)
     for n, k in ((512, 4096), (1024, 4096), (4096, 8192)):  # wkv, wq_a, wo_b of V4-Flash
         cfg = fp8._config(1, n, k, 1, gpu)
@@ -112,23 +196,29 @@ def test_fp8_linear_production_shapes_gpu(rows):
         y = fp8_linear(x, w, s)
         assert_close(y, fp8_linear_ref(x, w, s), "activation")
         assert torch.equal(y, fp8_linear(x, w, s))  # deterministic: no atomics
-        post = fp8_linear(x, w, s, tune={"POST_SCALE": True})
-        assert_close(post, fp8_linear_ref(x, w, s), "activation")
+        gemv = ({"GEMV": True},) if rows <= 16 else ()  # a decode kernel
+        for tune in (TILED, {**TILED, "POST_SCALE": True}, {**TILED, "SWAP_AB": True},
+                     {"GEMV": False, "DEQUANT": True}, *gemv):  # fmt: skip
+            assert_close(fp8_linear(x, w, s, tune=tune), fp8_linear_ref(x, w, s), "activation")
     w, s = _weight(8 * 1024, 4096, torch.float32, 8)
     x = _x((rows, 8, 4096), torch.bfloat16, 9)
     assert_close(fp8_grouped_linear(x, w, s), fp8_grouped_linear_ref(x, w, s), "activation")
+    for tune in (TILED, {"GEMV": rows <= 16}):
+        assert_close(fp8_grouped_linear(x, w, s, tune=tune), fp8_grouped_linear_ref(x, w, s),
+                     "activation")  # fmt: skip
 
 
 @pytest.mark.gpu
 def test_fp8_linear_is_graph_capturable_gpu():
     w, s = _weight(1024, 4096, torch.float8_e8m0fnu, 10)
     x = _x((4, 4096), torch.bfloat16, 11)
-    want = fp8_linear(x, w, s)  # warm: compiled before capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = fp8_linear(x, w, s)
-    graph.replay()
-    assert torch.equal(y, want)
+    for tune in (TILED, {"GEMV": True}, {"GEMV": False, "DEQUANT": True}):
+        want = fp8_linear(x, w, s, tune=tune)  # warm: compiled before capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = fp8_linear(x, w, s, tune=tune)
+        graph.replay()
+        assert torch.equal(y, want)
 
 
 def test_benchmark_dry_run(tmp_path):
@@ -144,4 +234,9 @@ def test_benchmark_dry_run(tmp_path):
     out = tmp_path / "l.json"
     assert bench.main(["--dry-run", "--out", str(out)]) == 0
     records = json.loads(out.read_text())
-    assert {r["name"] for r in records} == {"fp8_linear", "fp8_grouped_linear", "fp8_linear_tile"}
+    assert {r["name"] for r in records} == {
+        "fp8_linear",
+        "fp8_grouped_linear",
+        "fp8_linear_tile",
+        "fp8_linear_gemv",
+    }

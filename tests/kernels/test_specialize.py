@@ -21,6 +21,8 @@ FIXED = {
     ("_hc_finish_kernel", "N"),  # N = mix outputs, M(2 + M)
     ("_ring_offsets_kernel", "C"),  # C = ring rows per compressed entry
     ("_fp8_linear_kernel", "N"),  # N = a linear's output features
+    ("_fp8_gemv_kernel", "N"),
+    ("_fp8_dequant_kernel", "N"),  # N = a weight's rows
 }
 
 
