@@ -11,8 +11,9 @@ bandwidth / 4.3 TB/s and FLOP/s / 790 TFLOP/s over compulsory traffic and work).
   weights, against the torch per-expert loop of `swiglu` (host-synchronising: do_bench).
   FLOPs = 6*T*K*D*I; bytes = the weights of the experts hit + x + y.
 - moe_tile (`--only moe_tile`): the GEMMs' own configs at T = 1, 16, 64, 1024, 8192, each
-  `tune` in TILE_TUNES against the default config (CUDA-graph replays). On the H200 MXFP4 ran
-  3.4-8.9x slower than bf16 even at one token. SWAP_AB computes each tile as W_tile @ x^T: the
+  `tune` in TILE_TUNES against the default config (CUDA-graph replays). On the H200 (2026-12-04)
+  SWAP_AB with 64-column tiles won at 1-64 tokens for FP8 and MXFP4 (1.05-1.35x) and lost from
+  1024: `_config` turns it on at BLOCK_M 16. SWAP_AB computes each tile as W_tile @ x^T: the
   weight dequantised in registers becomes the MMA's A operand (Hopper's wgmma reads B from
   shared memory only) and its rows the M side (wgmma needs 64; the default 16- and 32-row tiles
   compile to mma.sync). bf16, whose weight tile is not built in registers, is the control and

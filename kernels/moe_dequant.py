@@ -2,20 +2,18 @@
 
 `kernels.moe.moe_experts` dequantises FP8 / MXFP4 weights in registers inside the GEMM's K loop,
 once per (row tile, column tile) that reads them. For MXFP4 the per-element nibble decode
-(shifts, masks, a select, an fp32 scale multiply and a cast) is ALU-bound: on the H200, at
-V4-Flash shapes (E 256, D 4096, I 2048, K 6), it takes 11.6 ms at 1024 tokens and 71 ms at 8192
-against 3.2 ms and 8.0 ms for the same kernel on bf16 experts (3.6-8.9x, docs/BENCHMARKS.md).
-A prefill-sized batch reads every expert's weights many times, so decoding each weight element
-once is far cheaper: this module writes a chunk of experts to a bf16 scratch with a
-bandwidth-bound kernel (0.5 B read + 2 B written per MXFP4 element, 1 + 2 B for FP8) and runs
-moe.py's kernels with FMT=0 on it. All 256 experts are 6.4 G elements: ~3.8 ms (MXFP4) or
-~4.5 ms (FP8) at 4.3 TB/s, against the 71 ms kernel. The values are identical (e2m1 x 2^k and
-e4m3 x 2^k are exact in bf16; an fp32 FP8 scale rounds to nearest as `dequantize` does), so
-outputs match the in-register path up to fp32 summation order.
-
-NOTE: FP8 in registers was only 1.14x slower than bf16 at 8192 tokens (10.4 vs 9.1 ms), so the
-dequantise pass (~4.5 ms) may not pay for FP8 at all; `use_dequant`'s threshold is a starting
-point for benchmarks/kernels_moe_dequant.py to settle.
+(shifts, masks, a select, an fp32 scale multiply and a cast) dominates at prefill sizes: on the
+H200, at V4-Flash shapes (E 256, D 4096, I 2048, K 6), the in-register kernel takes 27.8 ms at
+4096 tokens and 47.6 ms at 8192 against 4.9 and 7.9 ms on bf16 experts. A prefill-sized batch
+reads every expert's weights many times, so decoding each weight element once is cheaper: this
+module writes a chunk of experts to a bf16 scratch (0.5 B read + 2 B written per MXFP4 element,
+1 + 2 B for FP8) and runs moe.py's kernels with FMT=0 on it. All 256 experts are 6.4 G
+elements; the pass takes ~7.5 ms on the H200 (half the copy bandwidth), so the whole call is
+12.8 / 15.9 ms at 4096 / 8192 tokens (benchmarks/results/kernels-moe-dequant-h200.json). The
+values are identical (e2m1 x 2^k and e4m3 x 2^k are exact in bf16; an fp32 FP8 scale rounds to
+nearest as `dequantize` does), so outputs match the in-register path up to fp32 summation order.
+FP8 in registers won at every size measured (9.7 against 13.9 ms at 8192 tokens), so only MXFP4
+takes this path (`use_dequant`).
 
 Steps of `moe_experts_dequant`, without a host sync:
 1. one `moe_align` of all pairs, BLOCK_M from moe.py's `_config`;
