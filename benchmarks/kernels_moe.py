@@ -110,14 +110,15 @@ def _moe_cases(dev, sizes, dry) -> Iterator[Case]:
 
 def _tile_cases(dev, sizes, dry) -> Iterator[Case]:
     def launch(args, tune):  # a dry run times the reference: `tune` is the kernel's
+        tune = {"DEQUANT": False, **(tune or {})}  # the in-register GEMMs at every size
         return moe.moe_experts_ref(*args) if dry else moe.moe_experts(*args, tune=tune)
 
     for fmt in sizes["tile_formats"]:
         weights = _expert_weights(sizes, fmt, dev)
         for t in sizes["tile_tokens"]:
             args, num_bytes, flops = _step(dev, sizes, t, weights, fmt)
-            default = moe._config(t * sizes["k"], sizes["experts"], on_gpu=not dry)
-            timed = [{**default, "SWAP_AB": moe.SWAP_AB_DEFAULT}]
+            default = moe._config(t * sizes["k"], sizes["experts"], not dry, fmt)
+            timed = [{"SWAP_AB": moe.SWAP_AB_DEFAULT, **default}]
             for tune in TILE_TUNES if fmt != "bf16" else TILE_TUNES[:1]:
                 if {**timed[0], **tune} in timed:  # the default's or an earlier tune's config
                     continue
