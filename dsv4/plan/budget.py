@@ -13,10 +13,16 @@ from dataclasses import dataclass
 from dsv4.cache.layout import KVLayout
 from dsv4.cache.packing import CacheOptions
 from dsv4.model.config import ModelConfig
+from dsv4.model.inventory import model_tensors, quantized_kind
 from dsv4.scheduler.policy import worst_case_width_rows
 
 BF16, FP32 = 2, 4
 GRAPH_NODE_BYTES = 2 * 1024**2  # per captured graph: kernel nodes and their parameters
+# Transient bf16 copies that weights held as stored make in large steps. The kernels' constants,
+# mirrored so the planner imports without torch (tests/unit/test_plan.py checks they agree):
+MOE_DEQUANT_SCRATCH_BYTES = 1 << 30  # kernels/moe_dequant.py SCRATCH_BYTES
+MOE_DEQUANT_MIN_PAIRS_PER_EXPERT = 48  # kernels/moe_dequant.py, MXFP4 experts only
+FP8_GEMV_MAX_ROWS = 2  # kernels/fp8_linear.py GEMV_MAX_ROWS: above, the weight goes to bf16
 
 
 @dataclass(frozen=True)
@@ -178,3 +184,34 @@ def mtp_buffers(cfg: ModelConfig, num_seqs: int, k: int, tp: int) -> Buffer:
     vocab = -(-cfg.vocab_size // tp)
     nbytes = num_seqs * k * vocab * FP32 + num_seqs * (1 + k) * cfg.hc_mult * cfg.hidden_size * BF16
     return Buffer("mtp_draft", nbytes, f"S x k={k} x V/tp fp32 logits + S x (1+k) streams bf16")
+
+
+def dequant_workspace(
+    cfg: ModelConfig,
+    tokens: int,
+    num_local_experts: int,
+    moe_tp: int,
+    experts_as_stored: bool,
+    linears_as_stored: bool,
+) -> list[Buffer]:
+    """Transient bf16 weights of a step of `tokens`: the MXFP4 experts' dequantise scratch
+    (kernels/moe_dequant.py, from MOE_DEQUANT_MIN_PAIRS_PER_EXPERT pairs an expert) and the
+    largest FP8 linear dequantised for cuBLAS (one at a time, above FP8_GEMV_MAX_ROWS rows)."""
+    out = []
+    pairs = tokens * cfg.num_experts_per_tok
+    fp4_experts = experts_as_stored and cfg.expert_dtype == "fp4"
+    if fp4_experts and pairs >= MOE_DEQUANT_MIN_PAIRS_PER_EXPERT * num_local_experts:
+        per_expert = 3 * cfg.hidden_size * (cfg.moe_intermediate_size // moe_tp) * BF16
+        chunk = min(num_local_experts, max(1, MOE_DEQUANT_SCRATCH_BYTES // per_expert))
+        out.append(Buffer("moe_dequant_scratch", chunk * per_expert,
+                          f"{chunk} experts x 3 x D x I/tp bf16 (MXFP4 steps of >= "
+                          f"{MOE_DEQUANT_MIN_PAIRS_PER_EXPERT} pairs an expert)"))  # fmt: skip
+    if linears_as_stored and cfg.linear_dtype == "fp8" and tokens > FP8_GEMV_MAX_ROWS:
+        largest = max(
+            math.prod(spec.shape)
+            for spec in model_tensors(cfg)
+            if quantized_kind(spec.name, cfg) == "fp8" and ".ffn.experts." not in spec.name
+        )
+        out.append(Buffer("fp8_linear_dequant", largest * BF16,
+                          "the largest FP8 linear as bf16, one at a time"))  # fmt: skip
+    return out

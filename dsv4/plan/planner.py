@@ -25,6 +25,7 @@ from dsv4.plan.budget import (
     KVPlan,
     area_budget_rows,
     cuda_graph_pool,
+    dequant_workspace,
     kv_plan,
     mtp_buffers,
     step_workspace,
@@ -143,8 +144,13 @@ def plan_memory(request: PlanRequest) -> MemoryPlan:
         )
     )  # fmt: skip
     k = req.num_speculative_tokens
+    stored = (experts_per_gpu(served, ep), moe_tp, req.formats.experts == "checkpoint",
+              req.formats.linears == "checkpoint")  # fmt: skip
+    buffers += dequant_workspace(served, req.max_num_batched_tokens, *stored)
     if req.cuda_graphs:
         buffers.append(cuda_graph_pool(served, req.max_num_seqs, k, tp, moe_tp))
+        decode = dequant_workspace(served, req.max_num_seqs * (1 + k), *stored)
+        buffers += [replace(b, name=f"cuda_graphs_{b.name}") for b in decode]  # their own pool
     if spec_on:
         buffers.append(mtp_buffers(served, req.max_num_seqs, k, tp))
     base = MemoryPlan(

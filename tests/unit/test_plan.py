@@ -16,6 +16,7 @@ from dsv4.plan import (
     FITS_WITH_OFFLOAD,
     PlanDoesNotFit,
     PlanRequest,
+    WeightFormats,
     check_fits,
     expert_bytes,
     full_flash_config,
@@ -202,3 +203,36 @@ def test_cli_reads_a_checkpoint_config(tmp_path, capsys):
     assert main(argv) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["verdict"] == FITS and out["experts_per_layer"] == 8 and out["num_moe_layers"] == 4
+
+
+def test_weights_held_as_stored_reserve_their_dequantise_workspace():
+    """Prefill-sized steps dequantise MXFP4 experts into a bf16 scratch (21 V4-Flash experts of
+    3 x 4096 x 2048 bf16 fit in 1 GiB; on 8 GPUs the 32 local experts cross 48 pairs an expert
+    at 256 tokens, so the decode graphs' pool holds one too), and FP8 linears above 2 rows one
+    linear at a time as bf16 (the largest: 32768 x 1024, wq_b)."""
+    plan = plan_memory(PlanRequest(FLASH, num_gpus=8, gpu_mem_gib=141))
+    sizes = {b.name: b.nbytes for b in plan.buffers}
+    assert sizes["moe_dequant_scratch"] == 21 * 3 * 4096 * 2048 * 2
+    assert sizes["fp8_linear_dequant"] == 32768 * 1024 * 2
+    assert sizes["cuda_graphs_moe_dequant_scratch"] == sizes["moe_dequant_scratch"]
+    dense = plan_memory(PlanRequest(FLASH, num_gpus=8, gpu_mem_gib=141,
+                                    formats=WeightFormats(linears="bf16", experts="bf16")))  # fmt: skip
+    dequant = sum(v for name, v in sizes.items() if "dequant" in name)
+    assert not any("dequant" in b.name for b in dense.buffers)
+    assert sum(b.nbytes for b in plan.buffers) - sum(b.nbytes for b in dense.buffers) == dequant
+    tiny = plan_memory(PlanRequest(FLASH, num_gpus=8, gpu_mem_gib=141, max_num_batched_tokens=2,
+                                   max_num_seqs=2, cuda_graphs=False))  # fmt: skip
+    assert not any("dequant" in b.name for b in tiny.buffers)
+
+
+def test_mirrored_kernel_thresholds_agree():
+    """The planner keeps copies of three kernel constants (it imports without torch)."""
+    import importlib
+
+    from dsv4.plan import budget
+
+    moe_dequant = importlib.import_module("kernels.moe_dequant")
+    fp8_linear = importlib.import_module("kernels.fp8_linear")
+    assert budget.MOE_DEQUANT_SCRATCH_BYTES == moe_dequant.SCRATCH_BYTES
+    assert budget.MOE_DEQUANT_MIN_PAIRS_PER_EXPERT == moe_dequant.DEQUANT_MIN_PAIRS_PER_EXPERT
+    assert budget.FP8_GEMV_MAX_ROWS == fp8_linear.GEMV_MAX_ROWS
