@@ -7,8 +7,9 @@
 #           first two (kernels.py --only hc_, --only rope);
 #   fresh   the GPU tests of the indexer, metadata and moe_align kernels, moe_align's benchmark;
 #   decode  the decode TPOT benchmark (graphs, switches, MTP);
-#   formats the served weight formats: FP8 linear GPU tests, its row-tile sweep, and the decode
-#           step with bf16 / FP8 linears / FP8 linears + MXFP4 experts in one call (A/B);
+#   formats the served weight formats: the FP8 linear and MoE GPU tests, the FP8 GEMV, MoE tile
+#           and MoE dequantise sweeps (~6 min);
+#   fdecode the decode step with bf16 / FP8 linears / FP8 linears + MXFP4 experts (A/B, ~5 min);
 #   e2e     the end-to-end run (disaggregated, colocated, transformers);
 #   tests   the GPU tests of the captured decode passes.
 # DECODE_ARGS and E2E_ARGS add arguments to the decode and end-to-end benchmarks.
@@ -63,12 +64,18 @@ rc=$?; echo "decode rc=$rc"; grep -E "^decode_tpot|k=. B=|FAILED|Error" "$logs/d
 [ $rc -ne 0 ] && tail -12 "$logs/decode-graphs.log" | cut -c1-300
 }
 has formats && {
-run_into "${T_FORMATS:-90}" "$logs/formats-tests.txt" python3 -m pytest -q -p no:cacheprovider \
-    -m gpu tests/kernels/test_fp8_linear.py tests/kernels/test_moe.py
+run_into "${T_FORMATS:-150}" "$logs/formats-tests.txt" python3 -m pytest -q -p no:cacheprovider \
+    -m gpu tests/kernels/test_fp8_linear.py tests/kernels/test_moe.py tests/kernels/test_moe_dequant.py
 tail -3 "$logs/formats-tests.txt"
-run_into 90 "$logs/formats-bench.log" python3 benchmarks/kernels_linear.py --only fp8_linear_tile \
-    --out "$out/kernels-linear-tiles-h200.json"
-grep -E "^fp8_linear_tile|Error" "$logs/formats-bench.log" | cut -c1-200
+run_into 150 "$logs/formats-bench.log" python3 benchmarks/kernels_linear.py --only fp8_linear_gemv \
+    --out "$out/kernels-linear-gemv-h200.json"
+run_into 150 "$logs/formats-bench.log" python3 benchmarks/kernels_moe.py --only moe_tile \
+    --out "$out/kernels-moe-tile-h200.json"
+run_into 150 "$logs/formats-bench.log" python3 benchmarks/kernels_moe_dequant.py \
+    --out "$out/kernels-moe-dequant-h200.json"
+grep -E "^(fp8_linear_gemv|moe_tile|moe_experts_dequant)|Error" "$logs/formats-bench.log" | cut -c1-200
+}
+has fdecode && {
 for fmt in "bf16 bf16" "checkpoint bf16" "checkpoint checkpoint"; do
     set -- $fmt
     run_into 150 "$logs/formats-decode.log" python3 benchmarks/decode_graphs.py --only plain \
