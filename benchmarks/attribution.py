@@ -15,17 +15,30 @@ from collections.abc import Callable
 
 import torch
 
-COMPONENTS = (
+COMPONENTS = (  # first match wins: "_moe_combine_kernel" also contains "_combine_kernel"
+    ("moe_experts", ("_w13_kernel", "_w2_kernel", "_moe_combine_kernel", "_experts_dequant")),
     ("attention", ("_attn_kernel", "_combine_kernel")),
     ("indexer", ("_logits_kernel", "_topk_kernel", "_select_all_kernel")),
     ("compressor", ("_compress_kernel", "_save_kernel")),
     ("kv_store", ("_store_kernel", "_gather_kernel")),
-    ("moe_experts", ("_w13_kernel", "_w2_kernel", "_moe_combine_kernel")),
     ("router", ("_route_kernel", "_hash_route_kernel")),
     ("mhc", ("_hc_pre_kernel", "_hc_finish_kernel", "_hc_post_kernel")),
     ("norm_rope", ("_norm_rope_kernel",)),
     ("metadata", ("_range_slots_kernel", "_token_to_req_kernel", "_c4_topk_slots_kernel")),
-    ("dense_gemm", ("gemm", "gemv", "cutlass", "xmma", "nvjet", "splitk", "sm90_", "_fp8_linear")),
+    (
+        "dense_gemm",
+        (
+            "gemm",
+            "gemv",
+            "cutlass",
+            "xmma",
+            "nvjet",
+            "splitk",
+            "sm90_",
+            "_fp8_linear",
+            "_fp8_dequant",
+        ),
+    ),
     ("sort_scan", ("sort", "scan", "radix", "bincount", "scatter", "searchsorted")),
 )
 

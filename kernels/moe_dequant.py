@@ -50,7 +50,7 @@ _BLOCK_R, _BLOCK_C = 32, 128
 
 
 @triton.jit(**sizes_vary("e0"))
-def _dequant_kernel(
+def _experts_dequant_kernel(
     # Pointers: w [E, rows, cols] e4m3 or [E, rows, cols/2] packed e2m1; its scales;
     # output [e1 - e0, rows, cols] bf16
     w_ptr, s_ptr, out_ptr,
@@ -119,7 +119,7 @@ def dequantize_experts(
         return out[:0]
     s, e8m0, st = _scale_args(scale, w)
     grid = (triton.cdiv(cols, _BLOCK_C), triton.cdiv(rows, _BLOCK_R), e1 - e0)
-    _dequant_kernel[grid](
+    _experts_dequant_kernel[grid](
         w, s, out, e0, rows, cols, w.stride(0), w.stride(1), *st, out.stride(0), out.stride(1),
         FMT=moe.FORMATS.index(format), SCALE_E8M0=e8m0, BLOCK_R=_BLOCK_R, BLOCK_C=_BLOCK_C,
         num_warps=4,
