@@ -49,13 +49,19 @@ def _fp8_dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_sn, strid
     tl.store(out_ptr + n.to(tl.int64)[:, None] * stride_on + kk[None, :], w, mask=ok)
 
 
+def scale_operand(scale: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """The block scales as the kernels read them (UE8M0 as its bytes, else fp32) and whether
+    they are UE8M0 (`_block_scale`'s SCALE_E8M0)."""
+    e8m0 = scale.dtype == torch.float8_e8m0fnu
+    return (scale.view(torch.uint8) if e8m0 else scale.float()), e8m0
+
+
 def fp8_dequantize(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """e4m3 weight [N, K] x block scales -> [N, K] in `dtype`, in one pass (3 bytes of traffic
     per bf16 element; `fp8_block_dequantize`'s torch ops take ~6 fp32 passes)."""
     n, k = weight.shape
     out = torch.empty(n, k, dtype=dtype, device=weight.device)
-    e8m0 = scale.dtype == torch.float8_e8m0fnu
-    s = scale.view(torch.uint8) if e8m0 else scale.float()
+    s, e8m0 = scale_operand(scale)
     block_k = 128  # one scale column per program
     on_gpu = weight.is_cuda
     _fp8_dequant_kernel[(triton.cdiv(n, 32), triton.cdiv(k, block_k))](

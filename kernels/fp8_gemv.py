@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from kernels.compressor import _bf16_rne
-from kernels.fp8_dequant import _block_scale
+from kernels.fp8_dequant import _block_scale, scale_operand
 from kernels.specialize import sizes_vary
 
 
@@ -89,6 +89,29 @@ def _fp8_linear_reduce_kernel(part_ptr, y_ptr, total, num_partials, ROUND_BF16: 
     tl.store(y_ptr + i, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
+def split_k(k: int, block_k: int, splits: int) -> tuple[int, int]:
+    """(columns of K per split, a multiple of block_k; the splits that leaves)."""
+    steps = triton.cdiv(k, block_k)
+    per_split = triton.cdiv(steps, splits)
+    return per_split * block_k, triton.cdiv(steps, per_split)
+
+
+def split_output(y: torch.Tensor, splits: int) -> torch.Tensor:
+    """Where the kernel stores: y itself for one split, else fp32 partials [S, *y.shape]."""
+    if splits == 1:
+        return y
+    return torch.empty(splits, *y.shape, dtype=torch.float32, device=y.device)
+
+
+def reduce_splits(out: torch.Tensor, y: torch.Tensor, round_bf16: bool) -> None:
+    """y = the partials `out` [S, *y.shape] added in split order (nothing for one split)."""
+    if out is y:
+        return
+    total, block = y.numel(), 1024
+    _fp8_linear_reduce_kernel[(triton.cdiv(total, block),)](
+        out, y, total, out.shape[0], ROUND_BF16=round_bf16, BLOCK=block)  # fmt: skip
+
+
 GEMV_ROWS_LIMIT = 64  # BLOCK_T x BLOCK_N x BLOCK_K products live in registers
 
 
@@ -121,24 +144,17 @@ def launch_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, y: t
     assert rows <= GEMV_ROWS_LIMIT, f"a GEMV of {rows} rows: the [T, N, K] tile would not fit"
     cfg = dict(cfg)
     assert 128 % cfg["BLOCK_K"] == 0, "a K step must sit in one scale block"
-    steps = triton.cdiv(k, cfg["BLOCK_K"])
-    per_split = triton.cdiv(steps, cfg.pop("splits"))
-    splits = triton.cdiv(steps, per_split)
-    e8m0 = scale.dtype == torch.float8_e8m0fnu
-    s = scale.view(torch.uint8) if e8m0 else scale.float()
-    out = y if splits == 1 else torch.empty(splits, rows, groups, n, dtype=torch.float32,
-                                            device=x.device)  # fmt: skip
+    split_len, splits = split_k(k, cfg["BLOCK_K"], cfg.pop("splits"))
+    s, e8m0 = scale_operand(scale)
+    out = split_output(y, splits)
     round_bf16 = x.dtype == torch.bfloat16
     on_gpu = x.is_cuda
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), splits, groups)
     _fp8_gemv_kernel[grid](
-        x, weight, s, out, rows, n, k, per_split * cfg["BLOCK_K"],
+        x, weight, s, out, rows, n, k, split_len,
         x.stride(0), x.stride(1), weight.stride(0), s.stride(0), s.stride(1),
         out.stride(0) if splits > 1 else 0, out.stride(-3), out.stride(-2),
         SCALE_E8M0=e8m0, ROUND_W=round_bf16 and not e8m0,
         ROUND_OUT=round_bf16 and splits == 1 and not on_gpu, **cfg,
     )  # fmt: skip
-    if splits > 1:
-        total, block = rows * groups * n, 1024
-        _fp8_linear_reduce_kernel[(triton.cdiv(total, block),)](
-            out, y, total, splits, ROUND_BF16=round_bf16 and not on_gpu, BLOCK=block)  # fmt: skip
+    reduce_splits(out, y, round_bf16 and not on_gpu)

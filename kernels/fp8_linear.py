@@ -14,14 +14,16 @@ Three paths, by row count (each reachable through `tune` for the sweeps and test
 - between them, the tiled `tl.dot` kernel below: a weight-streaming GEMV-like tile with K split
   across S programs for decode sizes (fp32 partials [S, T, G, N] added in split order by
   `_fp8_linear_reduce_kernel`: deterministic, no atomics), a grouped-order tiled GEMM for
-  prefill sizes. S and the tiles are functions of (T, N, K, G) only.
+  prefill sizes. S and the tiles are functions of (T, N, K, G) only. With the measured
+  thresholds (GEMV to 2 rows, dequantise from 1) no row count lands here by default: it is
+  reached through `tune` ({"GEMV": False, "DEQUANT": False}), kept for the sweeps.
 `fp8_grouped_linear` is the same with a group axis: attn.wo_a's grouped output projection,
 z[:, g] = o[:, g] @ W[g*N:(g+1)*N]^T, in one launch (scale rows follow the global weight row,
 so a group need not start on a 128-row block).
 
 On the H200 the tiled kernel ran at 0.33-0.63x of cuBLAS on the bf16 weight at 1-16 rows,
 0.03-0.20x at 64 and 0.12-0.20x at 1024+, whatever its tiles, SWAP_AB or POST_SCALE; dequantise
-+ cuBLAS ran at 0.45-0.66x at 1-64 rows and 0.8-1.0x from 1024 (benchmarks/results/
++ cuBLAS ran at 0.45-0.66x at 1-64 rows and 0.75-1.0x from 1024 (benchmarks/results/
 kernels-linear-h200.json, docs/BENCHMARKS.md). No host sync and no data-dependent allocation:
 CUDA-graph capturable.
 """
@@ -35,8 +37,8 @@ import triton.language as tl
 
 from dsv4.model import fp8 as model_fp8
 from kernels.compressor import _bf16_rne
-from kernels.fp8_dequant import _block_scale, fp8_dequantize
-from kernels.fp8_gemv import _fp8_linear_reduce_kernel, gemv_config, launch_gemv, num_sms
+from kernels.fp8_dequant import _block_scale, fp8_dequantize, scale_operand
+from kernels.fp8_gemv import gemv_config, launch_gemv, num_sms, reduce_splits, split_k, split_output
 from kernels.moe import _tile_ids  # grouped tile order: row tiles sweep W's columns together
 from kernels.registry import register_op
 from kernels.specialize import sizes_vary
@@ -169,40 +171,33 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, tune: di
     if tune.pop("GEMV", rows <= GEMV_MAX_ROWS):  # decode rows: CUDA-core FMAs, no MMA
         launch_gemv(x, weight, scale, y, {**gemv_config(rows, n, k, groups, x.device), **tune})
         return y
-    cfg = {**_config(rows, n, k, groups, x.device), **tune}
-    if cfg.pop("DEQUANT", rows >= DEQUANT_MIN_ROWS):  # dequantise once, then cuBLAS
+    if tune.pop("DEQUANT", rows >= DEQUANT_MIN_ROWS):  # dequantise once, then cuBLAS
         w = fp8_dequantize(weight, scale, x.dtype)
         if groups == 1:
             return F.linear(x.view(rows, k), w).view(rows, 1, n)
         # the bf16 model's product; einsum's output is a permuted bmm result, the caller views it
         return torch.einsum("tgk,gnk->tgn", x, w.view(groups, n, k)).contiguous()
+    cfg = {**_config(rows, n, k, groups, x.device), **tune}
     swap_ab = bool(cfg.pop("SWAP_AB", SWAP_AB_DEFAULT))
     assert FP8_BLOCK % cfg["BLOCK_K"] == 0, "a K step must sit in one scale block"
-    steps = triton.cdiv(k, cfg["BLOCK_K"])
-    per_split = triton.cdiv(steps, cfg.pop("splits"))
-    splits = triton.cdiv(steps, per_split)
-    e8m0 = scale.dtype == torch.float8_e8m0fnu
+    split_len, splits = split_k(k, cfg["BLOCK_K"], cfg.pop("splits"))
+    s, e8m0 = scale_operand(scale)
     # the scale on the dot's sums is exact only for power-of-two (UE8M0) scales
     post_scale = bool(cfg.pop("POST_SCALE", POST_SCALE_DEFAULT)) and e8m0
-    s = scale.view(torch.uint8) if e8m0 else scale.float()
-    out = y if splits == 1 else torch.empty(splits, rows, groups, n, dtype=torch.float32,
-                                            device=x.device)  # fmt: skip
+    out = split_output(y, splits)
     os = out.stride(0) if splits > 1 else 0
     on_gpu = x.is_cuda
     round_bf16 = x.dtype == torch.bfloat16 and not on_gpu
     grid = (triton.cdiv(rows, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]), splits, groups)
     _fp8_linear_kernel[grid](
         x, weight, s, out,
-        rows, n, k, per_split * cfg["BLOCK_K"],
+        rows, n, k, split_len,
         x.stride(0), x.stride(1), weight.stride(0), s.stride(0), s.stride(1),
         os, out.stride(-3), out.stride(-2),
         SCALE_E8M0=e8m0, ROUND_W=round_bf16, ROUND_OUT=round_bf16 and splits == 1, UPCAST=not on_gpu,
         POST_SCALE=post_scale, SWAP_AB=swap_ab, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **cfg,
     )  # fmt: skip
-    if splits > 1:
-        total, block = rows * groups * n, 1024
-        _fp8_linear_reduce_kernel[(triton.cdiv(total, block),)](
-            out, y, total, splits, ROUND_BF16=round_bf16, BLOCK=block)  # fmt: skip
+    reduce_splits(out, y, round_bf16)
     return y
 
 

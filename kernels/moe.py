@@ -48,6 +48,7 @@ import triton.language as tl
 from dsv4.model.moe import swiglu
 from dsv4.model.quant import dequantize
 from kernels.compressor import _bf16_rne
+from kernels.fp8_dequant import scale_operand
 from kernels.moe_align import moe_align, moe_align_ref
 from kernels.registry import register_op
 from kernels.specialize import sizes_vary
@@ -272,8 +273,7 @@ def _config(num_pairs: int, num_experts: int, on_gpu: bool, format: str = "bf16"
 def _scale_args(scale: torch.Tensor | None, like: torch.Tensor):
     if scale is None:  # bf16: a dummy pointer, never read
         return like, True, (0, 0, 0)
-    e8m0 = scale.dtype == torch.float8_e8m0fnu
-    s = scale.view(torch.uint8) if e8m0 else scale.float()
+    s, e8m0 = scale_operand(scale)
     return s, e8m0, (s.stride(0), s.stride(1), s.stride(2))
 
 
