@@ -292,7 +292,8 @@ def moe_experts(
 ) -> torch.Tensor:
     """Routed experts: x [T, D] bf16, expert_ids [T, K] int, weights [T, K] fp32, w13/w2 (and
     scales) in `format` (see the module doc) -> y [T, D] fp32 = sum_k w * expert(x). `tune`:
-    config overrides (BLOCK_M/N/K, GROUP_M, num_warps, num_stages, SWAP_AB, DEQUANT)."""
+    config overrides (BLOCK_M/N/K, GROUP_M, num_warps, num_stages, SWAP_AB, DEQUANT,
+    CHUNK_EXPERTS)."""
     assert format in FORMATS, format
     assert x.dim() == 2 and x.dtype == torch.bfloat16 and x.stride(1) == 1
     num_tokens, dim = x.shape
@@ -306,25 +307,45 @@ def moe_experts(
     if num_pairs == 0:
         return y
     tune = dict(tune or {})
-    # prefill-sized MXFP4: dequantise to a bf16 scratch, then the bf16 GEMMs (kernels/moe_dequant)
-    if tune.pop("DEQUANT", _use_dequant(num_pairs, num_experts, format, x.is_cuda)):
-        return _moe_experts_dequant(x, expert_ids, weights, w13, w2, format, w13_scale, w2_scale,
-                                    limit)  # fmt: skip
-    cfg = {**_config(num_pairs, num_experts, x.is_cuda, format), **tune}
+    # prefill-sized MXFP4: the experts through a bf16 scratch, chunk by chunk (kernels/moe_dequant)
+    dequant = tune.pop("DEQUANT", _use_dequant(num_pairs, num_experts, format, x.is_cuda))
+    chunk_experts = tune.pop("CHUNK_EXPERTS", None)  # the scratch's experts (default: 1 GiB)
+    cfg = {**_config(num_pairs, num_experts, x.is_cuda, "bf16" if dequant else format), **tune}
     swap_ab = bool(cfg.pop("SWAP_AB", SWAP_AB_DEFAULT))
-    bm, bk, fmt = cfg["BLOCK_M"], cfg["BLOCK_K"], FORMATS.index(format)
-    assert format != "fp8" or 128 % bk == 0, "an FP8 K step must sit in one scale block"
-    # MXFP4 K steps and masks work in whole scale groups of 32 columns
-    assert format != "mxfp4" or bk % 32 == dim % 32 == inter % 32 == 0, (bk, dim, inter)
+    if not dequant:
+        bk = cfg["BLOCK_K"]
+        assert format != "fp8" or 128 % bk == 0, "an FP8 K step must sit in one scale block"
+        # MXFP4 K steps and masks work in whole scale groups of 32 columns
+        assert format != "mxfp4" or bk % 32 == dim % 32 == inter % 32 == 0, (bk, dim, inter)
     # NOTE: the one-launch align on CUDA; under the CPU interpreter its in-register sort costs
     # ~0.2 s a call (its own tests cover it), so the engine's interpreted runs use the torch ops
     align = moe_align if x.is_cuda else moe_align_ref
-    sorted_ids, tile_e = align(expert_ids, num_experts, bm)
-    num_pid_m = tile_e.numel()
+    sorted_ids, tile_e = align(expert_ids, num_experts, cfg["BLOCK_M"])
     h = torch.empty(sorted_ids.numel(), inter, dtype=torch.bfloat16, device=x.device)
     rows = torch.empty(num_pairs, dim, dtype=torch.bfloat16, device=x.device)
-    s13, e8m0, st13 = _scale_args(w13_scale, w13)
-    s2, _, st2 = _scale_args(w2_scale, w2)
+    gemms = (x, sorted_ids, tile_e, w13, w2, (w13_scale, w2_scale), h, rows, topk, limit)
+    if dequant:
+        _gemms_through_scratch(*gemms, format, cfg, chunk_experts)
+    else:
+        grouped_gemms(*gemms, FORMATS.index(format), cfg, swap_ab)
+    block_t, block_d = (4, 1024) if x.is_cuda else (triton.next_power_of_2(num_tokens), 4096)
+    block_d = min(block_d, triton.next_power_of_2(dim))
+    _moe_combine_kernel[(triton.cdiv(num_tokens, block_t), triton.cdiv(dim, block_d))](
+        rows, weights.float().contiguous(), y, num_tokens, dim,
+        TOPK=topk, BLOCK_T=block_t, BLOCK_D=block_d,
+    )  # fmt: skip
+    return y
+
+
+def grouped_gemms(x, sorted_ids, tile_e, w13, w2, scales, h, rows, topk, limit, fmt: int,
+                  cfg: dict, swap_ab: bool = False) -> None:  # fmt: skip
+    """The two GEMMs over the expert-sorted pairs: h [P, I] = SwiGLU(W13_e x), rows [T*K, D] =
+    W2_e h, with weights in FORMATS[fmt] and `scales` (w13's, w2's; None for bf16). Row tiles
+    whose tile_e is -1 exit at once."""
+    num_pairs, dim = rows.shape
+    inter, num_pid_m = h.shape[1], tile_e.numel()
+    s13, e8m0, st13 = _scale_args(scales[0], w13)
+    s2, _, st2 = _scale_args(scales[1], w2)
     common = dict(FMT=fmt, SCALE_E8M0=e8m0, UPCAST=not x.is_cuda, SWAP_AB=swap_ab, **cfg)
     grid13 = (num_pid_m * triton.cdiv(inter, cfg["BLOCK_N"]),)
     _w13_kernel[grid13](
@@ -340,13 +361,6 @@ def moe_experts(
         num_pairs, dim, inter, num_pid_m,
         h.stride(0), w2.stride(0), w2.stride(1), *st2, rows.stride(0), **common,
     )  # fmt: skip
-    block_t, block_d = (4, 1024) if x.is_cuda else (triton.next_power_of_2(num_tokens), 4096)
-    block_d = min(block_d, triton.next_power_of_2(dim))
-    _moe_combine_kernel[(triton.cdiv(num_tokens, block_t), triton.cdiv(dim, block_d))](
-        rows, weights.float().contiguous(), y, num_tokens, dim,
-        TOPK=topk, BLOCK_T=block_t, BLOCK_D=block_d,
-    )  # fmt: skip
-    return y
 
 
 def _use_dequant(*args) -> bool:
@@ -355,10 +369,10 @@ def _use_dequant(*args) -> bool:
     return use_dequant(*args)
 
 
-def _moe_experts_dequant(*args) -> torch.Tensor:
-    from kernels.moe_dequant import moe_experts_dequant  # it imports this module's kernels
+def _gemms_through_scratch(*args) -> None:
+    from kernels.moe_dequant import gemms_through_scratch  # it imports this module's kernels
 
-    return moe_experts_dequant(*args)
+    gemms_through_scratch(*args)
 
 
 def dequantize_expert(w: torch.Tensor, scale: torch.Tensor | None, format: str,

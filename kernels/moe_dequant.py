@@ -15,12 +15,11 @@ nearest as `dequantize` does), so outputs match the in-register path up to fp32 
 FP8 in registers won at every size measured (9.7 against 13.9 ms at 8192 tokens), so only MXFP4
 takes this path (`use_dequant`).
 
-Steps of `moe_experts_dequant`, without a host sync:
-1. one `moe_align` of all pairs, BLOCK_M from moe.py's `_config`;
-2. per chunk of experts [e0, e1): `dequantize_experts` of w13 and w2 into one reused scratch
-   (allocated once per call, at most SCRATCH_BYTES), tile_e remapped to the chunk (tile_e - e0
-   inside it, else -1: those tiles exit at once), `_w13_kernel` and `_w2_kernel` with FMT=0;
-3. one `_moe_combine_kernel` over the [T*K, D] rows every chunk wrote into.
+`moe.moe_experts` takes this path (`use_dequant`, or tune DEQUANT) around its own align and
+combine: per chunk of experts [e0, e1), `gemms_through_scratch` dequantises w13 and w2 into one
+reused scratch (allocated once per call, at most SCRATCH_BYTES), remaps tile_e to the chunk
+(tile_e - e0 inside it, else -1: those tiles exit at once) and runs `moe.grouped_gemms` in bf16.
+No host sync.
 """
 
 from __future__ import annotations
@@ -32,7 +31,6 @@ import triton.language as tl
 from kernels import moe
 from kernels.compressor import _bf16_rne
 from kernels.moe import _e2m1_value, _scale_args, dequantize_expert
-from kernels.moe_align import moe_align, moe_align_ref
 from kernels.specialize import sizes_vary
 
 DEQUANT_FORMATS = ("fp8", "mxfp4")
@@ -150,26 +148,26 @@ def use_dequant(num_pairs: int, num_experts: int, format: str, on_gpu: bool) -> 
     return format == "mxfp4" and num_pairs >= DEQUANT_MIN_PAIRS_PER_EXPERT * num_experts
 
 
-def _grouped_gemms(x, sorted_ids, tile_e, w13, w2, h, rows, topk, limit, cfg) -> None:
-    """moe.py's two GEMM launches, as `moe_experts` makes them, on bf16 w13 / w2 (tiles whose
-    tile_e is -1 exit at once)."""
-    num_pairs, dim = rows.shape
-    inter, num_pid_m = h.shape[1], tile_e.numel()
-    common = dict(FMT=0, SCALE_E8M0=True, UPCAST=not x.is_cuda, **cfg)
-    grid13 = (num_pid_m * triton.cdiv(inter, cfg["BLOCK_N"]),)
-    moe._w13_kernel[grid13](
-        x, sorted_ids, tile_e, w13, w13, h,
-        num_pairs, dim, inter, num_pid_m,
-        x.stride(0), w13.stride(0), w13.stride(1), 0, 0, 0, h.stride(0),
-        float(limit) if limit is not None else 0.0,
-        TOPK=topk, HAS_LIMIT=limit is not None, **common,
-    )  # fmt: skip
-    grid2 = (num_pid_m * triton.cdiv(dim, cfg["BLOCK_N"]),)
-    moe._w2_kernel[grid2](
-        h, sorted_ids, tile_e, w2, w2, rows,
-        num_pairs, dim, inter, num_pid_m,
-        h.stride(0), w2.stride(0), w2.stride(1), 0, 0, 0, rows.stride(0), **common,
-    )  # fmt: skip
+def gemms_through_scratch(x, sorted_ids, tile_e, w13, w2, scales, h, rows, topk, limit,
+                          format: str, cfg: dict, chunk_experts: int | None = None) -> None:  # fmt: skip
+    """`moe.grouped_gemms` on `format` experts by way of a bf16 scratch: per chunk of experts
+    [e0, e1), both weights dequantised, tile_e remapped to the chunk (others -1), the bf16 GEMMs
+    (cfg: moe._config's bf16 tiles). `chunk_experts`: experts a chunk (default: as many as fit
+    in SCRATCH_BYTES)."""
+    assert format in DEQUANT_FORMATS and None not in scales, format
+    num_experts, inter, dim = w13.shape[0], h.shape[1], rows.shape[1]
+    per_expert = 3 * inter * dim  # bf16 elements of one expert's w13 and w2
+    chunk = min(num_experts, chunk_experts or max(1, SCRATCH_BYTES // (2 * per_expert)))
+    scratch = torch.empty(chunk * per_expert, dtype=torch.bfloat16, device=x.device)
+    w13_bf16 = scratch[: chunk * 2 * inter * dim].view(chunk, 2 * inter, dim)
+    w2_bf16 = scratch[chunk * 2 * inter * dim :].view(chunk, dim, inter)
+    for e0 in range(0, num_experts, chunk):
+        e1 = min(e0 + chunk, num_experts)
+        dequantize_experts(w13, scales[0], format, e0, e1, out=w13_bf16)
+        dequantize_experts(w2, scales[1], format, e0, e1, out=w2_bf16)
+        chunk_tile_e = torch.where((tile_e >= e0) & (tile_e < e1), tile_e - e0, -1)
+        moe.grouped_gemms(x, sorted_ids, chunk_tile_e, w13_bf16, w2_bf16, (None, None), h, rows,
+                          topk, limit, 0, cfg)  # fmt: skip
 
 
 def moe_experts_dequant(
@@ -184,39 +182,8 @@ def moe_experts_dequant(
     limit: float | None = None,
     chunk_experts: int | None = None,
 ) -> torch.Tensor:
-    """`moe.moe_experts` for "fp8" / "mxfp4" experts by way of a bf16 scratch (module doc):
-    x [T, D] bf16, expert_ids [T, K], weights [T, K] -> y [T, D] fp32. `chunk_experts`: experts
-    dequantised at a time (default: as many as fit in SCRATCH_BYTES)."""
-    assert format in DEQUANT_FORMATS, format
-    assert x.dim() == 2 and x.dtype == torch.bfloat16 and x.stride(1) == 1
-    num_tokens, dim = x.shape
-    topk = expert_ids.shape[1]
-    num_experts, inter = w13.shape[0], w13.shape[1] // 2
-    assert w2.shape[:2] == (num_experts, dim) and w13_scale is not None and w2_scale is not None
-    y = torch.zeros(num_tokens, dim, dtype=torch.float32, device=x.device)
-    num_pairs = num_tokens * topk
-    if num_pairs == 0:
-        return y
-    cfg = moe._config(num_pairs, num_experts, x.is_cuda)
-    align = moe_align if x.is_cuda else moe_align_ref  # as moe_experts: see its NOTE
-    sorted_ids, tile_e = align(expert_ids, num_experts, cfg["BLOCK_M"])
-    h = torch.empty(sorted_ids.numel(), inter, dtype=torch.bfloat16, device=x.device)
-    rows = torch.empty(num_pairs, dim, dtype=torch.bfloat16, device=x.device)
-    per_expert = 3 * inter * dim  # bf16 elements of one expert's w13 and w2
-    chunk = min(num_experts, chunk_experts or max(1, SCRATCH_BYTES // (2 * per_expert)))
-    scratch = torch.empty(chunk * per_expert, dtype=torch.bfloat16, device=x.device)
-    w13_bf16 = scratch[: chunk * 2 * inter * dim].view(chunk, 2 * inter, dim)
-    w2_bf16 = scratch[chunk * 2 * inter * dim :].view(chunk, dim, inter)
-    for e0 in range(0, num_experts, chunk):
-        e1 = min(e0 + chunk, num_experts)
-        dequantize_experts(w13, w13_scale, format, e0, e1, out=w13_bf16)
-        dequantize_experts(w2, w2_scale, format, e0, e1, out=w2_bf16)
-        chunk_tile_e = torch.where((tile_e >= e0) & (tile_e < e1), tile_e - e0, -1)
-        _grouped_gemms(x, sorted_ids, chunk_tile_e, w13_bf16, w2_bf16, h, rows, topk, limit, cfg)
-    block_t, block_d = (4, 1024) if x.is_cuda else (triton.next_power_of_2(num_tokens), 4096)
-    block_d = min(block_d, triton.next_power_of_2(dim))
-    moe._moe_combine_kernel[(triton.cdiv(num_tokens, block_t), triton.cdiv(dim, block_d))](
-        rows, weights.float().contiguous(), y, num_tokens, dim,
-        TOPK=topk, BLOCK_T=block_t, BLOCK_D=block_d,
-    )  # fmt: skip
-    return y
+    """`moe.moe_experts` made to take this path whatever the batch (module doc): x [T, D] bf16,
+    expert_ids [T, K], weights [T, K] -> y [T, D] fp32."""
+    tune = {"DEQUANT": True, "CHUNK_EXPERTS": chunk_experts}
+    return moe.moe_experts(x, expert_ids, weights, w13, w2, format, w13_scale, w2_scale, limit,
+                           tune=tune)  # fmt: skip
