@@ -68,20 +68,29 @@ TILE_TUNES = ({"SWAP_AB": True}, {"SWAP_AB": True, "num_warps": 8},
               {"SWAP_AB": True, "BLOCK_K": 128, "num_warps": 8})  # fmt: skip
 
 
-def _expert_weights(sizes, fmt, dev):
+def bf16_experts(sizes, dev) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random w13 [E, 2I, D] and w2 [E, D, I] bf16, scaled to unit-variance outputs."""
     e, d, i = sizes["experts"], sizes["dim"], sizes["inter"]
     w13 = torch.randn(e, 2 * i, d, device=dev, dtype=torch.bfloat16) / d**0.5
     w2 = torch.randn(e, d, i, device=dev, dtype=torch.bfloat16) / i**0.5
+    return w13, w2
+
+
+def quantize_experts(w13: torch.Tensor, w2: torch.Tensor, fmt: str):
+    """(w13, w2, s13, s2) in `fmt`, one expert at a time (bf16: as given, no scales)."""
     if fmt == "bf16":
         return w13, w2, None, None
     quant = fp8_block_quantize if fmt == "fp8" else mxfp4_quantize
     q13, s13 = zip(*(quant(w) for w in w13))
     q2, s2 = zip(*(quant(w) for w in w2))
-    del w13, w2
     return torch.stack(q13), torch.stack(q2), torch.stack(s13), torch.stack(s2)
 
 
-def _step(dev, sizes, t, weights, fmt):
+def _expert_weights(sizes, fmt, dev):
+    return quantize_experts(*bf16_experts(sizes, dev), fmt)  # the bf16 copy is freed on return
+
+
+def moe_step(dev, sizes, t, weights, fmt):
     """moe_experts' arguments for a step of t tokens, and its bytes (the weights of the experts
     hit + x + y) and FLOPs."""
     d, i, e, k = sizes["dim"], sizes["inter"], sizes["experts"], sizes["k"]
@@ -99,7 +108,7 @@ def _moe_cases(dev, sizes, dry) -> Iterator[Case]:
     for fmt in sizes["formats"]:
         weights = _expert_weights(sizes, fmt, dev)
         for t in sizes["moe_tokens"]:
-            args, num_bytes, flops = _step(dev, sizes, t, weights, fmt)
+            args, num_bytes, flops = moe_step(dev, sizes, t, weights, fmt)
             fn = moe.moe_experts_ref if dry else moe.moe_experts
             yield Case("moe_experts", f"T={t},D={d},I={i},E={e},K={k},{fmt}",
                        lambda f=fn, a=args: f(*a), "torch loop over experts (moe_experts_ref)",
@@ -116,7 +125,7 @@ def _tile_cases(dev, sizes, dry) -> Iterator[Case]:
     for fmt in sizes["tile_formats"]:
         weights = _expert_weights(sizes, fmt, dev)
         for t in sizes["tile_tokens"]:
-            args, num_bytes, flops = _step(dev, sizes, t, weights, fmt)
+            args, num_bytes, flops = moe_step(dev, sizes, t, weights, fmt)
             default = moe._config(t * sizes["k"], sizes["experts"], not dry, fmt)
             timed = [{"SWAP_AB": moe.SWAP_AB_DEFAULT, **default}]
             for tune in TILE_TUNES if fmt != "bf16" else TILE_TUNES[:1]:

@@ -31,7 +31,7 @@ elif str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.harness import Case, bench_main, measure, warm_up_clocks  # noqa: E402
-from dsv4.model.quant import fp8_block_quantize, mxfp4_quantize  # noqa: E402
+from benchmarks.kernels_moe import bf16_experts, moe_step, quantize_experts  # noqa: E402
 from kernels import moe  # noqa: E402
 from kernels.moe_dequant import moe_experts_dequant  # noqa: E402
 
@@ -42,17 +42,8 @@ DRY_SIZES = {"dim": 64, "inter": 32, "experts": 4, "k": 2, "tokens": [5],
              "formats": ["mxfp4", "fp8"]}  # fmt: skip
 
 
-def _quantize(w: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """bf16 [E, rows, cols] -> (codes, scales) in `fmt`, one expert at a time."""
-    quant = fp8_block_quantize if fmt == "fp8" else mxfp4_quantize
-    codes, scales = zip(*(quant(we) for we in w))
-    return torch.stack(codes), torch.stack(scales)
-
-
 def _cases(dev, sizes, dry) -> Iterator[Case]:
-    d, i, e, k = sizes["dim"], sizes["inter"], sizes["experts"], sizes["k"]
-    w13 = torch.randn(e, 2 * i, d, device=dev, dtype=torch.bfloat16) / d**0.5
-    w2 = torch.randn(e, d, i, device=dev, dtype=torch.bfloat16) / i**0.5
+    w13, w2 = bf16_experts(sizes, dev)
     # a dry run times the reference on both sides: the Triton kernels need a GPU
     fast = moe.moe_experts_ref if dry else moe_experts_dequant
 
@@ -62,23 +53,19 @@ def _cases(dev, sizes, dry) -> Iterator[Case]:
         )
 
     for fmt in sizes["formats"]:
-        (q13, s13), (q2, s2) = _quantize(w13, fmt), _quantize(w2, fmt)
-        per_expert = sum(t[0].numel() * t.element_size() for t in (q13, q2, s13, s2))
+        weights = quantize_experts(w13, w2, fmt)
         for t in sizes["tokens"]:
-            x = torch.randn(t, d, device=dev, dtype=torch.bfloat16)
-            ids = torch.rand(t, e, device=dev).argsort(1)[:, :k].to(torch.int32)
-            w = torch.rand(t, k, device=dev) + 0.1
-            args = (x, ids, w, q13, q2, fmt, s13, s2, 10.0)
-            bf16_args = (x, ids, w, w13, w2, "bf16", None, None, 10.0)
-            shape = f"T={t},D={d},I={i},E={e},K={k},{fmt}"
-            num_bytes = ids.unique().numel() * per_expert + t * d * 6
+            args, num_bytes, flops = moe_step(dev, sizes, t, weights, fmt)
+            bf16_args = (*args[:3], w13, w2, "bf16", None, None, *args[8:])  # the same step
+            shape = f"T={t},D={sizes['dim']},I={sizes['inter']},E={sizes['experts']}," \
+                    f"K={sizes['k']},{fmt}"  # fmt: skip
             yield Case("moe_experts_dequant", shape, lambda a=args: fast(*a),
                        f"moe_experts, {fmt} dequantised in registers", lambda a=args: slow(*a),
-                       num_bytes, 6.0 * t * k * d * i, graph=False)  # fmt: skip
+                       num_bytes, flops, graph=False)  # fmt: skip
             yield Case("moe_experts_dequant_bf16", shape, lambda a=args: fast(*a),
                        "moe_experts on the bf16 experts", lambda a=bf16_args: slow(*a),
-                       num_bytes, 6.0 * t * k * d * i, graph=False)  # fmt: skip
-        del q13, q2, s13, s2
+                       num_bytes, flops, graph=False)  # fmt: skip
+        del weights
 
 
 def run(dry_run: bool, only: str = "") -> list[dict]:
