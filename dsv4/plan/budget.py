@@ -7,6 +7,7 @@ max_num_seqs, k = speculative tokens, L = max_model_len. Activations are bf16 un
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -207,11 +208,17 @@ def dequant_workspace(
                           f"{chunk} experts x 3 x D x I/tp bf16 (MXFP4 steps of >= "
                           f"{MOE_DEQUANT_MIN_PAIRS_PER_EXPERT} pairs an expert)"))  # fmt: skip
     if linears_as_stored and cfg.linear_dtype == "fp8" and tokens > FP8_GEMV_MAX_ROWS:
-        largest = max(
-            math.prod(spec.shape)
-            for spec in model_tensors(cfg)
-            if quantized_kind(spec.name, cfg) == "fp8" and ".ffn.experts." not in spec.name
-        )
+        largest = _largest_fp8_linear(cfg)
         out.append(Buffer("fp8_linear_dequant", largest * BF16,
                           "the largest FP8 linear as bf16, one at a time"))  # fmt: skip
     return out
+
+
+@functools.lru_cache(maxsize=16)  # a Pro inventory is ~140k tensors; a plan asks twice
+def _largest_fp8_linear(cfg: ModelConfig) -> int:
+    """Elements of the largest linear a checkpoint stores as FP8 (experts aside)."""
+    return max(
+        math.prod(spec.shape)
+        for spec in model_tensors(cfg)
+        if quantized_kind(spec.name, cfg) == "fp8" and ".ffn.experts." not in spec.name
+    )
