@@ -1,8 +1,11 @@
-"""Shared by the MoE kernel tests: random top-k routing and the MoE output check."""
+"""Shared by the MoE kernel tests: random top-k routing, the output check, one step against
+the reference."""
 
 from __future__ import annotations
 
 import torch
+
+from kernels.moe import moe_experts, moe_experts_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -25,3 +28,17 @@ def assert_moe_close(y: torch.Tensor, ref: torch.Tensor) -> None:
     if ref.numel():
         close = ((y - ref).abs() <= 1e-3 * scale + 8e-3 * ref.abs()).float().mean().item()
         assert close >= 0.98, close
+
+
+def check_step(weights, num_tokens, dim, k, fmt, limit, seed, tune=None) -> torch.Tensor:
+    """moe_experts (with `tune`) on a random step of `num_tokens` over `weights` (w13, w2, s13,
+    s2 in `fmt`) against moe_experts_ref; returns the kernel's output."""
+    w13, w2, s13, s2 = weights
+    g = torch.Generator().manual_seed(seed + 1)
+    x = (torch.randn(num_tokens, dim, generator=g) * 2).bfloat16().to(DEVICE)
+    ids, w = routing(num_tokens, w13.shape[0], k, seed)
+    y = moe_experts(x, ids, w, w13, w2, fmt, s13, s2, limit, tune=tune)
+    ref = moe_experts_ref(x, ids, w, w13, w2, fmt, s13, s2, limit)
+    assert y.shape == (num_tokens, dim)
+    assert_moe_close(y, ref)
+    return y

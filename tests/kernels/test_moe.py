@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from dsv4.model.quant import fp8_block_quantize, mxfp4_quantize
-from kernels.moe import moe_align, moe_experts, moe_experts_ref, shared_expert
-from tests.kernels.moe_cases import DEVICE, assert_moe_close, routing
+from kernels.moe import moe_align, moe_experts_ref, shared_expert
+from tests.kernels.moe_cases import DEVICE, check_step, routing
 
 
 def _weights(num_experts, dim, inter, fmt, seed):
@@ -29,14 +29,8 @@ def _weights(num_experts, dim, inter, fmt, seed):
 
 
 def _check(num_tokens, dim, inter, num_experts, k, fmt, limit, seed=0, tune=None):
-    w13, w2, s13, s2 = _weights(num_experts, dim, inter, fmt, seed)
-    g = torch.Generator().manual_seed(seed + 1)
-    x = (torch.randn(num_tokens, dim, generator=g) * 2).bfloat16().to(DEVICE)
-    ids, w = routing(num_tokens, num_experts, k, seed)
-    y = moe_experts(x, ids, w, w13, w2, fmt, s13, s2, limit, tune=tune)
-    ref = moe_experts_ref(x, ids, w, w13, w2, fmt, s13, s2, limit)
-    assert y.shape == (num_tokens, dim)
-    assert_moe_close(y, ref)
+    weights = _weights(num_experts, dim, inter, fmt, seed)
+    check_step(weights, num_tokens, dim, k, fmt, limit, seed, tune)
 
 
 @pytest.mark.parametrize("num_tokens", [0, 1, 5])

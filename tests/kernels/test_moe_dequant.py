@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dsv4.model.quant import fp8_block_quantize, mxfp4_quantize
-from kernels.moe import moe_experts, moe_experts_ref
+from kernels.moe import moe_experts
 from kernels.moe_dequant import (
     DEQUANT_MIN_PAIRS_PER_EXPERT,
     dequantize_experts,
@@ -17,7 +17,7 @@ from kernels.moe_dequant import (
     moe_experts_dequant,
     use_dequant,
 )
-from tests.kernels.moe_cases import DEVICE, assert_moe_close, routing
+from tests.kernels.moe_cases import DEVICE, assert_moe_close, check_step, routing
 
 
 def _quantized(num_experts, rows, cols, fmt, seed, fp32_scale=False):
@@ -66,15 +66,10 @@ def test_dequantize_experts_into_scratch_uint8():
 
 
 def _check(num_tokens, dim, inter, num_experts, k, fmt, limit, chunk, seed=0):
-    w13, w2, s13, s2 = _experts(num_experts, dim, inter, fmt, seed)
-    g = torch.Generator().manual_seed(seed + 1)
-    x = (torch.randn(num_tokens, dim, generator=g) * 2).bfloat16().to(DEVICE)
-    ids, w = routing(num_tokens, num_experts, k, seed)
-    y = moe_experts_dequant(x, ids, w, w13, w2, fmt, s13, s2, limit, chunk_experts=chunk)
-    ref = moe_experts_ref(x, ids, w, w13, w2, fmt, s13, s2, limit)
-    assert y.shape == (num_tokens, dim)
-    assert_moe_close(y, ref)
-    return y
+    """The scratch path (chunks of `chunk` experts) against the reference."""
+    weights = _experts(num_experts, dim, inter, fmt, seed)
+    tune = {"DEQUANT": True, "CHUNK_EXPERTS": chunk}
+    return check_step(weights, num_tokens, dim, k, fmt, limit, seed, tune)
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
