@@ -21,6 +21,7 @@ from kernels.fp8_linear import (
     fp8_linear,
     fp8_linear_ref,
 )
+from tests.kernels.bench_dry_run import dry_run_records
 from tests.kernels.tolerances import assert_close
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -221,22 +222,8 @@ def test_fp8_linear_is_graph_capturable_gpu():
         assert torch.equal(y, want)
 
 
-def test_benchmark_dry_run(tmp_path):
+def test_benchmark_dry_run(tmp_path, monkeypatch):
     """benchmarks/kernels_linear.py --dry-run (CPU, tiny shapes, references) writes its records."""
-    import importlib.util
-    import json
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "kernels_linear.py"
-    spec = importlib.util.spec_from_file_location("bench_kernels_linear", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    out = tmp_path / "l.json"
-    assert bench.main(["--dry-run", "--out", str(out)]) == 0
-    records = json.loads(out.read_text())
-    assert {r["name"] for r in records} == {
-        "fp8_linear",
-        "fp8_grouped_linear",
-        "fp8_linear_tile",
-        "fp8_linear_gemv",
-    }
+    records = dry_run_records(monkeypatch, tmp_path, "kernels_linear.py")
+    names = {"fp8_linear", "fp8_grouped_linear", "fp8_linear_tile", "fp8_linear_gemv"}
+    assert {r["name"] for r in records} == names

@@ -13,6 +13,7 @@ import torch
 
 from dsv4.model.quant import fp8_block_quantize, mxfp4_quantize
 from kernels.moe import moe_align, moe_experts_ref, shared_expert
+from tests.kernels.bench_dry_run import dry_run_records
 from tests.kernels.moe_cases import DEVICE, check_step, routing
 
 
@@ -98,20 +99,8 @@ def test_moe_experts_production_shapes_gpu(fmt, num_tokens, swap_ab):
     _check(num_tokens, 4096, 2048, 256, 6, fmt, limit=10.0, tune={"SWAP_AB": swap_ab})
 
 
-def test_benchmark_dry_run(tmp_path):
+def test_benchmark_dry_run(tmp_path, monkeypatch):
     """benchmarks/kernels_moe.py --dry-run (CPU, tiny shapes, references) writes its records."""
-    import importlib.util
-    import json
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "kernels_moe.py"
-    spec = importlib.util.spec_from_file_location("bench_kernels_moe", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    out = tmp_path / "m.json"
-    assert bench.main(["--dry-run", "--out", str(out)]) == 0
-    records = json.loads(out.read_text())
+    records = dry_run_records(monkeypatch, tmp_path, "kernels_moe.py")
     names = {"moe_experts", "moe_tile", "moe_align", "compressor_step", "sample"}
     assert {r["name"] for r in records} == names
-    keys = {"name", "shape", "time_us", "baseline", "baseline_time_us", "speedup", "pct_roofline"}
-    assert all(set(r) == keys for r in records)

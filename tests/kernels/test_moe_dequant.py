@@ -17,6 +17,7 @@ from kernels.moe_dequant import (
     moe_experts_dequant,
     use_dequant,
 )
+from tests.kernels.bench_dry_run import dry_run_records
 from tests.kernels.moe_cases import DEVICE, assert_moe_close, check_step, routing
 
 
@@ -115,20 +116,8 @@ def test_moe_experts_dequant_vs_in_register_gpu(fmt, num_tokens):
     assert_moe_close(y, base)
 
 
-def test_benchmark_dry_run(tmp_path):
+def test_benchmark_dry_run(tmp_path, monkeypatch):
     """benchmarks/kernels_moe_dequant.py --dry-run (CPU, tiny shapes, references) writes its
     records."""
-    import importlib.util
-    import json
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "kernels_moe_dequant.py"
-    spec = importlib.util.spec_from_file_location("bench_kernels_moe_dequant", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    out = tmp_path / "m.json"
-    assert bench.main(["--dry-run", "--out", str(out)]) == 0
-    records = json.loads(out.read_text())
+    records = dry_run_records(monkeypatch, tmp_path, "kernels_moe_dequant.py")
     assert {r["name"] for r in records} == {"moe_experts_dequant", "moe_experts_dequant_bf16"}
-    keys = {"name", "shape", "time_us", "baseline", "baseline_time_us", "speedup", "pct_roofline"}
-    assert all(set(r) == keys for r in records)

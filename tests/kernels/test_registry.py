@@ -3,10 +3,7 @@ benchmark script's CPU dry run; file line budgets."""
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
-import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +13,7 @@ import kernels
 from dsv4.errors import ConfigError
 from kernels import registry
 from kernels.backend import KernelBackendConfig, dispatch, resolve, select_backend
+from tests.kernels.bench_dry_run import dry_run_records
 
 ROOT = Path(__file__).resolve().parents[2]
 TESTS = Path(__file__).resolve().parent
@@ -75,16 +73,8 @@ def test_dispatch_through_the_switch():
 
 
 def test_benchmark_dry_run(tmp_path, monkeypatch):
-    spec = importlib.util.spec_from_file_location("bench_kernels", ROOT / "benchmarks/kernels.py")
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "bench_kernels", bench)  # dataclasses look it up
-    spec.loader.exec_module(bench)
-    out = tmp_path / "k.json"
-    assert bench.main(["--dry-run", "--out", str(out), "--only", "route"]) == 0
-    records = json.loads(out.read_text())
+    records = dry_run_records(monkeypatch, tmp_path, "kernels.py", "--only", "route")
     assert {r["name"] for r in records} == {"route", "hash_route"}
-    keys = {"name", "shape", "time_us", "baseline", "baseline_time_us", "speedup", "pct_roofline"}
-    assert all(set(r) == keys for r in records)
 
 
 def test_line_budget():

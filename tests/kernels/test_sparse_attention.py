@@ -4,9 +4,6 @@ against the model's `sparse_attention`, and the attention benchmark's CPU dry ru
 from __future__ import annotations
 
 import importlib
-import importlib.util
-import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +12,7 @@ import torch
 import kernels.sparse_attention as sa
 from dsv4.model.attention import sparse_attention
 from dsv4.runner.kv_codec import decode_rows, encode_rows
+from tests.kernels.bench_dry_run import dry_run_records
 from tests.kernels.conftest import DEVICE
 from tests.kernels.tolerances import assert_close, tol
 
@@ -129,16 +127,7 @@ def test_sparse_attention_prefill_production_shape_gpu(kv):
 
 
 def test_attention_benchmark_dry_run(tmp_path, monkeypatch):
-    path = ROOT / "benchmarks" / "kernels_attention.py"
-    spec = importlib.util.spec_from_file_location("bench_kernels_attention", path)
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "bench_kernels_attention", bench)
-    spec.loader.exec_module(bench)
-    out = tmp_path / "a.json"
-    assert bench.main(["--dry-run", "--out", str(out)]) == 0
-    records = json.loads(out.read_text())
-    keys = {"name", "shape", "time_us", "baseline", "baseline_time_us", "speedup", "pct_roofline"}
-    assert all(set(r) == keys for r in records)
+    records = dry_run_records(monkeypatch, tmp_path, "kernels_attention.py")
     names = {r["name"] for r in records}
     assert {"sparse_attention_decode", "sparse_attention_prefill", "indexer_logits+topk",
             "indexer_topk", "indexer_select_all"} <= names  # fmt: skip
