@@ -50,6 +50,7 @@ class ClusterSpec:
     # Prometheus: 0 off; N: router on N, then each worker on the next port; AUTO_PORTS: a free
     # port per service (tests).
     metrics_base_port: int = 0
+    http_port: int = 0  # the router's OpenAI-compatible HTTP port; 0: off
 
 
 @dataclass
@@ -81,6 +82,11 @@ class LocalCluster:
     @property
     def router_address(self) -> str:
         return f"{self.spec.host}:{self.spec.router_port}"
+
+    @property
+    def http_url(self) -> str:
+        """Base URL of the router's OpenAI-compatible API ("" when off)."""
+        return f"http://{self.spec.host}:{self.spec.http_port}/v1" if self.spec.http_port else ""
 
     def addresses(self, role: str) -> list[str]:
         return [s.address for s in self.services if s.role == role]
@@ -122,6 +128,8 @@ class LocalCluster:
                 self.wait_ready(ready_timeout_s)
                 return
             router_args = [*common, "--host", spec.host, "--port", str(spec.router_port)]
+            if spec.http_port:
+                router_args += ["--http-port", str(spec.http_port)]
             if not spec.redis_url:
                 for role in ("prefill", "decode"):
                     router_args += [f"--{role}", ",".join(self.addresses(role))]

@@ -33,6 +33,9 @@ def add_up_args(parser: argparse.ArgumentParser) -> None:
         "--metrics-base-port", type=int, default=0,
         help="Prometheus /metrics: router on this port, workers on the next ones (0: off)",
     )  # fmt: skip
+    parser.add_argument(
+        "--http-port", type=int, default=0, help="router's OpenAI-compatible HTTP port (0: off)"
+    )
     parser.set_defaults(handler=cmd_up, accepts_extra_args=True)
 
 
@@ -51,7 +54,7 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
         model_dir=model, host=args.host, router_port=args.port, num_prefill=args.num_prefill,
         num_decode=args.num_decode, redis_url=args.redis, log_dir=args.log_dir,
         service_args=tuple(getattr(args, "extra_args", ())), grace_s=args.grace_s,
-        metrics_base_port=args.metrics_base_port,
+        metrics_base_port=args.metrics_base_port, http_port=args.http_port,
     )  # fmt: skip
 
 
@@ -61,7 +64,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         with LocalCluster(spec) as cluster:
-            _say(f"dsv4 cluster up: router {cluster.router_address}; prefill "
+            http = f"; OpenAI-compatible HTTP {cluster.http_url}" if cluster.http_url else ""
+            _say(f"dsv4 cluster up: router {cluster.router_address}{http}; prefill "
                  f"{cluster.addresses('prefill')}; decode {cluster.addresses('decode')}; Ctrl-C stops")  # fmt: skip
             while not (dead := cluster.dead_services()):
                 time.sleep(0.5)

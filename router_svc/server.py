@@ -37,6 +37,7 @@ from dsv4.types import WorkerRole
 from router_svc.admission import AdmissionGate, TokenBucketLimiter
 from router_svc.clients import ClientSettings, WorkerClients
 from router_svc.flow_settings import FlowDeps, FlowSettings
+from router_svc.http import HttpFront, load_chat_template
 from router_svc.live import LiveRequests, TaskOwner
 from router_svc.pool import PoolSettings, WorkerPool
 from router_svc.servicer import RouterServicer
@@ -108,6 +109,12 @@ class RouterServer:
         self._exporter = MetricsExporter(self.registry, r.host, cfg.metrics.prometheus_port)
         limiter = TokenBucketLimiter(r.rate_limit_rps, r.rate_limit_burst)
         self.servicer = RouterServicer(cfg, deps, self.live, self.gate, limiter)
+        self.http: HttpFront | None = None  # the OpenAI-compatible front (router.http_port)
+        if r.http_port:
+            chat = load_chat_template(cfg.model, text)
+            self.http = HttpFront(
+                cfg, self.servicer, self.pool, self.metrics, self.registry, text, chat
+            )
         self._health: health.aio.HealthServicer | None = None
         self._server: grpc.aio.Server | None = None
         self.port = 0
@@ -137,7 +144,10 @@ class RouterServer:
         await server.start()
         self._server = server
         self._exporter.start()
-        logger.info("router: serving dsv4.v1.Router on %s", self.address)
+        if self.http is not None:
+            await self.http.start()
+        http = f"; OpenAI-compatible HTTP on {self.http.url}" if self.http else ""
+        logger.info("router: serving dsv4.v1.Router on %s%s", self.address, http)
 
     def _bind(self, server: grpc.aio.Server, bind: str) -> int:
         s = self._cfg.security
@@ -162,9 +172,12 @@ class RouterServer:
         """Graceful stop; idempotent. Running streams get `grace_s`, then are cancelled."""
         if self._health is not None:
             await self._health.enter_graceful_shutdown()
+        http_stop = asyncio.create_task(self.http.stop()) if self.http else None  # meanwhile
         if self._server is not None:
             await self._server.stop(grace_s)
             self._server = None
+        if http_stop is not None:
+            await http_stop
         deadline_s = time.monotonic() + _STOP_WAIT_S
         while len(self.live) and time.monotonic() < deadline_s:
             await asyncio.sleep(0.01)  # cancelled handlers run their cleanup

@@ -72,6 +72,10 @@ class TextCodec:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()
 
+    def token_text(self, token_id: int) -> str | None:
+        """The token's own string (e.g. the BOS marker a chat template writes); None if unknown."""
+        return self._tok.id_to_token(token_id)
+
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 

@@ -1,0 +1,11 @@
+"""The router's OpenAI-compatible HTTP front (aiohttp, no torch), on when router.http_port > 0.
+
+Reading path: `app` (routes, status, SSE) -> `protocol` (request bodies, error objects) ->
+`chat` (chat template) -> `call` (the gRPC Generate path run in-process) -> `responses`
+(OpenAI response objects and stream chunks).
+"""
+
+from router_svc.http.app import HttpFront
+from router_svc.http.chat import ChatTemplate, load_chat_template
+
+__all__ = ["ChatTemplate", "HttpFront", "load_chat_template"]

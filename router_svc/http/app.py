@@ -1,0 +1,243 @@
+"""The OpenAI-compatible HTTP front: an aiohttp server on the router's own event loop.
+
+Routes: POST /v1/completions, POST /v1/chat/completions (SSE with `stream: true`), GET
+/v1/models, GET /health (200 while some request could be routed, else 503: the readiness the
+gRPC health service reports as "dsv4.v1.Router"), GET /metrics (the router's Prometheus
+registry). /v1 routes need `Authorization: Bearer KEY` when router.api_keys is set.
+
+A generation request is checked (API key, body shape, model name), chat messages are rendered
+to a prompt (chat.py), and the rest is the gRPC Generate path run in-process (call.py). Status
+is decided by the first chunk: an error before it is the HTTP error (400 / 401 / 404 / 429 with
+Retry-After / 503 / 504); after it, the SSE stream carries one `{"error": ...}` event and ends.
+The server cancels a handler whose client disconnected (`handler_cancellation`), which cancels
+the in-process call and so frees the request's blocks on the workers.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from contextlib import aclosing
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from dsv4.config import ServeConfig
+from dsv4.errors import Dsv4Error, Unavailable, to_grpc_status
+from dsv4.metrics import RouterMetrics
+from router_svc.admission import AUTHORIZATION_KEY, check_api_key
+from router_svc.http.call import InProcessCall
+from router_svc.http.chat import ChatTemplate
+from router_svc.http.protocol import ApiError, OpenAIRequest, bad_request, parse_request
+from router_svc.http.responses import SSE_DONE, Reply, sse_event
+from router_svc.pool import WorkerPool
+from router_svc.servicer import RouterServicer
+from router_svc.text_model import TextModel
+
+logger = logging.getLogger(__name__)
+
+REQUEST_ID_HEADER = "X-Request-Id"
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+
+
+def error_response(exc: ApiError) -> web.Response:
+    headers = {}
+    if exc.retry_after_s is not None:
+        headers["Retry-After"] = str(max(1, int(exc.retry_after_s)))
+    return web.json_response(exc.body(), status=exc.status, headers=headers)
+
+
+def _api_error(exc: BaseException) -> ApiError:
+    code, message = to_grpc_status(exc)
+    return ApiError.from_grpc(code.name, message, getattr(exc, "retry_after_s", None))
+
+
+@web.middleware
+async def _openai_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Every refusal as an OpenAI error object, aiohttp's own 404 / 405 / 413 included."""
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        return error_response(exc)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return error_response(
+            ApiError(exc.status, f"{exc.reason}: {request.method} {request.path}")
+        )
+    except Exception as exc:  # a bug: still an error object, and a traceback in the log
+        logger.exception("HTTP %s %s failed", request.method, request.path)
+        return error_response(ApiError(500, f"internal error: {type(exc).__name__}: {exc}"))
+
+
+def peer_of(request: web.Request) -> str:
+    """The client as gRPC names peers ("ipv4:HOST:PORT"), so rate limits key on the host."""
+    peername = request.transport.get_extra_info("peername") if request.transport else None
+    if not peername:
+        return "unknown"
+    host, port = peername[0], peername[1]
+    return f"ipv6:[{host}]:{port}" if ":" in host else f"ipv4:{host}:{port}"
+
+
+class HttpFront:
+    """Built by the RouterServer when router.http_port is set; `start()` / `stop()` on its loop."""
+
+    def __init__(
+        self,
+        cfg: ServeConfig,
+        servicer: RouterServicer,
+        pool: WorkerPool,
+        metrics: RouterMetrics,
+        registry: CollectorRegistry,
+        text: TextModel,
+        chat: ChatTemplate,
+    ) -> None:
+        self._cfg, self._servicer, self._pool = cfg, servicer, pool
+        self._metrics, self._registry = metrics, registry
+        self._text, self._chat = text, chat
+        self._runner: web.AppRunner | None = None
+        self.port = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://{self._cfg.router.host}:{self.port}/v1"
+
+    def app(self) -> web.Application:
+        app = web.Application(
+            middlewares=[_openai_errors], client_max_size=self._cfg.router.max_message_bytes
+        )
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.prometheus)
+        return app
+
+    async def start(self) -> None:
+        """Bind and serve; raises Unavailable when the port is taken."""
+        r = self._cfg.router
+        runner = web.AppRunner(
+            self.app(), handler_cancellation=True, access_log=None,
+            shutdown_timeout=self._cfg.worker.drain_timeout_s,
+        )  # fmt: skip
+        await runner.setup()
+        site = web.TCPSite(runner, r.host, r.http_port, reuse_port=False)
+        try:
+            await site.start()
+        except OSError as exc:
+            await runner.cleanup()
+            raise Unavailable(
+                f"router cannot listen for HTTP on {r.host}:{r.http_port} ({exc}): pick a free "
+                "router.http_port"
+            ) from exc
+        self._runner = runner
+        self.port = runner.addresses[0][1]
+
+    async def stop(self) -> None:
+        """Stop listening; running requests get worker.drain_timeout_s (the router's grace on
+        SIGTERM), then are cancelled. Idempotent."""
+        if self._runner is not None:
+            runner, self._runner = self._runner, None
+            await runner.cleanup()
+
+    # ---- plain endpoints -----------------------------------------------------------------------
+
+    def _check_key(self, request: web.Request, method: str) -> None:
+        metadata = [(AUTHORIZATION_KEY, request.headers.get("Authorization", ""))]
+        try:
+            check_api_key(metadata, self._cfg.router.api_keys)
+        except Dsv4Error as exc:
+            self._metrics.rejections.labels(reason="api_key").inc()
+            self._metrics.requests.labels(method=method, code="UNAUTHENTICATED").inc()
+            raise _api_error(exc) from exc
+
+    def _model_name(self) -> str | None:
+        """The served model's name; None before any worker reported (the call then fails in
+        the servicer, after admission and rate limits, as over gRPC)."""
+        try:
+            return self._servicer.model_info().model_name
+        except Dsv4Error:
+            return None
+
+    async def models(self, request: web.Request) -> web.Response:
+        self._check_key(request, "GetModelInfo")
+        try:
+            info = self._servicer.model_info()
+        except Dsv4Error as exc:
+            raise _api_error(exc) from exc
+        model = {"id": info.model_name, "object": "model", "created": 0, "owned_by": "dsv4",
+                 "max_model_len": info.max_model_len}  # fmt: skip
+        return web.json_response({"object": "list", "data": [model]})
+
+    async def health(self, request: web.Request) -> web.Response:
+        if self._pool.snapshot().has_route:
+            return web.json_response({"status": "ok"})
+        raise ApiError(503, "no prefill/decode route is healthy yet", code="unavailable")
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        body = generate_latest(self._registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    # ---- generation ----------------------------------------------------------------------------
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, is_chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, is_chat=True)
+
+    async def _body(self, request: web.Request) -> Any:
+        try:
+            return await request.json()
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise bad_request("body", f"the request body is not valid JSON: {exc}") from exc
+
+    def _prompt(self, parsed: OpenAIRequest) -> str | tuple[int, ...]:
+        if parsed.prompt is not None:
+            return parsed.prompt
+        if self._text.codec is None:
+            raise bad_request("messages", "this router has no tokenizer, which chat needs: "
+                              "set model.tokenizer, or use /v1/completions with token ids")  # fmt: skip
+        try:
+            return self._chat.render(list(parsed.messages))
+        except Dsv4Error as exc:
+            raise bad_request("messages", exc.message) from exc
+
+    async def _generate(self, request: web.Request, *, is_chat: bool) -> web.StreamResponse:
+        self._check_key(request, "Generate")
+        parsed = parse_request(await self._body(request), is_chat=is_chat)
+        served = self._model_name()
+        if parsed.model and served is not None and parsed.model != served:
+            raise ApiError(404, f"model {parsed.model!r} is not served here: use {served!r} "
+                           "(GET /v1/models)", param="model", code="model_not_found")  # fmt: skip
+        request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+        proto = parsed.to_proto(self._prompt(parsed), request_id)
+        metadata = [(AUTHORIZATION_KEY, request.headers.get("Authorization", ""))]
+        call = InProcessCall(self._servicer, proto, metadata=metadata, peer=peer_of(request))
+        reply = Reply(is_chat, request_id, served or parsed.model, parsed.include_usage)
+        headers = {REQUEST_ID_HEADER: request_id}
+        async with aclosing(call.stream()) as chunks:
+            first = await anext(chunks, None)  # an ApiError here is the HTTP status
+            if first is None:
+                raise ApiError(500, "the request ended without output", code="internal")
+            if not parsed.stream:
+                reply.add(first)
+                async for chunk in chunks:
+                    reply.add(chunk)
+                return web.json_response(reply.whole(), headers=headers)
+            response = web.StreamResponse(headers={**SSE_HEADERS, **headers})
+            await response.prepare(request)
+            try:
+                for event in reply.stream_events(first):
+                    await response.write(event)
+                async for chunk in chunks:
+                    for event in reply.stream_events(chunk):
+                        await response.write(event)
+            except ApiError as exc:
+                await response.write(sse_event(exc.body()))
+            except ConnectionResetError:
+                return response  # the client left; closing `chunks` cancels the request
+            await response.write(SSE_DONE)
+            await response.write_eof()
+            return response

@@ -1,0 +1,225 @@
+"""OpenAI request bodies -> `dsv4.v1.Router` GenerateRequest protos, and errors -> HTTP.
+
+Only shapes and types are checked here; values (temperature range, max_tokens against the
+context, stop strings, vocabulary) are checked by the router's own validation, the same rules
+as gRPC, whose message is then returned with the OpenAI parameter's name. Fields that would
+change the result and that this server does not implement (logprobs, n > 1, echo, tools,
+penalties, ...) are refused, never silently ignored. vLLM's extensions `top_k`, `ignore_eos` and
+`stop_token_ids` are accepted.
+
+Errors: `ApiError(status, message, param, code)`, rendered as
+`{"error": {"message", "type", "param", "code"}}`; gRPC code names map through `HTTP_STATUS`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from dsv4.rpc.v1 import common_pb2, router_pb2
+
+INT32_MAX = 2**31 - 1
+HTTP_STATUS = {
+    "INVALID_ARGUMENT": 400, "FAILED_PRECONDITION": 400, "OUT_OF_RANGE": 400,
+    "UNAUTHENTICATED": 401, "PERMISSION_DENIED": 403, "NOT_FOUND": 404,
+    "RESOURCE_EXHAUSTED": 429, "CANCELLED": 499, "UNAVAILABLE": 503, "DEADLINE_EXCEEDED": 504,
+}  # fmt: skip
+ERROR_TYPE = {
+    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+    404: "not_found_error", 429: "rate_limit_error", 503: "service_unavailable_error",
+    504: "timeout_error",
+}  # fmt: skip
+# The router's validation names proto fields; the client sent OpenAI ones.
+_PARAM_OF_FIELD = {
+    "sampling.max_new_tokens": "max_tokens", "sampling.temperature": "temperature",
+    "sampling.top_p": "top_p", "sampling.top_k": "top_k", "sampling.stop_token_ids":
+    "stop_token_ids", "sampling.stop": "stop", "prompt": "prompt", "prompt_token_ids": "prompt",
+    "request_id": "X-Request-Id",
+}  # fmt: skip
+_FIELD_AT_START = re.compile(r"(sampling\.\w+|prompt_token_ids|prompt|request_id)\b")
+# Parameters whose only supported value is "off": (name, the values that mean off).
+_OFF_ONLY = (
+    ("logprobs", (None, False, 0)), ("top_logprobs", (None, 0)), ("echo", (None, False)),
+    ("best_of", (None, 1)), ("suffix", (None, "")), ("logit_bias", (None, {})),
+    ("presence_penalty", (None, 0)), ("frequency_penalty", (None, 0)), ("tools", (None, [])),
+    ("functions", (None, [])), ("response_format", (None, {"type": "text"})),
+)  # fmt: skip
+
+
+class ApiError(Exception):
+    """An error answered as an OpenAI error object with HTTP `status`."""
+
+    def __init__(
+        self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+        retry_after_s: float | None = None,
+    ) -> None:  # fmt: skip
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+        self.code, self.retry_after_s = code, retry_after_s
+
+    @classmethod
+    def from_grpc(cls, code_name: str, message: str, retry_after_s: float | None = None):
+        """The router's status (a grpc.StatusCode name) as the HTTP error a client expects."""
+        match = _FIELD_AT_START.match(message)
+        param = _PARAM_OF_FIELD.get(match.group(1)) if match else None
+        if match and param:  # "sampling.max_new_tokens = 0: ..." -> "max_tokens = 0: ..."
+            message = param + message[match.end() :]
+        status = HTTP_STATUS.get(code_name, 500)
+        return cls(
+            status, message, param=param, code=code_name.lower(), retry_after_s=retry_after_s
+        )
+
+    def body(self) -> dict[str, Any]:
+        kind = ERROR_TYPE.get(self.status, "server_error")
+        error = {"message": self.message, "type": kind, "param": self.param, "code": self.code}
+        return {"error": error}
+
+
+def bad_request(param: str, message: str) -> ApiError:
+    return ApiError(400, message, param=param, code="invalid_argument")
+
+
+@dataclass(frozen=True)
+class OpenAIRequest:
+    """One /v1/completions or /v1/chat/completions body, shape-checked."""
+
+    model: str
+    prompt: str | tuple[int, ...] | None  # None for chat: the messages are rendered later
+    messages: tuple[dict[str, Any], ...]
+    sampling: common_pb2.SamplingParams
+    stream: bool
+    include_usage: bool
+
+    def to_proto(
+        self, prompt: str | tuple[int, ...], request_id: str
+    ) -> router_pb2.GenerateRequest:
+        msg = router_pb2.GenerateRequest(request_id=request_id)
+        if isinstance(prompt, str):
+            msg.prompt = prompt
+        else:
+            msg.prompt_token_ids.ids.extend(prompt)
+        msg.sampling.CopyFrom(self.sampling)
+        return msg
+
+
+def _typed(body: dict[str, Any], name: str, kinds: tuple[type, ...], what: str) -> Any:
+    value = body.get(name)
+    if value is None:
+        return None
+    if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds):
+        raise bad_request(name, f"{name} = {value!r}: must be {what}")
+    return value
+
+
+def _int(body: dict[str, Any], name: str) -> int | None:
+    """An integer parameter, clamped to int32: beyond that the router's own range message is
+    the clearer one."""
+    value = _typed(body, name, (int,), "an integer")
+    return None if value is None else max(-INT32_MAX, min(value, INT32_MAX))
+
+
+def _sampling(body: dict[str, Any]) -> common_pb2.SamplingParams:
+    msg = common_pb2.SamplingParams()
+    for name in ("temperature", "top_p"):
+        if (value := _typed(body, name, (int, float), "a number")) is not None:
+            setattr(msg, name, float(value))
+    max_tokens = _int(body, "max_completion_tokens")
+    max_tokens = max_tokens if max_tokens is not None else _int(body, "max_tokens")
+    if max_tokens is not None:
+        msg.max_new_tokens = max_tokens
+    seed = _typed(body, "seed", (int,), "an integer")
+    if seed is not None and not 0 <= seed < 2**64:
+        raise bad_request("seed", f"seed = {seed}: must be in [0, 2**64)")
+    if seed is not None:
+        msg.seed = seed
+    top_k = _int(body, "top_k") or 0
+    msg.top_k = 0 if top_k == -1 else top_k  # vLLM spells "off" as -1
+    stop = body.get("stop")
+    stops = [stop] if isinstance(stop, str) else stop if stop is not None else []
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise bad_request("stop", "stop must be a string or a list of strings")
+    msg.stop.extend(s for s in stops if s)
+    msg.stop_token_ids.extend(_token_ids(body.get("stop_token_ids") or [], "stop_token_ids"))
+    msg.ignore_eos = bool(_typed(body, "ignore_eos", (bool,), "true or false"))
+    return msg
+
+
+def _token_ids(value: Any, param: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and -INT32_MAX <= t <= INT32_MAX
+        for t in value
+    ):
+        raise bad_request(param, f"{param} must be a list of token ids (integers)")
+    return tuple(value)
+
+
+def _prompt(body: dict[str, Any]) -> str | tuple[int, ...]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
+        raise bad_request(
+            "prompt", "send one prompt per request (a batch of prompts is not supported)"
+        )
+    if isinstance(prompt, list):
+        return _token_ids(prompt, "prompt")
+    raise bad_request("prompt", "prompt is required: a string or a list of token ids")
+
+
+def _content(message: dict[str, Any], index: int) -> str:
+    content = message.get("content")
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise bad_request(
+                    "messages", f"messages[{index}].content: only text parts are supported"
+                )
+            parts.append(str(part.get("text", "")))
+        return "".join(parts)
+    raise bad_request("messages", f"messages[{index}].content must be a string or text parts")
+
+
+def _messages(body: dict[str, Any]) -> tuple[dict[str, Any], ...]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("messages", "messages is required: a non-empty list of {role, content}")
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise bad_request("messages", f"messages[{i}] must be an object with a string role")
+        out.append({**message, "content": _content(message, i)})
+    return tuple(out)
+
+
+def parse_request(body: Any, *, is_chat: bool) -> OpenAIRequest:
+    """Check one request body's shape; raises ApiError(400) naming the parameter."""
+    if not isinstance(body, dict):
+        raise bad_request("body", "the request body must be a JSON object")
+    model = _typed(body, "model", (str,), "a string") or ""
+    n = _typed(body, "n", (int,), "an integer")
+    if n is not None and n != 1:
+        raise bad_request("n", f"n = {n}: this server returns one choice per request (n = 1)")
+    for name, off in _OFF_ONLY:
+        if body.get(name) not in off:
+            raise bad_request(name, f"{name} is not supported by this server: leave it unset")
+    stream = bool(_typed(body, "stream", (bool,), "true or false"))
+    options = body.get("stream_options")
+    if options is not None and not stream:
+        raise bad_request("stream_options", "stream_options needs stream = true")
+    if options is not None and not isinstance(options, dict):
+        raise bad_request("stream_options", "stream_options must be an object")
+    include_usage = bool((options or {}).get("include_usage"))
+    return OpenAIRequest(
+        model=model,
+        prompt=None if is_chat else _prompt(body),
+        messages=_messages(body) if is_chat else (),
+        sampling=_sampling(body),
+        stream=stream,
+        include_usage=include_usage,
+    )

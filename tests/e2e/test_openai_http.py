@@ -1,0 +1,257 @@
+"""The OpenAI-compatible HTTP front, driven by the official `openai` client against a real
+cluster (router with --http-port + P + D processes): chat and text completions, streamed and
+whole, equal the gRPC answer for the same prompt; the model is listed; bad input, missing API
+key, rate limit, no worker and deadline get OpenAI error objects with their HTTP status; a
+client that disconnects mid-stream gets its request aborted and its blocks freed on the
+workers. Each cluster test ends with the leak check over every worker's Info."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+import grpc
+import openai
+import pytest
+from e2e_cluster import ExtraRouter, assert_no_worker_leaks, generate, greedy, worker_leaks
+
+from dsv4.cluster import free_port
+from dsv4.config import ModelSection
+from dsv4.metrics import scrape
+from router_svc.http import load_chat_template
+from router_svc.text_model import load_text_model
+from tests.services.worker_cluster import start_cluster, tiny_checkpoint
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+MAX_TOKENS = 8
+MESSAGES = [
+    {"role": "system", "content": "Answer briefly."},
+    {"role": "user", "content": "The quick brown fox jumps over the lazy dog"},
+]
+GREEDY = {"temperature": 0.0, "max_tokens": MAX_TOKENS, "extra_body": {"ignore_eos": True}}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory):
+    return tiny_checkpoint(tmp_path_factory.getbasetemp() / "dsv4-cache")
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dir):
+    cluster = start_cluster(model_dir, router_port=free_port(), http_port=free_port())
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def client(cluster):
+    with openai.OpenAI(base_url=cluster.http_url, api_key="unused", max_retries=0) as client:
+        yield client
+    asyncio.run(assert_no_worker_leaks(cluster))
+
+
+def served_model(client: openai.OpenAI) -> str:
+    return client.models.list().data[0].id
+
+
+def grpc_text(cluster, prompt: str) -> tuple[str, int]:
+    async def run() -> tuple[str, int]:
+        async with grpc.aio.insecure_channel(cluster.router_address) as channel:
+            outcome = await generate(channel, prompt, greedy(MAX_TOKENS))
+        assert outcome.code is grpc.StatusCode.OK, outcome.details
+        return outcome.text, outcome.chunks[-1].usage.prompt_tokens
+
+    return asyncio.run(run())
+
+
+def http_get(url: str, headers: dict[str, str] | None = None) -> tuple[int, dict[str, Any], Any]:
+    """(status, headers, body: parsed JSON or text) of a GET, errors included."""
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {})) as r:
+            status, head, raw = r.status, dict(r.headers), r.read().decode()
+    except urllib.error.HTTPError as exc:
+        status, head, raw = exc.code, dict(exc.headers), exc.read().decode()
+    try:
+        return status, head, json.loads(raw)
+    except ValueError:
+        return status, head, raw
+
+
+def http_post(url: str, data: bytes) -> tuple[int, Any]:
+    request = urllib.request.Request(url, data, {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_models_health_and_metrics(cluster, client) -> None:
+    models = client.models.list().data
+    assert [m.id for m in models] == [str(cluster.spec.model_dir)]
+    assert http_get(cluster.http_url.removesuffix("/v1") + "/health")[0] == 200
+    status, _, text = http_get(cluster.http_url.removesuffix("/v1") + "/metrics")
+    assert status == 200 and "dsv4_router_requests_in_flight" in text
+
+
+def test_chat_completion_streamed_and_whole_equal_the_grpc_answer(cluster, client) -> None:
+    model = served_model(client)
+    whole = client.chat.completions.create(model=model, messages=MESSAGES, **GREEDY)
+    stream = client.chat.completions.create(
+        model=model, messages=MESSAGES, stream=True, stream_options={"include_usage": True},
+        **GREEDY,
+    )  # fmt: skip
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    reasons = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert reasons[-1] == "length" and set(reasons[:-1]) == {None}
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    assert whole.choices[0].finish_reason == "length"
+    assert whole.choices[0].message.role == "assistant"
+    assert streamed == whole.choices[0].message.content
+    # The chat template rendered the prompt; gRPC with that prompt text answers the same.
+    section = ModelSection(path=str(cluster.spec.model_dir))
+    prompt = load_chat_template(section, load_text_model(section)).render(MESSAGES)
+    text, num_prompt_tokens = grpc_text(cluster, prompt)
+    assert streamed == text
+    assert whole.usage.prompt_tokens == num_prompt_tokens
+    assert whole.usage.completion_tokens == MAX_TOKENS
+    assert whole.usage.total_tokens == num_prompt_tokens + MAX_TOKENS
+
+
+def test_completion_streamed_and_whole_equal_the_grpc_answer(cluster, client) -> None:
+    model, prompt = served_model(client), "Readability counts."
+    whole = client.completions.create(model=model, prompt=prompt, **GREEDY)
+    chunks = list(client.completions.create(model=model, prompt=prompt, stream=True, **GREEDY))
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks][-1] == "length"
+    assert all(c.usage is None for c in chunks)  # no include_usage: no usage chunk
+    text, num_prompt_tokens = grpc_text(cluster, prompt)
+    assert whole.choices[0].text == text
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (
+        num_prompt_tokens, MAX_TOKENS,
+    )  # fmt: skip
+    # A stop string cuts the text before it and ends the request with "stop".
+    stop = text.strip()[2:5]
+    assert stop, text
+    cut = client.completions.create(model=model, prompt=prompt, stop=[stop], **GREEDY)
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == text[: text.index(stop)]
+
+
+def test_bad_input_gets_openai_error_objects(cluster, client) -> None:
+    model = served_model(client)
+    cases = [
+        ({"n": 2}, "n"), ({"max_tokens": 0}, "max_tokens"), ({"temperature": -1.0}, "temperature"),
+        ({"top_p": 2.0}, "top_p"), ({"logprobs": 2}, "logprobs"), ({"max_tokens": 10**9}, "max_tokens"),
+    ]  # fmt: skip
+    for extra, param in cases:
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.completions.create(model=model, prompt="hello", **extra)  # type: ignore[arg-type]
+        error = caught.value.body
+        assert caught.value.status_code == 400 and error["param"] == param, (extra, error)
+        assert error["type"] == "invalid_request_error" and error["message"].startswith(param)
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.chat.completions.create(model="gpt-nope", messages=MESSAGES)
+    assert caught.value.body["code"] == "model_not_found" and model in caught.value.body["message"]
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=model, messages=[])
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=model, prompt=[5, 10**6])  # out of the vocabulary
+    assert caught.value.body["param"] == "prompt"
+    status, body = http_post(cluster.http_url + "/completions", b"{not json")
+    assert status == 400 and body["error"]["param"] == "body"
+    status, body = http_post(
+        cluster.http_url + "/completions", b'{"prompt": "x", "stream_options": {}}'
+    )
+    assert status == 400 and body["error"]["param"] == "stream_options"
+    status, _, body = http_get(cluster.http_url + "/nowhere")
+    assert status == 404 and set(body["error"]) == {"message", "type", "param", "code"}
+
+
+def test_client_disconnect_mid_stream_frees_the_blocks(cluster, client) -> None:
+    model = served_model(client)
+    stream = client.completions.create(
+        model=model, prompt="The quick brown fox", stream=True, temperature=0.0, max_tokens=3000,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    for _, chunk in zip(range(5), stream, strict=False):
+        assert chunk.choices[0].finish_reason is None
+    assert asyncio.run(worker_leaks(cluster)), "the request should hold blocks while it runs"
+    stream.close()  # the connection drops with ~3000 tokens still to go (tens of seconds)
+    give_up_s = time.monotonic() + 5.0
+    while asyncio.run(worker_leaks(cluster)):
+        assert time.monotonic() < give_up_s, "the disconnected request still holds blocks"
+        time.sleep(0.1)
+    metrics = scrape(cluster.http_url.removesuffix("/v1") + "/metrics")
+    assert metrics['dsv4_router_requests_total{code="CANCELLED",method="Generate"}'] == 1
+
+
+def _wait_http(router: ExtraRouter, url: str) -> None:
+    give_up_s = time.monotonic() + 60.0
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=1).close()
+            return
+        except urllib.error.HTTPError:
+            return  # it answers (503 until it can route)
+        except OSError:
+            assert router.process.poll() is None, "the router exited"
+            assert time.monotonic() < give_up_s, "the router's HTTP port never opened"
+            time.sleep(0.2)
+
+
+def test_api_key_rate_limit_and_no_worker(model_dir) -> None:
+    port = free_port()
+    router = ExtraRouter(
+        str(model_dir), [], [], "--http-port", str(port), "--api-key", "k1",
+        "--rate-limit-rps", "0.01", "--rate-limit-burst", "1",
+    )  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait_http(router, base + "/health")
+        assert http_get(base + "/health")[0] == 503  # nothing to route to
+        with openai.OpenAI(base_url=base + "/v1", api_key="wrong", max_retries=0) as anonymous:
+            with pytest.raises(openai.AuthenticationError):
+                anonymous.models.list()
+            with pytest.raises(openai.AuthenticationError):
+                anonymous.completions.create(model="m", prompt="hello")
+        with openai.OpenAI(base_url=base + "/v1", api_key="k1", max_retries=0) as keyed:
+            with pytest.raises(openai.APIStatusError) as caught:
+                keyed.completions.create(model="", prompt="hello")
+            assert caught.value.status_code == 503, caught.value.body
+            with pytest.raises(openai.RateLimitError) as caught:
+                keyed.completions.create(model="", prompt="hello")
+            assert int(caught.value.response.headers["Retry-After"]) >= 1
+        router.stop()
+        assert router.process.returncode == 0  # SIGTERM stops the HTTP front cleanly too
+    finally:
+        router.stop()
+
+
+def test_deadline_is_504_whole_and_an_error_event_streamed(cluster, model_dir) -> None:
+    port = free_port()
+    router = ExtraRouter(
+        str(model_dir), cluster.addresses("prefill"), cluster.addresses("decode"),
+        "--http-port", str(port), "--request-timeout-s", "1",
+    )  # fmt: skip
+    long = {"prompt": "Readability counts.", "max_tokens": 3000, "extra_body": {"ignore_eos": True}}
+    try:
+        router.wait_ready()
+        _wait_http(router, f"http://127.0.0.1:{port}/health")
+        with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0) as c:
+            with pytest.raises(openai.APIStatusError) as caught:
+                c.completions.create(model="", **long)  # type: ignore[arg-type]
+            assert caught.value.status_code == 504, caught.value.body
+            stream = c.completions.create(model="", stream=True, **long)  # type: ignore[arg-type]
+            with pytest.raises(openai.APIError, match="deadline"):
+                for _ in stream:
+                    pass
+    finally:
+        router.stop()
+    asyncio.run(assert_no_worker_leaks(cluster))
