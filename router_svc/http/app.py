@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
@@ -26,6 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from dsv4.config import ServeConfig
 from dsv4.errors import Dsv4Error, Unavailable, to_grpc_status
 from dsv4.metrics import RouterMetrics
+from dsv4.types import StreamChunk
 from router_svc.admission import AUTHORIZATION_KEY, check_api_key
 from router_svc.http.call import InProcessCall
 from router_svc.http.chat import ChatTemplate
@@ -216,7 +218,6 @@ class HttpFront:
         metadata = [(AUTHORIZATION_KEY, request.headers.get("Authorization", ""))]
         call = InProcessCall(self._servicer, proto, metadata=metadata, peer=peer_of(request))
         reply = Reply(is_chat, request_id, served or parsed.model, parsed.include_usage)
-        headers = {REQUEST_ID_HEADER: request_id}
         async with aclosing(call.stream()) as chunks:
             first = await anext(chunks, None)  # an ApiError here is the HTTP status
             if first is None:
@@ -225,19 +226,28 @@ class HttpFront:
                 reply.add(first)
                 async for chunk in chunks:
                     reply.add(chunk)
-                return web.json_response(reply.whole(), headers=headers)
-            response = web.StreamResponse(headers={**SSE_HEADERS, **headers})
-            await response.prepare(request)
-            try:
-                for event in reply.stream_events(first):
+                return web.json_response(reply.whole(), headers={REQUEST_ID_HEADER: request_id})
+            return await self._sse(request, reply, first, chunks)
+
+    async def _sse(
+        self, request: web.Request, reply: Reply, first: StreamChunk,
+        chunks: AsyncIterator[StreamChunk],
+    ) -> web.StreamResponse:  # fmt: skip
+        """Stream `first` and the rest as SSE events; an error after the first chunk is one
+        `{"error": ...}` event before `[DONE]` (what the openai client raises from)."""
+        headers = {**SSE_HEADERS, REQUEST_ID_HEADER: reply.request_id}
+        response = web.StreamResponse(headers=headers)
+        await response.prepare(request)
+        try:
+            for event in reply.stream_events(first):
+                await response.write(event)
+            async for chunk in chunks:
+                for event in reply.stream_events(chunk):
                     await response.write(event)
-                async for chunk in chunks:
-                    for event in reply.stream_events(chunk):
-                        await response.write(event)
-            except ApiError as exc:
-                await response.write(sse_event(exc.body()))
-            except ConnectionResetError:
-                return response  # the client left; closing `chunks` cancels the request
-            await response.write(SSE_DONE)
-            await response.write_eof()
-            return response
+        except ApiError as exc:
+            await response.write(sse_event(exc.body()))
+        except ConnectionResetError:
+            return response  # the client left; the caller closes `chunks`, cancelling the call
+        await response.write(SSE_DONE)
+        await response.write_eof()
+        return response
