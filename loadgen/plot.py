@@ -96,4 +96,5 @@ def _pareto_panel(ax: Any, summaries: Sequence[RunSummary], metric: str, rate_at
         for x, y, label in points:
             ax.annotate(label, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
     front = pareto_frontier([(x, y) for x, y, _ in points])  # the p99 points, drawn last
-    ax.plot([x for x, _ in front], [y for _, y in front], "--", label="Pareto frontier (p99)")
+    ax.plot([x for x, _ in front], [y for _, y in front], "--o", mfc="none", ms=12,
+            label="Pareto frontier (p99)")  # fmt: skip

@@ -11,6 +11,7 @@ into a file or pipe at most every `FILE_INTERVAL_S`.
 
 from __future__ import annotations
 
+import shutil
 import time
 from typing import IO
 
@@ -28,9 +29,13 @@ class LiveProgress:
 
         is_tty = bool(getattr(stream, "isatty", lambda: False)())
         self.interval_s = min_interval_s if is_tty else FILE_INTERVAL_S
+        # The terminal's size, or COLUMNS/LINES, else 80x24 where a pseudo-terminal reports
+        # 0x0 (tqdm would draw nothing there); a file gets no width limit.
+        size = shutil.get_terminal_size()
         self._bar = tqdm(
             total=total, desc=label, file=stream, unit="req", mininterval=self.interval_s,
-            dynamic_ncols=is_tty, ascii=not is_tty, leave=True,
+            ncols=size.columns if is_tty else None, nrows=size.lines, ascii=not is_tty,
+            leave=True,
         )  # fmt: skip
         self._start_s = time.perf_counter()
         self._last_draw_s = self._start_s
@@ -70,13 +75,13 @@ class LiveProgress:
         self._bar.close()
 
     def postfix(self, now_s: float | None = None) -> str:
-        """e.g. `ok=9 failed=1 TTFT=12.1ms TPOT=3.40ms out=812tok/s`."""
+        """e.g. `ok=9 fail=1 TTFT=12.1ms TPOT=3.40ms 812tok/s`."""
         elapsed_s = (now_s or time.perf_counter()) - self._start_s
-        parts = [f"ok={self.num_ok}", f"failed={self.num_failed}"]
+        parts = [f"ok={self.num_ok}", f"fail={self.num_failed}"]
         if self.num_first_tokens:
             parts.append(f"TTFT={1000 * self.ttft_sum_s / self.num_first_tokens:.1f}ms")
         if self.num_later_tokens:
             parts.append(f"TPOT={1000 * self.tpot_sum_s / self.num_later_tokens:.2f}ms")
         if elapsed_s > 0:
-            parts.append(f"out={self.num_tokens / elapsed_s:.0f}tok/s")
+            parts.append(f"{self.num_tokens / elapsed_s:.0f}tok/s")
         return " ".join(parts)

@@ -59,8 +59,6 @@ def _from_base_url(base_url: str, backend: str, endpoint: str) -> Endpoint:
             f"--base-url {base_url!r}: the port must be in 1..65535"
         ) from None
     host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
-    if backend == "grpc":
-        return Endpoint(f"{host}:{port}")
     root = f"{parts.scheme}://{host}:{port}{parts.path.rstrip('/')}"
     return Endpoint(f"{host}:{port}", f"{root}{endpoint}", f"{root}/v1/models")
 
@@ -80,6 +78,11 @@ def resolve_endpoint(
         given.append("--host/--port")
     if len(given) > 1:
         raise LoadtestConfigError(f"{' and '.join(given)}: give only one way to name the server")
+    if backend == "grpc" and (base_url or endpoint):
+        raise LoadtestConfigError(
+            "--base-url / --endpoint name an HTTP server: add --backend openai (or openai-chat), "
+            "or give the router as --target HOST:PORT"
+        )
     path = endpoint or DEFAULT_ENDPOINTS.get(backend, "")
     if path and not path.startswith("/"):
         raise LoadtestConfigError(f"--endpoint {endpoint!r}: expected a path like /v1/completions")

@@ -232,6 +232,7 @@ def test_closed_port_fails_fast_with_one_line(backend):
         (("--target", "localhost:99999"), "1..65535"),
         (("--base-url", "localhost:8000", "--backend", "openai"), "http(s)://HOST"),
         (("--target", "a:1", "--port", "2"), "give only one"),
+        (("--base-url", "http://a:1"), "--backend openai"),
     ],
 )
 def test_bad_target_flags_are_one_line(flags, says):

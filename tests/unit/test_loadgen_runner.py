@@ -96,14 +96,14 @@ def test_progress_postfix_moves_with_tokens_before_any_request_finishes():
     bar.on_tokens(start_s=1.0, prev_s=None, now_s=1.010, num=1)  # TTFT 10 ms
     bar.on_tokens(start_s=1.0, prev_s=1.010, now_s=1.016, num=2)  # 3 ms per token
     assert "TTFT=10.0ms" in bar.postfix() and "TPOT=3.00ms" in bar.postfix()
-    assert "ok=0 failed=0 TTFT=10.0ms TPOT=3.00ms" in stream.getvalue()  # drawn, none done
+    assert "ok=0 fail=0 TTFT=10.0ms TPOT=3.00ms" in stream.getvalue()  # drawn, none done
     bar.on_tokens(start_s=2.0, prev_s=None, now_s=2.030, num=3)  # TTFT 30; 2 later tokens
     assert "TTFT=20.0ms" in bar.postfix() and "TPOT=1.50ms" in bar.postfix()
     for ok in (True, True, False, True):
         bar.advance(ok)
     bar.close()
     last = stream.getvalue().split("\r")[-1]
-    assert last.startswith("rate 2: 100%") and "4/4" in last and "ok=3 failed=1" in last
+    assert last.startswith("rate 2: 100%") and "4/4" in last and "ok=3 fail=1" in last
 
 
 def _args(*argv: str) -> argparse.Namespace:
