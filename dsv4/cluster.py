@@ -47,9 +47,9 @@ class ClusterSpec:
     log_dir: str = ""  # empty: a temporary directory
     grace_s: float = 10.0
     with_router: bool = True  # False: workers only (worker tests call them directly)
-    # Prometheus: 0 off; N: router on N, then each worker on the next port; AUTO_PORTS: a free
-    # port per service (tests).
-    metrics_base_port: int = 0
+    # Prometheus: 0 off; N: router on N, then each worker on the next port; AUTO_PORTS (the
+    # default): a free port per service, printed by `dsv4 up`.
+    metrics_base_port: int = AUTO_PORTS
     http_port: int = 0  # the router's OpenAI-compatible HTTP port; 0: off
 
 
@@ -77,6 +77,7 @@ class LocalCluster:
     spec: ClusterSpec
     services: list[_Service] = field(default_factory=list)
     _tmp: tempfile.TemporaryDirectory[str] | None = None
+    log_dir: Path | None = None  # where `<name>.log` go, once started
     credentials: object = None  # grpc.ChannelCredentials matching the services (None: plaintext)
 
     @property
@@ -93,6 +94,10 @@ class LocalCluster:
 
     def service(self, name: str) -> _Service:
         return next(s for s in self.services if s.name == name)
+
+    def metrics_urls(self) -> dict[str, str]:
+        """Service name -> its /metrics URL (services with metrics on)."""
+        return {s.name: s.metrics_url for s in self.services if s.metrics_port}
 
     def __enter__(self) -> LocalCluster:
         self.start()
@@ -111,6 +116,7 @@ class LocalCluster:
         else:
             self._tmp = tempfile.TemporaryDirectory(prefix="dsv4-cluster-")
             log_dir = Path(self._tmp.name)
+        self.log_dir = log_dir
         common = [
             "--model",
             spec.model_dir,
@@ -144,8 +150,7 @@ class LocalCluster:
     def _spawn(self, name: str, role: str, address: str, args: list[str], log_dir: Path) -> None:
         log_path = log_dir / f"{name}.log"
         metrics_port = self._metrics_port(len(self.services), role)
-        if metrics_port:
-            args = [*args, "--metrics-port", str(metrics_port)]
+        args = [*args, "--metrics-port", str(metrics_port)]  # 0 too: not the role's default
         command = [sys.executable, "-m", "dsv4.cli", "--parent-pid", str(os.getpid()), role, *args]
         logger.info("starting %s: %s", name, " ".join(command))
         with open(log_path, "wb") as log_file:

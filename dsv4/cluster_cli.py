@@ -13,7 +13,13 @@ import sys
 import time
 from pathlib import Path
 
-from dsv4.cluster import DEFAULT_CACHE_DIR, ClusterSpec, LocalCluster, ensure_tiny_checkpoint
+from dsv4.cluster import (
+    AUTO_PORTS,
+    DEFAULT_CACHE_DIR,
+    ClusterSpec,
+    LocalCluster,
+    ensure_tiny_checkpoint,
+)
 from dsv4.errors import Dsv4Error
 
 
@@ -30,8 +36,9 @@ def add_up_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ready-timeout-s", type=float, default=180.0)
     parser.add_argument("--grace-s", type=float, default=10.0, help="SIGTERM -> SIGKILL delay")
     parser.add_argument(
-        "--metrics-base-port", type=int, default=0,
-        help="Prometheus /metrics: router on this port, workers on the next ones (0: off)",
+        "--metrics-base-port", type=int, default=AUTO_PORTS,
+        help="Prometheus /metrics: router on this port, workers on the next ones "
+        "(default: a free port each, printed; 0: off)",
     )  # fmt: skip
     parser.add_argument(
         "--http-port", type=int, default=0, help="router's OpenAI-compatible HTTP port (0: off)"
@@ -66,7 +73,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         with LocalCluster(spec) as cluster:
             http = f"; OpenAI-compatible HTTP {cluster.http_url}" if cluster.http_url else ""
             _say(f"dsv4 cluster up: router {cluster.router_address}{http}; prefill "
-                 f"{cluster.addresses('prefill')}; decode {cluster.addresses('decode')}; Ctrl-C stops")  # fmt: skip
+                 f"{cluster.addresses('prefill')}; decode {cluster.addresses('decode')}; "
+                 f"{_metrics_and_logs(cluster)}; Ctrl-C stops")  # fmt: skip
             while not (dead := cluster.dead_services()):
                 time.sleep(0.5)
             _say(f"{dead[0].name} exited ({dead[0].process.returncode}):\n{dead[0].log_tail()}")
@@ -96,6 +104,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     except Dsv4Error as exc:
         _say(f"dsv4 demo: {exc.message}")
         return 1
+
+
+def _metrics_and_logs(cluster: LocalCluster) -> str:
+    urls = " ".join(f"{name}={url}" for name, url in cluster.metrics_urls().items())
+    return f"metrics {urls or 'off'}; logs {cluster.log_dir}"
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:

@@ -6,13 +6,25 @@ services in one process). Each service builds its own family of metrics into it:
 both worker families share `WorkerMetrics`. Names carry their unit (`_seconds`, `_bytes`,
 `_blocks`, `_requests`, `_tokens`, `_ratio`) and counters end in `_total`.
 
+Where vLLM has a name for a series, the series has vLLM's name and a `model_name` label, so
+vLLM dashboards, llm-d's scheduler and autoscalers read it unchanged: the router (what
+clients see) exports `vllm:time_to_first_token_seconds`, `vllm:inter_token_latency_seconds`,
+`vllm:request_time_per_output_token_seconds`, `vllm:e2e_request_latency_seconds`,
+`vllm:prompt_tokens_total`, `vllm:generation_tokens_total` and `vllm:num_requests_running`
+(admitted, unfinished requests); every worker (an engine) exports `vllm:num_requests_running`,
+`vllm:num_requests_waiting` and `vllm:kv_cache_usage_perc` (a fraction in [0, 1], as vLLM's).
+The `dsv4_*` series are what vLLM has no name for. prometheus_client appends `_total` to a
+counter's name, so counters are declared without it.
+
 Live state (KV blocks, queue depth, leases) is read when Prometheus scrapes, through callbacks
 into the services (`Gauge.set_function`, `CallbackCounter`): the callbacks run on the
 exporter's thread and read only snapshots (`AsyncEngine.load()`, dict sizes, int counters).
 Events (a request finished, a pull failed) are counted where they happen, on the event loop.
 
-`MetricsExporter(registry, host, port)` owns the HTTP server thread: `start()` (port 0: off),
-`stop()` (shuts the server down and joins the thread). docs/operations.md §10 lists every name.
+`MetricsExporter(registry, host, port, role)` owns the HTTP server thread: `start()` (port 0:
+off; `DEFAULT_PORT`, the default: the role's port from `DEFAULT_PORTS`, or a free one when
+another process holds it), `stop()` (shuts the server down and joins the thread).
+docs/operations.md §10 lists every name.
 """
 
 from __future__ import annotations
@@ -31,7 +43,7 @@ from prometheus_client import (
     ProcessCollector,
     disable_created_metrics,
 )
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import start_http_server
 from prometheus_client.registry import Collector
 
@@ -47,6 +59,9 @@ REQUEST_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.
                      160.0, 320.0, 640.0)  # fmt: skip
 TRANSFER_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                       2.5, 5.0, 10.0)  # fmt: skip
+MODEL_LABEL = ("model_name",)  # vLLM's label on every vllm:* series
+DEFAULT_PORT = -1  # metrics.prometheus_port's default: the role's port below
+DEFAULT_PORTS = {"router": 9400, "prefill": 9401, "decode": 9402, "colocated": 9402}
 
 
 class CallbackCounter(Collector):
@@ -77,6 +92,28 @@ class StepCollector(Collector):
             t.add_metric((kind,), seconds[kind])
         yield n
         yield t
+
+
+class EngineGauges(Collector):
+    """vLLM's engine gauges with `model_name`, read at scrape time from `load()` (an
+    `EngineLoad`): requests running in the engine, waiting in its queue, and the fraction of
+    KV cache blocks in use."""
+
+    def __init__(self, model_name: str, load: Callable[[], object]) -> None:
+        self._model_name, self._load = model_name, load
+
+    def collect(self) -> Iterator[Metric]:
+        load = self._load()
+        total = load.num_total_blocks  # type: ignore[attr-defined]
+        usage = _used_blocks(load) / total if total else 0.0
+        for name, documentation, value in (
+            ("vllm:num_requests_running", "Requests in the engine's running batch", load.num_running),  # type: ignore[attr-defined]
+            ("vllm:num_requests_waiting", "Requests waiting in the engine's queue", load.num_waiting),  # type: ignore[attr-defined]
+            ("vllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0 to 1)", usage),
+        ):  # fmt: skip
+            family = GaugeMetricFamily(name, documentation, labels=MODEL_LABEL)
+            family.add_metric((self._model_name,), float(value))
+            yield family
 
 
 def scrape(url: str, timeout_s: float = 5.0) -> dict[str, float]:
@@ -120,22 +157,24 @@ class RouterMetrics:
     in_flight: Gauge
 
     @classmethod
-    def create(cls, registry: CollectorRegistry) -> RouterMetrics:
-        r = registry
+    def create(cls, registry: CollectorRegistry, model_name: str = "") -> RouterMetrics:
+        """Series with a vLLM name carry `model_name`; the fields hold their labelled child,
+        so callers observe / inc / set_function without naming the label."""
+        r, m = registry, {"model_name": model_name}
         return cls(
             requests=Counter("dsv4_router_requests", "Router RPCs by method and final gRPC status code", ("method", "code"), registry=r),
             rejections=Counter("dsv4_router_admission_rejections", "Generate calls refused before any work, by reason (api_key, rate_limit, max_inflight)", ("reason",), registry=r),
-            ttft=Histogram("dsv4_router_time_to_first_token_seconds", "Request received to first token handed to gRPC", buckets=REQUEST_BUCKETS_S, registry=r),
-            tpot=Histogram("dsv4_router_time_per_output_token_seconds", "(E2E - TTFT) / (output tokens - 1), per successful request", buckets=TOKEN_BUCKETS_S, registry=r),
-            itl=Histogram("dsv4_router_inter_token_latency_seconds", "Gap between consecutive streamed messages carrying tokens", buckets=TOKEN_BUCKETS_S, registry=r),
-            e2e=Histogram("dsv4_router_e2e_request_latency_seconds", "Request received to its last message, per successful request", buckets=REQUEST_BUCKETS_S, registry=r),
-            prompt_tokens=Counter("dsv4_router_prompt_tokens", "Prompt tokens of admitted, validated requests", registry=r),
-            generation_tokens=Counter("dsv4_router_generation_tokens", "Tokens streamed to clients", registry=r),
+            ttft=Histogram("vllm:time_to_first_token_seconds", "Request received to first token handed to the client", MODEL_LABEL, buckets=REQUEST_BUCKETS_S, registry=r).labels(**m),
+            tpot=Histogram("vllm:request_time_per_output_token_seconds", "(E2E - TTFT) / (output tokens - 1), per successful request", MODEL_LABEL, buckets=TOKEN_BUCKETS_S, registry=r).labels(**m),
+            itl=Histogram("vllm:inter_token_latency_seconds", "Gap between consecutive streamed messages carrying tokens", MODEL_LABEL, buckets=TOKEN_BUCKETS_S, registry=r).labels(**m),
+            e2e=Histogram("vllm:e2e_request_latency_seconds", "Request received to its last message, per successful request", MODEL_LABEL, buckets=REQUEST_BUCKETS_S, registry=r).labels(**m),
+            prompt_tokens=Counter("vllm:prompt_tokens", "Prompt tokens of admitted, validated requests", MODEL_LABEL, registry=r).labels(**m),
+            generation_tokens=Counter("vllm:generation_tokens", "Tokens streamed to clients", MODEL_LABEL, registry=r).labels(**m),
             prefill_retries=Counter("dsv4_router_prefill_retries", "Prefill attempts repeated on another P", registry=r),
             migrations=Counter("dsv4_router_migrations", "Requests re-run on another pair after D died mid-stream", registry=r),
             decode_failures=Counter("dsv4_router_decode_failures", "Decode calls lost to a failing D (replaced, migrated or failed)", registry=r),
             workers=Gauge("dsv4_router_workers", "Workers the router knows, by role and health", ("role", "health"), registry=r),
-            in_flight=Gauge("dsv4_router_requests_in_flight", "Generate calls admitted and not finished", registry=r),
+            in_flight=Gauge("vllm:num_requests_running", "Generate calls admitted and not finished", MODEL_LABEL, registry=r).labels(**m),
         )  # fmt: skip
 
 
@@ -158,6 +197,7 @@ class WorkerMetrics:
         is_draining: Callable[[], bool],
         index_cache_hit_ratio: Callable[[], float],
         step_counters: object,
+        model_name: str = "",
     ) -> WorkerMetrics:
         """`load()` returns an `EngineLoad` (dsv4.engine_core); callbacks run at scrape time."""
         r = registry
@@ -170,7 +210,6 @@ class WorkerMetrics:
         info.labels(worker_id=worker_id, role=role).set(1)
         gauges = {
             "dsv4_worker_running_requests": ("Requests this worker is serving (RPCs in progress)", num_running),
-            "dsv4_worker_queued_requests": ("Requests waiting in the engine's queue", lambda: load().num_waiting),
             "dsv4_worker_kv_blocks_free": ("KV cache blocks free", lambda: load().num_free_blocks),
             "dsv4_worker_kv_blocks_used": ("KV cache blocks in use (running, held or adopted)", lambda: _used_blocks(load())),
             "dsv4_worker_draining": ("1 while the worker drains (takes nothing new)", lambda: float(is_draining())),
@@ -184,6 +223,7 @@ class WorkerMetrics:
         )
         hit.set_function(index_cache_hit_ratio)
         r.register(StepCollector(step_counters))  # an EngineCore's StepCounters
+        r.register(EngineGauges(model_name, load))
         return cls(info=info, index_cache_hit_ratio=hit)
 
 
@@ -272,10 +312,14 @@ class DecodeMetrics:
 
 
 class MetricsExporter:
-    """Serves `registry` as Prometheus text on http://host:port/metrics from its own thread."""
+    """Serves `registry` as Prometheus text on http://host:port/metrics from its own thread.
+    `port` DEFAULT_PORT: `DEFAULT_PORTS[role]`, or a free port when that one is taken (a second
+    worker on the host); `self.port` is the bound port once started."""
 
-    def __init__(self, registry: CollectorRegistry, host: str, port: int) -> None:
-        self.registry, self.host, self.port = registry, host, port
+    def __init__(self, registry: CollectorRegistry, host: str, port: int, role: str = "") -> None:
+        self.registry, self.host = registry, host
+        self.is_default = port == DEFAULT_PORT
+        self.port = DEFAULT_PORTS.get(role, DEFAULT_PORTS["router"]) if self.is_default else port
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -283,20 +327,30 @@ class MetricsExporter:
     def is_running(self) -> bool:
         return self._server is not None
 
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}/metrics"
+
     def start(self) -> None:
-        """Bind and serve (no-op when port is 0). Raises Unavailable when the port is taken."""
+        """Bind and serve (no-op when port is 0). Raises Unavailable when a port set by the
+        user is taken; the default port falls back to a free one."""
         if not self.port or self._server is not None:
             return
         try:
-            self._server, self._thread = start_http_server(
-                self.port, addr=self.host, registry=self.registry
-            )
+            self._server, self._thread = self._bind(self.port)
         except OSError as exc:
-            raise Unavailable(
-                f"cannot serve metrics on {self.host}:{self.port} ({exc}): pick a free "
-                "metrics.prometheus_port, or 0 to turn metrics off"
-            ) from exc
-        logger.info("metrics on http://%s:%d/metrics", self.host, self.port)
+            if not self.is_default:
+                raise Unavailable(
+                    f"cannot serve metrics on {self.host}:{self.port} ({exc}): pick a free "
+                    "metrics.prometheus_port, or 0 to turn metrics off"
+                ) from exc
+            logger.info("metrics: default port %d is taken, using a free one", self.port)
+            self._server, self._thread = self._bind(0)
+        self.port = self._server.server_port
+        logger.info("metrics on %s", self.url)
+
+    def _bind(self, port: int) -> tuple[WSGIServer, threading.Thread]:
+        return start_http_server(port, addr=self.host, registry=self.registry)
 
     def stop(self) -> None:
         """Stop serving and join the thread. Idempotent."""

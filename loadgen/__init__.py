@@ -1,6 +1,7 @@
-"""dsv4 loadtest: an async gRPC load generator for `dsv4.v1.Router`, modelled on
-`vllm bench serve` (same metric names and formulas). Reading path: workloads -> arrivals ->
-client / grpc_client -> runner -> metrics -> report / plot; cli wires them together."""
+"""dsv4 loadtest: an async load generator for `dsv4.v1.Router` (gRPC) and any OpenAI-compatible
+HTTP server, modelled on `vllm bench serve` (same metric names, formulas and flag spellings).
+Reading path: workloads -> arrivals -> target -> client (grpc_client / openai_client) -> runner
+(+ progress) -> metrics -> report / plot; cli wires them together."""
 
 from loadgen.cli import add_loadtest_args, run_loadtest
 from loadgen.client import RequestRecord, StreamingClient

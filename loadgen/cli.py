@@ -1,8 +1,11 @@
-"""`dsv4 loadtest` / `python -m loadgen`: flags modelled on `vllm bench serve`.
+"""`dsv4 loadtest` / `python -m loadgen`: flags modelled on `vllm bench serve` (its spellings
+work too: `--backend openai|openai-chat`, `--base-url`, `--host/--port`, `--endpoint`,
+`--model`, `--save-result`, `--result-dir/--result-filename`, `--disable-tqdm`).
 
 Exit status: 0 when the run(s) finished and at least one request succeeded, 1 when every
-request failed (each failure is still counted by status code and reported), 2 for bad flags or
-unreadable dataset files. Server errors never raise.
+request failed (each failure is still counted by status code and reported), 2 for bad flags,
+unreadable dataset files or a target where nothing answers (checked before the first request,
+one line). Server errors never raise.
 """
 
 from __future__ import annotations
@@ -12,10 +15,13 @@ import asyncio
 import dataclasses
 import math
 import sys
+import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import IO, Any
 
 from loadgen.arrivals import ARRIVAL_MODES
+from loadgen.client import BACKEND_ALIASES, BACKENDS, ClientOptions, ModelInfoView, make_client
 from loadgen.config import (
     DATASET_NAMES,
     LoadtestConfig,
@@ -24,9 +30,9 @@ from loadgen.config import (
     config_from_args,
     rate_from_text,
 )
-from loadgen.grpc_client import GrpcClientOptions, GrpcRouterClient
+from loadgen.datasets import load_tokenizer
 from loadgen.metrics import RunSummary, summarize
-from loadgen.progress import ProgressBar
+from loadgen.progress import LiveProgress
 from loadgen.report import (
     METRIC_FOOTNOTE,
     RunInfo,
@@ -39,14 +45,25 @@ from loadgen.report import (
 from loadgen.runner import RunResult, run_once, run_warmups
 from loadgen.workloads import DEFAULT_VOCAB_SIZE
 
-ClientFactory = Callable[[GrpcClientOptions], Any]
+ClientFactory = Callable[[ClientOptions], Any]
 IN_FLIGHT_WARNING_THRESHOLD = 1000
 
 
 def add_loadtest_args(parser: argparse.ArgumentParser) -> None:
     """Add every `dsv4 loadtest` flag to `parser`."""
     g = parser.add_argument_group("target")
-    g.add_argument("--target", default="127.0.0.1:50051", help="router HOST:PORT")
+    g.add_argument(
+        "--backend", choices=(*BACKENDS, *BACKEND_ALIASES), default="grpc",
+        help="grpc: dsv4.v1.Router; openai / openai-chat: /v1/completions / "
+        "/v1/chat/completions of any OpenAI-compatible server (vllm = openai)",
+    )  # fmt: skip
+    g.add_argument("--target", default=None, help="HOST:PORT (default 127.0.0.1:50051; HTTP :8000)")
+    g.add_argument("--host", default=None, help="vLLM's spelling: server host (with --port)")
+    g.add_argument("--port", type=int, default=None, help="vLLM's spelling: server port")
+    g.add_argument("--base-url", default=None, help="http(s)://HOST:PORT[/prefix] (HTTP backends)")
+    g.add_argument("--endpoint", default=None, help="HTTP path (default /v1/completions or chat)")
+    g.add_argument("--model", default=None, help="model id (default: the server's first model)")
+    g.add_argument("--served-model-name", default=None, help="name sent in requests if not --model")
     g.add_argument("--tls-ca", default=None, metavar="FILE", help="root CA (PEM): use TLS")
     g.add_argument("--api-key", default=None, help="sent as `authorization: Bearer KEY`")
     g.add_argument("--timeout-s", type=float, default=600.0, help="per-request deadline")
@@ -70,7 +87,10 @@ def add_loadtest_args(parser: argparse.ArgumentParser) -> None:
     d.add_argument("--prefix-len", type=int, default=512, help="shared-prefix: prefix tokens")
     d.add_argument("--prefix-num-groups", type=int, default=4, help="shared-prefix: groups")
     d.add_argument("--sharegpt-output-len", type=int, default=None, help="fixed output length")
-    d.add_argument("--tokenizer", default=None, help="tokenizer.json for exact ShareGPT lengths")
+    d.add_argument(
+        "--tokenizer", default=None,
+        help="tokenizer.json or its dir: exact ShareGPT lengths, chat prompt text, vocab size",
+    )  # fmt: skip
     d.add_argument("--trace-block-size", type=int, default=512, help="tokens per trace hash id")
     d.add_argument("--trace-time-scale", type=float, default=1.0, help="0.5 = replay 2x faster")
     d.add_argument(
@@ -94,26 +114,47 @@ def add_loadtest_args(parser: argparse.ArgumentParser) -> None:
     )
     o.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS", help="ttft/tpot/e2el")
     o.add_argument("--result-json", default=None, metavar="FILE")
+    o.add_argument("--save-result", action="store_true", help="vLLM's: JSON into --result-dir")
+    o.add_argument("--result-dir", default=".", help="with --save-result")
+    o.add_argument("--result-filename", default=None, help="default BACKEND-RATEqps-MODEL-DATE")
     o.add_argument("--per-request-jsonl", default=None, metavar="FILE")
-    o.add_argument("--plot", default=None, metavar="FILE.png")
-    o.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    o.add_argument("--plot", default=None, metavar="FILE.png", help="CDFs; sweeps: Pareto")
+    o.add_argument(
+        "--no-progress", "--disable-tqdm", action="store_true", help="no progress bar on stderr"
+    )
     o.add_argument("--label", default="dsv4-loadtest")
 
 
-async def _resolve_vocab_size(config: LoadtestConfig, client: Any, err: IO[str]) -> int:
+def _resolve_vocab_size(config: LoadtestConfig, info: ModelInfoView | None, err: IO[str]) -> int:
     if config.vocab_size is not None:
         return config.vocab_size
-    fetch = getattr(client, "fetch_model_info", None)
-    info = await fetch() if fetch is not None else None
     if info is not None and info.vocab_size > 0:
         return int(info.vocab_size)
-    err.write(f"loadtest: GetModelInfo unavailable, using --vocab-size {DEFAULT_VOCAB_SIZE}\n")
+    if config.workload.tokenizer_path:
+        return int(load_tokenizer(config.workload.tokenizer_path).get_vocab_size())
+    err.write(
+        f"loadtest: the server did not say its vocabulary size: --vocab-size {DEFAULT_VOCAB_SIZE}\n"
+    )
     return DEFAULT_VOCAB_SIZE
+
+
+async def _model_info(config: LoadtestConfig, client: Any) -> ModelInfoView | None:
+    """Fail fast when nothing answers; then what the server says about its model."""
+    check = getattr(client, "check_reachable", None)
+    if check is not None:
+        await check()
+    fetch = getattr(client, "fetch_model_info", None)
+    info = await fetch() if fetch is not None else None
+    if config.client.backend != "grpc" and not (config.client.model or info):
+        raise LoadtestConfigError(
+            f"the server at {config.client.target} lists no model: pass --model NAME"
+        )
+    return info
 
 
 def _warn_in_flight(config: LoadtestConfig, num_requests: int, err: IO[str]) -> None:
     cap = config.max_concurrency or num_requests
-    if min(cap, num_requests) > IN_FLIGHT_WARNING_THRESHOLD:
+    if config.client.backend == "grpc" and min(cap, num_requests) > IN_FLIGHT_WARNING_THRESHOLD:
         err.write(
             "loadtest: more than 1000 requests may be in flight; a grpc.aio server without a "
             "raised grpc.server.max_pending_requests CANCELs some (counted as CANCELLED). "
@@ -123,10 +164,13 @@ def _warn_in_flight(config: LoadtestConfig, num_requests: int, err: IO[str]) -> 
 
 async def _run(
     config: LoadtestConfig, client_factory: ClientFactory, out: IO[str], err: IO[str]
-) -> tuple[list[RunResult], list[RunSummary]]:
+) -> tuple[list[RunResult], list[RunSummary], str]:
+    """Every run of the config; also the model id (flag, else the server's name)."""
     client = client_factory(config.client)
     try:
-        vocab_size = await _resolve_vocab_size(config, client, err)
+        info = await _model_info(config, client)
+        model_id = config.model_id or (info.model_name if info else "") or config.client.model
+        vocab_size = _resolve_vocab_size(config, info, err)
         wl = config.workload
         requests = build_requests(wl, wl.num_prompts, vocab_size, config.arrivals.seed)
         if not requests:
@@ -144,7 +188,7 @@ async def _run(
             spec = dataclasses.replace(config.arrivals, request_rate=rate)
             label = f"rate {rate:g}"
             progress = (
-                ProgressBar(len(requests), err, label=label) if config.show_progress else None
+                LiveProgress(len(requests), err, label=label) if config.show_progress else None
             )
             result = await run_once(client, requests, spec, config.max_concurrency, progress)
             summary = summarize(
@@ -158,22 +202,40 @@ async def _run(
             )
             results.append(result)
             summaries.append(summary)
-        return results, summaries
+        return results, summaries, model_id
     finally:
         close = getattr(client, "close", None)
         if close is not None:
             await close()
 
 
+def result_path(config: LoadtestConfig, model_id: str) -> str | None:
+    """--result-json, else with --save-result vLLM's file name in --result-dir."""
+    if config.result_json or not config.save_result:
+        return config.result_json
+    if config.result_filename:
+        name = config.result_filename
+    else:
+        rates = config.rates
+        rate = "sweep" if len(rates) > 1 else f"{rates[0]:g}"
+        cap = f"-concurrency{config.max_concurrency}" if config.max_concurrency else ""
+        model = model_id.rstrip("/").rsplit("/", 1)[-1] or "model"
+        name = (
+            f"{config.client.backend}-{rate}qps{cap}-{model}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+        )
+    Path(config.result_dir).mkdir(parents=True, exist_ok=True)
+    return str(Path(config.result_dir) / name)
+
+
 def _write_outputs(
     config: LoadtestConfig,
     results: list[RunResult],
     summaries: list[RunSummary],
+    model_id: str,
     out: IO[str],
-    err: IO[str],
 ) -> None:
     info = RunInfo(
-        target=config.client.target,
+        target=config.client.url or config.client.target,
         dataset_name=config.workload.dataset_name,
         num_prompts=len(results[0].records),
         request_rate_mode=config.arrivals.mode,
@@ -182,31 +244,31 @@ def _write_outputs(
         num_warmups=config.num_warmups,
         percentile_metrics=config.percentile_metrics,
         label=config.label,
+        backend=config.client.backend,
+        model_id=model_id,
+        tokenizer_id=config.workload.tokenizer_path or model_id,
     )
     for summary in summaries:
         out.write(format_summary_table(summary, info) + "\n")
     out.write(METRIC_FOOTNOTE + "\n")
     if len(summaries) > 1:
         out.write(format_sweep_table(summaries) + "\n")
-    if config.result_json:
+    if path := result_path(config, model_id):
         objects = [summary_to_json(s, info) for s in summaries]
-        write_result_json(config.result_json, objects, is_sweep=bool(config.sweep_rates))
+        write_result_json(path, objects, is_sweep=bool(config.sweep_rates))
     if config.per_request_jsonl:
         with open(config.per_request_jsonl, "w", encoding="utf-8") as f:
             for result in results:
                 write_per_request_jsonl(f, result.records, result.run_start_s, result.request_rate)
     if config.plot_path:
-        try:
-            from loadgen.plot import write_plot
+        from loadgen.plot import write_plot  # matplotlib was checked before the run
 
-            write_plot(config.plot_path, results, summaries)
-        except ImportError as exc:
-            err.write(f"loadtest: --plot skipped, matplotlib is missing ({exc})\n")
+        write_plot(config.plot_path, results, summaries)
 
 
 def run_loadtest(
     args: argparse.Namespace,
-    client_factory: ClientFactory = GrpcRouterClient,
+    client_factory: ClientFactory = make_client,
     out: IO[str] | None = None,
     err: IO[str] | None = None,
 ) -> int:
@@ -215,11 +277,11 @@ def run_loadtest(
     err = err or sys.stderr
     try:
         config = config_from_args(args)
-        results, summaries = asyncio.run(_run(config, client_factory, out, err))
+        results, summaries, model_id = asyncio.run(_run(config, client_factory, out, err))
+        _write_outputs(config, results, summaries, model_id, out)
     except (ValueError, OSError, ImportError) as exc:  # incl. LoadtestConfigError
         err.write(f"loadtest: {exc}\n")
         return 2
-    _write_outputs(config, results, summaries, out, err)
     return 0 if any(s.completed for s in summaries) else 1
 
 

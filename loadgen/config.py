@@ -4,22 +4,22 @@ function that turns its workload part into requests."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from loadgen.arrivals import ArrivalSpec
-from loadgen.datasets import Encode, load_mooncake_trace, load_sharegpt
-from loadgen.grpc_client import GrpcClientOptions
+from loadgen.client import BACKEND_ALIASES, ClientOptions
+from loadgen.datasets import Encode, load_mooncake_trace, load_sharegpt, load_tokenizer
 from loadgen.metrics import METRIC_NAMES, GoodputSLO, parse_goodput
+from loadgen.target import LoadtestConfigError, resolve_endpoint
 from loadgen.workloads import LengthRange, LoadRequest, random_requests, shared_prefix_requests
 
 DATASET_NAMES = ("random", "shared-prefix", "sharegpt", "trace")
 ALWAYS_REPORTED_PERCENTILES = (90.0, 99.0)
-
-
-class LoadtestConfigError(ValueError):
-    """A flag value is wrong; the message names the flag, the value and the fix."""
+PLOT_MISSING = "--plot needs matplotlib: pip install 'dsv4-serve[plot]' (or drop --plot)"
+__all__ = ["LoadtestConfig", "LoadtestConfigError", "WorkloadSpec", "config_from_args"]
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,8 @@ class WorkloadSpec:
 
 @dataclass(frozen=True)
 class LoadtestConfig:
-    client: GrpcClientOptions
+    client: ClientOptions
+    model_id: str  # --model ("": the server's name for it)
     workload: WorkloadSpec
     arrivals: ArrivalSpec
     sweep_rates: tuple[float, ...]  # empty: one run at arrivals.request_rate
@@ -50,6 +51,9 @@ class LoadtestConfig:
     percentile_metrics: tuple[str, ...]
     goodput: GoodputSLO
     result_json: str | None
+    save_result: bool  # vLLM's spelling: write into result_dir / result_filename
+    result_dir: str
+    result_filename: str | None
     per_request_jsonl: str | None
     plot_path: str | None
     show_progress: bool
@@ -111,15 +115,28 @@ def config_from_args(args: argparse.Namespace) -> LoadtestConfig:
         raise LoadtestConfigError(str(exc)) from None
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise LoadtestConfigError(f"--max-concurrency {args.max_concurrency}: must be >= 1")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        raise LoadtestConfigError(PLOT_MISSING)  # before the run, not after it
+    backend = BACKEND_ALIASES.get(args.backend, args.backend)
+    endpoint = resolve_endpoint(
+        backend, args.target, args.host, args.port, args.base_url, args.endpoint,
+        use_tls=bool(args.tls_ca),
+    )  # fmt: skip
     return LoadtestConfig(
-        client=GrpcClientOptions(
-            target=args.target,
+        client=ClientOptions(
+            target=endpoint.target,
+            backend=backend,
+            url=endpoint.url,
+            models_url=endpoint.models_url,
+            model=args.served_model_name or args.model or "",
             timeout_s=args.timeout_s,
             tls_ca_path=args.tls_ca,
             api_key=args.api_key,
             ignore_eos=args.ignore_eos,
             temperature=args.temperature,
+            tokenizer_path=args.tokenizer,
         ),
+        model_id=args.model or "",
         workload=workload,
         arrivals=arrivals,
         sweep_rates=sweep,
@@ -130,6 +147,9 @@ def config_from_args(args: argparse.Namespace) -> LoadtestConfig:
         percentile_metrics=metrics,
         goodput=goodput,
         result_json=args.result_json,
+        save_result=args.save_result,
+        result_dir=args.result_dir,
+        result_filename=args.result_filename,
         per_request_jsonl=args.per_request_jsonl,
         plot_path=args.plot,
         show_progress=not args.no_progress,
@@ -138,9 +158,7 @@ def config_from_args(args: argparse.Namespace) -> LoadtestConfig:
 
 
 def _tokenizer_encode(path: str) -> Encode:
-    from tokenizers import Tokenizer
-
-    tokenizer = Tokenizer.from_file(path)
+    tokenizer = load_tokenizer(path)
     return lambda text: tokenizer.encode(text, add_special_tokens=False).ids
 
 

@@ -17,6 +17,7 @@ import json
 import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -30,6 +31,17 @@ SHAREGPT_MAX_PROMPT_LEN = 1024
 SHAREGPT_MAX_TOTAL_LEN = 2048
 
 Encode = Callable[[str], Sequence[int]]
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    """A `tokenizers.Tokenizer` from a tokenizer.json file or a directory holding one."""
+    from tokenizers import Tokenizer
+
+    file = Path(path) / "tokenizer.json" if Path(path).is_dir() else Path(path)
+    try:
+        return Tokenizer.from_file(str(file))
+    except Exception as exc:  # tokenizers raises a bare Exception for a bad file
+        raise ValueError(f"--tokenizer {path}: cannot load {file} ({exc})") from None
 
 
 def estimate_num_tokens(text: str) -> int:

@@ -13,11 +13,18 @@ here as CANCELLED and are counted, not hidden. Use `--max-concurrency` to stay b
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
-from loadgen.client import STATUS_CLIENT_ERROR, RecordBuilder, RequestRecord, ServerUsage
+from loadgen.client import (
+    STATUS_CLIENT_ERROR,
+    ClientOptions,
+    ModelInfoView,
+    RecordBuilder,
+    RequestRecord,
+    TokenListener,
+)
+from loadgen.target import check_tcp_reachable
 from loadgen.workloads import LoadRequest
 
 GENERATE_METHOD = "/dsv4.v1.Router/Generate"
@@ -25,28 +32,6 @@ CHANNEL_OPTIONS = (
     ("grpc.max_receive_message_length", 64 << 20),
     ("grpc.keepalive_time_ms", 30_000),
 )
-
-
-@dataclass(frozen=True)
-class GrpcClientOptions:
-    """How to reach and call the server."""
-
-    target: str
-    timeout_s: float | None = None
-    tls_ca_path: str | None = None
-    api_key: str | None = None
-    ignore_eos: bool = True
-    temperature: float | None = None
-
-
-@dataclass(frozen=True)
-class ModelInfoView:
-    """The parts of `dsv4.v1.ModelInfo` loadgen uses."""
-
-    model_name: str
-    vocab_size: int
-    max_model_len: int
-    speculative_method: str
 
 
 def load_stubs() -> tuple[ModuleType, ModuleType, ModuleType]:
@@ -60,30 +45,16 @@ def load_stubs() -> tuple[ModuleType, ModuleType, ModuleType]:
     return common_pb2, router_pb2, router_pb2_grpc
 
 
-def _usage_from_proto(usage) -> ServerUsage:
-    return ServerUsage(
-        prompt_tokens=usage.prompt_tokens,
-        completion_tokens=usage.completion_tokens,
-        time_to_first_token_ms=usage.time_to_first_token_ms,
-        prefill_worker_id=usage.prefill_worker_id,
-        decode_worker_id=usage.decode_worker_id,
-        kv_transfer_ms=usage.kv_transfer_ms,
-        prefill_queue_ms=usage.prefill_queue_ms,
-        prefill_compute_ms=usage.prefill_compute_ms,
-        num_prefill_retries=usage.num_prefill_retries,
-        prefill_was_recomputed=usage.prefill_was_recomputed,
-        num_draft_tokens=usage.num_draft_tokens,
-        num_accepted_draft_tokens=usage.num_accepted_draft_tokens,
-    )
-
-
 class GrpcRouterClient:
     """Async client; create it inside the running event loop, `await close()` when done."""
 
-    def __init__(self, options: GrpcClientOptions) -> None:
+    def __init__(self, options: ClientOptions) -> None:
         import grpc
 
+        from dsv4.wire.common import usage_from_proto
+
         self._grpc = grpc
+        self._usage_from_proto = usage_from_proto
         self._common_pb2, self._router_pb2, router_pb2_grpc = load_stubs()
         self.options = options
         if options.tls_ca_path:
@@ -98,6 +69,10 @@ class GrpcRouterClient:
 
     async def close(self) -> None:
         await self._channel.close()
+
+    async def check_reachable(self) -> None:
+        """Raise TargetUnreachable unless something accepts TCP connections at the target."""
+        await check_tcp_reachable(self.options.target)
 
     async def __aenter__(self) -> GrpcRouterClient:
         return self
@@ -119,13 +94,15 @@ class GrpcRouterClient:
             msg.prompt = request.prompt_text or ""
         return msg
 
-    async def generate(self, request: LoadRequest) -> RequestRecord:
+    async def generate(
+        self, request: LoadRequest, listener: TokenListener | None = None
+    ) -> RequestRecord:
         """Stream one request; gRPC errors become a record with the status code name."""
         try:
             message = self.build_request(request)
         except Exception as exc:  # e.g. a token id outside int32
             return RecordBuilder(request).build(STATUS_CLIENT_ERROR, f"bad request: {exc}")
-        builder = RecordBuilder(request)  # the clock starts after serialization work
+        builder = RecordBuilder(request, listener)  # the clock starts after serialization
         call = None
         try:
             call = self._stub.Generate(
@@ -139,7 +116,7 @@ class GrpcRouterClient:
                     name = self._common_pb2.FinishReason.Name(msg.finish_reason)
                     builder.finish_reason = name.removeprefix("FINISH_REASON_").lower()
                 if msg.HasField("usage"):
-                    builder.usage = _usage_from_proto(msg.usage)
+                    builder.usage = self._usage_from_proto(msg.usage)
         except self._grpc.aio.AioRpcError as exc:
             return builder.build(exc.code().name, exc.details() or "")
         except asyncio.CancelledError:

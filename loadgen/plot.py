@@ -1,10 +1,14 @@
-"""`--plot FILE.png`: latency CDFs (one line per rate) and, for sweeps, throughput and
-goodput against the request rate. matplotlib (dev extra) is imported lazily, Agg backend."""
+"""`--plot FILE.png`: latency CDFs (one line per rate) and, for sweeps, the latency-throughput
+trade-off: one point per rate of p50 / p99 TPOT against output tokens/s and of p50 / p99 TTFT
+against requests/s, the Pareto frontier (no other rate has both more throughput and less
+latency) drawn through the p99 points. matplotlib (the `plot` extra) is imported lazily, Agg
+backend; the CLI checks for it before the run."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 from loadgen.metrics import METRIC_NAMES, METRIC_TITLES, RunSummary, request_latency
 from loadgen.runner import RunResult
@@ -54,24 +58,43 @@ def write_plot(path: str, results: Sequence[RunResult], summaries: Sequence[RunS
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize="small")
     if is_sweep:
-        xs = list(range(len(summaries)))
-        labels = [_rate_label(s.request_rate) for s in summaries]
-        ax_req, ax_tok = axes[2]
-        ax_req.plot(xs, [s.request_throughput for s in summaries], "o-", label="throughput")
-        if any(s.request_goodput is not None for s in summaries):
-            goodput = [s.request_goodput or 0.0 for s in summaries]
-            ax_req.plot(xs, goodput, "s--", label="goodput")
-        ax_req.set_title("Requests/s vs request rate")
-        ax_req.set_ylabel("req/s")
-        ax_tok.plot(xs, [s.output_throughput for s in summaries], "o-", label="output tok/s")
-        ax_tok.plot(xs, [s.total_token_throughput for s in summaries], "^:", label="total tok/s")
-        ax_tok.set_title("Token throughput vs request rate")
-        ax_tok.set_ylabel("tok/s")
-        for ax in (ax_req, ax_tok):
-            ax.set_xticks(xs, labels)
-            ax.set_xlabel("request rate (req/s)")
+        pairs = (("tpot", "output_throughput", "output tokens/s"),
+                 ("ttft", "request_throughput", "requests/s"))  # fmt: skip
+        for ax, (metric, rate_attr, unit) in zip(axes[2], pairs):
+            _pareto_panel(ax, summaries, metric, rate_attr)
+            ax.set_title(f"{metric.upper()} vs throughput (one point per rate)")
+            ax.set_xlabel(unit)
+            ax.set_ylabel(f"{metric.upper()} (ms)")
             ax.grid(alpha=0.3)
             ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def pareto_frontier(points: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The (throughput, latency) points no other point beats on both (more throughput and
+    less latency), by increasing throughput."""
+    best: list[tuple[float, float]] = []
+    for x, y in sorted(points, key=lambda p: (-p[0], p[1])):
+        if not best or y < best[-1][1]:
+            best.append((x, y))
+    return best[::-1]
+
+
+def _pareto_panel(ax: Any, summaries: Sequence[RunSummary], metric: str, rate_attr: str) -> None:
+    """Median and p99 of `metric` against `rate_attr` (a RunSummary throughput), labelled by
+    request rate, and the Pareto frontier of the p99 points."""
+    pick = {"p50": lambda st: st.median_ms, "p99": lambda st: dict(st.percentiles_ms).get(99.0)}
+    for (name, latency_of), style in zip(pick.items(), ("o", "s")):
+        points = [
+            (getattr(s, rate_attr), latency, _rate_label(s.request_rate))
+            for s in summaries
+            if (latency := latency_of(s.stat(metric))) is not None
+        ]
+        ax.plot([x for x, _, _ in points], [y for _, y, _ in points], style, label=name)
+        for x, y, label in points:
+            ax.annotate(label, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    front = pareto_frontier([(x, y) for x, y, _ in points])  # the p99 points, drawn last
+    ax.plot([x for x, _ in front], [y for _, y in front], "--o", mfc="none", ms=12,
+            label="Pareto frontier (p99)")  # fmt: skip

@@ -19,7 +19,7 @@ from typing import IO, Any
 from loadgen.client import RequestRecord
 from loadgen.metrics import METRIC_NAMES, METRIC_TITLES, RunSummary, request_latency
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 METRIC_DEFINITIONS = {
     "ttft": "time from sending the request to the first message carrying a token",
     "tpot": "per request (e2el - ttft) / (output_tokens - 1), requests with >1 output token; "
@@ -51,6 +51,9 @@ class RunInfo:
     num_warmups: int
     percentile_metrics: tuple[str, ...] = METRIC_NAMES
     label: str = "dsv4-loadtest"
+    backend: str = "grpc"
+    model_id: str = ""
+    tokenizer_id: str = ""
 
 
 def rate_for_json(rate: float) -> float | str:
@@ -67,6 +70,9 @@ def summary_to_json(summary: RunSummary, info: RunInfo) -> dict[str, Any]:
         "schema_version": SCHEMA_VERSION,
         "label": info.label,
         "date": time.strftime("%Y%m%d-%H%M%S"),
+        "backend": info.backend,
+        "model_id": info.model_id,
+        "tokenizer_id": info.tokenizer_id,
         "target": info.target,
         "dataset_name": info.dataset_name,
         "num_prompts": info.num_prompts,

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from loadgen.arrivals import ArrivalSpec, schedule
 from loadgen.client import STATUS_CLIENT_ERROR, RequestRecord, StreamingClient
-from loadgen.progress import ProgressBar
+from loadgen.progress import LiveProgress
 from loadgen.workloads import LoadRequest
 
 
@@ -50,14 +50,14 @@ async def _send_one(
     request: LoadRequest,
     scheduled_s: float,
     semaphore: asyncio.Semaphore | None,
-    progress: ProgressBar | None,
+    progress: LiveProgress | None,
 ) -> RequestRecord:
     try:
         if semaphore is None:
-            record = await client.generate(request)
+            record = await client.generate(request, progress)
         else:
             async with semaphore:
-                record = await client.generate(request)
+                record = await client.generate(request, progress)
     except Exception as exc:  # a buggy client must not sink the whole run
         record = _client_error_record(request, exc)
     record = dataclasses.replace(record, scheduled_s=scheduled_s)
@@ -71,7 +71,7 @@ async def run_once(
     requests: Sequence[LoadRequest],
     arrivals: ArrivalSpec,
     max_concurrency: int | None = None,
-    progress: ProgressBar | None = None,
+    progress: LiveProgress | None = None,
 ) -> RunResult:
     """Send `requests` on the schedule from `arrivals`; return when every stream has ended."""
     if max_concurrency is not None and max_concurrency < 1:

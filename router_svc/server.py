@@ -98,7 +98,7 @@ class RouterServer:
         text = text_model if text_model is not None else load_text_model(cfg.model)
         logger.info("router: tokenizer %s", text.source)
         self.registry = new_registry()
-        self.metrics = RouterMetrics.create(self.registry)
+        self.metrics = RouterMetrics.create(self.registry, model_name=cfg.model.path)
         deps = FlowDeps(
             self.pool, self._clients, FlowSettings.from_config(cfg), text, self.cleanup,
             self.metrics,
@@ -106,7 +106,9 @@ class RouterServer:
         r = cfg.router
         self.gate = AdmissionGate(r.max_inflight_requests)
         self.metrics.in_flight.set_function(lambda: self.gate.num_inflight)
-        self._exporter = MetricsExporter(self.registry, r.host, cfg.metrics.prometheus_port)
+        self._exporter = MetricsExporter(
+            self.registry, r.host, cfg.metrics.prometheus_port, role="router"
+        )
         limiter = TokenBucketLimiter(r.rate_limit_rps, r.rate_limit_burst)
         self.servicer = RouterServicer(cfg, deps, self.live, self.gate, limiter)
         self.http: HttpFront | None = None  # the OpenAI-compatible front (router.http_port)

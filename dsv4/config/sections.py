@@ -290,7 +290,14 @@ class MetricsSection(Section):
     """Prometheus metrics and logs."""
 
     SECTION = "metrics"
-    prometheus_port: int = setting(0, "port of /metrics; 0: off", flag="--metrics-port", **PORT)
+    prometheus_port: int = setting(
+        -1,
+        "port of /metrics; -1: the role's (router 9400, prefill 9401, decode 9402; a free one "
+        "when taken); 0: off",
+        flag="--metrics-port",
+        min=-1,
+        max=65535,
+    )
     log_level: str = setting("info", "log level", choices=("debug", "info", "warning", "error"))
     log_format: str = setting("text", "log line format", choices=("text", "json"))
 

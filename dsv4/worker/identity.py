@@ -112,6 +112,7 @@ def worker_metrics(
         is_draining=is_draining,
         index_cache_hit_ratio=lambda: index_cache_hit_ratio(runtime),
         step_counters=runtime.engine.core.step_counters,
+        model_name=runtime.config.model.path,
     )
 
 

@@ -71,7 +71,9 @@ async def _serve(config: ServeConfig) -> int:
     set_worker_id(identity.worker_id)
     service = service_class(runtime, identity)
     service.add_to_server(server)
-    exporter = MetricsExporter(service.registry, w.host, config.metrics.prometheus_port)
+    exporter = MetricsExporter(
+        service.registry, w.host, config.metrics.prometheus_port, role=w.role
+    )
     exporter.start()
     runtime.engine.start()
     await service.start()

@@ -37,6 +37,7 @@ def test_loadtest_totals_match_the_servers_usage(tmp_path, tmp_path_factory) -> 
         summary = summary[0] if isinstance(summary, list) else summary
         records = [json.loads(line) for line in records_path.read_text().splitlines()]
         assert summary["completed"] == NUM_PROMPTS and summary["failed"] == 0
+        assert (summary["backend"], summary["model_id"]) == ("grpc", str(model_dir))
         assert len(records) == NUM_PROMPTS
         usages = [r["server_usage"] for r in records]
         assert all(u is not None for u in usages)

@@ -168,15 +168,18 @@ def test_loadtest_against_real_grpc_server(fake_router, tmp_path):
     assert "RESOURCE_EXHAUSTED:" in out.getvalue()
 
 
-def test_unreachable_server_is_counted_not_raised(tmp_path):
+def test_unreachable_server_fails_before_sending(tmp_path):
     args = _args(
             "--target", "127.0.0.1:1", "--num-prompts", "3", "--vocab-size", "100",
-            "--random-input-len", "4", "--random-output-len", "2", "--timeout-s", "2",
             "--no-progress", "--result-json", str(tmp_path / "r.json"),
     )  # fmt: skip
-    assert run_loadtest(args, out=io.StringIO(), err=io.StringIO()) == 1
-    summary = json.loads((tmp_path / "r.json").read_text())
-    assert summary["failed_by_status"] == {"UNAVAILABLE": 3}
+    out, err = io.StringIO(), io.StringIO()
+    assert run_loadtest(args, out=out, err=err) == 2
+    assert out.getvalue() == "" and not (tmp_path / "r.json").exists()  # no table of n/a
+    assert err.getvalue() == (
+        "loadtest: cannot reach 127.0.0.1:1 (Connection refused): is the server up? "
+        "(check --target / --base-url)\n"
+    )
 
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI")

@@ -30,7 +30,8 @@ import math
 
 import pytest
 
-from loadgen.client import STATUS_EMPTY_RESPONSE, RequestRecord, ServerUsage
+from dsv4.types import Usage
+from loadgen.client import STATUS_EMPTY_RESPONSE, RequestRecord
 from loadgen.metrics import GoodputSLO, parse_goodput, request_latency, summarize
 
 
@@ -143,11 +144,12 @@ def test_ok_status_without_tokens_counts_as_empty_response():
 
 
 def test_server_usage_totals_and_input_tokens_prefer_server_count():
-    usage = ServerUsage(prompt_tokens=11, completion_tokens=4, num_draft_tokens=6)
-    usage = ServerUsage(**{**usage.__dict__, "num_accepted_draft_tokens": 3})
+    usage = Usage(
+        prompt_tokens=11, completion_tokens=4, num_draft_tokens=6, num_accepted_draft_tokens=3
+    )
     a = RECORDS[0]
     a_with_usage = RequestRecord(**{**a.__dict__, "usage": usage})
-    b_mismatch = RequestRecord(**{**RECORDS[1].__dict__, "usage": ServerUsage(20, 5)})
+    b_mismatch = RequestRecord(**{**RECORDS[1].__dict__, "usage": Usage(20, 5)})
     s = summarize([a_with_usage, b_mismatch], 1.0, 0.0, 1.0)
     assert s.total_input_tokens == 11 + 20
     assert s.server.num_with_usage == 2

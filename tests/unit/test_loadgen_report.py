@@ -9,7 +9,8 @@ import math
 
 import pytest
 
-from loadgen.client import RequestRecord, ServerUsage
+from dsv4.types import Usage
+from loadgen.client import RequestRecord
 from loadgen.metrics import parse_goodput, summarize
 from loadgen.report import (
     SCHEMA_VERSION,
@@ -23,9 +24,7 @@ from loadgen.report import (
 from loadgen.runner import RunResult
 
 RECORDS = (
-    RequestRecord(
-        "a", 10, 3, 0.0, 0.5, (0.25, 0.375), (1, 2), usage=ServerUsage(11, 3), scheduled_s=0.0
-    ),
+    RequestRecord("a", 10, 3, 0.0, 0.5, (0.25, 0.375), (1, 2), usage=Usage(11, 3), scheduled_s=0.0),
     RequestRecord("b", 10, 3, 0.0, 0.125, status_code="UNAVAILABLE", error="no decode worker"),
 )
 INFO = RunInfo("h:1", "random", 2, "poisson", 1.0, 0, 0, ("ttft", "itl"))
@@ -37,7 +36,7 @@ STAT_KEYS = {
 }
 PERCENTILE_KEYS = {f"p{p}_{m}_ms" for p in ("90", "99", "99.9") for m in ("ttft", "itl")}
 SUMMARY_KEYS = {
-    "schema_version", "label", "date", "target", "dataset_name", "num_prompts",
+    "schema_version", "label", "date", "backend", "model_id", "tokenizer_id", "target", "dataset_name", "num_prompts",
     "request_rate", "request_rate_mode", "burstiness", "max_concurrency", "seed", "num_warmups",
     "duration", "completed", "failed", "failed_by_status", "total_input_tokens",
     "total_output_tokens", "request_throughput", "request_goodput", "num_good_requests",
@@ -60,7 +59,7 @@ def _summary(rate: float = math.inf):
 
 def test_summary_json_schema_is_pinned(tmp_path):
     obj = summary_to_json(_summary(), INFO)
-    assert SCHEMA_VERSION == 1
+    assert SCHEMA_VERSION == 2
     assert set(obj) == SUMMARY_KEYS
     assert obj["request_rate"] == "inf" and obj["max_concurrency"] == 4
     assert obj["failed_by_status"] == {"UNAVAILABLE": 1}
@@ -105,3 +104,16 @@ def test_plot_file_written(tmp_path):
     path = tmp_path / "single.png"
     write_plot(str(path), [result], [_summary()])
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 1000
+    sweep = tmp_path / "sweep.png"  # adds the latency-vs-throughput (Pareto) panels
+    write_plot(
+        str(sweep), [RunResult(1.0, None, RECORDS, 0.0, 1.0), result], [_summary(1.0), _summary()]
+    )
+    assert sweep.stat().st_size > path.stat().st_size
+
+
+def test_pareto_frontier_keeps_the_points_nothing_beats():
+    from loadgen.plot import pareto_frontier
+
+    points = [(10, 5), (20, 6), (15, 7), (30, 20), (25, 30), (5, 4)]
+    # (15, 7) loses to (20, 6) on both; (25, 30) to (30, 20)
+    assert pareto_frontier(points) == [(5, 4), (10, 5), (20, 6), (30, 20)]

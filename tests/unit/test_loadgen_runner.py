@@ -13,9 +13,8 @@ import pytest
 
 from loadgen.arrivals import ArrivalSpec
 from loadgen.cli import add_loadtest_args, main, run_loadtest
-from loadgen.client import RecordBuilder, RequestRecord
-from loadgen.grpc_client import ModelInfoView
-from loadgen.progress import ProgressBar
+from loadgen.client import ModelInfoView, RecordBuilder, RequestRecord, TokenListener
+from loadgen.progress import LiveProgress
 from loadgen.runner import run_once
 from loadgen.workloads import LengthRange, LoadRequest, random_requests
 
@@ -29,11 +28,13 @@ class FakeClient:
         self.peak_in_flight = 0
         self.seen: list[LoadRequest] = []
 
-    async def generate(self, request: LoadRequest) -> RequestRecord:
+    async def generate(
+        self, request: LoadRequest, listener: TokenListener | None = None
+    ) -> RequestRecord:
         self.seen.append(request)
         self.in_flight += 1
         self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
-        builder = RecordBuilder(request)
+        builder = RecordBuilder(request, listener)
         try:
             if request.request_id.endswith("7"):
                 return builder.build("RESOURCE_EXHAUSTED", "admission full")
@@ -51,7 +52,7 @@ class FakeClient:
 
 
 class BrokenClient:
-    async def generate(self, request: LoadRequest) -> RequestRecord:
+    async def generate(self, request: LoadRequest, listener=None) -> RequestRecord:
         raise RuntimeError("bug in client")
 
 
@@ -88,15 +89,21 @@ def test_client_exceptions_become_client_error_records():
     assert "bug in client" in result.records[0].error
 
 
-def test_progress_bar_plain_text():
+def test_progress_postfix_moves_with_tokens_before_any_request_finishes():
     stream = io.StringIO()
-    bar = ProgressBar(4, stream, label="rate 2")
+    bar = LiveProgress(4, stream, label="rate 2", min_interval_s=0.0)
+    bar.interval_s = 0.0  # a StringIO is no terminal: redraw on every message anyway
+    bar.on_tokens(start_s=1.0, prev_s=None, now_s=1.010, num=1)  # TTFT 10 ms
+    bar.on_tokens(start_s=1.0, prev_s=1.010, now_s=1.016, num=2)  # 3 ms per token
+    assert "TTFT=10.0ms" in bar.postfix() and "TPOT=3.00ms" in bar.postfix()
+    assert "ok=0 fail=0 TTFT=10.0ms TPOT=3.00ms" in stream.getvalue()  # drawn, none done
+    bar.on_tokens(start_s=2.0, prev_s=None, now_s=2.030, num=3)  # TTFT 30; 2 later tokens
+    assert "TTFT=20.0ms" in bar.postfix() and "TPOT=1.50ms" in bar.postfix()
     for ok in (True, True, False, True):
         bar.advance(ok)
     bar.close()
-    text = stream.getvalue()
-    assert "\r" not in text  # not a terminal: plain lines
-    assert text.splitlines()[-1].startswith("rate 2 [" + "#" * 30 + "] 4/4 ok=3 failed=1")
+    last = stream.getvalue().split("\r")[-1]
+    assert last.startswith("rate 2: 100%") and "4/4" in last and "ok=3 fail=1" in last
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -148,7 +155,8 @@ def test_cli_sweep_writes_json_jsonl_and_plot(tmp_path):
     text = out.getvalue()
     assert text.count("Serving Benchmark Result") == 2 and "Rate Sweep" in text
     assert "RESOURCE_EXHAUSTED:" in text
-    assert "warm-up" in err.getvalue() and "rate 200 [" in err.getvalue()
+    assert "warm-up" in err.getvalue() and "rate 200: 100%" in err.getvalue()
+    assert "TTFT=" in err.getvalue() and "TPOT=" in err.getvalue()
 
 
 def test_cli_bad_flags_exit_2_and_all_failed_exit_1(tmp_path):

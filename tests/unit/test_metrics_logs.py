@@ -93,3 +93,39 @@ def test_bytes_that_are_not_a_message_are_invalid_argument(method: str) -> None:
             assert sum(len(m.token_ids) for m in ok) == 2
 
     asyncio.run(asyncio.wait_for(body(), 20))
+
+
+def test_default_metrics_port_falls_back_to_a_free_one_and_vllm_names_carry_the_model(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import socket
+
+    from prometheus_client import generate_latest
+
+    from dsv4.engine_core import EngineLoad
+    from dsv4.errors import Unavailable
+    from dsv4.metrics import DEFAULT_PORT, DEFAULT_PORTS, EngineGauges
+
+    router = new_registry()
+    RouterMetrics.create(router, model_name="m").prompt_tokens.inc(7)
+    assert 'vllm:prompt_tokens_total{model_name="m"} 7.0' in generate_latest(router).decode()
+    registry = new_registry()  # a worker's
+    load = EngineLoad(num_free_blocks=6, num_total_blocks=8, num_running=2, num_waiting=3,
+                      num_queued_prefill_tokens=0, num_held=0)  # fmt: skip
+    registry.register(EngineGauges("m", lambda: load))
+    with socket.socket() as taken:  # another process holds the role's default port
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        monkeypatch.setitem(DEFAULT_PORTS, "prefill", taken.getsockname()[1])
+        exporter = MetricsExporter(registry, "127.0.0.1", DEFAULT_PORT, role="prefill")
+        exporter.start()
+        try:
+            assert exporter.port not in (0, taken.getsockname()[1])
+            text = urllib.request.urlopen(exporter.url, timeout=5).read().decode()
+        finally:
+            exporter.stop()
+        with pytest.raises(Unavailable, match=r"pick a free metrics\.prometheus_port"):
+            MetricsExporter(registry, "127.0.0.1", taken.getsockname()[1]).start()  # user's: no
+    assert 'vllm:kv_cache_usage_perc{model_name="m"} 0.25' in text
+    assert 'vllm:num_requests_waiting{model_name="m"} 3.0' in text
+    assert 'vllm:num_requests_running{model_name="m"} 2.0' in text
