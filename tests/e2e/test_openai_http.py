@@ -95,7 +95,7 @@ def test_models_health_and_metrics(cluster, client) -> None:
     assert [m.id for m in models] == [str(cluster.spec.model_dir)]
     assert http_get(cluster.http_url.removesuffix("/v1") + "/health")[0] == 200
     status, _, text = http_get(cluster.http_url.removesuffix("/v1") + "/metrics")
-    assert status == 200 and "dsv4_router_requests_in_flight" in text
+    assert status == 200 and "vllm:num_requests_running" in text
 
 
 def test_chat_completion_streamed_and_whole_equal_the_grpc_answer(cluster, client) -> None:
