@@ -65,10 +65,11 @@ def expected_flows(objs) -> tuple[set[tuple[str, str, int, str]], list[tuple[int
     """(source role, destination role, port, protocol) the design allows, and the ports to try."""
     router, worker = main_container(pool(objs, "router")), main_container(pool(objs, "prefill"))
     api, rpc, metrics = _ports(router, "grpc"), _ports(worker, "grpc"), _ports(router, "metrics")
+    http = _ports(router, "http")
     redis = _ports(main_container(pool(objs, "redis")), "redis")
     ucx_lo, ucx_hi = map(int, container_env(worker)["UCX_TCP_PORT_RANGE"].split("-"))
     dsv4 = ("router", "prefill", "decode")
-    flows = {(outsider, "router", api, "TCP") for outsider in OUTSIDERS}  # any client
+    flows = {(x, "router", p, "TCP") for x in OUTSIDERS for p in (api, http)}  # any client
     flows.add(("decode", "prefill", rpc, "TCP"))
     flows |= {("router", role, rpc, "TCP") for role in WORKER_ROLES}
     flows |= {("prometheus", role, metrics, "TCP") for role in dsv4}
@@ -77,7 +78,8 @@ def expected_flows(objs) -> tuple[set[tuple[str, str, int, str]], list[tuple[int
         (a, b, p, "TCP") for a, b in itertools.permutations(WORKER_ROLES) for p in (ucx_lo, ucx_hi)
     }
     flows |= {(role, "coredns", 53, proto) for role in (*dsv4, "redis") for proto in ("UDP", "TCP")}
-    tried = [(p, "TCP") for p in (api, rpc, metrics, redis, ucx_lo, ucx_hi, ucx_hi + 1, 29500)]
+    tried = [(p, "TCP") for p in (api, http, rpc, metrics, redis, ucx_lo, ucx_hi, ucx_hi + 1)]
+    tried.append((29500, "TCP"))  # the LWS groups' torch.distributed store
     return flows, [*tried, (53, "UDP"), (53, "TCP")]
 
 

@@ -82,6 +82,7 @@ def test_pod_config_loads_and_matches_its_manifest(rendered, overlay, component,
     assert redis.port == redis_service["spec"]["ports"][0]["port"]
     if component == "router":
         assert config.router.host == "0.0.0.0" and config.router.port == ports["grpc"]
+        assert config.router.http_port == ports["http"], "the OpenAI-compatible front is served"
         grace_s = pod_spec(workload)["terminationGracePeriodSeconds"]
         assert grace_s > config.worker.drain_timeout_s, "router stop grace must fit the pod's"
         service = find(objs, "Service", "dsv4-router")
