@@ -13,10 +13,13 @@ from k8s_objects import (
     OVERLAYS,
     WORKER_ROLES,
     config_text,
-    deployments,
     effective_config,
     find,
     main_container,
+    pod_spec,
+    pod_templates,
+    pool,
+    workloads,
 )
 
 from dsv4.config import load_config
@@ -54,22 +57,24 @@ def test_baseline_example_switches_every_feature_off():
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_every_dsv4_env_var_names_a_config_field(rendered, overlay):
-    for dep in deployments(rendered[overlay]):
-        for container in dep["spec"]["template"]["spec"]["containers"]:
-            names = {e["name"] for e in container.get("env", []) if e["name"].startswith("DSV4_")}
-            env_layer(dict.fromkeys(names - {"DSV4_CONFIG"}, "1"))  # unknown ones raise
+    for workload in workloads(rendered[overlay]):
+        for template in pod_templates(workload):
+            for container in template["spec"]["containers"]:
+                env = container.get("env", [])
+                names = {e["name"] for e in env if e["name"].startswith("DSV4_")}
+                env_layer(dict.fromkeys(names - {"DSV4_CONFIG"}, "1"))  # unknown ones raise
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 @pytest.mark.parametrize("component", ("router", *WORKER_ROLES))
 def test_pod_config_loads_and_matches_its_manifest(rendered, overlay, component, tmp_path):
     objs = rendered[overlay]
-    dep = find(objs, "Deployment", f"dsv4-{component}")
-    config = effective_config(objs, dep, tmp_path)
-    container = main_container(dep)
+    workload = pool(objs, component)
+    config = effective_config(objs, workload, tmp_path)
+    container = main_container(workload)
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert config.metrics.prometheus_port == ports["metrics"]
-    annotations = dep["spec"]["template"]["metadata"]["annotations"]
+    annotations = pod_templates(workload)[0]["metadata"]["annotations"]
     assert annotations["prometheus.io/port"] == str(ports["metrics"])
     redis = urlsplit(config.discovery.redis_url)
     redis_service = find(objs, "Service", "dsv4-redis")
@@ -77,7 +82,8 @@ def test_pod_config_loads_and_matches_its_manifest(rendered, overlay, component,
     assert redis.port == redis_service["spec"]["ports"][0]["port"]
     if component == "router":
         assert config.router.host == "0.0.0.0" and config.router.port == ports["grpc"]
-        grace_s = dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+        assert config.router.http_port == ports["http"], "the OpenAI-compatible front is served"
+        grace_s = pod_spec(workload)["terminationGracePeriodSeconds"]
         assert grace_s > config.worker.drain_timeout_s, "router stop grace must fit the pod's"
         service = find(objs, "Service", "dsv4-router")
         assert {p["targetPort"] for p in service["spec"]["ports"]} <= set(ports)
@@ -93,8 +99,10 @@ def test_pods_share_one_config(rendered, overlay):
     objs = rendered[overlay]
     text = config_text(objs)
     (name,) = [o["metadata"]["name"] for o in objs if o["kind"] == "ConfigMap"]
-    for dep in deployments(objs):
-        volumes = dep["spec"]["template"]["spec"]["volumes"]
-        if dep["metadata"]["name"] != "dsv4-redis":
-            assert {"name": "config", "configMap": {"name": name}} in volumes
+    for workload in workloads(objs):
+        for template in pod_templates(workload):
+            if workload["metadata"]["name"] != "dsv4-redis":
+                assert {"name": "config", "configMap": {"name": name}} in template["spec"][
+                    "volumes"
+                ]
     assert text.strip()
