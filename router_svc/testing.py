@@ -17,6 +17,7 @@ from typing import Any
 import grpc
 
 from dsv4.config import load_config
+from dsv4.discovery.base import WorkerRegistry
 from dsv4.discovery.static import StaticWorkerRegistry
 from dsv4.model.tokenizer import TextCodec, build_tokenizer
 from dsv4.rpc.v1 import common_pb2, router_pb2, router_pb2_grpc
@@ -53,14 +54,19 @@ async def scripted_cluster(
     *,
     pool_settings: PoolSettings = FAST_PROBES,
     metadata: tuple[tuple[str, str], ...] = (),
+    registry: WorkerRegistry | None = None,
     **config: Any,
 ) -> AsyncIterator[ScriptedCluster]:
-    """`config`: ServeConfig overrides with "__" for "." (router__max_inflight_requests=2)."""
+    """`config`: ServeConfig overrides with "__" for "." (router__max_inflight_requests=2).
+    `registry`: discovery (default: static lists of the workers); workers started by the
+    caller (to publish their addresses first) are not started again."""
     for worker in (*prefills, *decodes):
-        await worker.start()
+        if not worker.is_serving:
+            await worker.start()
     overrides = {"router.port": 0, "router.prefill_timeout_s": 5.0}
     overrides |= {key.replace("__", "."): value for key, value in config.items()}
-    registry = StaticWorkerRegistry([p.address for p in prefills], [d.address for d in decodes])
+    if registry is None:
+        registry = StaticWorkerRegistry([p.address for p in prefills], [d.address for d in decodes])
     server = RouterServer(
         load_config(overrides),
         registry=registry,
