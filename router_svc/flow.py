@@ -8,10 +8,8 @@ with the same handle, at most `max_prefill_retries` times. A D that dies mid-str
 stream closed without a last message, or marked down by the pool's probes) ends the request
 with UNAVAILABLE at once, or, with `migrate_on_decode_failure`, re-prefills prompt + tokens so
 far on another pair (request id `<id>.m<n>`, at most `max_migrations` times) and continues the
-stream. Without a prefill pool, a colocated worker gets Decode with no handle. A status that
-is the request's own fault (INTERNAL from a failed step, INVALID_ARGUMENT, ...: see
-`clients.RETRIABLE_CODES`) ends the request at once with that status: never retried, never
-migrated, so one bad request cannot take a second worker down.
+stream. Without a prefill pool, a colocated worker gets Decode with no handle. The request's own
+fault (not in `clients.RETRIABLE_CODES`) ends it at once: never retried, never migrated.
 
 Cleanup is owned here: whenever a request ends other than by D's own last message (client
 cancel, Router.Abort, error, router-side stop), the live call is cancelled, D gets an Abort and

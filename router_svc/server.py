@@ -37,6 +37,7 @@ from dsv4.types import WorkerRole
 from router_svc.admission import AdmissionGate, TokenBucketLimiter
 from router_svc.clients import ClientSettings, WorkerClients
 from router_svc.flow_settings import FlowDeps, FlowSettings
+from router_svc.intake import TokenizerPool
 from router_svc.live import LiveRequests, TaskOwner
 from router_svc.pool import PoolSettings, WorkerPool
 from router_svc.servicer import RouterServicer
@@ -107,7 +108,10 @@ class RouterServer:
         self.metrics.in_flight.set_function(lambda: self.gate.num_inflight)
         self._exporter = MetricsExporter(self.registry, r.host, cfg.metrics.prometheus_port)
         limiter = TokenBucketLimiter(r.rate_limit_rps, r.rate_limit_burst)
-        self.servicer = RouterServicer(cfg, deps, self.live, self.gate, limiter)
+        self.tokenizer_pool = TokenizerPool(text.encode)
+        self.servicer = RouterServicer(
+            cfg, deps, self.live, self.gate, limiter, self.tokenizer_pool
+        )
         self._health: health.aio.HealthServicer | None = None
         self._server: grpc.aio.Server | None = None
         self.port = 0
@@ -171,6 +175,7 @@ class RouterServer:
         await self.pool.stop()
         await self.cleanup.close(timeout_s=_STOP_WAIT_S)
         await self._clients.close()
+        self.tokenizer_pool.close()
         self._registry.close()
         self._exporter.stop()
 

@@ -2,14 +2,14 @@
 gRPC statuses (always through `dsv4.errors.to_grpc_status`).
 
 Per Generate call, on the server's event loop: API key -> rate limit -> admission -> limits
-from the pool's Info answers -> validate + tokenize (`dsv4.wire`) -> deadline -> `RequestFlow`,
+from the pool's Info answers -> prompt bytes, bounded tokenizing, validation (`intake`,
+`dsv4.wire`) -> deadline -> `RequestFlow`,
 whose chunks are written as they come. RESOURCE_EXHAUSTED answers carry the standard
 `grpc-retry-pushback-ms` trailer besides the hint in the message.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import time
@@ -34,12 +34,17 @@ from router_svc.choice import explain_no_route
 from router_svc.deadline import Deadline
 from router_svc.flow import RequestFlow
 from router_svc.flow_settings import FlowDeps
+from router_svc.intake import (
+    INLINE_PROMPT_CHARS,
+    TokenizerPool,
+    check_prompt_bytes,
+    normalize_sampling,
+)
 from router_svc.live import LiveRequests
 from router_svc.observe import StreamObserver
 
 logger = logging.getLogger(__name__)
 
-LONG_PROMPT_CHARS = 16_384  # longer text is tokenized off the event loop
 RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"
 
 
@@ -65,9 +70,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         live: LiveRequests,
         gate: AdmissionGate,
         limiter: TokenBucketLimiter,
+        tokenizer_pool: TokenizerPool | None = None,
     ) -> None:
         self._cfg, self._deps, self._live = cfg, deps, live
         self._gate, self._limiter = gate, limiter
+        self._tokenizer_pool = tokenizer_pool or TokenizerPool(deps.text.encode)
         self._metrics = deps.metrics
 
     # ---- Generate -----------------------------------------------------------------------------
@@ -148,16 +155,20 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def _validate(
         self, request: router_pb2.GenerateRequest, deadline: Deadline
     ) -> GenerateRequest:
+        """Bounded work first (intake.py): the prompt's bytes are checked before any
+        tokenizing, and long prompts are tokenized in the bounded pool, off the event loop."""
         limits = self._limits()
-        codec = self._deps.text.codec
-        tokenize = codec.encode if codec is not None else None
-        is_text = request.WhichOneof("input") == "prompt"
-        if codec is not None and is_text and len(request.prompt) > LONG_PROMPT_CHARS:
-            ids = await asyncio.to_thread(codec.encode, request.prompt)
-            tokenize = lambda _text: ids  # noqa: E731
-        return wire.generate_request_from_proto(
+        text = self._deps.text
+        tokenize = text.encode if text.codec is not None else None
+        if tokenize is not None and request.WhichOneof("input") == "prompt":
+            check_prompt_bytes(request.prompt, limits.max_model_len, text.max_token_bytes)
+            if len(request.prompt) > INLINE_PROMPT_CHARS:
+                ids = await self._tokenizer_pool.encode(request.prompt)
+                tokenize = lambda _text: ids  # noqa: E731
+        validated = wire.generate_request_from_proto(
             request, limits, tokenize=tokenize, deadline_unix_ms=deadline.expires_at_unix_ms
         )
+        return normalize_sampling(validated, limits.vocab_size)
 
     def _deadline(self, context: grpc.aio.ServicerContext) -> Deadline:
         return Deadline.start(

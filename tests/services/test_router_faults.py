@@ -22,7 +22,7 @@ from dsv4.types import DecodeRequest, GenerateRequest, SamplingParams
 from router_svc.clients import CallInterrupted, ClientSettings, WorkerClients
 from router_svc.fakes import ScriptedDecodeWorker, ScriptedPrefillWorker, WorkerScript
 from router_svc.pool import PoolSettings
-from router_svc.testing import generate_request, scripted_cluster
+from router_svc.testing import generate_request, read_outcome, scripted_cluster
 
 PROMPT = list(range(10, 26))
 # Probes every 0.1 s that never mark a worker down: only the registry can remove it.
@@ -31,17 +31,6 @@ NEVER_DOWN = PoolSettings(probe_interval_s=0.1, probe_timeout_s=0.2, num_failure
 
 def run(coro: Coroutine[Any, Any, Any], timeout_s: float = 10.0) -> Any:
     return asyncio.run(asyncio.wait_for(coro, timeout_s))
-
-
-async def outcome(call: Any) -> tuple[grpc.StatusCode, str, list[Any]]:
-    """(status, details, messages) of a Generate call, read to its end."""
-    messages = []
-    try:
-        while (msg := await call.read()) is not grpc.aio.EOF:
-            messages.append(msg)
-    except grpc.aio.AioRpcError as exc:
-        return exc.code(), exc.details() or "", messages
-    return grpc.StatusCode.OK, "", messages
 
 
 async def eventually(predicate: Any, timeout_s: float = 3.0) -> None:
@@ -59,7 +48,7 @@ def test_prefill_internal_is_returned_at_once_not_retried_elsewhere() -> None:
         bad = ScriptedPrefillWorker("p0", WorkerScript(fail_code=grpc.StatusCode.INTERNAL))
         spare = ScriptedPrefillWorker("p1", WorkerScript(num_queued_tokens=50))
         async with scripted_cluster([bad, spare], [ScriptedDecodeWorker("d0")]) as c:
-            code, details, _ = await outcome(c.stub.Generate(generate_request(4, PROMPT)))
+            code, details, _ = await read_outcome(c.stub.Generate(generate_request(4, PROMPT)))
             assert code == grpc.StatusCode.INTERNAL, details
             assert bad.address in details and "scripted INTERNAL" in details
             assert len(bad.log.requests) == 1 and spare.log.requests == []
@@ -73,7 +62,7 @@ def test_request_fault_codes_keep_their_code() -> None:
             bad = ScriptedPrefillWorker("p0", WorkerScript(fail_code=fault))
             spare = ScriptedPrefillWorker("p1", WorkerScript(num_queued_tokens=50))
             async with scripted_cluster([bad, spare], [ScriptedDecodeWorker("d0")]) as c:
-                code, _, _ = await outcome(c.stub.Generate(generate_request(4, PROMPT)))
+                code, _, _ = await read_outcome(c.stub.Generate(generate_request(4, PROMPT)))
                 assert code == fault and spare.log.requests == []
 
     run(body())
@@ -86,7 +75,7 @@ def test_prefill_resource_exhausted_goes_to_another_worker() -> None:
         )
         spare = ScriptedPrefillWorker("p1", WorkerScript(num_queued_tokens=50))
         async with scripted_cluster([full, spare], [ScriptedDecodeWorker("d0")]) as c:
-            code, _, messages = await outcome(c.stub.Generate(generate_request(4, PROMPT)))
+            code, _, messages = await read_outcome(c.stub.Generate(generate_request(4, PROMPT)))
             assert code == grpc.StatusCode.OK and messages[-1].usage.prefill_worker_id == "p1"
 
     run(body())
@@ -98,7 +87,7 @@ def test_decode_internal_is_neither_replaced_nor_migrated() -> None:
         before = ScriptedDecodeWorker("d0", WorkerScript(num_free_blocks=500, fail_code=internal))
         spare = ScriptedDecodeWorker("d1")
         async with scripted_cluster([ScriptedPrefillWorker("p0")], [before, spare]) as c:
-            code, details, _ = await outcome(c.stub.Generate(generate_request(6, PROMPT)))
+            code, details, _ = await read_outcome(c.stub.Generate(generate_request(6, PROMPT)))
             assert code == internal and before.address in details and spare.log.requests == []
             lease = f"lease-{c.prefills[0].log.requests[0].request_id}"
             await eventually(lambda: c.prefills[0].log.released == [lease])
@@ -107,7 +96,7 @@ def test_decode_internal_is_neither_replaced_nor_migrated() -> None:
         spare = ScriptedDecodeWorker("d1")
         settings = {"router__migrate_on_decode_failure": True}
         async with scripted_cluster([ScriptedPrefillWorker("p0")], [mid, spare], **settings) as c:
-            code, _, messages = await outcome(c.stub.Generate(generate_request(8, PROMPT)))
+            code, _, messages = await read_outcome(c.stub.Generate(generate_request(8, PROMPT)))
             assert code == internal and len(messages) == 3  # P's token + 2 of D's
             assert spare.log.requests == [] and len(c.prefills[0].log.requests) == 1
 
@@ -124,7 +113,7 @@ def test_probe_failure_ends_the_stream_naming_the_worker() -> None:
             call = c.stub.Generate(generate_request(8, PROMPT))
             await call.read()
             d0.script.info_mode = "hang"  # frozen (SIGSTOP): no tokens, no Info answers
-            code, details, _ = await outcome(call)
+            code, details, _ = await read_outcome(call)
             assert code == grpc.StatusCode.UNAVAILABLE
             assert d0.address in details and "probes in a row" in details
 
@@ -164,7 +153,7 @@ def test_registry_ttl_expiry_ends_the_stream_within_a_probe_interval(
             short_ttl = RedisWorkerRegistry(redis_server.url, ttl_s=0.3)
             short_ttl.publish(_record(d0, "decode"))  # its last heartbeat: expires in 0.3 s
             started = time.monotonic()
-            code, details, _ = await outcome(call)
+            code, details, _ = await read_outcome(call)
             assert code == grpc.StatusCode.UNAVAILABLE, details
             assert d0.address in details and "record expired" in details
             # TTL (0.3 s) + a registry refresh + a probe round; generous for a loaded CI box
@@ -194,11 +183,11 @@ def test_withdrawal_after_a_drain_ends_the_streams_left_on_the_worker(
             publisher.publish(_record(d0, "decode", draining=True))
             await eventually(lambda: c.server.pool.snapshot().find(d0.address).health.value
                              == "draining")  # fmt: skip
-            code, _, _ = await outcome(short)  # a drain lets running streams go on
+            code, _, _ = await read_outcome(short)  # a drain lets running streams go on
             assert code == grpc.StatusCode.OK
             publisher.withdraw(d0.worker_id)  # what the worker does when its drain ends
             started = time.monotonic()
-            code, details, _ = await outcome(long)
+            code, details, _ = await read_outcome(long)
             assert code == grpc.StatusCode.UNAVAILABLE, details
             assert d0.address in details and "after draining" in details
             assert time.monotonic() - started < 2.0
