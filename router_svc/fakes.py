@@ -60,6 +60,7 @@ class WorkerScript:
     hang_after: int | None = None  # D: stop sending after this many tokens
     kv_transfer_bytes: int = 4096
     required_token: str = ""  # refuse calls without this x-dsv4-token
+    speculative_method: str = "none"  # what Info reports
 
 
 @dataclass
@@ -138,6 +139,7 @@ class _ScriptedBase:
             model_name="scripted",
             vocab_size=s.vocab_size,
             max_model_len=s.max_model_len,
+            speculative_method=s.speculative_method,
         )
         return wire.worker_info_to_proto(info)
 

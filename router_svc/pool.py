@@ -95,6 +95,7 @@ class _Slot:
             vocab_size=info.vocab_size,
             max_model_len=info.max_model_len,
             num_consecutive_failures=self.num_failures,
+            speculative_method=info.speculative_method,
         )
 
 

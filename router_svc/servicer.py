@@ -100,7 +100,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         """Serve one Generate call; returns its final (status code name, details)."""
         bind_request_id(request.request_id)  # the client's id (sanitized) until validated
         try:
-            ticket = self._admit(context)
+            ticket, owner = self._admit(context)
         except Dsv4Error as exc:
             return _set_error(context, exc)
         with ticket:
@@ -110,7 +110,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 bind_request_id(validated.request_id)
                 self._metrics.prompt_tokens.inc(validated.num_prompt_tokens)
                 flow = RequestFlow(validated, deadline, self._deps, received_at_s)
-                self._live.add(flow)
+                self._live.add(flow, owner)
             except Dsv4Error as exc:
                 return _set_error(context, exc)
             try:
@@ -127,14 +127,15 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 self._live.remove(flow)
         return "OK", ""
 
-    def _admit(self, context: grpc.aio.ServicerContext) -> AdmissionTicket:
+    def _admit(self, context: grpc.aio.ServicerContext) -> tuple[AdmissionTicket, str | None]:
+        """(the admission slot, the request's owner for Abort: its key's bucket or None)."""
         reason = "api_key"
         try:
             api_key = check_api_key(context.invocation_metadata() or (), self._cfg.router.api_keys)
             reason = "rate_limit"
             self._limiter.acquire(client_key(api_key, context.peer() or ""))
             reason = "max_inflight"
-            return self._gate.admit()
+            return self._gate.admit(), client_key(api_key, "") if api_key else None
         except Dsv4Error:
             self._metrics.rejections.labels(reason=reason).inc()
             raise
@@ -182,13 +183,13 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     async def Abort(self, request, context: grpc.aio.ServicerContext):
         try:
-            check_api_key(context.invocation_metadata() or (), self._cfg.router.api_keys)
+            api_key = check_api_key(context.invocation_metadata() or (), self._cfg.router.api_keys)
             request_id = wire.abort_request_from_proto(request)
         except Dsv4Error as exc:
             self._count("Abort", _set_error(context, exc)[0])
             return wire.abort_response_to_proto(False)
         bind_request_id(request_id)
-        was_found = self._live.abort(request_id)
+        was_found = self._live.abort(request_id, client_key(api_key, "") if api_key else None)
         logger.info("Abort: %s", "stopping the request" if was_found else "not running here")
         self._count("Abort", "OK")
         return wire.abort_response_to_proto(was_found)
@@ -222,5 +223,5 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             num_prefill_workers=len(snapshot.routable(WorkerRole.PREFILL)),
             num_decode_workers=len(snapshot.routable(WorkerRole.DECODE))
             + len(snapshot.routable(WorkerRole.COLOCATED)),
-            speculative_method=self._cfg.speculative.method,
+            speculative_method=facts.speculative_method if facts else "unknown",
         )

@@ -12,6 +12,7 @@ from typing import Any
 
 import grpc
 
+from dsv4.rpc.v1 import common_pb2, router_pb2
 from router_svc.fakes import ScriptedDecodeWorker, ScriptedPrefillWorker, WorkerScript
 from router_svc.testing import generate_request, read_outcome, scripted_cluster, tiny_text_model
 
@@ -65,5 +66,47 @@ def test_degenerate_sampling_reaches_the_workers_as_greedy() -> None:
                 assert code == grpc.StatusCode.OK
                 seen = c.prefills[0].log.requests[-1].sampling
                 assert (seen.temperature, seen.top_p, seen.top_k) == (0.0, 1.0, 0)
+
+    run(body())
+
+
+def test_only_the_key_that_made_a_request_may_abort_it() -> None:
+    async def body() -> None:
+        keys = {"router__api_keys": ("alice-key", "bob-key")}
+        alice = (("authorization", "Bearer alice-key"),)
+        bob = (("authorization", "Bearer bob-key"),)
+        async with scripted_cluster(*pair(token_delay_s=0.05), **keys) as c:
+            call = c.stub.Generate(generate_request(40, PROMPT, request_id="a1"), metadata=alice)
+            await call.read()
+            abort = common_pb2.AbortRequest(request_id="a1")
+            stolen = await c.stub.Abort(abort, metadata=bob)
+            unknown = await c.stub.Abort(common_pb2.AbortRequest(request_id="zz"), metadata=bob)
+            assert stolen == unknown and not stolen.was_found  # the answer of an unknown id
+            assert (await c.stub.Abort(abort, metadata=alice)).was_found
+            code, _, messages = await read_outcome(call)
+            assert code == grpc.StatusCode.OK
+            assert messages[-1].finish_reason == common_pb2.FINISH_REASON_ABORT
+        async with scripted_cluster(*pair(token_delay_s=0.05)) as c:  # no keys: anyone may
+            call = c.stub.Generate(generate_request(40, PROMPT, request_id="a2"))
+            await call.read()
+            assert (await c.stub.Abort(common_pb2.AbortRequest(request_id="a2"))).was_found
+            call.cancel()
+
+    run(body())
+
+
+def test_model_info_reports_what_the_decode_workers_run() -> None:
+    async def body() -> None:
+        prefills = [ScriptedPrefillWorker("p0", WorkerScript(speculative_method="none"))]
+        decodes = [ScriptedDecodeWorker("d0", WorkerScript(speculative_method="mtp"))]
+        # The router's own flag says "none": the workers' Info wins.
+        async with scripted_cluster(prefills, decodes, speculative__method="none") as c:
+            info = await c.stub.GetModelInfo(router_pb2.GetModelInfoRequest())
+            assert info.speculative_method == "mtp" and info.model_name == "scripted"
+        mixed = [ScriptedDecodeWorker(f"d{i}", WorkerScript(speculative_method=m))
+                 for i, m in enumerate(("mtp", "none"))]  # fmt: skip
+        async with scripted_cluster([ScriptedPrefillWorker("p0")], mixed) as c:
+            info = await c.stub.GetModelInfo(router_pb2.GetModelInfoRequest())
+            assert info.speculative_method == "mtp,none"  # a rollout in progress says so
 
     run(body())
