@@ -212,7 +212,7 @@ class WorkerPool:
                 if slot.health is WorkerHealth.DRAINING
                 else "(its registry record expired or was withdrawn)"
             )
-            reason = f"worker {slot.record.worker_id} at {address} left discovery {how}"
+            reason = f"worker {slot.view().worker_id} at {address} left discovery {how}"
             logger.info("pool: %s", reason)
             if self._on_down is not None:
                 self._on_down(address, reason)  # its streams fail or migrate now
