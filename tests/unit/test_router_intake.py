@@ -10,7 +10,7 @@ import time
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tokenizers import AddedToken, normalizers, pre_tokenizers
+from tokenizers import AddedToken, Regex, normalizers, pre_tokenizers
 
 from dsv4.errors import InvalidRequest, ResourceExhausted
 from dsv4.model.tokenizer import build_tokenizer
@@ -40,6 +40,22 @@ def test_no_token_covers_more_bytes_than_the_bound(text: str) -> None:
     num_tokens = len(TINY.encode(text))
     assert len(text.encode()) <= TINY.max_token_bytes * num_tokens
     check_prompt_bytes(text, max(1, num_tokens), TINY.max_token_bytes)  # fits: never refused
+
+
+def test_a_deepseek_shaped_tokenizer_keeps_the_bound() -> None:
+    """DeepSeek's tokenizer.json: an empty normalizer Sequence, isolating Splits and Digits,
+    then ByteLevel: nothing is deleted, so the bound holds."""
+    tokenizer = build_tokenizer(300)
+    tokenizer.normalizer = normalizers.Sequence([])
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(r"\p{N}{1,3}"), "isolated"),
+        pre_tokenizers.Digits(individual_digits=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])  # fmt: skip
+    model = text_model(tokenizer)
+    text = "Explicit 12345 is better than implicit 😀 <bos>  \n\n" * 20
+    assert model.max_token_bytes > 1
+    assert len(text.encode()) <= model.max_token_bytes * len(model.encode(text))
 
 
 def test_tokenizers_that_can_delete_text_have_no_bound() -> None:
