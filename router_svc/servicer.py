@@ -3,8 +3,7 @@ gRPC statuses (always through `dsv4.errors.to_grpc_status`).
 
 Per Generate call, on the server's event loop: API key -> rate limit -> admission -> limits
 from the pool's Info answers -> prompt bytes, bounded tokenizing, validation (`intake`,
-`dsv4.wire`) -> deadline -> `RequestFlow`,
-whose chunks are written as they come. RESOURCE_EXHAUSTED answers carry the standard
+`dsv4.wire`) -> deadline -> `RequestFlow`, whose chunks are written as they come. RESOURCE_EXHAUSTED answers carry the standard
 `grpc-retry-pushback-ms` trailer besides the hint in the message.
 """
 
@@ -58,6 +57,11 @@ def _set_error(context: grpc.aio.ServicerContext, exc: BaseException) -> tuple[s
         pushback_ms = str(max(1, math.ceil(retry_after_s * 1000)))
         context.set_trailing_metadata(((RETRY_PUSHBACK_KEY, pushback_ms),))
     return code.name, message
+
+
+def _owner(api_key: str | None) -> str | None:
+    """Who may Abort a request: its API key's digest bucket; None when keys are off."""
+    return client_key(api_key, "") if api_key else None
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
@@ -135,7 +139,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             reason = "rate_limit"
             self._limiter.acquire(client_key(api_key, context.peer() or ""))
             reason = "max_inflight"
-            return self._gate.admit(), client_key(api_key, "") if api_key else None
+            return self._gate.admit(), _owner(api_key)
         except Dsv4Error:
             self._metrics.rejections.labels(reason=reason).inc()
             raise
@@ -189,7 +193,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             self._count("Abort", _set_error(context, exc)[0])
             return wire.abort_response_to_proto(False)
         bind_request_id(request_id)
-        was_found = self._live.abort(request_id, client_key(api_key, "") if api_key else None)
+        was_found = self._live.abort(request_id, _owner(api_key))
         logger.info("Abort: %s", "stopping the request" if was_found else "not running here")
         self._count("Abort", "OK")
         return wire.abort_response_to_proto(was_found)
