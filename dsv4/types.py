@@ -211,6 +211,7 @@ class WorkerInfo:
     vocab_size: int = 0
     max_model_len: int = 0
     updated_at_unix_ms: int = 0
+    speculative_method: str = ""  # "none" | "mtp"; "" from workers that do not report it
 
     @property
     def layout_hash(self) -> str:

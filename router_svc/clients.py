@@ -37,8 +37,11 @@ TOKEN_METADATA_KEY = "x-dsv4-token"
 RETIRE_GRACE_S = 30.0  # a channel of a worker that left discovery closes after this
 MAX_RECONNECT_BACKOFF_MS = 1000
 
-# Codes a worker answers when it (or the path to it) is gone: the request may go elsewhere.
+# Retry classification: the worker (or the path to it) is gone, or it is full; another worker
+# may succeed. Any other code (INVALID_ARGUMENT, INTERNAL from a failed step, OUT_OF_RANGE, ...)
+# is the request's own fault, which every worker would hit: returned at once, never retried.
 UNREACHABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
+RETRIABLE_CODES = UNREACHABLE_CODES | {grpc.StatusCode.RESOURCE_EXHAUSTED}
 _ERROR_FOR_CODE: dict[grpc.StatusCode, type[errors.Dsv4Error]] = {
     grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidRequest,
     grpc.StatusCode.RESOURCE_EXHAUSTED: errors.ResourceExhausted,
@@ -61,14 +64,23 @@ class WorkerCallError(Exception):
     def is_unreachable(self) -> bool:
         return self.code in UNREACHABLE_CODES
 
+    @property
+    def is_retriable(self) -> bool:  # another worker may succeed
+        return self.code in RETRIABLE_CODES
+
     def to_dsv4_error(self) -> errors.Dsv4Error:
+        """What the client sees: the worker's code and message, naming the worker."""
         if self.code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
             return errors.Dsv4Error(
                 f"worker {self.address} refused the router ({self.code.name}): check that "
                 "security.shared_secret and the TLS settings match on router and workers"
             )
-        error_class = _ERROR_FOR_CODE.get(self.code, errors.Dsv4Error)
-        return error_class(f"{self.method} on worker {self.address} failed: {self.details}")
+        error = _ERROR_FOR_CODE.get(self.code, errors.Dsv4Error)(
+            f"{self.method} on worker {self.address} failed: {self.details}"
+        )
+        if self.code not in _ERROR_FOR_CODE:  # keep the worker's code (OUT_OF_RANGE, UNKNOWN)
+            error.grpc_code = self.code.name
+        return error
 
 
 class CallInterrupted(Exception):
@@ -129,9 +141,13 @@ class WorkerCall:
         task = asyncio.current_task()
         if isinstance(exc, asyncio.CancelledError):
             self._call.cancel()  # the awaiting task was cancelled: the worker must hear of it
-            if self._interrupt_reason is not None and not (task and task.cancelling()):
-                return CallInterrupted(self._interrupt_reason)
-            return exc
+            if task is not None and task.cancelling():
+                return exc  # the client went away (or shutdown): stays a cancellation
+            # Only the call was cancelled (interrupt, or its channel closed): a status follows.
+            return CallInterrupted(
+                self._interrupt_reason
+                or f"the router closed its channel to worker {self.address} mid-call"
+            )
         if isinstance(exc, grpc.aio.AioRpcError):
             return WorkerCallError(self.address, self.method, exc.code(), exc.details() or "")
         return exc

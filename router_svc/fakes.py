@@ -54,11 +54,13 @@ class WorkerScript:
     fail_code: grpc.StatusCode | None = None  # Prefill / Decode answer this at once
     delay_s: float = 0.0  # before P answers / before D's first message
     token_delay_s: float = 0.0  # between D's messages
-    fail_after: int | None = None  # D: UNAVAILABLE after this many tokens
+    fail_after: int | None = None  # D: `fail_after_code` after this many tokens
+    fail_after_code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE
     close_after: int | None = None  # D: end the stream (OK) without a last message
     hang_after: int | None = None  # D: stop sending after this many tokens
     kv_transfer_bytes: int = 4096
     required_token: str = ""  # refuse calls without this x-dsv4-token
+    speculative_method: str = "none"  # what Info reports
 
 
 @dataclass
@@ -104,6 +106,10 @@ class _ScriptedBase:
             await self._server.stop(None)
             self._server = None
 
+    @property
+    def is_serving(self) -> bool:
+        return self._server is not None
+
     def _register(self, server: grpc.aio.Server) -> None:
         raise NotImplementedError
 
@@ -133,6 +139,7 @@ class _ScriptedBase:
             model_name="scripted",
             vocab_size=s.vocab_size,
             max_model_len=s.max_model_len,
+            speculative_method=s.speculative_method,
         )
         return wire.worker_info_to_proto(info)
 
@@ -216,7 +223,7 @@ class ScriptedDecodeWorker(_ScriptedBase, worker_pb2_grpc.DecodeWorkerServicer):
             for position in range(start, max_new_tokens):
                 streamed = position - start
                 if streamed == s.fail_after:
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, "scripted death mid-stream")
+                    await context.abort(s.fail_after_code, "scripted failure mid-stream")
                 if streamed == s.close_after:
                     return
                 if streamed == s.hang_after:

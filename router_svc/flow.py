@@ -8,7 +8,8 @@ with the same handle, at most `max_prefill_retries` times. A D that dies mid-str
 stream closed without a last message, or marked down by the pool's probes) ends the request
 with UNAVAILABLE at once, or, with `migrate_on_decode_failure`, re-prefills prompt + tokens so
 far on another pair (request id `<id>.m<n>`, at most `max_migrations` times) and continues the
-stream. Without a prefill pool, a colocated worker gets Decode with no handle.
+stream. Without a prefill pool, a colocated worker gets Decode with no handle. The request's own
+fault (not in `clients.RETRIABLE_CODES`) ends it at once: never retried, never migrated.
 
 Cleanup is owned here: whenever a request ends other than by D's own last message (client
 cancel, Router.Abort, error, router-side stop), the live call is cancelled, D gets an Abort and
@@ -48,8 +49,6 @@ from router_svc.view import WorkerView
 logger = logging.getLogger(__name__)
 
 MAX_REQUEST_ID_CHARS = 128
-# Codes that mean D broke (not that the request is bad): fail over, or UNAVAILABLE.
-_DECODE_LOST_CODES = frozenset({"UNAVAILABLE", "CANCELLED", "INTERNAL", "UNKNOWN"})
 
 
 class _StreamClosedEarly(Exception):
@@ -205,7 +204,7 @@ class RequestFlow:
                 if exc.code is grpc.StatusCode.DEADLINE_EXCEEDED:
                     raise self._deadline.exceeded() from exc
                 is_full = exc.code is grpc.StatusCode.RESOURCE_EXHAUSTED and not has_streamed
-                if exc.code.name not in _DECODE_LOST_CODES and not is_full:
+                if not exc.is_unreachable and not is_full:  # the request's own fault: no retry
                     raise exc.to_dsv4_error() from exc
                 if not is_full:
                     self._deps.pool.report_suspect(decode.address)

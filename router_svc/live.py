@@ -9,6 +9,7 @@ Both are used only on the router's event loop.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 from collections.abc import Coroutine
 from typing import Any, Protocol
@@ -54,28 +55,39 @@ class ActiveCall:
 
 
 class LiveRequests:
+    """Running flows by request id, each with its owner: the caller's API-key bucket
+    (`admission.client_key`), or None when the router has no API keys."""
+
     def __init__(self) -> None:
         self._flows: dict[str, Interruptible] = {}
+        self._owners: dict[str, str | None] = {}
 
     def __len__(self) -> int:
         return len(self._flows)
 
-    def add(self, flow: Interruptible) -> None:
+    def add(self, flow: Interruptible, owner: str | None = None) -> None:
         """Register a flow; a request id that is already running is the client's error."""
         if flow.request_id in self._flows:
             raise InvalidRequest(
                 f"request_id {flow.request_id!r} is already running: use a unique id per request"
             )
         self._flows[flow.request_id] = flow
+        self._owners[flow.request_id] = owner
 
     def remove(self, flow: Interruptible) -> None:
         if self._flows.get(flow.request_id) is flow:
             del self._flows[flow.request_id]
+            del self._owners[flow.request_id]
 
-    def abort(self, request_id: str) -> bool:
-        """Router.Abort: True when the request was running (its stream ends with ABORT)."""
+    def abort(self, request_id: str, caller: str | None = None) -> bool:
+        """Router.Abort: True when the request was running (its stream ends with ABORT).
+
+        With API keys only the key that made the request may abort it. Another key's Abort is
+        answered exactly like an unknown id (was_found = false, the NOT_FOUND answer), not
+        PERMISSION_DENIED, so no key learns which request ids other keys are running."""
         flow = self._flows.get(request_id)
-        if flow is None:
+        owner = self._owners.get(request_id)
+        if flow is None or (owner is not None and not _same(owner, caller)):
             return False
         flow.abort()
         return True
@@ -87,6 +99,10 @@ class LiveRequests:
 
     def find_leaks(self) -> list[str]:
         return [f"request {rid} still registered" for rid in self._flows]
+
+
+def _same(owner: str, caller: str | None) -> bool:
+    return caller is not None and hmac.compare_digest(owner.encode(), caller.encode())
 
 
 class TaskOwner:

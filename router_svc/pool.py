@@ -4,7 +4,9 @@
 thread: the Redis registry does blocking I/O) and sends `Info` to every listed worker with a
 bounded timeout. A worker that fails `num_failures_to_down` probes in a row is marked DOWN and
 `on_down(address, reason)` fires (the router then fails or migrates the streams on it); it is
-routable again as soon as it answers. Request flows report a suspicious failure with
+routable again as soon as it answers. A worker that leaves discovery (its registry record
+expired, or it withdrew it after a drain) is removed and `on_down` fires too, in the same
+round: a stream is never left on a worker the router no longer watches. Request flows report a suspicious failure with
 `report_suspect`, which probes that worker at once instead of waiting for the next round.
 Everything runs on the router's event loop; `snapshot()` is cheap and synchronous.
 """
@@ -93,6 +95,7 @@ class _Slot:
             vocab_size=info.vocab_size,
             max_model_len=info.max_model_len,
             num_consecutive_failures=self.num_failures,
+            speculative_method=info.speculative_method,
         )
 
 
@@ -203,8 +206,16 @@ class WorkerPool:
         if time.monotonic() - self._stale_at_s < self._settings.keep_after_outage_s:
             return  # discovery just came back, maybe empty: workers re-publish within a beat
         for address in [a for a in self._slots if a not in seen]:
-            logger.info("pool: worker at %s left discovery", address)
-            del self._slots[address]
+            slot = self._slots.pop(address)
+            how = (
+                "after draining"
+                if slot.health is WorkerHealth.DRAINING
+                else "(its registry record expired or was withdrawn)"
+            )
+            reason = f"worker {slot.view().worker_id} at {address} left discovery {how}"
+            logger.info("pool: %s", reason)
+            if self._on_down is not None:
+                self._on_down(address, reason)  # its streams fail or migrate now
             self._clients.retire(address)
 
     async def _probe(self, slot: _Slot) -> None:

@@ -1,7 +1,8 @@
 """The prefill leg of one request: choose (P, D), call P.Prefill, retry on another P.
 
 A retry happens when P answers UNAVAILABLE, CANCELLED (it is shutting down) or
-RESOURCE_EXHAUSTED, when this attempt's `prefill_timeout_s` runs out while the request still
+RESOURCE_EXHAUSTED (`clients.RETRIABLE_CODES`; any other status is the request's own fault and
+goes back to the client at once), when this attempt's `prefill_timeout_s` runs out while the request still
 has time (P is stuck), or when the pool marks P down mid-call; at most `max_prefill_retries`
 times, never on a P that already failed this request. UNAVAILABLE-like failures also make the
 pool probe P at once. When no prefill pool can serve, a colocated worker is returned instead.
@@ -27,9 +28,6 @@ from router_svc.live import ActiveCall
 from router_svc.view import WorkerView
 
 logger = logging.getLogger(__name__)
-_RETRY_CODES = frozenset(
-    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.RESOURCE_EXHAUSTED}
-)
 
 
 @dataclass
@@ -95,4 +93,4 @@ def _may_retry(exc: WorkerCallError, deadline: Deadline) -> bool:
         if deadline.remaining_s(time.monotonic()) <= 0:
             raise deadline.exceeded() from exc
         return True  # this attempt's prefill_timeout_s ran out: P is stuck or overloaded
-    return exc.code in _RETRY_CODES
+    return exc.is_retriable

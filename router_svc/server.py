@@ -38,6 +38,7 @@ from router_svc.admission import AdmissionGate, TokenBucketLimiter
 from router_svc.clients import ClientSettings, WorkerClients
 from router_svc.flow_settings import FlowDeps, FlowSettings
 from router_svc.http import HttpFront, load_chat_template
+from router_svc.intake import TokenizerPool
 from router_svc.live import LiveRequests, TaskOwner
 from router_svc.pool import PoolSettings, WorkerPool
 from router_svc.servicer import RouterServicer
@@ -110,7 +111,10 @@ class RouterServer:
             self.registry, r.host, cfg.metrics.prometheus_port, role="router"
         )
         limiter = TokenBucketLimiter(r.rate_limit_rps, r.rate_limit_burst)
-        self.servicer = RouterServicer(cfg, deps, self.live, self.gate, limiter)
+        self.tokenizer_pool = TokenizerPool(text.encode)
+        self.servicer = RouterServicer(
+            cfg, deps, self.live, self.gate, limiter, self.tokenizer_pool
+        )
         self.http: HttpFront | None = None  # the OpenAI-compatible front (router.http_port)
         if r.http_port:
             chat = load_chat_template(cfg.model, text)
@@ -186,6 +190,7 @@ class RouterServer:
         await self.pool.stop()
         await self.cleanup.close(timeout_s=_STOP_WAIT_S)
         await self._clients.close()
+        self.tokenizer_pool.close()
         self._registry.close()
         self._exporter.stop()
 

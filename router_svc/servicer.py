@@ -2,14 +2,13 @@
 gRPC statuses (always through `dsv4.errors.to_grpc_status`).
 
 Per Generate call, on the server's event loop: API key -> rate limit -> admission -> limits
-from the pool's Info answers -> validate + tokenize (`dsv4.wire`) -> deadline -> `RequestFlow`,
-whose chunks are written as they come. RESOURCE_EXHAUSTED answers carry the standard
+from the pool's Info answers -> prompt bytes, bounded tokenizing, validation (`intake`,
+`dsv4.wire`) -> deadline -> `RequestFlow`, whose chunks are written as they come. RESOURCE_EXHAUSTED answers carry the standard
 `grpc-retry-pushback-ms` trailer besides the hint in the message.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import time
@@ -34,12 +33,17 @@ from router_svc.choice import explain_no_route
 from router_svc.deadline import Deadline
 from router_svc.flow import RequestFlow
 from router_svc.flow_settings import FlowDeps
+from router_svc.intake import (
+    INLINE_PROMPT_CHARS,
+    TokenizerPool,
+    check_prompt_bytes,
+    normalize_sampling,
+)
 from router_svc.live import LiveRequests
 from router_svc.observe import StreamObserver
 
 logger = logging.getLogger(__name__)
 
-LONG_PROMPT_CHARS = 16_384  # longer text is tokenized off the event loop
 RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"
 
 
@@ -55,6 +59,11 @@ def _set_error(context: grpc.aio.ServicerContext, exc: BaseException) -> tuple[s
     return code.name, message
 
 
+def _owner(api_key: str | None) -> str | None:
+    """Who may Abort a request: its API key's digest bucket; None when keys are off."""
+    return client_key(api_key, "") if api_key else None
+
+
 class RouterServicer(router_pb2_grpc.RouterServicer):
     """Built by RouterServer; every method runs on the server's event loop."""
 
@@ -65,9 +74,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         live: LiveRequests,
         gate: AdmissionGate,
         limiter: TokenBucketLimiter,
+        tokenizer_pool: TokenizerPool | None = None,
     ) -> None:
         self._cfg, self._deps, self._live = cfg, deps, live
         self._gate, self._limiter = gate, limiter
+        self._tokenizer_pool = tokenizer_pool or TokenizerPool(deps.text.encode)
         self._metrics = deps.metrics
 
     # ---- Generate -----------------------------------------------------------------------------
@@ -93,7 +104,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         """Serve one Generate call; returns its final (status code name, details)."""
         bind_request_id(request.request_id)  # the client's id (sanitized) until validated
         try:
-            ticket = self._admit(context)
+            ticket, owner = self._admit(context)
         except Dsv4Error as exc:
             return _set_error(context, exc)
         with ticket:
@@ -103,7 +114,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 bind_request_id(validated.request_id)
                 self._metrics.prompt_tokens.inc(validated.num_prompt_tokens)
                 flow = RequestFlow(validated, deadline, self._deps, received_at_s)
-                self._live.add(flow)
+                self._live.add(flow, owner)
             except Dsv4Error as exc:
                 return _set_error(context, exc)
             try:
@@ -120,14 +131,15 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 self._live.remove(flow)
         return "OK", ""
 
-    def _admit(self, context: grpc.aio.ServicerContext) -> AdmissionTicket:
+    def _admit(self, context: grpc.aio.ServicerContext) -> tuple[AdmissionTicket, str | None]:
+        """(the admission slot, the request's owner for Abort: its key's bucket or None)."""
         reason = "api_key"
         try:
             api_key = check_api_key(context.invocation_metadata() or (), self._cfg.router.api_keys)
             reason = "rate_limit"
             self._limiter.acquire(client_key(api_key, context.peer() or ""))
             reason = "max_inflight"
-            return self._gate.admit()
+            return self._gate.admit(), _owner(api_key)
         except Dsv4Error:
             self._metrics.rejections.labels(reason=reason).inc()
             raise
@@ -148,16 +160,20 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def _validate(
         self, request: router_pb2.GenerateRequest, deadline: Deadline
     ) -> GenerateRequest:
+        """Bounded work first (intake.py): the prompt's bytes are checked before any
+        tokenizing, and long prompts are tokenized in the bounded pool, off the event loop."""
         limits = self._limits()
-        codec = self._deps.text.codec
-        tokenize = codec.encode if codec is not None else None
-        is_text = request.WhichOneof("input") == "prompt"
-        if codec is not None and is_text and len(request.prompt) > LONG_PROMPT_CHARS:
-            ids = await asyncio.to_thread(codec.encode, request.prompt)
-            tokenize = lambda _text: ids  # noqa: E731
-        return wire.generate_request_from_proto(
+        text = self._deps.text
+        tokenize = text.encode if text.codec is not None else None
+        if tokenize is not None and request.WhichOneof("input") == "prompt":
+            check_prompt_bytes(request.prompt, limits.max_model_len, text.max_token_bytes)
+            if len(request.prompt) > INLINE_PROMPT_CHARS:
+                ids = await self._tokenizer_pool.encode(request.prompt)
+                tokenize = lambda _text: ids  # noqa: E731
+        validated = wire.generate_request_from_proto(
             request, limits, tokenize=tokenize, deadline_unix_ms=deadline.expires_at_unix_ms
         )
+        return normalize_sampling(validated, limits.vocab_size)
 
     def _deadline(self, context: grpc.aio.ServicerContext) -> Deadline:
         return Deadline.start(
@@ -171,13 +187,13 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     async def Abort(self, request, context: grpc.aio.ServicerContext):
         try:
-            check_api_key(context.invocation_metadata() or (), self._cfg.router.api_keys)
+            api_key = check_api_key(context.invocation_metadata() or (), self._cfg.router.api_keys)
             request_id = wire.abort_request_from_proto(request)
         except Dsv4Error as exc:
             self._count("Abort", _set_error(context, exc)[0])
             return wire.abort_response_to_proto(False)
         bind_request_id(request_id)
-        was_found = self._live.abort(request_id)
+        was_found = self._live.abort(request_id, _owner(api_key))
         logger.info("Abort: %s", "stopping the request" if was_found else "not running here")
         self._count("Abort", "OK")
         return wire.abort_response_to_proto(was_found)
@@ -211,5 +227,5 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             num_prefill_workers=len(snapshot.routable(WorkerRole.PREFILL)),
             num_decode_workers=len(snapshot.routable(WorkerRole.DECODE))
             + len(snapshot.routable(WorkerRole.COLOCATED)),
-            speculative_method=self._cfg.speculative.method,
+            speculative_method=facts.speculative_method if facts else "unknown",
         )

@@ -17,13 +17,14 @@ from typing import Any
 import grpc
 
 from dsv4.config import load_config
+from dsv4.discovery.base import WorkerRegistry
 from dsv4.discovery.static import StaticWorkerRegistry
-from dsv4.model.tokenizer import TextCodec, build_tokenizer
+from dsv4.model.tokenizer import build_tokenizer
 from dsv4.rpc.v1 import common_pb2, router_pb2, router_pb2_grpc
 from router_svc.fakes import ScriptedDecodeWorker, ScriptedPrefillWorker
 from router_svc.pool import PoolSettings
 from router_svc.server import RouterServer
-from router_svc.text_model import TextModel
+from router_svc.text_model import TextModel, text_model
 
 ROUTABLE_WAIT_S = 5.0
 FAST_PROBES = PoolSettings(probe_interval_s=0.05, probe_timeout_s=0.2, num_failures_to_down=2)
@@ -33,7 +34,7 @@ _TEXT_MODELS: dict[int, TextModel] = {}
 def tiny_text_model(vocab_size: int = 1000) -> TextModel:
     """The deterministic tiny tokenizer (built once per vocabulary size)."""
     if vocab_size not in _TEXT_MODELS:
-        _TEXT_MODELS[vocab_size] = TextModel(TextCodec(build_tokenizer(vocab_size)), source="tiny")
+        _TEXT_MODELS[vocab_size] = text_model(build_tokenizer(vocab_size), source="tiny")
     return _TEXT_MODELS[vocab_size]
 
 
@@ -53,14 +54,19 @@ async def scripted_cluster(
     *,
     pool_settings: PoolSettings = FAST_PROBES,
     metadata: tuple[tuple[str, str], ...] = (),
+    registry: WorkerRegistry | None = None,
     **config: Any,
 ) -> AsyncIterator[ScriptedCluster]:
-    """`config`: ServeConfig overrides with "__" for "." (router__max_inflight_requests=2)."""
+    """`config`: ServeConfig overrides with "__" for "." (router__max_inflight_requests=2).
+    `registry`: discovery (default: static lists of the workers); workers started by the
+    caller (to publish their addresses first) are not started again."""
     for worker in (*prefills, *decodes):
-        await worker.start()
+        if not worker.is_serving:
+            await worker.start()
     overrides = {"router.port": 0, "router.prefill_timeout_s": 5.0}
     overrides |= {key.replace("__", "."): value for key, value in config.items()}
-    registry = StaticWorkerRegistry([p.address for p in prefills], [d.address for d in decodes])
+    if registry is None:
+        registry = StaticWorkerRegistry([p.address for p in prefills], [d.address for d in decodes])
     server = RouterServer(
         load_config(overrides),
         registry=registry,
@@ -112,3 +118,14 @@ def generate_request(
     else:
         msg.prompt_token_ids.ids.extend(prompt)
     return msg
+
+
+async def read_outcome(call: Any) -> tuple[grpc.StatusCode, str, list[Any]]:
+    """(status, details, messages) of a Generate call, read to its end with `read()`."""
+    messages = []
+    try:
+        while (msg := await call.read()) is not grpc.aio.EOF:
+            messages.append(msg)
+    except grpc.aio.AioRpcError as exc:
+        return exc.code(), exc.details() or "", messages
+    return grpc.StatusCode.OK, "", messages

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tokenizers import Tokenizer
@@ -23,6 +23,7 @@ from tokenizers import Tokenizer
 from dsv4.config import ModelSection
 from dsv4.errors import CheckpointError
 from dsv4.model.tokenizer import TextCodec, build_tokenizer
+from router_svc.intake import max_token_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -34,12 +35,41 @@ TINY_VOCAB_SIZE = 1024  # dsv4.model.config.tiny_config().vocab_size
 
 @dataclass(frozen=True)
 class TextModel:
-    """What the router needs to turn text into ids and back."""
+    """What the router needs to turn text into ids and back. Build it with `text_model`."""
 
     codec: TextCodec | None
     bos_token_id: int = DEFAULT_BOS_TOKEN_ID
     eos_token_id: int = DEFAULT_EOS_TOKEN_ID
     source: str = "none"  # for logs: where the tokenizer came from
+    # Every token covers at most this many bytes of prompt text (0: no sound bound), so a
+    # prompt longer than max_model_len * max_token_bytes bytes cannot fit (intake.py).
+    max_token_bytes: int = 0
+    tokenizer: Tokenizer | None = field(default=None, repr=False, compare=False)
+
+    def encode(self, text: str) -> list[int]:
+        """`codec.encode(text)` that lets go of the GIL: `Tokenizer.encode` holds it for the
+        whole call, `encode_batch` releases it, so a thread tokenizing a long prompt does not
+        stall the router's event loop. Same ids (no special tokens added)."""
+        if self.tokenizer is None:
+            assert self.codec is not None, "no tokenizer: text prompts are refused before this"
+            return self.codec.encode(text)
+        return self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
+
+
+def text_model(
+    tokenizer: Tokenizer,
+    bos_token_id: int = DEFAULT_BOS_TOKEN_ID,
+    eos_token_id: int = DEFAULT_EOS_TOKEN_ID,
+    source: str = "",
+) -> TextModel:
+    return TextModel(
+        TextCodec(tokenizer),
+        bos_token_id,
+        eos_token_id,
+        source,
+        max_token_bytes=max_token_bytes(tokenizer),
+        tokenizer=tokenizer,
+    )
 
 
 def _tokenizer_file(path: Path) -> Path:
@@ -74,13 +104,12 @@ def load_text_model(model: ModelSection) -> TextModel:
             raise CheckpointError(
                 f"model.tokenizer = {model.tokenizer!r}: no tokenizer.json there; fix the path"
             )
-        return TextModel(_codec_from_file(path), bos, eos, str(path))
+        return text_model(_tokenizer_from_file(path), bos, eos, str(path))
     if model.path == "tiny":
-        codec = TextCodec(build_tokenizer(TINY_VOCAB_SIZE))
-        return TextModel(codec, DEFAULT_BOS_TOKEN_ID, DEFAULT_EOS_TOKEN_ID, "tiny")
+        return text_model(build_tokenizer(TINY_VOCAB_SIZE), source="tiny")
     path = model_dir / "tokenizer.json"
     if path.is_file():
-        return TextModel(_codec_from_file(path), bos, eos, str(path))
+        return text_model(_tokenizer_from_file(path), bos, eos, str(path))
     logger.warning(
         "router: no tokenizer at %s; text prompts will be refused (send prompt_token_ids) "
         "and stop strings are left to the workers; set model.tokenizer to fix",
@@ -89,8 +118,8 @@ def load_text_model(model: ModelSection) -> TextModel:
     return TextModel(None, bos, eos)
 
 
-def _codec_from_file(path: Path) -> TextCodec:
+def _tokenizer_from_file(path: Path) -> Tokenizer:
     try:
-        return TextCodec(Tokenizer.from_file(str(path)))
+        return Tokenizer.from_file(str(path))
     except Exception as exc:  # the tokenizers package raises a bare Exception on bad JSON
         raise CheckpointError(f"{path} is not a valid tokenizer.json: {exc}") from exc

@@ -41,6 +41,7 @@ class WorkerView:
     vocab_size: int = 0  # 0: never answered Info
     max_model_len: int = 0
     num_consecutive_failures: int = 0
+    speculative_method: str = ""  # as the worker reports it ("" : not reported)
 
     @property
     def is_routable(self) -> bool:
@@ -59,6 +60,9 @@ class ModelFacts:
     model_name: str
     vocab_size: int
     max_model_len: int
+    # What the workers that decode (decode and colocated) run: "mtp", "none", or "mtp,none"
+    # while a rollout mixes them; "unknown" when none of them reports it.
+    speculative_method: str = "unknown"
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,7 +96,13 @@ class PoolSnapshot:
         reported = reported or [w for w in self.workers if w.has_reported]
         if not reported:
             return None
+        methods = {
+            w.speculative_method
+            for w in reported
+            if w.role is not WorkerRole.PREFILL and w.speculative_method
+        }
         return ModelFacts(
+            speculative_method=",".join(sorted(methods)) or "unknown",
             model_name=reported[0].model_name,
             vocab_size=min(w.vocab_size for w in reported),
             max_model_len=min(w.max_model_len for w in reported if w.max_model_len > 0)

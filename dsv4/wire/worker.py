@@ -207,6 +207,7 @@ _WORKER_INFO_SCALARS = (
     "vocab_size",
     "max_model_len",
     "updated_at_unix_ms",
+    "speculative_method",
 )
 
 

@@ -60,6 +60,7 @@ def worker_info(runtime: WorkerRuntime, identity: WorkerIdentity, load: WorkerLo
         vocab_size=runtime.model_config.vocab_size,
         max_model_len=runtime.config.model.max_model_len,
         updated_at_unix_ms=int(time.time() * 1000),
+        speculative_method=runtime.config.speculative.method,
     )
 
 

@@ -1,18 +1,22 @@
 """Fuzzing the public API of a real cluster (router + P + D processes) with hypothesis: random
 and hostile GenerateRequest / Abort / GetModelInfo messages (huge ids, negative and extreme
-numbers, NaN and infinite floats, giant and many stop strings, long repeated fields, raw bytes
-that are not a message, invalid UTF-8 in string fields, empty messages). Only proper status
-codes come back (never UNKNOWN or INTERNAL), and afterwards a normal request succeeds, no
-service died and no worker holds a block. Example counts are bounded (~20-40 s of fuzzing)."""
+numbers, floats such as 1e-300, 1e-45, 5e-324, inf and NaN in every sampling field, huge ints,
+priorities, giant and many stop strings, long repeated fields, a 16 MB text prompt, raw bytes
+that are not a message, invalid UTF-8 in string fields, empty messages). Half the Generate
+examples are otherwise valid, so extreme sampling values reach the engines. Only proper status
+codes or a valid stream come back (never UNKNOWN or INTERNAL), a normal request succeeds right
+after every Generate example (one bad request must not wedge a worker), and at the end no
+service died and no worker holds a block. Derandomized, bounded example counts: ~30 s in all."""
 
 from __future__ import annotations
 
 import asyncio
+import math
 
 import grpc
 import pytest
 from e2e_cluster import assert_no_worker_leaks, generate, greedy
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from dsv4.cluster import free_port
@@ -21,6 +25,7 @@ from tests.services.worker_cluster import PROMPTS, start_cluster, tiny_checkpoin
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 CALL_TIMEOUT_S = 3.0
+VOCAB_SIZE = 1024  # the tiny checkpoint's
 PROPER = {
     grpc.StatusCode.OK,
     grpc.StatusCode.INVALID_ARGUMENT,
@@ -32,8 +37,18 @@ FUZZ = settings(
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )  # fmt: skip
 INT32 = st.integers(-(2**31), 2**31 - 1)
-FLOATS = st.floats(allow_nan=True, allow_infinity=True) | st.sampled_from([0.0, 1e-320, 1e308])
+EXTREME_FLOATS = st.sampled_from([
+    1e-300, 1e-45, 1e-30, 5e-324, 1e-320, 1e-38, 1e-5, 1e-3, 0.0, -0.0, -1.0, -1e-300, 1e308,
+    3.4e38, math.inf, -math.inf, math.nan, 0.5, 0.999, 1.0, 1.0000001, 2.0, 1e6,
+])  # fmt: skip
+FLOATS = EXTREME_FLOATS | st.floats(allow_nan=True, allow_infinity=True)
+UNIT_FLOATS = EXTREME_FLOATS.filter(lambda x: 0 < x <= 1) | st.floats(1e-320, 1.0)
 TEXT = st.text(max_size=40) | st.sampled_from(["", "x" * 5000, "\u0000\ud7ff\U0010ffff" * 20])
+IDS = st.integers(0, VOCAB_SIZE - 1)
+NORMAL = router_pb2.GenerateRequest(
+    prompt_token_ids=common_pb2.TokenIds(ids=PROMPTS[0]),
+    sampling=common_pb2.SamplingParams(temperature=0.0, max_new_tokens=2, ignore_eos=True),
+)
 
 
 @pytest.fixture(scope="module")
@@ -51,19 +66,29 @@ def channel(cluster):
 
 
 @st.composite
-def sampling_params(draw) -> common_pb2.SamplingParams:
-    msg = common_pb2.SamplingParams(
-        top_k=draw(INT32 | st.integers(-2, 5)),
-        stop_token_ids=draw(st.lists(INT32, max_size=8) | st.just([7] * 5000)),
-        stop=draw(st.lists(TEXT, max_size=4) | st.just(["ab"] * 1000)),
-        ignore_eos=draw(st.booleans()),
-    )
-    for name, strategy in (
-        ("temperature", FLOATS),
-        ("top_p", FLOATS),
-        ("max_new_tokens", st.integers(-3, 6) | st.sampled_from([-(2**31), 2**31 - 1])),
-        ("seed", st.integers(0, 2**64 - 1)),
-    ):
+def sampling_params(draw, is_valid: bool) -> common_pb2.SamplingParams:
+    """Anything (`is_valid=False`), or values that pass validation, extremes included."""
+    if is_valid:
+        msg = common_pb2.SamplingParams(
+            top_k=draw(st.integers(0, 3) | st.sampled_from([VOCAB_SIZE - 1, VOCAB_SIZE])),
+            stop_token_ids=draw(st.lists(IDS, max_size=4)),
+            stop=draw(st.lists(st.text(min_size=1, max_size=8), max_size=4)),
+            ignore_eos=draw(st.booleans()),
+            max_new_tokens=draw(st.integers(1, 4)),
+        )
+        temperatures = EXTREME_FLOATS.filter(lambda x: x >= 0 and math.isfinite(x))
+        strategies = (("temperature", temperatures), ("top_p", UNIT_FLOATS))
+    else:
+        msg = common_pb2.SamplingParams(
+            top_k=draw(INT32 | st.integers(-2, 5)),
+            stop_token_ids=draw(st.lists(INT32, max_size=8) | st.just([7] * 5000)),
+            stop=draw(st.lists(TEXT, max_size=4) | st.just(["ab"] * 1000)),
+            ignore_eos=draw(st.booleans()),
+            # Small counts keep generation short; the extremes are refused before any work.
+            max_new_tokens=draw(st.integers(-3, 4) | st.sampled_from([-(2**31), 2**31 - 1])),
+        )
+        strategies = (("temperature", FLOATS), ("top_p", FLOATS))
+    for name, strategy in (*strategies, ("seed", st.integers(0, 2**64 - 1))):
         if draw(st.booleans()):
             setattr(msg, name, draw(strategy))
     return msg
@@ -71,19 +96,32 @@ def sampling_params(draw) -> common_pb2.SamplingParams:
 
 @st.composite
 def generate_requests(draw) -> router_pb2.GenerateRequest:
+    is_valid = draw(st.booleans())
+    if is_valid:
+        request_id = draw(st.sampled_from(["", "fuzz-1", "a:b/c=d+e@f.g"]))
+    else:
+        request_id = draw(TEXT | st.sampled_from(["ok-id", "a" * 129, "a" * 100_000]))
     msg = router_pb2.GenerateRequest(
-        request_id=draw(TEXT | st.sampled_from(["ok-id", "a" * 129, "a" * 100_000])),
-        priority=draw(INT32),
+        request_id=request_id, priority=draw(INT32 | st.sampled_from([-(2**31), 2**31 - 1]))
     )
-    which = draw(st.sampled_from(["ids", "text", "none"]))
+    which = draw(st.sampled_from(["ids", "text"] if is_valid else ["ids", "text", "none"]))
     if which == "ids":
-        ids = draw(st.lists(INT32 | st.integers(0, 999), max_size=20) | st.just([5] * 10_000))
+        hostile = st.lists(INT32 | IDS, max_size=20) | st.just([5] * 10_000)
+        ids = draw(st.lists(IDS, min_size=1, max_size=20) if is_valid else hostile)
         msg.prompt_token_ids.ids.extend(ids)
     elif which == "text":
-        msg.prompt = draw(TEXT)
-    if draw(st.booleans()):
-        msg.sampling.CopyFrom(draw(sampling_params()))
+        hostile = TEXT | st.just("The quick brown fox " * 800_000)  # 16 MB
+        msg.prompt = draw(st.text(min_size=1, max_size=60) if is_valid else hostile)
+    msg.sampling.CopyFrom(draw(sampling_params(is_valid)))
     return msg
+
+
+def _issue_example(**sampling: float) -> router_pb2.GenerateRequest:
+    """The reproductions of defect 1: sampling values that filter out every token."""
+    return router_pb2.GenerateRequest(
+        prompt_token_ids=common_pb2.TokenIds(ids=[5, 9, 200, 17, 33]),
+        sampling=common_pb2.SamplingParams(max_new_tokens=4, **sampling),
+    )
 
 
 def status_of(call) -> grpc.StatusCode:
@@ -95,18 +133,25 @@ def status_of(call) -> grpc.StatusCode:
     return grpc.StatusCode.OK
 
 
-def test_generate_with_hostile_fields_gets_proper_codes(channel) -> None:
+def test_generate_fuzz_then_a_normal_request_succeeds(channel) -> None:
     generate_call = channel.unary_stream(
         "/dsv4.v1.Router/Generate",
         request_serializer=router_pb2.GenerateRequest.SerializeToString,
         response_deserializer=router_pb2.GenerateResponse.FromString,
     )
 
-    @settings(FUZZ, max_examples=120)
+    @settings(FUZZ, max_examples=150)
     @given(generate_requests())
+    @example(_issue_example(temperature=1.0, top_p=1e-300))
+    @example(_issue_example(temperature=1e-30))
+    @example(_issue_example(temperature=1.0, top_p=1e-45, top_k=1))
+    @example(_issue_example(temperature=1e-300, top_p=5e-324))
     def check(msg: router_pb2.GenerateRequest) -> None:
         code = status_of(generate_call(msg, timeout=CALL_TIMEOUT_S))
-        assert code in PROPER, (code, msg)
+        assert code in PROPER, (code, msg.sampling, msg.priority)
+        replies = list(generate_call(NORMAL, timeout=10.0))
+        assert sum(len(r.token_ids) for r in replies) == 2, (msg.sampling, replies)
+        assert replies[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
 
     check()
 
@@ -129,7 +174,7 @@ def test_raw_bytes_and_invalid_utf8_are_invalid_argument_on_every_method(channel
     }
     payloads = st.binary(max_size=64) | invalid_utf8_in(1) | invalid_utf8_in(2)
 
-    @settings(FUZZ, max_examples=80)
+    @settings(FUZZ, max_examples=150)
     @given(st.sampled_from(sorted(calls)), payloads)
     def check(method: str, payload: bytes) -> None:
         call = calls[method]

@@ -117,14 +117,25 @@ def test_dispatches_count_until_the_next_probe() -> None:
     asyncio.run(body())
 
 
-def test_workers_leaving_discovery_are_dropped_and_their_channels_retired() -> None:
+def test_workers_leaving_discovery_are_dropped_failed_and_their_channels_retired() -> None:
     async def body() -> None:
-        pool, clients, registry = make_pool(["p:1"], ["d:1"])
+        downs: list[tuple[str, str]] = []
+        pool, clients, registry = make_pool(
+            ["p:1"], ["d:1", "d:2"], on_down=lambda a, r: downs.append((a, r))
+        )
+        clients.infos = {
+            a: info(a, WorkerRole.DECODE, is_draining=a == "d:2") for a in ("d:1", "d:2")
+        }
         await pool.probe_once()
         registry.withdraw("decode@d:1")
+        registry.withdraw("decode@d:2")
         await pool.probe_once()
         assert [w.address for w in pool.snapshot().workers] == ["p:1"]
-        assert clients.retired == ["d:1"]
+        assert clients.retired == ["d:1", "d:2"]
+        # Its streams are failed in the same round (the router's on_down), with the reason.
+        assert [a for a, _ in downs] == ["d:1", "d:2"]
+        assert "id-d:1" in downs[0][1] and "record expired or was withdrawn" in downs[0][1]
+        assert "left discovery after draining" in downs[1][1]
 
     asyncio.run(body())
 

@@ -105,7 +105,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "transport_kind", "transport_endpoint", "layout", "num_free_blocks", "num_total_blocks", "num_queued_tokens", "num_running_requests", "num_leases", "is_draining", "model_name", "vocab_size", "max_model_len", "updated_at_unix_ms")
+    __slots__ = ("worker_id", "role", "address", "transport_kind", "transport_endpoint", "layout", "num_free_blocks", "num_total_blocks", "num_queued_tokens", "num_running_requests", "num_leases", "is_draining", "model_name", "vocab_size", "max_model_len", "updated_at_unix_ms", "speculative_method")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +122,7 @@ class WorkerInfo(_message.Message):
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     UPDATED_AT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_METHOD_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: _common_pb2.WorkerRole
     address: str
@@ -138,7 +139,8 @@ class WorkerInfo(_message.Message):
     vocab_size: int
     max_model_len: int
     updated_at_unix_ms: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.WorkerRole, str]] = ..., address: _Optional[str] = ..., transport_kind: _Optional[_Union[_kv_pb2.TransportKind, str]] = ..., transport_endpoint: _Optional[str] = ..., layout: _Optional[_Union[_kv_pb2.KVLayoutInfo, _Mapping]] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_queued_tokens: _Optional[int] = ..., num_running_requests: _Optional[int] = ..., num_leases: _Optional[int] = ..., is_draining: _Optional[bool] = ..., model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., updated_at_unix_ms: _Optional[int] = ...) -> None: ...
+    speculative_method: str
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.WorkerRole, str]] = ..., address: _Optional[str] = ..., transport_kind: _Optional[_Union[_kv_pb2.TransportKind, str]] = ..., transport_endpoint: _Optional[str] = ..., layout: _Optional[_Union[_kv_pb2.KVLayoutInfo, _Mapping]] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_queued_tokens: _Optional[int] = ..., num_running_requests: _Optional[int] = ..., num_leases: _Optional[int] = ..., is_draining: _Optional[bool] = ..., model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., updated_at_unix_ms: _Optional[int] = ..., speculative_method: _Optional[str] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ()
