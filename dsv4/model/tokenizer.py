@@ -77,6 +77,11 @@ class TextCodec:
         return cls(Tokenizer.from_file(str(path))) if path.exists() else None
 
     @property
+    def tokenizer(self) -> Tokenizer:
+        """The `tokenizers.Tokenizer` (for `tokenizers.decoders.DecodeStream`)."""
+        return self._tok
+
+    @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -185,10 +186,14 @@ def test_router_starts_without_torch_triton_or_nixl() -> None:
     reason="needs the package index: DSV4TEST_FRESH_VENV=1",
 )
 def test_fresh_venv_with_the_router_extra_serves(tmp_path: Path) -> None:
+    # A copy of the sources: pip builds in the source tree (build/, *.egg-info).
+    source = tmp_path / "src"
+    skip = shutil.ignore_patterns(".*", "build", "*.egg-info", "__pycache__", "tests", "deploy")
+    shutil.copytree(REPO, source, ignore=skip)
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q"]
-    subprocess.run([*pip, f"{REPO}[router]"], check=True, timeout=600)
+    subprocess.run([*pip, f"{source}[router]"], check=True, timeout=600)
     frozen = subprocess.run(
         [str(venv / "bin" / "python"), "-m", "pip", "list", "--format=freeze"],
         capture_output=True, text=True, check=True,
