@@ -11,7 +11,6 @@ import argparse
 import json
 import logging
 import os
-import re
 import sys
 from collections.abc import Callable
 
@@ -26,21 +25,19 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} -h)\n")
 
 
-class UsageError(Exception):
-    """A flag's value is wrong: the message names the flag and the fix."""
-
-
 def _cmd_make_tiny(args: argparse.Namespace) -> int:
-    from dsv4.errors import ConfigError
+    from dsv4.errors import ConfigError, UsageError
     from dsv4.model.tiny import shape_config, write_checkpoint
 
     cfg = shape_config(args.shape, args.linear_dtype, args.expert_dtype)
     if args.layers:
-        ratios = _parse_ints("--layers", args.layers, "compress ratios such as 0,4,128,4")
+        from dsv4.generate_cli import parse_ints
+
+        ratios = parse_ints("--layers", args.layers, "compress ratios such as 0,4,128,4")
         try:
             cfg = cfg.with_overrides(num_hidden_layers=len(ratios), compress_ratios=ratios)
         except ConfigError as exc:
-            raise UsageError(f"--layers {args.layers}: {exc.message}") from exc
+            raise UsageError(f"--layers {args.layers}: {exc.fix}") from exc
     if args.config_only:
         from dsv4.model.tiny import write_model_spec
 
@@ -53,6 +50,7 @@ def _cmd_make_tiny(args: argparse.Namespace) -> int:
 
 
 def _cmd_train_tiny(args: argparse.Namespace) -> int:
+    from dsv4.errors import UsageError
     from dsv4.train_tiny import train_tiny
 
     if not args.minutes > 0:
@@ -62,84 +60,6 @@ def _cmd_train_tiny(args: argparse.Namespace) -> int:
 
     report = train_tiny(args.out_dir, minutes=args.minutes, seed=args.seed, steps=args.steps)
     print(json.dumps(report.summary()))
-    return 0
-
-
-def _parse_ints(flag: str, text: str, what: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(t) for t in text.split(",") if t.strip())
-    except ValueError:
-        raise UsageError(f"{flag} {text!r}: give comma-separated {what}") from None
-
-
-# The server's messages name wire fields (`sampling.top_p`, `prompt_token_ids`); a user of
-# `dsv4 generate` typed flags.
-_WIRE_FIELD = re.compile(r"\bsampling\.(\w+)|\b(prompt_token_ids|max_new_tokens)\b")
-
-
-def _as_flags(message: str) -> str:
-    def flag(match: re.Match[str]) -> str:
-        name = match[1] or match[2]
-        return "--prompt-ids" if name == "prompt_token_ids" else "--" + name.replace("_", "-")
-
-    return _WIRE_FIELD.sub(flag, message)
-
-
-def _cmd_generate(args: argparse.Namespace) -> int:
-    import torch
-
-    from dsv4.errors import InvalidRequest
-    from dsv4.model.config import ModelConfig
-    from dsv4.model.tokenizer import TextCodec
-    from dsv4.model.weights import load_model
-    from dsv4.offline import checked_params, generate_batch
-    from dsv4.runner.sampler import SamplingSpec
-
-    # Everything is checked against config.json before the weights load.
-    cfg = ModelConfig.from_file(args.model)
-    codec = TextCodec.from_dir_if_present(args.model)
-    if codec is None and (args.prompt or args.stop):
-        flag = "--prompt" if args.prompt else "--stop"
-        raise UsageError(
-            f"{flag} needs a tokenizer and {args.model} has no tokenizer.json: "
-            "pass token ids with --prompt-ids 1,2,3 (and no --prompt or --stop)"
-        )
-    prompts = [codec.encode(text) for text in args.prompt or ()] if codec else []
-    prompts += [list(_parse_ints("--prompt-ids", i, "token ids")) for i in args.prompt_ids or ()]
-    if not prompts or any(not p for p in prompts):
-        raise UsageError("every prompt must be non-empty: pass --prompt TEXT or --prompt-ids 1,2,3")
-    spec = SamplingSpec(args.temperature, args.top_p, args.top_k, args.seed)
-    try:
-        params, note = checked_params(
-            cfg, prompts, spec, args.max_new_tokens, stop_strings=tuple(args.stop or ())
-        )
-    except InvalidRequest as exc:
-        raise UsageError(_as_flags(exc.message)) from exc
-    if note:
-        print(f"dsv4 generate: note: {_as_flags(note)}", file=sys.stderr)
-    model, cfg = load_model(args.model, dtype=getattr(torch, args.dtype))
-    results = generate_batch(
-        model,
-        prompts,
-        [spec] * len(prompts),
-        [p.max_new_tokens for p in params],
-        stop_token_ids=() if args.ignore_eos else (cfg.eos_token_id,),
-        stop_strings=tuple(args.stop or ()),
-        codec=codec,
-    )
-    for result in results:
-        ids = list(result.output_token_ids)
-        text = codec.decode(ids) if codec else None
-        if args.json:
-            record = {
-                "prompt_token_ids": list(result.prompt_token_ids),
-                "output_token_ids": ids,
-                "text": text,
-                "finish_reason": result.finish_reason,
-            }
-            print(json.dumps(record))
-        else:
-            print(text if codec else ",".join(map(str, ids)))
     return 0
 
 
@@ -168,41 +88,20 @@ def _add_train_tiny(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_cmd_train_tiny)
 
 
-def _add_generate(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "generate", help="offline generation on the paged engine (one or many prompts)"
-    )
-    p.add_argument("--model", required=True, help="checkpoint directory")
-    p.add_argument("--prompt", action="append", help="a text prompt (repeat for a batch)")
-    p.add_argument(
-        "--prompt-ids",
-        action="append",
-        help="comma-separated token ids (repeatable); needs no tokenizer.json",
-    )
-    p.add_argument(
-        "--max-new-tokens", type=int, default=32, help="capped at the model's context, with a note"
-    )
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--stop", action="append", help="a stop string (repeatable)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
-    p.set_defaults(handler=_cmd_generate)
-
-
 def _cmd_worker(role: str) -> Handler:
     def run(args: argparse.Namespace) -> int:
         import os
 
         from dsv4.config import config_from_args
+        from dsv4.errors import UsageError
         from dsv4.logs import configure_logging
         from dsv4.worker.main import run_worker
 
         chosen = getattr(args, "worker.role", None)
-        forced = {} if role == "decode" and chosen == "colocated" else {"worker.role": role}
+        allowed = (role, "colocated") if role == "decode" else (role,)
+        if chosen is not None and chosen not in allowed:
+            raise UsageError(f"--role {chosen}: dsv4 {role} takes --role {' or '.join(allowed)}")
+        forced = {} if chosen == "colocated" else {"worker.role": role}
         config = config_from_args(args, os.environ, forced=forced)
         m = config.metrics
         configure_logging(m.log_level, m.log_format, config.worker.worker_id or role)
@@ -276,13 +175,20 @@ def _version() -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="dsv4", description=__doc__)
     parser.add_argument("--version", action="version", version=_version())
-    parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument(
+        "--log-level",
+        type=str.upper,
+        choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+        default="WARNING",
+    )
     # Internal: set by `dsv4 up` and tests on the processes they launch (SIGTERM with them).
     parser.add_argument("--parent-pid", type=int, default=0, help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_make_tiny(sub)
     _add_train_tiny(sub)
-    _add_generate(sub)
+    from dsv4.generate_cli import add_generate_parser
+
+    add_generate_parser(sub)
     from dsv4.plan_cli import add_plan_parser
 
     add_plan_parser(sub)
@@ -308,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.parent_pid:
         _die_with_parent(args.parent_pid)
     logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
         return int(args.handler(args))
@@ -324,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
 def _is_bug(exc: BaseException) -> bool:
     from dsv4.errors import Dsv4Error
 
-    return not isinstance(exc, Dsv4Error | UsageError | OSError)
+    return not isinstance(exc, Dsv4Error | OSError)
 
 
 def _one_line(exc: BaseException) -> str:

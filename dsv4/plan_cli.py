@@ -15,6 +15,7 @@ from dataclasses import asdict
 from typing import Any
 
 from dsv4.cache.packing import CacheOptions
+from dsv4.errors import ConfigError, UsageError
 from dsv4.model.config import ModelConfig
 from dsv4.plan import MemoryPlan, PlanRequest, WeightFormats, plan_memory, shape_config
 from dsv4.plan.verdict import gib
@@ -83,8 +84,26 @@ def request_from_args(args: argparse.Namespace) -> PlanRequest:
     )
 
 
+# PlanRequest's field (what ConfigError names) -> the flag a user of `dsv4 plan` typed.
+_FLAGS = {
+    "gpus": "--gpus",
+    "gpu_mem_gib": "--gpu-mem",
+    "host_mem_gib": "--host-mem",
+    "gpus_per_node": "--gpus-per-node",
+    "tpot_slo_ms": "--tpot-slo-ms",
+    "tp/ep": "--tp/--ep",
+    "tp": "--tp",
+    "ep": "--ep",
+}
+
+
 def run_plan(args: argparse.Namespace) -> int:
-    plan = plan_memory(request_from_args(args))
+    try:
+        plan = plan_memory(request_from_args(args))
+    except ConfigError as exc:
+        if exc.field_name not in _FLAGS:
+            raise
+        raise UsageError(f"{_FLAGS[exc.field_name]} {exc.value}: {exc.fix}") from exc
     print(json.dumps(plan_to_dict(plan), indent=1) if args.json else render(plan))
     return 0 if plan.fits else 1
 
