@@ -142,3 +142,15 @@ def test_the_terminal_gets_one_line(argv: list[str], model_dir: str) -> None:
     )  # fmt: skip
     assert result.returncode == 2 and result.stdout == ""
     assert len(result.stderr.splitlines()) == 1 and "Traceback" not in result.stderr
+
+
+def test_version_and_help_hide_internal_flags(capsys) -> None:
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.strip() == f"dsv4-serve {version('dsv4-serve')}"
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "--parent-pid" not in capsys.readouterr().out  # set by `dsv4 up` on its children
