@@ -49,11 +49,12 @@ def run_generate(args: argparse.Namespace) -> int:
 
     # Everything is checked against config.json before the weights load.
     cfg = ModelConfig.from_file(args.model)
-    codec = TextCodec.from_dir_if_present(args.model)
+    codec = None if args.skip_tokenizer_init else TextCodec.from_dir_if_present(args.model)
     if codec is None and (args.prompt or args.stop):
         flag = "--prompt" if args.prompt else "--stop"
+        why = "--skip-tokenizer-init" if args.skip_tokenizer_init else "no tokenizer.json there"
         raise UsageError(
-            f"{flag} needs a tokenizer and {args.model} has no tokenizer.json: "
+            f"{flag} needs the tokenizer of {args.model} ({why}): "
             "pass token ids with --prompt-ids 1,2,3 (and no --prompt or --stop)"
         )
     prompts = [codec.encode(text) for text in args.prompt or ()] if codec else []
@@ -117,4 +118,9 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stop", action="append", help="a stop string (repeatable)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    p.add_argument(
+        "--skip-tokenizer-init",
+        action="store_true",
+        help="token ids in and out, no tokenizer (as vLLM); implied without tokenizer.json",
+    )
     p.set_defaults(handler=run_generate)

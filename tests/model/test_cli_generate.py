@@ -82,3 +82,12 @@ def test_text_prompt_without_a_tokenizer_says_use_prompt_ids(ids_only_dir, capsy
     assert main(["generate", "--model", str(ids_only_dir), "--prompt", "hi"]) == 2
     err = capsys.readouterr().err
     assert "no tokenizer.json" in err and "--prompt-ids" in err
+
+
+def test_skip_tokenizer_init_gives_token_ids_only(tiny_dir, capsys) -> None:
+    argv = ["generate", "--model", str(tiny_dir), "--prompt-ids", "9,10", "--max-new-tokens", "3"]
+    assert main([*argv, "--ignore-eos", "--json", "--skip-tokenizer-init"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["text"] is None and len(record["output_token_ids"]) == 3
+    assert main([*argv, "--skip-tokenizer-init", "--stop", "x"]) == 2
+    assert "--stop needs the tokenizer" in capsys.readouterr().err
