@@ -6,12 +6,20 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test soak lint fmt protos bench-gpu clean
 
+# CPU torch: the local wheel where the machine has one, else PyTorch's CPU index (an unpinned
+# torch from PyPI would pull a multi-GB CUDA build). The worker extra then finds it installed.
+TORCH_VERSION ?= 2.13.0
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q -U pip
-	# CPU torch from the local wheel; an unpinned torch would pull a multi-GB CUDA build.
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev]'
+	if $(BIN)/pip install -q --no-index --no-deps torch==$(TORCH_VERSION) 2>/dev/null; then \
+	  $(BIN)/pip install -q torch==$(TORCH_VERSION); \
+	else \
+	  $(BIN)/pip install -q torch --index-url $(TORCH_CPU_INDEX); \
+	fi
+	$(BIN)/pip install -q -e '.[worker,plot,dev]'
 	touch $(STAMP)
 
 demo: $(STAMP)

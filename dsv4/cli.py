@@ -1,7 +1,8 @@
 """`dsv4` console script: one subcommand per job; each parses its configuration once.
 
 Heavy imports (torch, grpc) happen inside the subcommand that needs them, so `dsv4 --help` and the
-router stay light.
+router stay light. Every user error ends as one line on stderr that names the flag and the fix
+(`main` is the one place that turns errors into that line); set DSV4_DEBUG=1 for tracebacks.
 """
 
 from __future__ import annotations
@@ -9,19 +10,34 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable
 
 Handler = Callable[[argparse.Namespace], int]
+DEBUG_ENV = "DSV4_DEBUG"
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line (the full usage is one `-h` away)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} -h)\n")
 
 
 def _cmd_make_tiny(args: argparse.Namespace) -> int:
+    from dsv4.errors import ConfigError, UsageError
     from dsv4.model.tiny import shape_config, write_checkpoint
 
     cfg = shape_config(args.shape, args.linear_dtype, args.expert_dtype)
     if args.layers:
-        ratios = tuple(int(r) for r in args.layers.split(","))
-        cfg = cfg.with_overrides(num_hidden_layers=len(ratios), compress_ratios=ratios)
+        from dsv4.generate_cli import parse_ints
+
+        ratios = parse_ints("--layers", args.layers, "compress ratios such as 0,4,128,4")
+        try:
+            cfg = cfg.with_overrides(num_hidden_layers=len(ratios), compress_ratios=ratios)
+        except ConfigError as exc:
+            raise UsageError(f"--layers {args.layers}: {exc.fix}") from exc
     if args.config_only:
         from dsv4.model.tiny import write_model_spec
 
@@ -34,56 +50,16 @@ def _cmd_make_tiny(args: argparse.Namespace) -> int:
 
 
 def _cmd_train_tiny(args: argparse.Namespace) -> int:
+    from dsv4.errors import UsageError
     from dsv4.train_tiny import train_tiny
+
+    if not args.minutes > 0:
+        raise UsageError(f"--minutes {args.minutes}: give a positive wall-time budget, e.g. 3")
+    if args.steps is not None and args.steps < 1:
+        raise UsageError(f"--steps {args.steps}: give at least 1 (or leave it out: train by time)")
 
     report = train_tiny(args.out_dir, minutes=args.minutes, seed=args.seed, steps=args.steps)
     print(json.dumps(report.summary()))
-    return 0
-
-
-def _parse_ids(text: str) -> list[int]:
-    try:
-        return [int(t) for t in text.split(",") if t.strip()]
-    except ValueError as exc:
-        raise SystemExit(f"--prompt-ids takes comma-separated integers: {exc}") from exc
-
-
-def _cmd_generate(args: argparse.Namespace) -> int:
-    import torch
-
-    from dsv4.model.tokenizer import TextCodec
-    from dsv4.model.weights import load_model
-    from dsv4.offline import generate_batch
-    from dsv4.runner.sampler import SamplingSpec
-
-    model, cfg = load_model(args.model, dtype=getattr(torch, args.dtype))
-    codec = TextCodec.from_dir(args.model)
-    prompts = [codec.encode(text) for text in args.prompt or ()]
-    prompts += [_parse_ids(ids) for ids in args.prompt_ids or ()]
-    if not prompts or any(not p for p in prompts):
-        raise SystemExit("every prompt must be non-empty: pass --prompt TEXT or --prompt-ids 1,2,3")
-    spec = SamplingSpec(args.temperature, args.top_p, args.top_k, args.seed)
-    results = generate_batch(
-        model,
-        prompts,
-        [spec] * len(prompts),
-        args.max_new_tokens,
-        stop_token_ids=() if args.ignore_eos else (cfg.eos_token_id,),
-        stop_strings=tuple(args.stop or ()),
-        codec=codec,
-    )
-    for result in results:
-        text = codec.decode(list(result.output_token_ids))
-        if args.json:
-            record = {
-                "prompt_token_ids": list(result.prompt_token_ids),
-                "output_token_ids": list(result.output_token_ids),
-                "text": text,
-                "finish_reason": result.finish_reason,
-            }
-            print(json.dumps(record))
-        else:
-            print(text)
     return 0
 
 
@@ -112,35 +88,20 @@ def _add_train_tiny(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_cmd_train_tiny)
 
 
-def _add_generate(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "generate", help="offline generation on the paged engine (one or many prompts)"
-    )
-    p.add_argument("--model", required=True, help="checkpoint directory")
-    p.add_argument("--prompt", action="append", help="a text prompt (repeat for a batch)")
-    p.add_argument("--prompt-ids", action="append", help="comma-separated token ids (repeatable)")
-    p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--stop", action="append", help="a stop string (repeatable)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
-    p.set_defaults(handler=_cmd_generate)
-
-
 def _cmd_worker(role: str) -> Handler:
     def run(args: argparse.Namespace) -> int:
         import os
 
         from dsv4.config import config_from_args
+        from dsv4.errors import UsageError
         from dsv4.logs import configure_logging
         from dsv4.worker.main import run_worker
 
         chosen = getattr(args, "worker.role", None)
-        forced = {} if role == "decode" and chosen == "colocated" else {"worker.role": role}
+        allowed = (role, "colocated") if role == "decode" else (role,)
+        if chosen is not None and chosen not in allowed:
+            raise UsageError(f"--role {chosen}: dsv4 {role} takes --role {' or '.join(allowed)}")
+        forced = {} if chosen == "colocated" else {"worker.role": role}
         config = config_from_args(args, os.environ, forced=forced)
         m = config.metrics
         configure_logging(m.log_level, m.log_format, config.worker.worker_id or role)
@@ -152,9 +113,8 @@ def _cmd_worker(role: str) -> Handler:
 def _cmd_router(args: argparse.Namespace) -> int:
     from router_svc.server import main as router_main
 
-    # Flags the sub-parser did not claim arrive in extra_args (argparse leaves leading options
-    # out of REMAINDER); the router parses them all itself.
-    return int(router_main([*args.extra_args, *args.router_args]))
+    # The sub-parser has checked the flags (one-line errors); the router parses them again.
+    return int(router_main(args.argv[args.argv.index("router") + 1 :]))
 
 
 def _cmd_loadtest(args: argparse.Namespace) -> int:
@@ -173,11 +133,9 @@ def _add_services(sub: argparse._SubParsersAction) -> None:
         p = sub.add_parser(role, help=text)
         add_config_args(p)
         p.set_defaults(handler=_cmd_worker(role))
-    p = sub.add_parser(
-        "router", add_help=False, help="serve the router (dsv4.v1.Router); flags: dsv4 router -h"
-    )
-    p.add_argument("router_args", nargs=argparse.REMAINDER)
-    p.set_defaults(handler=_cmd_router, accepts_extra_args=True)
+    p = sub.add_parser("router", help="serve the router (dsv4.v1.Router)")
+    add_config_args(p)
+    p.set_defaults(handler=_cmd_router)
     from loadgen.cli import add_loadtest_args
 
     p = sub.add_parser("loadtest", help="load-test a router (vLLM metric names, SLO goodput)")
@@ -205,16 +163,32 @@ def _die_with_parent(parent_pid: int) -> None:
         raise SystemExit(f"dsv4: launcher {parent_pid} is gone; not starting")
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f"dsv4-serve {version('dsv4-serve')}"
+    except PackageNotFoundError:
+        return "dsv4-serve (not installed: running from a source tree)"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dsv4", description=__doc__)
-    parser.add_argument("--log-level", default="WARNING")
+    parser = OneLineParser(prog="dsv4", description=__doc__)
+    parser.add_argument("--version", action="version", version=_version())
     parser.add_argument(
-        "--parent-pid", type=int, default=0, help="exit with SIGTERM when this process dies"
+        "--log-level",
+        type=str.upper,
+        choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+        default="WARNING",
     )
+    # Internal: set by `dsv4 up` and tests on the processes they launch (SIGTERM with them).
+    parser.add_argument("--parent-pid", type=int, default=0, help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_make_tiny(sub)
     _add_train_tiny(sub)
-    _add_generate(sub)
+    from dsv4.generate_cli import add_generate_parser
+
+    add_generate_parser(sub)
     from dsv4.plan_cli import add_plan_parser
 
     add_plan_parser(sub)
@@ -228,23 +202,49 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra and not getattr(args, "accepts_extra_args", False):
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    args.extra_args = extra
+        prog = f"dsv4 {args.command}"
+        parser.exit(
+            2, f"{prog}: error: unrecognized arguments: {' '.join(extra)} (see {prog} -h)\n"
+        )
+    args.extra_args, args.argv = extra, argv
     if args.parent_pid:
         _die_with_parent(args.parent_pid)
     logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    from dsv4.errors import Dsv4Error
-
     try:
         return int(args.handler(args))
-    except Dsv4Error as exc:
-        print(f"dsv4 {args.command}: error: {exc.message}", file=sys.stderr)
-        return 2
+    except Exception as exc:
+        if os.environ.get(DEBUG_ENV):
+            raise
+        print(f"dsv4 {args.command}: error: {_one_line(exc)}", file=sys.stderr)
+        return 1 if _is_bug(exc) else 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def _is_bug(exc: BaseException) -> bool:
+    from dsv4.errors import Dsv4Error
+
+    return not isinstance(exc, Dsv4Error | OSError)
+
+
+def _one_line(exc: BaseException) -> str:
+    """The user's line: typed errors and OS errors (a path the user gave) as they are; anything
+    else is a bug, named with how to get its traceback."""
+    from dsv4.errors import Dsv4Error
+
+    text = exc.message if isinstance(exc, Dsv4Error) else str(exc)
+    if _is_bug(exc):
+        text = (
+            f"internal error {type(exc).__name__}: {text} "
+            f"(a bug: rerun with {DEBUG_ENV}=1 for the traceback and report it)"
+        )
+    return " ".join(text.split())
 
 
 if __name__ == "__main__":

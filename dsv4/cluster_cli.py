@@ -20,7 +20,7 @@ from dsv4.cluster import (
     LocalCluster,
     ensure_tiny_checkpoint,
 )
-from dsv4.errors import Dsv4Error
+from dsv4.errors import Dsv4Error, UsageError
 
 
 def add_up_args(parser: argparse.ArgumentParser) -> None:
@@ -49,11 +49,38 @@ def add_up_args(parser: argparse.ArgumentParser) -> None:
 def add_demo_args(parser: argparse.ArgumentParser) -> None:
     add_up_args(parser)
     parser.add_argument("--num-prompts", type=int, default=16)
-    parser.add_argument("--request-rate", default="4")
+    parser.add_argument("--request-rate", default="4", type=_rate_text, help="req/s or inf")
     parser.set_defaults(handler=cmd_demo)
 
 
+def _rate_text(text: str) -> str:
+    """--request-rate checked now (as `dsv4 loadtest` checks it), passed on as typed."""
+    from loadgen.config import rate_from_text
+
+    try:
+        rate_from_text(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"give req/s (> 0) or inf, not {text!r}") from None
+    return text
+
+
+def _check_up_args(args: argparse.Namespace) -> None:
+    """What can be checked before any service starts (a failed start takes seconds)."""
+    for flag, count in (("--num-prefill", args.num_prefill), ("--num-decode", args.num_decode)):
+        if count < 1:
+            raise UsageError(f"{flag} {count}: give at least 1 (each pool needs a worker)")
+    if not 0 < args.port < 65536:
+        raise UsageError(f"--port {args.port}: give a TCP port in 1..65535")
+    model_dir = Path(args.model.removeprefix("random:"))
+    if args.model != "tiny" and not (model_dir / "config.json").is_file():
+        raise UsageError(
+            f"--model {args.model}: no config.json there; give a checkpoint dir, random:DIR "
+            "(dsv4 make-tiny DIR --config-only) or tiny"
+        )
+
+
 def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
+    _check_up_args(args)
     model = args.model
     if model == "tiny":
         model = str(ensure_tiny_checkpoint(Path(args.cache_dir), args.layers))

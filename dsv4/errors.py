@@ -25,10 +25,20 @@ class ConfigError(Dsv4Error):
 
     grpc_code = "INVALID_ARGUMENT"
 
-    def __init__(self, field_name: str, value: Any, fix: str) -> None:
-        super().__init__(f"config field {field_name!r} = {value!r}: {fix}")
+    def __init__(self, field_name: str, value: Any, fix: str, *, flag: str = "") -> None:
+        if flag:  # the value came from the command line: name what the user typed
+            super().__init__(f"{flag} {value!r}: {fix} (config field {field_name!r})")
+        else:
+            super().__init__(f"config field {field_name!r} = {value!r}: {fix}")
         self.field_name = field_name
         self.value = value
+        self.fix = fix
+
+
+class UsageError(Dsv4Error):
+    """A command-line flag's value is wrong: the message names the flag and the fix."""
+
+    grpc_code = "INVALID_ARGUMENT"
 
 
 class CheckpointError(Dsv4Error):

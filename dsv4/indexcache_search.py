@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dsv4.errors import UsageError
 from dsv4.model.index_cache import SHARED, IndexPattern, TopkRelay
 
 if TYPE_CHECKING:  # torch is imported where it is used: `dsv4 --help` stays light
@@ -47,12 +48,11 @@ def stdlib_text() -> str:
 def calibration_ids(model_dir: str, calib: str, vocab_size: int, max_tokens: int) -> list[int]:
     """Token ids of the calibration text (the checkpoint's tokenizer, else bytes mod vocab)."""
     text = stdlib_text() if calib == "stdlib" else Path(calib).read_text(encoding="utf-8")
-    try:
-        from dsv4.model.tokenizer import TextCodec
+    from dsv4.model.tokenizer import TextCodec
 
-        ids = TextCodec.from_dir(model_dir).encode(text)
-    except Exception:  # a checkpoint without tokenizer.json: raw bytes
-        ids = [b % vocab_size for b in text.encode()]
+    codec = TextCodec.from_dir_if_present(model_dir)
+    # A checkpoint without tokenizer.json: raw bytes.
+    ids = codec.encode(text) if codec else [b % vocab_size for b in text.encode()]
     return ids[:max_tokens]
 
 
@@ -62,7 +62,10 @@ def segments(ids: list[int], seq_len: int) -> torch.Tensor:
 
     n = len(ids) // seq_len
     if n == 0:
-        raise ValueError(f"calibration text has {len(ids)} tokens, fewer than --seq-len {seq_len}")
+        raise UsageError(
+            f"--seq-len {seq_len}: the calibration text has only {len(ids)} tokens (--max-tokens,"
+            " --calib): lower --seq-len or give more text"
+        )
     return torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len)
 
 
@@ -146,9 +149,11 @@ def greedy_search(
     """The paper's greedy search down to `budget` Full layers; returns the report dict."""
     start = IndexPattern.all_full(model.cfg)
     if not start.layer_ids:
-        raise ValueError("the model has no ratio-4 layers: nothing to share")
+        raise UsageError("--model: the model has no ratio-4 layers, so there is nothing to share")
     if not 1 <= budget <= len(start.layer_ids):
-        raise ValueError(f"--budget must be 1..{len(start.layer_ids)} (Full ratio-4 layers)")
+        raise UsageError(
+            f"--budget {budget}: give 1..{len(start.layer_ids)} (the model's ratio-4 layers)"
+        )
     record: Recorded = {}
     base_loss = lm_loss(model, batch, start, rows_per_forward, record)
     pattern, steps = start, []
@@ -191,11 +196,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="", help="also write the JSON report here")
 
 
+def _check_args(args: argparse.Namespace) -> None:
+    """What can be checked before the model loads (minutes for a large one)."""
+    import torch
+
+    for flag, value in (("--budget", args.budget), ("--seq-len", args.seq_len),
+                        ("--max-tokens", args.max_tokens)):  # fmt: skip
+        if value < 1:
+            raise UsageError(f"{flag} {value}: give a positive count")
+    if args.calib != "stdlib" and not Path(args.calib).is_file():
+        raise UsageError(f"--calib {args.calib}: no such file; give a text file or 'stdlib'")
+    if args.out and not Path(args.out).resolve().parent.is_dir():
+        raise UsageError(f"--out {args.out}: its directory does not exist")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as exc:
+        raise UsageError(f"--device {args.device}: {exc}; use cpu or cuda:N") from exc
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device {args.device}: no CUDA device here; use --device cpu")
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
     from dsv4.model.weights import load_model
 
+    _check_args(args)
     model, cfg = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device)
     ids = calibration_ids(args.model, args.calib, cfg.vocab_size, args.max_tokens)
     batch = segments(ids, min(args.seq_len, cfg.max_position_embeddings)).to(args.device)

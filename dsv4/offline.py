@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -9,13 +10,15 @@ import torch
 from dsv4.cache.layout import KVLayout
 from dsv4.cache.packing import CacheOptions
 from dsv4.engine_core import build_engine_core
+from dsv4.model.config import ModelConfig
 from dsv4.model.deepseek_v4 import DeepseekV4
 from dsv4.model.tokenizer import TextCodec
 from dsv4.runner.sampler import SamplingSpec
 from dsv4.runner.stop import TextStopChecker
 from dsv4.scheduler.config import SchedulerConfig
 from dsv4.scheduler.request import Request
-from dsv4.types import SamplingParams
+from dsv4.types import RequestLimits, SamplingParams
+from dsv4.wire.validate import check_prompt_token_ids, check_sampling
 
 
 @dataclass(frozen=True)
@@ -32,11 +35,55 @@ def default_cache_options(dtype: torch.dtype, block_size: int = 256) -> CacheOpt
     return CacheOptions(block_size=block_size, kv_dtype="fp8", index_dtype="mxfp4")
 
 
+def checked_params(
+    cfg: ModelConfig,
+    prompts: list[list[int]],
+    spec: SamplingSpec,
+    max_new_tokens: int,
+    *,
+    stop_strings: tuple[str, ...] = (),
+) -> tuple[list[SamplingParams], str | None]:
+    """The server's checks (dsv4.wire.validate) on every prompt and the sampling values, with
+    max_new_tokens capped at the room the model's context leaves each prompt.
+
+    Returns one SamplingParams per prompt and a one-line note when some prompt was capped;
+    raises InvalidRequest naming the wire field (`sampling.top_p`, `prompt_token_ids`)."""
+    limits = RequestLimits(vocab_size=cfg.vocab_size, max_model_len=cfg.max_position_embeddings)
+    params, capped = [], 0
+    for prompt in prompts:
+        check_prompt_token_ids(prompt, limits)
+        room = limits.max_model_len - len(prompt)
+        capped += max_new_tokens > room
+        params.append(
+            check_sampling(
+                temperature=spec.temperature,
+                top_p=spec.top_p,
+                top_k=spec.top_k,
+                max_new_tokens=min(max_new_tokens, room),
+                seed=spec.seed,
+                stop_token_ids=(),
+                stop_strings=stop_strings,
+                ignore_eos=False,
+                num_prompt_tokens=len(prompt),
+                limits=limits,
+            )
+        )
+    note = None
+    if capped:
+        longest = max(len(p) for p in prompts)
+        note = (
+            f"max_new_tokens {max_new_tokens} capped for {capped} of {len(prompts)} prompts: "
+            f"the model's context is {limits.max_model_len} positions (prompt + output), so "
+            f"the longest prompt ({longest} tokens) gets {limits.max_model_len - longest}"
+        )
+    return params, note
+
+
 def generate_batch(
     model: DeepseekV4,
     prompts: list[list[int]],
     specs: list[SamplingSpec],
-    max_new_tokens: int,
+    max_new_tokens: int | Sequence[int],
     *,
     stop_token_ids: tuple[int, ...] = (),
     stop_strings: tuple[str, ...] = (),
@@ -44,12 +91,15 @@ def generate_batch(
     cache_options: CacheOptions | None = None,
     max_num_batched_tokens: int = 16384,
 ) -> list[OfflineResult]:
-    """Run every prompt to completion with continuous batching; results in prompt order."""
+    """Run every prompt to completion with continuous batching; results in prompt order.
+
+    `max_new_tokens` is one budget for all prompts or one per prompt."""
     device = model.embed.weight.device
     options = cache_options or default_cache_options(model.embed.weight.dtype)
     layout = KVLayout.build(model.cfg, options)
-    longest = max(len(p) for p in prompts) + max_new_tokens
-    num_blocks = sum(layout.num_blocks_for_request(len(p) + max_new_tokens) for p in prompts)
+    budgets = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else max_new_tokens
+    longest = max(len(p) + n for p, n in zip(prompts, budgets))
+    num_blocks = sum(layout.num_blocks_for_request(len(p) + n) for p, n in zip(prompts, budgets))
     sched = SchedulerConfig(
         max_num_batched_tokens=max(max_num_batched_tokens, len(prompts)),
         max_num_seqs=len(prompts),
@@ -62,18 +112,18 @@ def generate_batch(
         model, options, sched, num_blocks=num_blocks, device=str(device), stop_checker=checker
     )
     eos = model.cfg.eos_token_id if model.cfg.eos_token_id in stop_token_ids else None
-    for i, (prompt, spec) in enumerate(zip(prompts, specs)):
+    for i, (prompt, spec, budget) in enumerate(zip(prompts, specs, budgets)):
         core.add_request(
             Request(
                 f"offline-{i}",
                 tuple(prompt),
-                max_new_tokens=max_new_tokens,
+                max_new_tokens=budget,
                 sampling_params=SamplingParams(
                     temperature=spec.temperature,
                     top_p=spec.top_p,
                     top_k=spec.top_k,
                     seed=spec.seed,
-                    max_new_tokens=max_new_tokens,
+                    max_new_tokens=budget,
                     stop_strings=stop_strings,
                 ),
                 eos_token_id=eos,

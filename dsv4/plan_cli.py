@@ -3,7 +3,8 @@
     dsv4 plan --shape flash --gpus 1 --gpu-mem 141 --host-mem 512 --max-num-seqs 16
     dsv4 plan --model /ckpt/DeepSeek-V4-Pro --gpus 8 --gpu-mem 141 --json
 
-Exit status: 0 when the plan fits (with or without expert offload), 1 when it does not.
+Exit status: 0 when the plan fits (with or without expert offload, also when the offload's fetch
+estimate is over --tpot-slo-ms: the verdict says so), 1 when it does not.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import asdict
 from typing import Any
 
 from dsv4.cache.packing import CacheOptions
+from dsv4.errors import ConfigError, UsageError
 from dsv4.model.config import ModelConfig
 from dsv4.plan import MemoryPlan, PlanRequest, WeightFormats, plan_memory, shape_config
 from dsv4.plan.verdict import gib
@@ -26,7 +28,21 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     which.add_argument("--shape", choices=["flash", "pro"], help="full-depth V4-Flash or V4-Pro")
     p.add_argument("--gpus", type=int, default=1)
     p.add_argument("--gpu-mem", type=float, required=True, help="GiB per GPU")
-    p.add_argument("--host-mem", type=float, default=0.0, help="host RAM GiB (0: no offload)")
+    p.add_argument(
+        "--host-mem", type=float, default=0.0, help="host RAM GiB per node (0: no offload)"
+    )
+    p.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=0,
+        help="GPUs sharing one node's --host-mem (0: min(--gpus, 8))",
+    )
+    p.add_argument(
+        "--tpot-slo-ms",
+        type=float,
+        default=50.0,
+        help="flag an offload whose expert fetch per decode token exceeds this",
+    )
     p.add_argument("--tp", type=int, default=0, help="tensor parallel size (0: --gpus)")
     p.add_argument("--ep", type=int, default=0, help="expert parallel size (0: --gpus)")
     p.add_argument("--max-model-len", type=int, default=65536)
@@ -52,6 +68,8 @@ def request_from_args(args: argparse.Namespace) -> PlanRequest:
         num_gpus=args.gpus,
         gpu_mem_gib=args.gpu_mem,
         host_mem_gib=args.host_mem,
+        gpus_per_node=args.gpus_per_node,
+        tpot_slo_ms=args.tpot_slo_ms,
         tp=args.tp,
         ep=args.ep,
         max_model_len=args.max_model_len,
@@ -66,8 +84,26 @@ def request_from_args(args: argparse.Namespace) -> PlanRequest:
     )
 
 
+# PlanRequest's field (what ConfigError names) -> the flag a user of `dsv4 plan` typed.
+_FLAGS = {
+    "gpus": "--gpus",
+    "gpu_mem_gib": "--gpu-mem",
+    "host_mem_gib": "--host-mem",
+    "gpus_per_node": "--gpus-per-node",
+    "tpot_slo_ms": "--tpot-slo-ms",
+    "tp/ep": "--tp/--ep",
+    "tp": "--tp",
+    "ep": "--ep",
+}
+
+
 def run_plan(args: argparse.Namespace) -> int:
-    plan = plan_memory(request_from_args(args))
+    try:
+        plan = plan_memory(request_from_args(args))
+    except ConfigError as exc:
+        if exc.field_name not in _FLAGS:
+            raise
+        raise UsageError(f"{_FLAGS[exc.field_name]} {exc.value}: {exc.fix}") from exc
     print(json.dumps(plan_to_dict(plan), indent=1) if args.json else render(plan))
     return 0 if plan.fits else 1
 
@@ -80,6 +116,9 @@ def plan_to_dict(plan: MemoryPlan) -> dict[str, Any]:
         "gpus": req.num_gpus,
         "gpu_mem_gib": req.gpu_mem_gib,
         "host_mem_gib": req.host_mem_gib,
+        "gpus_per_node": req.gpus_per_node,
+        "tpot_slo_ms": req.tpot_slo_ms,
+        "fetch_ms_per_token": plan.fetch_ms_per_token,
         "tp": req.tp,
         "ep": req.ep,
         "max_model_len": req.max_model_len,
@@ -96,6 +135,7 @@ def plan_to_dict(plan: MemoryPlan) -> dict[str, Any]:
         "offloaded_per_layer": plan.offloaded_per_layer,
         "cache_slots": plan.cache_slots,
         "host_bytes": plan.host_bytes,
+        "node_host_bytes": plan.node_host_bytes,
         "weights": [asdict(w) for w in plan.weights],
         "kv": {
             "bytes_per_request": plan.kv.bytes_per_request,

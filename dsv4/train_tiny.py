@@ -33,7 +33,7 @@ from safetensors.torch import save_file
 from dsv4.model.config import ModelConfig, tiny_config
 from dsv4.model.deepseek_v4 import DeepseekV4
 from dsv4.model.inventory import model_tensors
-from dsv4.model.tiny import encode_tensor, random_model
+from dsv4.model.tiny import encode_tensor, output_dir, random_model
 from dsv4.model.tokenizer import build_tokenizer
 
 log = logging.getLogger(__name__)
@@ -121,6 +121,7 @@ def train_tiny(
 ) -> TrainReport:
     """Train from `random_model(tiny_config(), seed)` until `steps` steps or `minutes` of wall
     time (whichever first), evaluate on the held-out module, write the checkpoint."""
+    output_dir(out_dir)  # an unwritable OUT_DIR fails now, not after the training
     torch.manual_seed(seed)
     cfg = tiny_config()
     model = random_model(cfg, seed=seed).train()

@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from tokenizers.decoders import DecodeStream
+
 from dsv4.model.tokenizer import TextCodec
 from dsv4.types import FinishReason, SamplingParams
 
@@ -28,26 +30,22 @@ _REPLACEMENT_CHAR = "\ufffd"
 class IncrementalDetokenizer:
     """Text of streamed token ids, one token at a time, holding back incomplete UTF-8.
 
-    Decodes only a short window per token (vLLM's prefix/read offsets), so a long output costs
-    O(n), not O(n^2).
+    `tokenizers.decoders.DecodeStream` does the work: it decodes only a short window per token
+    (vLLM's prefix/read offsets), so a long output costs O(n), not O(n^2). It is seeded with
+    the prompt's tail, cut back to where that tail decodes to whole characters (a token-id
+    prompt may end mid-character; its stray bytes are not the output's).
     """
 
     def __init__(self, codec: TextCodec, prompt_token_ids: Sequence[int] = ()) -> None:
-        self._codec = codec
-        self._ids = list(prompt_token_ids[-NUM_PROMPT_CONTEXT_TOKENS:])
-        self._prefix_offset = 0
-        self._read_offset = len(self._ids)
+        tail = list(prompt_token_ids[-NUM_PROMPT_CONTEXT_TOKENS:])
+        while tail and codec.decode(tail).endswith(_REPLACEMENT_CHAR):
+            tail.pop()
+        self._tokenizer = codec.tokenizer
+        self._stream = DecodeStream(tail, skip_special_tokens=True)
 
     def add(self, token_id: int) -> str:
         """The text this token completes (may be empty mid-character)."""
-        self._ids.append(token_id)
-        window = self._ids[self._prefix_offset :]
-        prefix_text = self._codec.decode(self._ids[self._prefix_offset : self._read_offset])
-        new_text = self._codec.decode(window)
-        if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT_CHAR):
-            return ""
-        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-        return new_text[len(prefix_text) :]
+        return self._stream.step(self._tokenizer, token_id) or ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,6 +1,6 @@
 # syntax=docker/dockerfile:1
-# dsv4 router image: the public gRPC front. No torch, no CUDA, no NIXL: only the packages the
-# router imports (tests/deploy/test_dockerfiles.py checks this list against its real imports).
+# dsv4 router image: the public gRPC front. No torch, no CUDA, no NIXL: `.[router]` is the
+# package's torch-free base set (tests/unit/test_packaging.py checks it covers the router's imports).
 # Build from the repository root:
 #   docker build -f deploy/docker/router.Dockerfile -t registry.example.com/dsv4-serve/router:0.1.0 .
 FROM python:3.12.8-slim-bookworm
@@ -13,13 +13,6 @@ RUN apt-get update \
  && apt-get install -y --no-install-recommends tini \
  && rm -rf /var/lib/apt/lists/*
 
-RUN pip install \
-      "grpcio>=1.66" "grpcio-health-checking>=1.66" "grpcio-reflection>=1.66" \
-      "protobuf>=5.28" "redis>=5.0" "tokenizers>=0.20" "numpy>=1.26" \
-      "prometheus-client>=0.20" "pyyaml>=6.0"
-
-# --no-deps: the distribution's own dependencies include torch and nixl, which the router
-# never imports.
 WORKDIR /opt/dsv4/src
 COPY pyproject.toml README.md ./
 COPY dsv4 ./dsv4
@@ -29,8 +22,8 @@ COPY decode_svc ./decode_svc
 COPY router_svc ./router_svc
 COPY loadgen ./loadgen
 COPY benchmarks ./benchmarks
-RUN pip install --no-deps . \
- && python -c "import router_svc.server, loadgen.cli"
+RUN pip install ".[router]" \
+ && python -c "import sys, router_svc.server, loadgen.cli; assert 'torch' not in sys.modules"
 
 RUN groupadd --gid 10001 dsv4 \
  && useradd --uid 10001 --gid 10001 --no-create-home --shell /usr/sbin/nologin dsv4

@@ -1,5 +1,6 @@
 # syntax=docker/dockerfile:1
 # dsv4 worker image (prefill and decode): CUDA, torch, Triton, FlashInfer, NIXL (UCX), dsv4.
+# NIXL comes as nixl-cu13 alone (the worker extra), matching this CUDA 13 base.
 # Build from the repository root:
 #   docker build -f deploy/docker/worker.Dockerfile -t registry.example.com/dsv4-serve/worker:0.1.0 .
 # The devel base is deliberate: Triton compiles a launcher stub with gcc and FlashInfer JIT-builds
@@ -36,8 +37,8 @@ COPY decode_svc ./decode_svc
 COPY router_svc ./router_svc
 COPY loadgen ./loadgen
 COPY benchmarks ./benchmarks
-RUN pip install ".[gpu]" \
- && python -c "import dsv4, prefill_svc, decode_svc, nixl, triton, torch"
+RUN pip install ".[worker,gpu]" \
+ && python -c "import dsv4, prefill_svc, decode_svc, nixl_cu13, triton, torch"
 COPY deploy/scripts/drain.py /opt/dsv4/drain.py
 
 # Non-root by default (uid 10001). The prod-multi-node overlay runs workers as root with only

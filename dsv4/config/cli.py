@@ -10,6 +10,7 @@ from typing import Any
 
 from dsv4.config.load import CONFIG_PATH_ENV, SPECS, load_config
 from dsv4.config.sections import ServeConfig
+from dsv4.errors import ConfigError
 
 CONFIG_PATH_DEST = "config_path"
 
@@ -59,4 +60,10 @@ def config_from_args(
     """
     given = {key: value for key, value in vars(args).items() if key in SPECS}
     yaml_path = getattr(args, CONFIG_PATH_DEST, None) or env.get(CONFIG_PATH_ENV) or None
-    return load_config({**given, **(forced or {})}, yaml_path, env)
+    try:
+        return load_config({**given, **(forced or {})}, yaml_path, env)
+    except ConfigError as exc:
+        if exc.field_name not in given or exc.field_name in (forced or {}):
+            raise
+        flag = SPECS[exc.field_name].flag
+        raise ConfigError(exc.field_name, exc.value, exc.fix, flag=flag) from exc

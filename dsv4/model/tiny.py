@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from dsv4.errors import CheckpointError
 from dsv4.model.config import ModelConfig, flash_config, tiny_config
 from dsv4.model.fp8 import quantized_linears_, served_linear_format
 from dsv4.model.inventory import TensorSpec, checkpoint_tensors, model_tensors, quantized_kind
@@ -73,6 +74,22 @@ def encode_tensor(
     return {name: value.to(_STORE_DTYPES[fmt]).contiguous()}
 
 
+def output_dir(out_dir: str | Path) -> Path:
+    """`out_dir`, created (with parents) and writable, or a CheckpointError saying which."""
+    out = Path(out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".dsv4-write-probe"
+        probe.touch()
+        probe.unlink()
+    except OSError as exc:
+        raise CheckpointError(
+            f"cannot write the checkpoint directory {out} ({exc.strerror or exc}): "
+            "give an OUT_DIR you can create and write"
+        ) from exc
+    return out
+
+
 def write_checkpoint(
     out_dir: str | Path,
     cfg: ModelConfig,
@@ -81,8 +98,7 @@ def write_checkpoint(
     with_tokenizer: bool = True,
 ) -> Path:
     """Write config.json, sharded safetensors + index, and tokenizer.json into `out_dir`."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = output_dir(out_dir)
     gen = torch.Generator().manual_seed(seed)
     shards: list[dict[str, torch.Tensor]] = [{}]
     shard_bytes = 0
@@ -117,8 +133,7 @@ def write_model_spec(out_dir: str | Path, cfg: ModelConfig, with_tokenizer: bool
     """config.json (+ tokenizer.json) without weights: served as `--model random:DIR`, every
     process draws the same weights from model.seed on its device (large random-weight shapes
     that would take minutes to write and read)."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = output_dir(out_dir)
     (out / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=1))
     if with_tokenizer:
         tok = build_tokenizer(cfg.vocab_size, bos_id=cfg.bos_token_id, eos_id=cfg.eos_token_id)

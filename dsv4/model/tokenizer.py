@@ -68,6 +68,19 @@ class TextCodec:
             raise CheckpointError(f"{path} is missing: the model directory has no tokenizer")
         return cls(Tokenizer.from_file(str(path)))
 
+    @classmethod
+    def from_dir_if_present(cls, model_dir: str | Path) -> TextCodec | None:
+        """The checkpoint's tokenizer, or None for a token-ids-only checkpoint (no
+        tokenizer.json: callers then take and return token ids, as vLLM's
+        --skip-tokenizer-init does)."""
+        path = Path(model_dir) / "tokenizer.json"
+        return cls(Tokenizer.from_file(str(path))) if path.exists() else None
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The `tokenizers.Tokenizer` (for `tokenizers.decoders.DecodeStream`)."""
+        return self._tok
+
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()

@@ -47,7 +47,8 @@ class PlanRequest:
     model: ModelConfig
     num_gpus: int = 1
     gpu_mem_gib: float = 80.0
-    host_mem_gib: float = 0.0  # 0: no expert offload
+    host_mem_gib: float = 0.0  # per node, shared by its GPUs; 0: no expert offload
+    gpus_per_node: int = 0  # GPUs that share one host's memory; 0: min(num_gpus, 8)
     tp: int = 0  # 0: num_gpus
     ep: int = 0  # 0: num_gpus (1 GPU: no EP)
     max_model_len: int = 65536
@@ -60,6 +61,7 @@ class PlanRequest:
     host_mem_fraction: float = 0.8  # share of host RAM that may be pinned for experts
     cache_slots: int = 0  # device slots per layer for cold experts; 0: num_experts_per_tok
     h2d_gb_per_s: float = 25.0  # pinned host->device bandwidth for the fetch estimate
+    tpot_slo_ms: float = 50.0  # an offload whose fetch estimate exceeds it is flagged
     formats: WeightFormats = field(default_factory=WeightFormats)
     cache: CacheOptions = field(default_factory=CacheOptions)
 
@@ -68,17 +70,28 @@ class PlanRequest:
         tp = self.tp or self.num_gpus
         ep = self.ep or self.num_gpus
         cfg = self.model
-        if self.num_gpus < 1 or self.num_gpus % tp or self.num_gpus % ep:
+        if self.num_gpus < 1:
+            raise ConfigError("gpus", self.num_gpus, "give at least 1 GPU")
+        per_node = min(self.gpus_per_node or 8, self.num_gpus)
+        if self.gpus_per_node < 0 or self.num_gpus % per_node:
+            raise ConfigError(
+                "gpus_per_node", self.gpus_per_node, f"must divide --gpus {self.num_gpus}"
+            )
+        if not self.tpot_slo_ms > 0:
+            raise ConfigError("tpot_slo_ms", self.tpot_slo_ms, "give a positive SLO, e.g. 50")
+        if self.num_gpus % tp or self.num_gpus % ep:
             raise ConfigError("tp/ep", (tp, ep), f"each must divide --gpus {self.num_gpus}")
         if cfg.num_attention_heads % tp or cfg.o_groups % tp:
             raise ConfigError("tp", tp, f"must divide o_groups={cfg.o_groups} (and the heads)")
         if ep > cfg.n_routed_experts:
             raise ConfigError("ep", ep, f"at most n_routed_experts={cfg.n_routed_experts}")
-        if self.gpu_mem_gib <= 0 or self.host_mem_gib < 0:
+        if not self.gpu_mem_gib > 0:
             raise ConfigError("gpu_mem_gib", self.gpu_mem_gib, "give device memory in GiB (> 0)")
+        if not self.host_mem_gib >= 0:
+            raise ConfigError("host_mem_gib", self.host_mem_gib, "give host memory in GiB (>= 0)")
         slots = self.cache_slots or cfg.num_experts_per_tok
         cache = replace(self.cache, num_speculative_tokens=self.num_speculative_tokens)
-        return replace(self, tp=tp, ep=ep, cache_slots=slots, cache=cache)
+        return replace(self, tp=tp, ep=ep, gpus_per_node=per_node, cache_slots=slots, cache=cache)
 
 
 @dataclass(frozen=True)
@@ -94,8 +107,8 @@ class MemoryPlan:
     verdict: str
     offloaded_per_layer: int  # K (for DOES_NOT_FIT: the K that was tried)
     cache_slots: int  # device slots per layer for cold experts (0 without offload)
-    host_bytes: int  # pinned host memory for the offloaded experts
-    host_usable_bytes: int
+    host_bytes: int  # pinned host memory for the offloaded experts of ONE GPU
+    host_usable_bytes: int  # of one node (its GPUs share it)
     message: str
 
     @property
@@ -121,6 +134,23 @@ class MemoryPlan:
         """Device bytes of this plan (after offload, if any)."""
         fixed = self.weight_bytes - self.routed_expert_bytes + self.buffer_bytes
         return fixed + self.device_expert_bytes + self.kv.total_bytes
+
+    @property
+    def node_host_bytes(self) -> int:
+        """Pinned host memory of one node: every GPU on it holds its own offloaded experts."""
+        return self.host_bytes * self.request.gpus_per_node
+
+    @property
+    def fetch_ms_per_token(self) -> float:
+        """Upper bound on the expert fetch time per decode token under uniform routing: a
+        token misses top_k * K / E experts per layer (the hot-expert cache and skewed routing
+        only lower it)."""
+        req = self.request
+        if not self.offloaded_per_layer:
+            return 0.0
+        missed = req.model.num_experts_per_tok * self.offloaded_per_layer / self.experts_per_layer
+        per_token = self.num_moe_layers * missed * self.expert_bytes
+        return per_token / (req.h2d_gb_per_s * 1e9) * 1e3
 
     @property
     def fits(self) -> bool:

@@ -4,7 +4,9 @@ Offloading K routed experts per MoE layer to pinned host memory saves `K - slots
 device memory per layer: the `slots` device cache slots per layer (through which the selected
 cold experts are fetched) cost memory too. So the smallest K that fits is
     K = slots + ceil(deficit / (num_moe_layers * expert_bytes)),
-and it must not exceed the experts a GPU holds per layer, nor its host copy the pinned budget.
+and it must not exceed the experts a GPU holds per layer, nor the host copies of all the GPUs
+of a node (host memory is per node) its pinned budget. An offload whose fetch estimate exceeds
+the TPOT SLO fits in memory but not in time: its own verdict says so.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ if TYPE_CHECKING:
     from dsv4.plan.planner import MemoryPlan
 
 FITS, FITS_WITH_OFFLOAD, DOES_NOT_FIT = "fits", "fits_with_offload", "does_not_fit"
+FITS_WITH_OFFLOAD_OVER_SLO = "fits_with_offload_over_tpot_slo"  # memory fits; decode too slow
 _GIB = 1024**3
 
 
@@ -40,9 +43,11 @@ def decide(plan: MemoryPlan) -> MemoryPlan:
         plan, offloaded_per_layer=k, cache_slots=slots, host_bytes=layers * k * per_expert
     )
     device_ok = attempt.needed_bytes <= attempt.usable_bytes
-    host_ok = attempt.host_bytes <= attempt.host_usable_bytes
+    host_ok = attempt.node_host_bytes <= attempt.host_usable_bytes
     if device_ok and host_ok:
-        return replace(attempt, verdict=FITS_WITH_OFFLOAD, message=_offload_message(attempt))
+        slow = attempt.fetch_ms_per_token > req.tpot_slo_ms
+        verdict = FITS_WITH_OFFLOAD_OVER_SLO if slow else FITS_WITH_OFFLOAD
+        return replace(attempt, verdict=verdict, message=_offload_message(attempt, slow))
     return replace(attempt, verdict=DOES_NOT_FIT, message=_no_fit_message(plan, attempt, device_ok))
 
 
@@ -87,19 +92,32 @@ def _fits_message(plan: MemoryPlan) -> str:
     return f"fits: {_where(plan)}; {_breakdown(plan)}; room for {spare} more full-length seqs"
 
 
-def _offload_message(plan: MemoryPlan) -> str:
+def _offload_message(plan: MemoryPlan, slow: bool) -> str:
     req = plan.request
     e, k = plan.experts_per_layer, plan.offloaded_per_layer
-    top_k = req.model.num_experts_per_tok
-    # Uniform routing: a decode token misses top_k * K / E experts per layer (an upper bound:
-    # the hot-expert cache and skewed routing only lower it).
-    per_token = plan.num_moe_layers * top_k * k / e * plan.expert_bytes
-    ms = per_token / (req.h2d_gb_per_s * 1e9) * 1e3
+    fetch = (
+        f"uniform-routing fetch <= {plan.fetch_ms_per_token:.1f} ms per decode token at"
+        f" {req.h2d_gb_per_s:g} GB/s"
+    )
+    head = f"fits with {k} of {e} experts per layer offloaded to pinned host memory"
+    if slow:
+        head = (
+            f"OVER THE TPOT SLO: memory fits with {k} of {e} experts per layer offloaded, but"
+            f" fetching them takes up to {plan.fetch_ms_per_token:.1f} ms per decode token, over"
+            f" --tpot-slo-ms {req.tpot_slo_ms:g} (fixes: more GPUs, fewer --max-num-seqs or a"
+            " shorter --max-model-len, so fewer experts are offloaded)"
+        )
     return (
-        f"fits with {k} of {e} experts per layer offloaded to pinned host memory: {_where(plan)};"
-        f" {_breakdown(plan)}; host holds {gib(plan.host_bytes)} of {gib(plan.host_usable_bytes)}"
-        f" pinnable; device keeps {e - k} resident + {plan.cache_slots} cache slots per layer;"
-        f" uniform-routing fetch <= {ms:.1f} ms per decode token at {req.h2d_gb_per_s:g} GB/s"
+        f"{head}: {_where(plan)}; {_breakdown(plan)}; host holds {_host(plan)};"
+        f" device keeps {e - k} resident + {plan.cache_slots} cache slots per layer; {fetch}"
+    )
+
+
+def _host(plan: MemoryPlan) -> str:
+    n = plan.request.gpus_per_node
+    return (
+        f"{n} GPUs x {gib(plan.host_bytes)} = {gib(plan.node_host_bytes)} of"
+        f" {gib(plan.host_usable_bytes)} pinnable per node"
     )
 
 
@@ -111,9 +129,11 @@ def _no_fit_message(plan: MemoryPlan, attempt: MemoryPlan, device_ok: bool) -> s
     if device_ok:
         lines.append(
             f"Offloading {k} of {e} experts per layer would fit the device but needs"
-            f" {gib(attempt.host_bytes)} of pinned host memory; --host-mem {req.host_mem_gib:g}"
-            f" allows {gib(attempt.host_usable_bytes)} (x {req.host_mem_fraction:g}): give"
-            f" --host-mem >= {math.ceil(attempt.host_bytes / req.host_mem_fraction / _GIB)}."
+            f" {req.gpus_per_node} GPUs x {gib(attempt.host_bytes)} ="
+            f" {gib(attempt.node_host_bytes)} of pinned host memory per node; --host-mem"
+            f" {req.host_mem_gib:g} allows {gib(attempt.host_usable_bytes)}"
+            f" (x {req.host_mem_fraction:g}): give --host-mem >="
+            f" {math.ceil(attempt.node_host_bytes / req.host_mem_fraction / _GIB)} per node."
         )
     else:
         lines.append(
@@ -121,7 +141,7 @@ def _no_fit_message(plan: MemoryPlan, attempt: MemoryPlan, device_ok: bool) -> s
             f" {gib(attempt.needed_bytes)} per GPU, short by"
             f" {gib(attempt.needed_bytes - attempt.usable_bytes)}."
         )
-    best = attempt if attempt.host_bytes <= attempt.host_usable_bytes else plan
+    best = attempt if attempt.node_host_bytes <= attempt.host_usable_bytes else plan
     fit_seqs = max_seqs_that_fit(best)
     if fit_seqs:
         fix = f"--max-num-seqs {fit_seqs} (full-length sequences whose KV fits)"

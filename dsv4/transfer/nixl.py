@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import base64
+import importlib
 import itertools
 import json
 import logging
@@ -72,16 +73,28 @@ class _Pull:
     post_error: str | None = None
 
 
+def _nixl_api() -> tuple[type, type]:
+    """`nixl_agent`, `nixl_agent_config` from whichever NIXL build is installed: the `nixl`
+    meta-package (it picks a build by CUDA version), else `nixl-cu13` or `nixl-cu12` alone (what
+    the worker extra installs; either runs UCX on a CPU-only host)."""
+    missing = []
+    for module in ("nixl._api", "nixl_cu13._api", "nixl_cu12._api"):
+        try:
+            api = importlib.import_module(module)
+        except ImportError as exc:  # the meta-package raises it when its CUDA build is absent
+            missing.append(str(exc))
+            continue
+        return api.nixl_agent, api.nixl_agent_config
+    raise TransferError(f"NIXL is not installed ({'; '.join(missing)}): pip install nixl-cu13")
+
+
 class NixlAgentBox:
     """The NIXL agent and everything registered or prepped on it; callers hold the lock."""
 
     def __init__(
         self, name: str, backing: torch.Tensor, control: torch.Tensor, ucx_params: dict[str, str]
     ) -> None:
-        try:
-            from nixl._api import nixl_agent, nixl_agent_config
-        except ImportError as exc:
-            raise TransferError(f"NIXL is not installed ({exc}); pip install nixl") from exc
+        nixl_agent, nixl_agent_config = _nixl_api()
         self.agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=[]))
         self.agent.create_backend("UCX", ucx_params)
         self.backing_shape: tuple[int, int] = (backing.shape[0], backing.shape[1])

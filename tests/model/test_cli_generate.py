@@ -41,11 +41,53 @@ def test_generate_sampling_is_seed_reproducible(tiny_dir, capsys) -> None:
     assert outs[0] == outs[1]
 
 
-def test_generate_rejects_empty_prompt(tiny_dir) -> None:
-    with pytest.raises(SystemExit, match="non-empty"):
-        main(["generate", "--model", str(tiny_dir), "--prompt", ""])
+def test_generate_rejects_empty_prompt(tiny_dir, capsys) -> None:
+    assert main(["generate", "--model", str(tiny_dir), "--prompt", ""]) == 2
+    assert "non-empty" in capsys.readouterr().err
 
 
 def test_generate_reports_missing_checkpoint(tmp_path, capsys) -> None:
     assert main(["generate", "--model", str(tmp_path), "--prompt", "x"]) == 2
-    assert "error" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--model" in err and len(err.splitlines()) == 1
+
+
+@pytest.fixture(scope="module")
+def ids_only_dir(tiny_dir, tmp_path_factory: pytest.TempPathFactory):
+    """The tiny checkpoint without tokenizer.json and with a 12-position context."""
+    out = tmp_path_factory.mktemp("ids-only")
+    for path in tiny_dir.iterdir():
+        if path.name != "tokenizer.json":
+            (out / path.name).write_bytes(path.read_bytes())
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 12}))
+    return out
+
+
+def test_prompt_ids_need_no_tokenizer_and_tokens_cap_at_the_context(ids_only_dir, capsys) -> None:
+    capsys.readouterr()
+    argv = ["generate", "--model", str(ids_only_dir), "--prompt-ids", "1,2,3", "--ignore-eos"]
+    assert main([*argv, "--max-new-tokens", "100000", "--json"]) == 0
+    out, err = capsys.readouterr()
+    record = json.loads(out)
+    # 12 positions - 3 prompt tokens: 9 new tokens, and one line saying so.
+    assert len(record["output_token_ids"]) == 9 and record["text"] is None
+    assert record["finish_reason"] == "length"
+    assert err.count("\n") == 1 and "--max-new-tokens 100000 capped" in err
+    assert main([*argv, "--max-new-tokens", "4"]) == 0
+    assert capsys.readouterr().out.strip() == ",".join(map(str, record["output_token_ids"][:4]))
+
+
+def test_text_prompt_without_a_tokenizer_says_use_prompt_ids(ids_only_dir, capsys) -> None:
+    assert main(["generate", "--model", str(ids_only_dir), "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert "no tokenizer.json" in err and "--prompt-ids" in err
+
+
+def test_skip_tokenizer_init_gives_token_ids_only(tiny_dir, capsys) -> None:
+    argv = ["generate", "--model", str(tiny_dir), "--prompt-ids", "9,10", "--max-new-tokens", "3"]
+    assert main([*argv, "--ignore-eos", "--json", "--skip-tokenizer-init"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["text"] is None and len(record["output_token_ids"]) == 3
+    assert main([*argv, "--skip-tokenizer-init", "--stop", "x"]) == 2
+    assert "--stop needs the tokenizer" in capsys.readouterr().err

@@ -14,6 +14,7 @@ from dsv4.plan import (
     DOES_NOT_FIT,
     FITS,
     FITS_WITH_OFFLOAD,
+    FITS_WITH_OFFLOAD_OVER_SLO,
     PlanDoesNotFit,
     PlanRequest,
     WeightFormats,
@@ -180,6 +181,47 @@ def test_cli_json_and_exit_status(capsys):
     assert main(["plan", "--shape", "pro", "--gpus", "1", "--gpu-mem", "80"]) == 1
     text = capsys.readouterr().out
     assert "routed_experts [fp4]" in text and "verdict: does_not_fit" in text
+
+
+def test_host_memory_is_per_node_shared_by_its_gpus():
+    """V4-Pro on 8 H200s offloads 41 of 48 experts per layer: 81.74 GiB of pinned host memory
+    per GPU, 8 x that on one node; 512 GiB (409.6 pinnable) does not hold it."""
+    req = PlanRequest(PRO, num_gpus=8, gpu_mem_gib=141, host_mem_gib=512)
+    plan = plan_memory(req)
+    assert plan.verdict == DOES_NOT_FIT and plan.request.gpus_per_node == 8
+    assert plan.node_host_bytes == 8 * plan.host_bytes > plan.host_usable_bytes
+    assert plan.host_bytes <= plan.host_usable_bytes  # the per-GPU check used to pass
+    need = -(-plan.node_host_bytes // int(0.8 * GIB))
+    assert f"give --host-mem >= {need} per node" in plan.message
+    # One GPU per node (eight hosts): each node holds one GPU's experts.
+    spread = plan_memory(PlanRequest(PRO, num_gpus=8, gpu_mem_gib=141, host_mem_gib=512,
+                                     gpus_per_node=1, tpot_slo_ms=1000))  # fmt: skip
+    assert spread.verdict == FITS_WITH_OFFLOAD and spread.node_host_bytes == spread.host_bytes
+
+
+def test_offload_over_the_tpot_slo_is_not_plain_fits():
+    """The fetch estimate: top_k * K / E missed experts per layer and token, over H2D."""
+    req = PlanRequest(PRO, num_gpus=8, gpu_mem_gib=141, host_mem_gib=1024)
+    plan = plan_memory(req)
+    k, e, eb = plan.offloaded_per_layer, plan.experts_per_layer, plan.expert_bytes
+    ms = 61 * PRO.num_experts_per_tok * k / e * eb / 25e9 * 1e3
+    assert plan.fetch_ms_per_token == pytest.approx(ms) and ms > 50
+    assert plan.verdict == FITS_WITH_OFFLOAD_OVER_SLO and plan.fits
+    assert plan.message.startswith("OVER THE TPOT SLO") and "--tpot-slo-ms 50" in plan.message
+    relaxed = plan_memory(PlanRequest(PRO, num_gpus=8, gpu_mem_gib=141, host_mem_gib=1024,
+                                      tpot_slo_ms=ms + 1))  # fmt: skip
+    assert relaxed.verdict == FITS_WITH_OFFLOAD and relaxed.message.startswith("fits with")
+
+
+def test_bad_node_and_slo_values_are_config_errors():
+    from dsv4.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="gpus_per_node"):
+        plan_memory(PlanRequest(FLASH, num_gpus=8, gpus_per_node=3, gpu_mem_gib=80))
+    with pytest.raises(ConfigError, match="tpot_slo_ms"):
+        plan_memory(PlanRequest(FLASH, gpu_mem_gib=80, tpot_slo_ms=0))
+    with pytest.raises(ConfigError, match="host_mem_gib"):
+        plan_memory(PlanRequest(FLASH, gpu_mem_gib=80, host_mem_gib=-1))
 
 
 def test_bad_parallel_sizes_are_config_errors():
