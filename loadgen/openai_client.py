@@ -113,7 +113,8 @@ class OpenAIClient:
         if chosen is None:
             return None
         self.model = self.model or str(chosen["id"])
-        return ModelInfoView(str(chosen["id"]), 0, int(chosen.get("max_model_len") or 0))
+        vocab_size = int(chosen.get("vocab_size") or 0)  # dsv4's /v1/models lists it; vLLM's not
+        return ModelInfoView(str(chosen["id"]), vocab_size, int(chosen.get("max_model_len") or 0))
 
     def prompt_text(self, request: LoadRequest) -> str:
         if request.prompt_text is not None:

@@ -168,8 +168,10 @@ class HttpFront:
             info = self._servicer.model_info()
         except Dsv4Error as exc:
             raise _api_error(exc) from exc
+        # max_model_len as vLLM lists it; vocab_size is ours (clients ignore unknown keys), so a
+        # load generator can draw in-vocabulary token-id prompts without the tokenizer.
         model = {"id": info.model_name, "object": "model", "created": 0, "owned_by": "dsv4",
-                 "max_model_len": info.max_model_len}  # fmt: skip
+                 "max_model_len": info.max_model_len, "vocab_size": info.vocab_size}  # fmt: skip
         return web.json_response({"object": "list", "data": [model]})
 
     async def health(self, request: web.Request) -> web.Response:

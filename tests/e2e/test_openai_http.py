@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -93,6 +96,7 @@ def http_post(url: str, data: bytes) -> tuple[int, Any]:
 def test_models_health_and_metrics(cluster, client) -> None:
     models = client.models.list().data
     assert [m.id for m in models] == [str(cluster.spec.model_dir)]
+    assert models[0].model_extra["vocab_size"] > 0  # what `dsv4 loadtest --backend openai` reads
     assert http_get(cluster.http_url.removesuffix("/v1") + "/health")[0] == 200
     status, _, text = http_get(cluster.http_url.removesuffix("/v1") + "/metrics")
     assert status == 200 and "vllm:num_requests_running" in text
@@ -254,3 +258,17 @@ def test_deadline_is_504_whole_and_an_error_event_streamed(cluster, model_dir) -
     finally:
         router.stop()
     asyncio.run(assert_no_worker_leaks(cluster))
+
+
+def test_loadtest_openai_backends_drive_the_front(cluster, client) -> None:
+    """`dsv4 loadtest --backend openai|openai-chat` against this front: every request succeeds
+    with in-vocabulary prompts drawn from the vocabulary size /v1/models lists."""
+    for backend in ("openai", "openai-chat"):
+        done = subprocess.run(
+            [sys.executable, "-m", "dsv4.cli", "loadtest", "--backend", backend, "--base-url",
+             cluster.http_url.removesuffix("/v1"), "--num-prompts", "2", "--random-input-len", "16",
+             "--random-output-len", "4", "--request-rate", "inf", "--disable-tqdm"],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        assert re.search(r"Successful requests:\s+2\b", done.stdout), done.stdout
