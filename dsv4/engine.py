@@ -3,7 +3,10 @@
 The engine thread owns the core: every mutation (add, abort, adopt, release) is a command that
 runs there between steps, so the core needs no locks. Results travel back through
 `loop.call_soon_threadsafe` into one `asyncio.Queue` per request. A step that raises fails the
-requests it touched with that error (logged once) and the loop goes on with the rest.
+requests it touched with `StepFailed` (INTERNAL, logged once) and the loop goes on with the rest.
+`can_step` turns False when the thread died or `MAX_CONSECUTIVE_STEP_FAILURES` steps in a row
+raised (the worker's health then says NOT_SERVING); while so, an idle engine tries a one-token
+probe request every `PROBE_INTERVAL_S`, and any step that succeeds makes it True again.
 
 Who calls what: servicers (asyncio thread) call the async methods; nothing else touches the core.
 `stop()` aborts every live request, ends the thread and joins it.
@@ -15,18 +18,22 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from dsv4.engine_core import EngineCore, EngineLoad, HeldBlocks
-from dsv4.errors import Cancelled, Dsv4Error, Unavailable
+from dsv4.errors import Cancelled, Dsv4Error, StepFailed, Unavailable
 from dsv4.scheduler.batch import RequestOutput
 from dsv4.scheduler.request import FinishReason, Request
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 _IDLE_WAIT_S = 0.05
+MAX_CONSECUTIVE_STEP_FAILURES = 3
+PROBE_INTERVAL_S = 1.0
+PROBE_REQUEST_ID = "__step_probe__"
 
 
 @dataclass(frozen=True)
@@ -59,6 +66,9 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._load = core.load()
+        self.num_step_failures = 0
+        self.consecutive_step_failures = 0  # written by the engine thread only
+        self._last_probe_s = 0.0
 
     # ---- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
@@ -76,6 +86,11 @@ class AsyncEngine:
     @property
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def can_step(self) -> bool:
+        """False when the engine thread is gone or its last steps all raised (read anywhere)."""
+        return self.is_running and self.consecutive_step_failures < MAX_CONSECUTIVE_STEP_FAILURES
 
     def load(self) -> EngineLoad:
         """The load as of the last step (read from any thread)."""
@@ -192,13 +207,22 @@ class AsyncEngine:
         while not self._stopping.is_set():
             self._run_commands(block=not self.core.has_work())
             if not self.core.has_work():
+                self._maybe_probe()
                 continue
             try:
                 outputs = self.core.step()
-            except Exception as exc:  # a bug or a device fault: fail what was running
-                log.exception("%s: engine step failed", self.name)
-                self._abort_all(Unavailable(f"{self.name}: engine step failed: {exc}"))
+            except StepFailed as exc:  # the core already ended the step's requests
+                self._on_step_failure(exc)
+                for request_id in exc.request_ids:
+                    self._fail(request_id, exc)
                 continue
+            except Exception as exc:  # schedule() itself raised: nothing can be trusted
+                failure = StepFailed(f"{self.name}: engine step failed: {exc!r}")
+                self._on_step_failure(failure)
+                self.core.scheduler.discard_in_flight()
+                self._abort_all(failure)
+                continue
+            self.consecutive_step_failures = 0
             for out in outputs:
                 stream = self._streams.get(out.request_id)
                 if stream is not None:
@@ -218,6 +242,21 @@ class AsyncEngine:
             except queue.Empty:
                 break
         self._load = self.core.load()
+
+    def _on_step_failure(self, exc: StepFailed) -> None:
+        self.num_step_failures += 1
+        self.consecutive_step_failures += 1
+        log.error("%s: %s", self.name, exc.message, exc_info=exc.__cause__ or exc)
+
+    def _maybe_probe(self) -> None:
+        """After failed steps, an idle engine checks that it can step again (one token)."""
+        if self.consecutive_step_failures == 0 or self._stopping.is_set():
+            return
+        now = time.monotonic()
+        if now - self._last_probe_s < PROBE_INTERVAL_S:
+            return
+        self._last_probe_s = now
+        self.core.add_request(Request(PROBE_REQUEST_ID, (2, 3, 4, 5), max_new_tokens=1))
 
     def _abort_all(self, exc: BaseException | None = None) -> None:
         for request_id in list(self.core.scheduler.request_ids()):

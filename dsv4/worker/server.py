@@ -15,6 +15,7 @@ servicer; the caller adds its servicer, binds with `bind_port`, starts, and at s
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 from collections.abc import Awaitable, Callable, Sequence
@@ -132,6 +133,26 @@ async def set_serving(
     )
     for name in ("", *service_names):
         await health_servicer.set(name, status)
+
+
+async def follow_engine_health(
+    health_servicer: health.aio.HealthServicer,
+    service_names: Sequence[str],
+    can_serve: Callable[[], bool],
+    interval_s: float = 0.25,
+) -> None:
+    """Keep health SERVING exactly while `can_serve()` (engine can step, not draining); runs
+    until cancelled (the worker's main task owns it). A worker whose engine thread died or
+    whose steps keep failing says NOT_SERVING, so probes and load balancers stop sending."""
+    serving: bool | None = None
+    while True:
+        now = can_serve()
+        if now != serving:
+            if serving is not None:
+                logger.warning("health: %s", "SERVING" if now else "NOT_SERVING (engine)")
+            await set_serving(health_servicer, service_names, now)
+            serving = now
+        await asyncio.sleep(interval_s)
 
 
 async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
