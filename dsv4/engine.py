@@ -204,6 +204,15 @@ class AsyncEngine:
 
     # ---- the engine thread -----------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # a bug outside any step: no stream may wait forever
+            log.critical("%s: the engine thread died", self.name, exc_info=exc)
+            for request_id in list(self._streams):
+                self._fail(request_id, Unavailable(f"{self.name}: the engine thread died: {exc!r}"))
+            raise
+
+    def _loop(self) -> None:
         while not self._stopping.is_set():
             self._run_commands(block=not self.core.has_work())
             if not self.core.has_work():
@@ -218,6 +227,7 @@ class AsyncEngine:
                 continue
             except Exception as exc:  # schedule() itself raised: nothing can be trusted
                 failure = StepFailed(f"{self.name}: engine step failed: {exc!r}")
+                failure.__cause__ = exc
                 self._on_step_failure(failure)
                 self.core.scheduler.discard_in_flight()
                 self._abort_all(failure)
@@ -249,8 +259,8 @@ class AsyncEngine:
         log.error("%s: %s", self.name, exc.message, exc_info=exc.__cause__ or exc)
 
     def _maybe_probe(self) -> None:
-        """After failed steps, an idle engine checks that it can step again (one token)."""
-        if self.consecutive_step_failures == 0 or self._stopping.is_set():
+        """An idle engine that cannot step checks whether it can again (one token)."""
+        if self.consecutive_step_failures < MAX_CONSECUTIVE_STEP_FAILURES:
             return
         now = time.monotonic()
         if now - self._last_probe_s < PROBE_INTERVAL_S:

@@ -11,6 +11,8 @@ servicer; the caller adds its servicer, binds with `bind_port`, starts, and at s
   Kubernetes probes work without the secret.
 - With `security.tls_cert_path`, the port is TLS (mutual when `require_client_cert`).
 - A request that does not parse ends INVALID_ARGUMENT (`dsv4.rpc_guard`), never UNKNOWN.
+- Health follows the engine (`follow_engine_health`): NOT_SERVING while the engine cannot
+  step (thread gone, or its last steps all failed) or the worker drains.
 """
 
 from __future__ import annotations

@@ -10,17 +10,21 @@ import time
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from dsv4.config import ServeConfig
 from dsv4.engine import MAX_CONSECUTIVE_STEP_FAILURES, AsyncEngine
 from dsv4.engine_core import EngineCore
 from dsv4.errors import InvalidRequest, OutOfBlocks, StepFailed, to_grpc_status
 from dsv4.model.generate import generate
 from dsv4.runner.model_runner import ModelRunner
 from dsv4.scheduler.batch import RequestStepOutput, ScheduledBatch, StepOutput
+from dsv4.worker.server import bind_port, follow_engine_health, make_server
 from tests.engine.conftest import greedy_request, make_core, run_to_completion
 from tests.leak import assert_no_leaks
 
 PROMPT = [5, 9, 200, 17, 33, 41, 7, 300, 12, 99, 4, 8]
+SERVICE = "dsv4.v1.DecodeWorker"
 
 
 class FaultyRunner(ModelRunner):
@@ -176,26 +180,44 @@ def test_async_engine_fails_the_step_streams_and_reports_when_it_cannot_step(tin
         core, runner = faulty_core(tiny)
         engine = AsyncEngine(core)
         engine.start()
+        server, health = make_server(ServeConfig(), (SERVICE,))
+        port = bind_port(server, ServeConfig(), "127.0.0.1", 0)
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        health_stub = health_pb2_grpc.HealthStub(channel)
+        await server.start()
+        following = asyncio.create_task(
+            follow_engine_health(health, (SERVICE,), lambda: engine.can_step, interval_s=0.01)
+        )
+
+        async def serving() -> bool:
+            await asyncio.sleep(0.05)  # two rounds of the follower
+            reply = await health_stub.Check(health_pb2.HealthCheckRequest(service=SERVICE))
+            return reply.status == health_pb2.HealthCheckResponse.SERVING
+
         try:
             runner.poisoned = frozenset({"bad"})
             failed = await collect(engine, "bad", PROMPT, 4)
             assert isinstance(failed, StepFailed) and failed.request_ids == ("bad",)
-            assert engine.can_step  # one failure: still serving
+            assert engine.can_step and await serving()  # one failure: still serving
             assert await collect(engine, "good", PROMPT, 4) == generate(tiny, PROMPT, 4)
             runner.fail_all = True
             for i in range(MAX_CONSECUTIVE_STEP_FAILURES):
                 assert isinstance(await collect(engine, f"doomed{i}", PROMPT, 2), StepFailed)
-            assert not engine.can_step  # the worker's health says NOT_SERVING now
+            assert not engine.can_step and not await serving()
             runner.fail_all = False  # the fault clears: the idle engine's probe finds out
             give_up_s = time.monotonic() + 10
             while not engine.can_step:
                 assert time.monotonic() < give_up_s, "the engine never probed its way back"
                 await asyncio.sleep(0.05)
+            assert await serving()
             assert await collect(engine, "again", PROMPT, 3) == generate(tiny, PROMPT, 3)
             assert engine.num_step_failures >= MAX_CONSECUTIVE_STEP_FAILURES + 1
         finally:
             await engine.stop()
-            assert not engine.can_step  # a stopped engine cannot step either
+            assert not engine.can_step and not await serving()  # a stopped engine neither
+            following.cancel()
+            await channel.close()
+            await server.stop(None)
         assert_no_leaks(engine.core)
 
     run(main())
