@@ -238,6 +238,7 @@ class AsyncEngine:
                 if stream is not None:
                     stream.push(out)
             self._load = self.core.load()
+        self.core.abort(PROBE_REQUEST_ID)  # one may have started after stop()'s abort-all
 
     def _run_commands(self, block: bool) -> None:
         try:
@@ -260,7 +261,10 @@ class AsyncEngine:
 
     def _maybe_probe(self) -> None:
         """An idle engine that cannot step checks whether it can again (one token)."""
-        if self.consecutive_step_failures < MAX_CONSECUTIVE_STEP_FAILURES:
+        if (
+            self.consecutive_step_failures < MAX_CONSECUTIVE_STEP_FAILURES
+            or self._stopping.is_set()
+        ):
             return
         now = time.monotonic()
         if now - self._last_probe_s < PROBE_INTERVAL_S:

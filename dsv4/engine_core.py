@@ -14,6 +14,7 @@ dedicated thread and bridges it to asyncio. Three ways a request enters:
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,6 +25,8 @@ from dsv4.runner.model_runner import ModelRunner
 from dsv4.scheduler.batch import RequestOutput, ScheduledBatch
 from dsv4.scheduler.request import Request
 from dsv4.scheduler.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
 
 STEP_KINDS = ("prefill", "graph", "eager")  # mixed/prefill steps; decode-only: replayed or not
 
@@ -80,6 +83,7 @@ class EngineCore:
         self._adopted: dict[str, Request] = {}
         self.held: dict[str, HeldBlocks] = {}
         self.num_steps = 0
+        self.num_preemptions = 0
         self.step_counters = StepCounters.zero()
 
     # ---- requests in -----------------------------------------------------------------------
@@ -166,6 +170,9 @@ class EngineCore:
             kind = "graph"
         self.step_counters.add(kind, time.perf_counter() - started)
         self.num_steps += 1
+        if batch.preempted_request_ids:  # KV blocks ran out: recomputed when blocks free up
+            self.num_preemptions += len(batch.preempted_request_ids)
+            log.info("preempted %s: out of KV blocks", ", ".join(batch.preempted_request_ids))
         # Retain finished prefills' blocks before update() frees the requests.
         sampled = {o.request_id: o.new_token_ids for o in output.outputs if o.new_token_ids}
         for req in batch.requests:
