@@ -69,6 +69,9 @@ class AsyncEngine:
         self.num_step_failures = 0
         self.consecutive_step_failures = 0  # written by the engine thread only
         self._last_probe_s = 0.0
+        self._has_died = False
+        # `call`s awaiting their command (added and removed on the asyncio side)
+        self._pending: set[tuple[asyncio.AbstractEventLoop, asyncio.Future[Any]]] = set()
 
     # ---- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
@@ -78,14 +81,15 @@ class AsyncEngine:
     async def stop(self) -> None:
         if self._thread is None:
             return
-        await self.call(self._abort_all)
+        if self.is_running:  # a thread that died has failed its streams already
+            await self.call(self._abort_all)
         self._stopping.set()
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 10.0)
         self._thread = None
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._thread is not None and self._thread.is_alive() and not self._has_died
 
     @property
     def can_step(self) -> bool:
@@ -112,8 +116,13 @@ class AsyncEngine:
             else:
                 loop.call_soon_threadsafe(_set_result, future, result)
 
-        self._commands.put(run)
-        return await future
+        pending = (loop, future)
+        self._pending.add(pending)
+        try:
+            self._commands.put(run)
+            return await future
+        finally:
+            self._pending.discard(pending)
 
     async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
         """Run a whole request; yields its outputs until the finishing one."""
@@ -204,13 +213,18 @@ class AsyncEngine:
 
     # ---- the engine thread -----------------------------------------------------------------
     def _run(self) -> None:
+        ended = Unavailable(f"{self.name} stopped")
         try:
             self._loop()
         except BaseException as exc:  # a bug outside any step: no stream may wait forever
+            self._has_died = True
             log.critical("%s: the engine thread died", self.name, exc_info=exc)
+            ended = Unavailable(f"{self.name}: the engine thread died: {exc!r}")
             for request_id in list(self._streams):
-                self._fail(request_id, Unavailable(f"{self.name}: the engine thread died: {exc!r}"))
-            raise
+                self._fail(request_id, ended)
+        finally:  # commands queued too late never run: their callers hear so
+            for loop, future in list(self._pending):
+                loop.call_soon_threadsafe(_set_exception, future, ended)
 
     def _loop(self) -> None:
         while not self._stopping.is_set():

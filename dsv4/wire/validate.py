@@ -89,8 +89,8 @@ def check_sampling(
         )
     if top_p < MIN_TOP_P:
         raise InvalidRequest(
-            f"sampling.top_p = {top_p}: must be at least {MIN_TOP_P:.4g} (smaller values round "
-            "to 0 in fp32); use top_k = 1 to keep only the most likely token"
+            f"sampling.top_p = {top_p}: must be at least {MIN_TOP_P:.4g} (smaller values "
+            "underflow in fp32); use top_k = 1 to keep only the most likely token"
         )
     if not 0 <= top_k <= limits.vocab_size:
         raise InvalidRequest(

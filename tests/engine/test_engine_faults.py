@@ -15,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from dsv4.config import ServeConfig
 from dsv4.engine import MAX_CONSECUTIVE_STEP_FAILURES, AsyncEngine
 from dsv4.engine_core import EngineCore
-from dsv4.errors import InvalidRequest, OutOfBlocks, StepFailed, to_grpc_status
+from dsv4.errors import InvalidRequest, OutOfBlocks, StepFailed, Unavailable, to_grpc_status
 from dsv4.model.generate import generate
 from dsv4.runner.model_runner import ModelRunner
 from dsv4.scheduler.batch import RequestStepOutput, ScheduledBatch, StepOutput
@@ -219,5 +219,40 @@ def test_async_engine_fails_the_step_streams_and_reports_when_it_cannot_step(tin
             await channel.close()
             await server.stop(None)
         assert_no_leaks(engine.core)
+
+    run(main())
+
+
+class DyingCore(EngineCore):
+    """A core whose bookkeeping raises outside any step once `dying` is set (a bug that
+    kills the engine thread)."""
+
+    dying = False
+
+    def load(self):
+        if self.dying:
+            raise SystemError("bookkeeping bug")
+        return super().load()
+
+
+def test_a_dead_engine_thread_fails_its_streams_and_cannot_step(tiny) -> None:
+    async def main() -> None:
+        built = make_core(tiny)
+        core = DyingCore(built.scheduler, built.runner)
+        engine = AsyncEngine(core)
+        engine.start()
+        stream = engine.generate(greedy_request("a", PROMPT, 200))
+        await anext(stream)
+        core.dying = True
+        with pytest.raises(Unavailable, match="engine thread died: SystemError"):
+            async for _ in stream:
+                pass
+        assert not engine.can_step
+        with pytest.raises(Unavailable, match="not running"):
+            await engine.call(lambda: None)
+        await engine.stop()  # a worker's shutdown still completes
+        core.dying = False
+        core.abort("a")  # the thread is gone: free what it left behind by hand
+        assert_no_leaks(core)
 
     run(main())
