@@ -162,6 +162,9 @@ class EngineCore:
             ) from exc
 
     def _execute(self, batch: ScheduledBatch) -> list[RequestOutput]:
+        if batch.preempted_request_ids:  # KV blocks ran out: recomputed when blocks free up
+            self.num_preemptions += len(batch.preempted_request_ids)
+            log.info("preempted %s: out of KV blocks", ", ".join(batch.preempted_request_ids))
         replays = self.runner.num_graph_replays
         started = time.perf_counter()
         output = self.runner.execute(batch)
@@ -170,9 +173,6 @@ class EngineCore:
             kind = "graph"
         self.step_counters.add(kind, time.perf_counter() - started)
         self.num_steps += 1
-        if batch.preempted_request_ids:  # KV blocks ran out: recomputed when blocks free up
-            self.num_preemptions += len(batch.preempted_request_ids)
-            log.info("preempted %s: out of KV blocks", ", ".join(batch.preempted_request_ids))
         # Retain finished prefills' blocks before update() frees the requests.
         sampled = {o.request_id: o.new_token_ids for o in output.outputs if o.new_token_ids}
         for req in batch.requests:

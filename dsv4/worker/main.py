@@ -78,9 +78,7 @@ async def _serve(config: ServeConfig) -> int:
     await server.start()
     await set_serving(health, (service_name,), True)
     health_task = asyncio.create_task(
-        follow_engine_health(
-            health, (service_name,), lambda: runtime.engine.can_step and not service.is_draining
-        )
+        follow_engine_health(health, (service_name,), lambda: runtime.engine.can_step)
     )
     beating = start_heartbeat(config, runtime, service.info)
     logger.info("%s %s serving on %s", w.role, w.worker_id, identity.address)

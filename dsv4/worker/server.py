@@ -12,7 +12,7 @@ servicer; the caller adds its servicer, binds with `bind_port`, starts, and at s
 - With `security.tls_cert_path`, the port is TLS (mutual when `require_client_cert`).
 - A request that does not parse ends INVALID_ARGUMENT (`dsv4.rpc_guard`), never UNKNOWN.
 - Health follows the engine (`follow_engine_health`): NOT_SERVING while the engine cannot
-  step (thread gone, or its last steps all failed) or the worker drains.
+  step (thread gone, or its last steps all failed), so liveness restarts a worker stuck so.
 """
 
 from __future__ import annotations
@@ -143,9 +143,10 @@ async def follow_engine_health(
     can_serve: Callable[[], bool],
     interval_s: float = 0.25,
 ) -> None:
-    """Keep health SERVING exactly while `can_serve()` (engine can step, not draining); runs
-    until cancelled (the worker's main task owns it). A worker whose engine thread died or
-    whose steps keep failing says NOT_SERVING, so probes and load balancers stop sending."""
+    """Keep health SERVING exactly while `can_serve()` (the engine can step); runs until
+    cancelled (the worker's main task owns it and cancels it before a drain's NOT_SERVING).
+    A worker whose engine thread died or whose steps keep failing says NOT_SERVING, so
+    readiness stops traffic and liveness restarts it if it stays so."""
     serving: bool | None = None
     while True:
         now = can_serve()
