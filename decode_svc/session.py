@@ -202,6 +202,9 @@ class DecodeSession:
                         f"{handle.num_tokens} tokens ({exc.message})",
                         retry_after_s=1.0,
                     ) from exc
+            except Dsv4Error:  # never adoptable here (e.g. it never fits): P can free it now
+                self._release_on_prefill(handle)
+                raise
             await asyncio.sleep(ADOPT_RETRY_INTERVAL_S)
 
     def _abandon_when_done(self, rid: str):

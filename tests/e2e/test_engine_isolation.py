@@ -2,7 +2,7 @@
 sampling that cannot produce a token gets a status at once (through the router and straight
 at the prefill worker) and the next request is served; a decode worker with 40 KV blocks and
 five concurrent 100-token / 200-new-token requests finishes them all, preempting by
-recompute, or refuses within a second with RESOURCE_EXHAUSTED; nothing leaks."""
+recompute, and refuses a sixth within a second with RESOURCE_EXHAUSTED; nothing leaks."""
 
 from __future__ import annotations
 
@@ -78,9 +78,28 @@ def test_decode_out_of_blocks_preempts_or_refuses_at_once_and_leaks_nothing(clus
         outcome = await generate(channel, prompt, greedy(NUM_NEW_TOKENS), timeout_s=120)
         return time.monotonic() - started_s, outcome
 
+    async def one_more_straight_at_the_full_decode() -> float:
+        """While the five decode: prefill a sixth on P, hand it to D, which has no room."""
+        workers = Workers(cluster.service("prefill-0").address, cluster.service("decode-0").address)
+        try:
+            while (await workers.info("decode")).num_running_requests < len(prompts):
+                await asyncio.sleep(0.02)
+            request = GenerateRequest("sixth", tuple(prompts[0]), greedy(NUM_NEW_TOKENS))
+            prefill = await workers.prefill_request(request)
+            started_s = time.monotonic()
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                [m async for m in workers.decode_stream(request, prefill)]
+            assert refused.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "retry after" in (refused.value.details() or "")
+            return time.monotonic() - started_s
+        finally:
+            await workers.close()
+
     async def body() -> list[tuple[float, object]]:
         async with grpc.aio.insecure_channel(cluster.router_address) as channel:
+            refusing = asyncio.ensure_future(one_more_straight_at_the_full_decode())
             results = await asyncio.gather(*(one(channel, p) for p in prompts))
+            assert await refusing < 1.0
             after = await generate(channel, REPRO_IDS, greedy(4), timeout_s=20)
             assert after.code is grpc.StatusCode.OK
         await assert_no_worker_leaks(cluster)
