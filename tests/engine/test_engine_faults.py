@@ -94,9 +94,7 @@ def test_failed_update_releases_the_prefill_holds_of_its_step(tiny) -> None:
 
 def test_failed_step_frees_an_activated_adopted_request(tiny) -> None:
     core, runner = faulty_core(tiny)
-    request = greedy_request("adopted", PROMPT, 5)
-    request.output_token_ids.append(7)
-    core.adopt(request)
+    core.adopt(_with_first(greedy_request("adopted", PROMPT, 5), 7))
     core.activate("adopted")
     runner.poisoned = frozenset({"adopted"})
     with pytest.raises(StepFailed):
