@@ -74,7 +74,8 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
             num_running_requests=len(self._live),
             num_queued_tokens=sum(x.num_tokens_left for x in self._live.values()),
             num_leases=0,
-            is_draining=self.is_draining,
+            # an engine that cannot step takes no work: the router routes around it
+            is_draining=self.is_draining or not self.runtime.engine.can_step,
         )
         return worker_info(self.runtime, self.identity, load)
 

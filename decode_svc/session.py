@@ -54,6 +54,7 @@ logger = logging.getLogger(__name__)
 
 PULL_POLL_INTERVAL_S = 0.001
 ADOPT_RETRY_INTERVAL_S = 0.02
+ADOPT_WAIT_S = 0.5  # a full decode worker refuses within a second (the router tries another)
 FINISH_REASONS = {
     EngineFinish.EOS: FinishReason.STOP,
     EngineFinish.STOP_TOKEN: FinishReason.STOP,
@@ -176,11 +177,14 @@ class DecodeSession:
         return FinishReason.LENGTH if sampling.max_new_tokens <= 1 else None
 
     async def _adopt(self, engine_request, handle: KVHandle) -> tuple[int, ...]:
-        """Blocks for the pulled prompt. When none are free, waits for running requests to
-        finish while P's lease leaves time for the pull (at least pull_timeout_s)."""
+        """Blocks for the pulled prompt. When none are free (or preempted requests wait for
+        them), waits up to `ADOPT_WAIT_S` for running requests to finish, then refuses with
+        RESOURCE_EXHAUSTED and a retry hint: an admitted request always makes progress (the
+        scheduler preempts by recompute when decodes outgrow the pool), a refused one is
+        told at once, nothing waits on blocks for a lease's lifetime."""
         pull_timeout_s = self._deps.runtime.config.transfer.pull_timeout_s
         lease_left_s = handle.lease_expires_at_unix_ms / 1000.0 - time.time()
-        give_up_s = time.monotonic() + max(pull_timeout_s, lease_left_s - pull_timeout_s)
+        give_up_s = time.monotonic() + min(ADOPT_WAIT_S, max(0.0, lease_left_s - pull_timeout_s))
         while True:
             adopting = asyncio.ensure_future(self._engine.adopt(engine_request))
             try:
@@ -198,6 +202,9 @@ class DecodeSession:
                         f"{handle.num_tokens} tokens ({exc.message})",
                         retry_after_s=1.0,
                     ) from exc
+            except Dsv4Error:  # never adoptable here (e.g. it never fits): P can free it now
+                self._release_on_prefill(handle)
+                raise
             await asyncio.sleep(ADOPT_RETRY_INTERVAL_S)
 
     def _abandon_when_done(self, rid: str):

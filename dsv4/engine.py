@@ -3,7 +3,10 @@
 The engine thread owns the core: every mutation (add, abort, adopt, release) is a command that
 runs there between steps, so the core needs no locks. Results travel back through
 `loop.call_soon_threadsafe` into one `asyncio.Queue` per request. A step that raises fails the
-requests it touched with that error (logged once) and the loop goes on with the rest.
+requests it touched with `StepFailed` (INTERNAL, logged once) and the loop goes on with the rest.
+`can_step` turns False when the thread died or `MAX_CONSECUTIVE_STEP_FAILURES` steps in a row
+raised (the worker's health then says NOT_SERVING); while so, an idle engine tries a one-token
+probe request every `PROBE_INTERVAL_S`, and any step that succeeds makes it True again.
 
 Who calls what: servicers (asyncio thread) call the async methods; nothing else touches the core.
 `stop()` aborts every live request, ends the thread and joins it.
@@ -15,18 +18,22 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from dsv4.engine_core import EngineCore, EngineLoad, HeldBlocks
-from dsv4.errors import Cancelled, Dsv4Error, Unavailable
+from dsv4.errors import Cancelled, Dsv4Error, StepFailed, Unavailable
 from dsv4.scheduler.batch import RequestOutput
 from dsv4.scheduler.request import FinishReason, Request
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 _IDLE_WAIT_S = 0.05
+MAX_CONSECUTIVE_STEP_FAILURES = 3
+PROBE_INTERVAL_S = 1.0
+PROBE_REQUEST_ID = "__step_probe__"
 
 
 @dataclass(frozen=True)
@@ -59,6 +66,12 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._load = core.load()
+        self.num_step_failures = 0
+        self.consecutive_step_failures = 0  # written by the engine thread only
+        self._last_probe_s = 0.0
+        self._has_died = False
+        # `call`s awaiting their command (added and removed on the asyncio side)
+        self._pending: set[tuple[asyncio.AbstractEventLoop, asyncio.Future[Any]]] = set()
 
     # ---- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
@@ -68,14 +81,20 @@ class AsyncEngine:
     async def stop(self) -> None:
         if self._thread is None:
             return
-        await self.call(self._abort_all)
+        if self.is_running:  # a thread that died has failed its streams already
+            await self.call(self._abort_all)
         self._stopping.set()
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 10.0)
         self._thread = None
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._thread is not None and self._thread.is_alive() and not self._has_died
+
+    @property
+    def can_step(self) -> bool:
+        """False when the engine thread is gone or its last steps all raised (read anywhere)."""
+        return self.is_running and self.consecutive_step_failures < MAX_CONSECUTIVE_STEP_FAILURES
 
     def load(self) -> EngineLoad:
         """The load as of the last step (read from any thread)."""
@@ -97,8 +116,13 @@ class AsyncEngine:
             else:
                 loop.call_soon_threadsafe(_set_result, future, result)
 
-        self._commands.put(run)
-        return await future
+        pending = (loop, future)
+        self._pending.add(pending)
+        try:
+            self._commands.put(run)
+            return await future
+        finally:
+            self._pending.discard(pending)
 
     async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
         """Run a whole request; yields its outputs until the finishing one."""
@@ -189,21 +213,46 @@ class AsyncEngine:
 
     # ---- the engine thread -----------------------------------------------------------------
     def _run(self) -> None:
+        ended = Unavailable(f"{self.name} stopped")
+        try:
+            self._loop()
+        except BaseException as exc:  # a bug outside any step: no stream may wait forever
+            self._has_died = True
+            log.critical("%s: the engine thread died", self.name, exc_info=exc)
+            ended = Unavailable(f"{self.name}: the engine thread died: {exc!r}")
+            for request_id in list(self._streams):
+                self._fail(request_id, ended)
+        finally:  # commands queued too late never run: their callers hear so
+            for loop, future in list(self._pending):
+                loop.call_soon_threadsafe(_set_exception, future, ended)
+
+    def _loop(self) -> None:
         while not self._stopping.is_set():
             self._run_commands(block=not self.core.has_work())
             if not self.core.has_work():
+                self._maybe_probe()
                 continue
             try:
                 outputs = self.core.step()
-            except Exception as exc:  # a bug or a device fault: fail what was running
-                log.exception("%s: engine step failed", self.name)
-                self._abort_all(Unavailable(f"{self.name}: engine step failed: {exc}"))
+            except StepFailed as exc:  # the core already ended the step's requests
+                self._on_step_failure(exc)
+                for request_id in exc.request_ids:
+                    self._fail(request_id, exc)
                 continue
+            except Exception as exc:  # schedule() itself raised: nothing can be trusted
+                failure = StepFailed(f"{self.name}: engine step failed: {exc!r}")
+                failure.__cause__ = exc
+                self._on_step_failure(failure)
+                self.core.scheduler.discard_in_flight()
+                self._abort_all(failure)
+                continue
+            self.consecutive_step_failures = 0
             for out in outputs:
                 stream = self._streams.get(out.request_id)
                 if stream is not None:
                     stream.push(out)
             self._load = self.core.load()
+        self.core.abort(PROBE_REQUEST_ID)  # one may have started after stop()'s abort-all
 
     def _run_commands(self, block: bool) -> None:
         try:
@@ -218,6 +267,24 @@ class AsyncEngine:
             except queue.Empty:
                 break
         self._load = self.core.load()
+
+    def _on_step_failure(self, exc: StepFailed) -> None:
+        self.num_step_failures += 1
+        self.consecutive_step_failures += 1
+        log.error("%s: %s", self.name, exc.message, exc_info=exc.__cause__ or exc)
+
+    def _maybe_probe(self) -> None:
+        """An idle engine that cannot step checks whether it can again (one token)."""
+        if (
+            self.consecutive_step_failures < MAX_CONSECUTIVE_STEP_FAILURES
+            or self._stopping.is_set()
+        ):
+            return
+        now = time.monotonic()
+        if now - self._last_probe_s < PROBE_INTERVAL_S:
+            return
+        self._last_probe_s = now
+        self.core.add_request(Request(PROBE_REQUEST_ID, (2, 3, 4, 5), max_new_tokens=1))
 
     def _abort_all(self, exc: BaseException | None = None) -> None:
         for request_id in list(self.core.scheduler.request_ids()):

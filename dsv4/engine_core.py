@@ -14,16 +14,19 @@ dedicated thread and bridges it to asyncio. Three ways a request enters:
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dsv4.cache.manager import KVCacheManager
-from dsv4.errors import ConfigError, InvalidRequest
+from dsv4.errors import ConfigError, InvalidRequest, OutOfBlocks, StepFailed
 from dsv4.runner.model_runner import ModelRunner
-from dsv4.scheduler.batch import RequestOutput
+from dsv4.scheduler.batch import RequestOutput, ScheduledBatch
 from dsv4.scheduler.request import Request
 from dsv4.scheduler.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
 
 STEP_KINDS = ("prefill", "graph", "eager")  # mixed/prefill steps; decode-only: replayed or not
 
@@ -80,6 +83,7 @@ class EngineCore:
         self._adopted: dict[str, Request] = {}
         self.held: dict[str, HeldBlocks] = {}
         self.num_steps = 0
+        self.num_preemptions = 0
         self.step_counters = StepCounters.zero()
 
     # ---- requests in -----------------------------------------------------------------------
@@ -100,6 +104,9 @@ class EngineCore:
             raise InvalidRequest(f"request id {rid!r} is already in use")
         if len(request.output_token_ids) != 1:
             raise InvalidRequest(f"request {rid!r}: adopt needs exactly the first token")
+        self.scheduler.check_fits(request)
+        if waiting := self.scheduler.num_preempted_waiting:  # they have first claim on blocks
+            raise OutOfBlocks(f"{waiting} preempted requests wait for KV blocks here")
         block_ids = self.kv.adopt(rid, request.num_prompt_tokens)
         self._adopted[rid] = request
         return block_ids
@@ -135,9 +142,29 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
+        """One schedule -> execute -> update. If execute or update raises, only the requests
+        of this step fail: they are aborted (blocks, holds freed), the in-flight batch is
+        dropped so the next step schedules afresh, and `StepFailed` names them and the cause."""
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
+        try:
+            return self._execute(batch)
+        except Exception as exc:
+            self.scheduler.discard_in_flight()
+            request_ids = tuple(r.request_id for r in batch.requests)
+            for rid in request_ids:
+                self.abort(rid)
+            raise StepFailed(
+                f"engine step failed ({type(exc).__name__}: {exc}); ended the "
+                f"{len(request_ids)} requests of that step",
+                request_ids,
+            ) from exc
+
+    def _execute(self, batch: ScheduledBatch) -> list[RequestOutput]:
+        if batch.preempted_request_ids:  # KV blocks ran out: recomputed when blocks free up
+            self.num_preemptions += len(batch.preempted_request_ids)
+            log.info("preempted %s: out of KV blocks", ", ".join(batch.preempted_request_ids))
         replays = self.runner.num_graph_replays
         started = time.perf_counter()
         output = self.runner.execute(batch)

@@ -95,6 +95,19 @@ class Unauthenticated(Dsv4Error):
     grpc_code = "UNAUTHENTICATED"
 
 
+class StepFailed(Dsv4Error):
+    """An engine step raised (a bug, a device fault, a request the sampler cannot serve): the
+    requests of that step (`request_ids`) end with this error, their blocks freed, and the
+    engine goes on. INTERNAL, not UNAVAILABLE: another worker would most likely fail the same
+    requests the same way, so a router must not retry them."""
+
+    grpc_code = "INTERNAL"
+
+    def __init__(self, message: str, request_ids: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.request_ids = request_ids
+
+
 def to_grpc_status(exc: BaseException) -> tuple[Any, str]:
     """Map any exception to `(grpc.StatusCode, message)`; unknown errors become INTERNAL."""
     import grpc

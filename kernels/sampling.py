@@ -27,7 +27,8 @@ from collections.abc import Sequence
 
 import torch
 
-from dsv4.runner.sampler import SamplingSpec, filtered_probs
+from dsv4.runner.sampler import SamplingSpec, filtered_probs, or_argmax
+from dsv4.types import MIN_TEMPERATURE, MIN_TOP_P
 from kernels.registry import register_op
 
 Generators = torch.Generator | Sequence[torch.Generator | None] | None
@@ -49,7 +50,7 @@ def flashinfer_available() -> bool:
 
 def _prepared(logits, temperature, top_k):
     greedy = temperature <= 0
-    temp = torch.where(greedy, torch.ones_like(temperature), temperature.clamp_min(1e-6))
+    temp = torch.where(greedy, torch.ones_like(temperature), temperature.clamp_min(MIN_TEMPERATURE))
     scaled = logits.float() / temp.float()[:, None]
     vocab = logits.shape[1]
     k = torch.where(top_k > 0, top_k, vocab).clamp_max(vocab).to(torch.int32)
@@ -74,11 +75,16 @@ def sample(
     if logits.shape[0] == 0:
         return torch.empty(0, dtype=torch.int64, device=logits.device)
     greedy, scaled, k = _prepared(logits, temperature, top_k)
+    # a top_p that rounds to 0 keeps only the top token, as in the torch paths
+    top_p = top_p.float().clamp_min(MIN_TOP_P).contiguous()
     ids = fs.top_k_top_p_sampling_from_logits(
-        scaled, k, top_p.float().contiguous(), filter_apply_order="top_k_first",
+        scaled, k, top_p, filter_apply_order="top_k_first",
         deterministic=True, generator=generator, seed=seeds, offset=offsets,
-    )  # fmt: skip
-    return torch.where(greedy, logits.argmax(dim=-1), ids.long())
+    ).long()  # fmt: skip
+    # A row the kernel cannot sample (NaN / +inf logits) keeps its argmax, as `or_argmax` does.
+    vocab = logits.shape[1]
+    unsampleable = (scaled.isnan() | scaled.isposinf()).any(-1) | (ids < 0) | (ids >= vocab)
+    return torch.where(greedy | unsampleable, logits.argmax(dim=-1), ids)
 
 
 def sample_torch(
@@ -98,8 +104,9 @@ def sample_torch(
     probs = scaled.softmax(dim=-1)
     sorted_probs, order = probs.sort(dim=-1, descending=True)
     drop_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p.float()[:, None]
+    drop_sorted[:, 0] = False  # the top token always stays (top_p may round to 0 in fp32)
     probs = probs.masked_fill(torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted), 0.0)
-    ids = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+    ids = torch.multinomial(or_argmax(probs, logits), 1, generator=generator).squeeze(1)
     return torch.where(greedy, logits.argmax(dim=-1), ids)
 
 

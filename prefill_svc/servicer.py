@@ -86,7 +86,8 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
             num_running_requests=len(self._running),
             num_queued_tokens=sum(self._running.values()),
             num_leases=len(self.leases),
-            is_draining=self.is_draining,
+            # an engine that cannot step takes no work: the router routes around it
+            is_draining=self.is_draining or not self.runtime.engine.can_step,
         )
         return worker_info(self.runtime, self.identity, load)
 

@@ -74,9 +74,20 @@ class Scheduler:
     # ---- requests in and out -----------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         """Queue a new request; raises `InvalidRequest` if it can never be served."""
-        cfg, rid = self.config, request.request_id
+        rid = request.request_id
         if rid in self._requests:
             raise InvalidRequest(f"request id {rid!r} is already in use")
+        self.check_fits(request)
+        request.status = RequestStatus.WAITING
+        request.arrival_seq = self._num_added = self._num_added + 1
+        self._requests[rid] = request
+        self._enqueue(request)
+
+    def check_fits(self, request: Request) -> None:
+        """Raise `InvalidRequest` unless `request` fits the context and, alone, the KV cache
+        at its full length: then the most important request can always make progress (it
+        preempts the others), so running out of blocks never stalls the pool."""
+        cfg, rid = self.config, request.request_id
         if not request.prompt_token_ids or request.max_new_tokens < 1:
             raise InvalidRequest(f"request {rid!r}: need a prompt and max_new_tokens >= 1")
         max_len = request.num_prompt_tokens + request.max_new_tokens
@@ -85,12 +96,12 @@ class Scheduler:
                 f"request {rid!r}: prompt + max_new_tokens = {max_len} > max_model_len "
                 f"{cfg.max_model_len}; shorten the prompt or lower max_new_tokens"
             )
-        if self.kv.num_blocks_needed(max_len + cfg.num_speculative_tokens) > self.kv.num_blocks:
-            raise InvalidRequest(f"request {rid!r}: {max_len} tokens never fit the KV cache")
-        request.status = RequestStatus.WAITING
-        request.arrival_seq = self._num_added = self._num_added + 1
-        self._requests[rid] = request
-        self._enqueue(request)
+        needed = self.kv.num_blocks_needed(max_len + cfg.num_speculative_tokens)
+        if needed > self.kv.num_blocks:
+            raise InvalidRequest(
+                f"request {rid!r}: {max_len} tokens need {needed} KV blocks and never fit "
+                f"this worker's {self.kv.num_blocks}: lower max_new_tokens or shorten the prompt"
+            )
 
     def abort(self, request_id: str) -> bool:
         """Finish a request at any point and free its blocks; False if it is unknown."""
@@ -110,6 +121,9 @@ class Scheduler:
             raise InvalidRequest(f"request {rid!r}: adopt its blocks and first token first")
         request.num_computed_tokens = request.num_prompt_tokens
         request.status = RequestStatus.RUNNING
+        # A place in the service order like any request: with equal keys no adopted request
+        # could preempt another, and a decode pool out of blocks would stall for good.
+        request.arrival_seq = self._num_added = self._num_added + 1
         self._requests[rid] = request
         self._running.append(request)
 
@@ -122,6 +136,11 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         return len(self._waiting)
+
+    @property
+    def num_preempted_waiting(self) -> int:
+        """Preempted requests waiting to be recomputed (they have first claim on blocks)."""
+        return sum(1 for r in self._waiting if r.status is RequestStatus.PREEMPTED)
 
     @property
     def num_running(self) -> int:
@@ -247,6 +266,12 @@ class Scheduler:
             ChunkPlan(ratio, policy.plan_prefill_chunks(shapes, ratio, **self._planner_args))
             for ratio in self._ratios
         )
+
+    def discard_in_flight(self) -> ScheduledBatch | None:
+        """Forget the in-flight batch after its step raised (the engine then aborts its
+        requests); returns it, or None when there was none."""
+        batch, self._in_flight = self._in_flight, None
+        return batch
 
     # ---- update ------------------------------------------------------------------------------
     def update(self, step_output: StepOutput) -> list[RequestOutput]:

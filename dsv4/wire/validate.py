@@ -12,7 +12,7 @@ import uuid
 from collections.abc import Sequence
 
 from dsv4.errors import InvalidRequest
-from dsv4.types import RequestLimits, SamplingParams
+from dsv4.types import MIN_TEMPERATURE, MIN_TOP_P, RequestLimits, SamplingParams
 
 _REQUEST_ID_CHARS = re.compile(r"[A-Za-z0-9._:/=+@-]+")
 
@@ -78,9 +78,19 @@ def check_sampling(
             f"sampling.temperature = {temperature}: use 0 for greedy decoding or a finite "
             "positive value (1.0 samples from the model's distribution)"
         )
+    if 0 < temperature < MIN_TEMPERATURE:
+        raise InvalidRequest(
+            f"sampling.temperature = {temperature}: a positive temperature must be at least "
+            f"{MIN_TEMPERATURE} (smaller ones overflow logits / temperature); use 0 for greedy"
+        )
     if not 0.0 < top_p <= 1.0:  # also rejects NaN
         raise InvalidRequest(
             f"sampling.top_p = {top_p}: must be in (0, 1]; use 1.0 to turn nucleus sampling off"
+        )
+    if top_p < MIN_TOP_P:
+        raise InvalidRequest(
+            f"sampling.top_p = {top_p}: must be at least {MIN_TOP_P:.4g} (smaller values "
+            "underflow in fp32); use top_k = 1 to keep only the most likely token"
         )
     if not 0 <= top_k <= limits.vocab_size:
         raise InvalidRequest(

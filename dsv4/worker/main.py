@@ -25,7 +25,7 @@ from dsv4.metrics import MetricsExporter
 from dsv4.types import WorkerRole
 from dsv4.worker.build import build_worker_runtime
 from dsv4.worker.identity import WorkerIdentity, start_heartbeat
-from dsv4.worker.server import bind_port, make_server, set_serving
+from dsv4.worker.server import bind_port, follow_engine_health, make_server, set_serving
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +79,9 @@ async def _serve(config: ServeConfig) -> int:
     await service.start()
     await server.start()
     await set_serving(health, (service_name,), True)
+    health_task = asyncio.create_task(
+        follow_engine_health(health, (service_name,), lambda: runtime.engine.can_step)
+    )
     beating = start_heartbeat(config, runtime, service.info)
     logger.info("%s %s serving on %s", w.role, w.worker_id, identity.address)
 
@@ -90,6 +93,8 @@ async def _serve(config: ServeConfig) -> int:
 
     logger.info("%s %s: draining", w.role, w.worker_id)
     service.is_draining = True
+    health_task.cancel()
+    await asyncio.gather(health_task, return_exceptions=True)
     await set_serving(health, (service_name,), False)
     give_up_s = time.monotonic() + w.drain_timeout_s
     while not service.drain_status().is_idle and time.monotonic() < give_up_s:

@@ -11,10 +11,13 @@ servicer; the caller adds its servicer, binds with `bind_port`, starts, and at s
   Kubernetes probes work without the secret.
 - With `security.tls_cert_path`, the port is TLS (mutual when `require_client_cert`).
 - A request that does not parse ends INVALID_ARGUMENT (`dsv4.rpc_guard`), never UNKNOWN.
+- Health follows the engine (`follow_engine_health`): NOT_SERVING while the engine cannot
+  step (thread gone, or its last steps all failed), so liveness restarts a worker stuck so.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 from collections.abc import Awaitable, Callable, Sequence
@@ -132,6 +135,27 @@ async def set_serving(
     )
     for name in ("", *service_names):
         await health_servicer.set(name, status)
+
+
+async def follow_engine_health(
+    health_servicer: health.aio.HealthServicer,
+    service_names: Sequence[str],
+    can_serve: Callable[[], bool],
+    interval_s: float = 0.25,
+) -> None:
+    """Keep health SERVING exactly while `can_serve()` (the engine can step); runs until
+    cancelled (the worker's main task owns it and cancels it before a drain's NOT_SERVING).
+    A worker whose engine thread died or whose steps keep failing says NOT_SERVING, so
+    readiness stops traffic and liveness restarts it if it stays so."""
+    serving: bool | None = None
+    while True:
+        now = can_serve()
+        if now != serving:
+            if serving is not None:
+                logger.warning("health: %s", "SERVING" if now else "NOT_SERVING (engine)")
+            await set_serving(health_servicer, service_names, now)
+            serving = now
+        await asyncio.sleep(interval_s)
 
 
 async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException) -> None:

@@ -9,6 +9,7 @@ import torch
 
 from dsv4.cache import INDEXER, CacheOptions
 from dsv4.engine_core import build_engine_core
+from dsv4.errors import StepFailed
 from dsv4.model.generate import generate
 from dsv4.model.index_cache import IndexPattern
 from dsv4.scheduler.config import SchedulerConfig
@@ -61,8 +62,11 @@ def test_pattern_missing_from_the_layout_fails_loudly(shared_model) -> None:
     try:
         core = core_with(shared_model, "FS", 4096)  # layer 3 has no indexer keys to read
         core.add_request(greedy_request("r", list(range(2, 40)), 2))
-        with pytest.raises(RuntimeError, match="index pattern"):
+        with pytest.raises(StepFailed, match="index pattern") as failure:  # the step's cause
             run_to_completion(core)
+        assert isinstance(failure.value.__cause__, RuntimeError)
+        assert not core.has_work()
+        assert_no_leaks(core)  # the failed request is freed
     finally:
         shared_model.set_index_pattern(IndexPattern.from_freq(shared_model.cfg, 2))
 
