@@ -99,3 +99,14 @@ def decode_rows(records: torch.Tensor, dtype_name: str, dim: int, rope_dim: int)
         scale = records[:, dim : dim + 4].contiguous().view(torch.float32)
         return codes * scale
     raise ValueError(f"unknown cache entry format {dtype_name!r}")
+
+
+def round_trip(
+    rows: torch.Tensor, dtype_name: str, entry_bytes: int, rope_dim: int
+) -> torch.Tensor:
+    """rows [N, dim] -> what reading them back from the cache gives, in rows' dtype.
+
+    A step attends to its own fresh rows through this, exactly as a later step reads them, so
+    outputs do not depend on where chunk boundaries fall (`dsv4.model.state`)."""
+    records = encode_rows(rows, dtype_name, entry_bytes, rope_dim)
+    return decode_rows(records, dtype_name, rows.shape[1], rope_dim).to(rows.dtype)
