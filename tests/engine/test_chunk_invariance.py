@@ -25,6 +25,7 @@ from dsv4.model.tiny import random_model
 from kernels.backend import KernelBackendConfig
 from tests.engine.conftest import greedy_request, make_core, run_to_completion
 from tests.leak import assert_no_leaks
+from tests.model.test_served_vs_transformers import served_tokens
 
 LENGTHS = (129, 1, 33, 260)
 NEW_TOKENS = 12
@@ -61,6 +62,14 @@ def assert_load_independent(model, **core_options) -> None:
 )  # fmt: skip
 def test_tokens_do_not_depend_on_chunk_size_or_batch(tiny, paged, kv, index) -> None:
     assert_load_independent(tiny, kv=kv, index=index, paged=paged)
+
+
+def test_served_defaults_do_not_depend_on_chunk_size() -> None:
+    """What `dsv4 up` serves on CPU: the worker's engine from its `ServeConfig` (model "tiny",
+    --kv-dtype auto = bf16, MXFP4 keys, reference forward), at budget 50 and the default."""
+    prompts = lossy_prompts(tiny_config().vocab_size)
+    whole = served_tokens("tiny", prompts)
+    assert served_tokens("tiny", prompts, **{"scheduler.max_num_batched_tokens": 50}) == whole
 
 
 @pytest.mark.gpu
