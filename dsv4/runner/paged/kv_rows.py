@@ -40,8 +40,9 @@ def gather(geo: CacheGeometry, slots: torch.Tensor, dtype: torch.dtype,
 def round_trip(geo: CacheGeometry, rows: torch.Tensor,
                kernels: KernelBackendConfig) -> torch.Tensor:  # fmt: skip
     """rows [n, D] -> what `gather` returns for them after `store` (rows' dtype), through an
-    [n, entry_bytes] scratch; fp32 records are exact and skip it."""
-    if geo.kv_format == "fp32" or rows.shape[0] == 0:
+    [n, entry_bytes] scratch; records at least as precise as the rows skip it."""
+    exact = geo.kv_format == "fp32" or (geo.kv_format == "bf16" and rows.dtype == torch.bfloat16)
+    if exact or rows.shape[0] == 0:
         return rows
     rope = geo.layout.model.qk_rope_head_dim
     scratch = torch.zeros(rows.shape[0], geo.kve, dtype=torch.uint8, device=rows.device)
