@@ -22,6 +22,7 @@ import torch
 
 from dsv4.model.config import tiny_config
 from dsv4.model.tiny import random_model
+from dsv4.runner.paged import attention as paged_attention
 from kernels.backend import KernelBackendConfig
 from tests.engine.conftest import greedy_request, make_core, run_to_completion
 from tests.leak import assert_no_leaks
@@ -72,11 +73,48 @@ def test_served_defaults_do_not_depend_on_chunk_size() -> None:
     assert served_tokens("tiny", prompts, **{"scheduler.max_num_batched_tokens": 50}) == whole
 
 
+def chunk_sees_its_rows_as_cached(model, kernels: KernelBackendConfig, monkeypatch) -> None:
+    """The paged forward's invariant itself, free of GEMM rounding: every prefill workspace row
+    of a chunk's own token equals that token's window row read back from the cache."""
+    seen = []
+
+    def spy(fs, g, chunk, kv):
+        ws = workspace(fs, g, chunk, kv)
+        seen.append((g.layer_id, ws[chunk.query_dst].float()))
+        return ws
+
+    workspace = paged_attention._workspace
+    monkeypatch.setattr(paged_attention, "_workspace", spy)
+    core = make_core(model, kv="fp8", index="mxfp4", budget=50, paged={}, kernels=kernels,
+                     max_num_seqs=4)  # fmt: skip
+    prompt = lossy_prompts(model.cfg.vocab_size)[0]  # 129 tokens, several chunks
+    core.add_request(greedy_request("a", prompt, 2))
+    cache, ring, end = core.runner.cache, model.cfg.sliding_window, 0
+    while end < len(prompt):  # prefill steps
+        seen.clear()
+        core.step()
+        ring_ids = core.scheduler.kv.ring_block_ids("a")
+        assert len(seen) == model.cfg.num_hidden_layers
+        n = seen[0][1].shape[0]  # the chunk covered positions [end, end + n)
+        end, kept = end + n, min(n, ring)  # the ring keeps the last W positions
+        for layer_id, own in seen:
+            cached = cache.read_ring(layer_id, "window", ring_ids, end - kept, end)
+            assert torch.equal(own[-kept:], cached.to(own.device))
+    assert end == len(prompt)
+    run_to_completion(core)
+    assert_no_leaks(core)
+
+
+def test_paged_chunk_sees_its_rows_as_cached(tiny, monkeypatch) -> None:
+    chunk_sees_its_rows_as_cached(tiny, KernelBackendConfig(default="ref"), monkeypatch)
+
+
 @pytest.mark.gpu
-def test_paged_gpu_tokens_do_not_depend_on_chunk_size_or_batch() -> None:
-    """The CUDA serving path: bf16 model, every op on its Triton kernel, fp8 UE8M0 KV and
-    MXFP4 indexer keys (the chunk's own rows round-trip through kv_store / kv_gather)."""
+def test_paged_gpu_chunk_sees_its_rows_as_cached(monkeypatch) -> None:
+    """Triton kv_store / kv_gather round trip on the card, bf16 model (what CUDA serves).
+    Token-level equality is not asserted on the card: bf16 GEMMs of a 50-row and a 260-row
+    chunk may round differently (cuBLAS picks kernels by shape), which moves near-tied tokens
+    of this random model whatever the cache does."""
     cfg = tiny_config().with_overrides(num_nextn_predict_layers=0)
     model = random_model(cfg, seed=3, dtype=torch.bfloat16, device="cuda")
-    triton = KernelBackendConfig(default="triton")
-    assert_load_independent(model, kv="fp8", index="mxfp4", paged={}, kernels=triton)
+    chunk_sees_its_rows_as_cached(model, KernelBackendConfig(default="triton"), monkeypatch)
