@@ -38,8 +38,10 @@ in one flat `[*, kv_entry_bytes]` view (what single-pool sparse attention kernel
 
 Entry formats (DSV4_ARCH.md §11.2), bytes per entry:
 - KV "fp8": [nope e4m3 | rope bf16 | one UE8M0 byte per 64 nope dims, padded to 8] = 584 for
-  head_dim 512; "bf16": head_dim * 2 (debug / tiny configs).
-- indexer "mxfp4": d/2 packed e2m1 + d/32 UE8M0 scales (68 for d = 128); "fp8": d + 4 (132).
+  head_dim 512; "bf16" / "fp32": head_dim * 2 / * 4 (exact: served = reference checks).
+- indexer "mxfp4": d/2 packed e2m1 + d/32 UE8M0 scales (68 for d = 128); "fp8": d + 4 (132);
+  "bf16" / "fp32" (exact): d * 2 / d * 4.
+The formats are in `options`, hence in `compat_hash`: P and D of different formats never pair.
 - compressor state: fp32, 2 * c * d' floats per slot (C4 main 8 KiB, C4 indexer 2 KiB,
   C128 4 KiB for Flash).
 """

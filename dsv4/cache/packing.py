@@ -35,8 +35,8 @@ class CacheOptions:
     """Cache knobs that change the layout (all of them enter the compatibility hash)."""
 
     block_size: int = 256  # tokens per token block; multiple of 128 and of every ratio
-    kv_dtype: str = "fp8"  # "fp8" | "bf16"
-    index_dtype: str = "mxfp4"  # "mxfp4" | "fp8"
+    kv_dtype: str = "fp8"  # "fp8" | "bf16" | "fp32" (exact)
+    index_dtype: str = "mxfp4"  # "mxfp4" | "fp8" | "bf16" | "fp32" (exact)
     num_speculative_tokens: int = 0  # extra ring slots for draft positions (MTP k)
     # IndexCache roles of the ratio-4 layers ("FSFS", see dsv4.model.index_cache); "" = all
     # Full. Shared layers never read their indexer keys: no indexer page, no indexer ring.

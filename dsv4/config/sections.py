@@ -70,10 +70,14 @@ class ModelSection(Section):
 class CacheSection(Section):
     SECTION = "cache"
     block_size: int = setting(256, "tokens per KV block, a multiple of 128", min=128, max=8192)
-    kv_dtype: str = setting("auto", "KV entry format", choices=("auto", "fp8", "bf16"))
+    kv_dtype: str = setting(
+        "auto", "KV entry format; fp32: exact (served = reference)",
+        choices=("auto", "fp8", "bf16", "fp32"),
+    )  # fmt: skip
     indexer_key_dtype: str = setting(
-        "mxfp4", "indexer key rows: mxfp4 (68 B, #48993) or fp8 (132 B)", choices=("mxfp4", "fp8")
-    )
+        "mxfp4", "indexer key rows: mxfp4 (68 B, #48993), fp8 (132 B); bf16/fp32: exact",
+        choices=("mxfp4", "fp8", "bf16", "fp32"),
+    )  # fmt: skip
     memory_fraction: float = setting(0.9, "share of device memory for weights+KV", min=0.01, max=1)
     memory_budget_bytes: int = setting(0, "KV memory budget; 0: use memory_fraction", min=0)
     num_blocks: int = setting(0, "KV blocks; 0: derive from the memory budget", min=0)

@@ -114,12 +114,15 @@ class Attention(nn.Module):
         past = kv.new_zeros(0, kv.shape[-1])
         if state is not None and state.window is not None:
             past = state.window
-        keys = torch.cat((past, kv))  # [Wp + S, hd]
+        # The step's own rows as a later step reads them from the cache (chunk invariance);
+        # the state keeps them raw, since the cache encodes what the state holds.
+        keys = torch.cat((past, kv if state is None else state.as_stored(kv)))  # [Wp + S, hd]
         key_pos = torch.arange(start - past.shape[0], start + kv.shape[0], device=kv.device)
         diff = positions.unsqueeze(-1) - key_pos  # [S, Wp + S]
         visible = (diff >= 0) & (diff < w)
         if state is not None:
-            state.window = keys[-(w - 1) :].clone() if w > 1 else keys[:0]
+            raw = torch.cat((past, kv))
+            state.window = raw[-(w - 1) :].clone() if w > 1 else raw[:0]
         if self.compressor is not None:
             entries, entry_visible = self._compressed(x, qr, positions, state, cos, sin, relay)
             keys = torch.cat((keys, entries))

@@ -67,6 +67,9 @@ class Compressor(nn.Module):
 
         Without `state` the call must start at position 0 and an incomplete tail window is
         dropped; with it the tail is kept in `state.pending_*` and completed by later calls.
+
+        With `state.stored` the new entries are returned as the cache gives them back (earlier
+        ones were read from it) while `state.entries` keeps them raw for the cache to encode.
         """
         r = self.ratio
         positions = torch.arange(start_pos, start_pos + x.shape[0], device=x.device)
@@ -104,4 +107,6 @@ class Compressor(nn.Module):
             state.entries = new
         elif n:
             state.entries = torch.cat((state.entries, new))
-        return state.entries
+        if state.stored is None or not n:
+            return state.entries
+        return torch.cat((state.entries[:num_done], state.stored(new)))

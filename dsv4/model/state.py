@@ -13,6 +13,11 @@ one full forward (DSV4_ARCH.md §6.4, §6.9):
       the tokens of the current, incomplete window;
     * `overlap_kv` / `overlap_gate` [r, d'] fp32 (ratio 4 only): the first halves of the last
       complete window, which the next window's entry also softmaxes over.
+- `LayerState.stored_kv` / `CompressorState.stored` (set by the paged cache, None without
+  one): what a row reads back as after the cache stored it (`decode(encode(rows))`). Rows of
+  earlier steps come from the cache; a step's own fresh rows go through this round trip before
+  attention / indexer scoring, so a token sees every row the same way whatever chunk it shared
+  (chunk-size and batch invariance). The state keeps the raw rows: the cache encodes them once.
 - `mtp`: the MTP layer's own `LayerState` (its sliding window), advanced by
   `DeepseekV4.mtp_forward`; `mtp_num_tokens` counts the positions it has seen.
 
@@ -21,11 +26,14 @@ Tensors live on the model's device; `clone()` gives an independent copy (prefix 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from dsv4.model.config import ModelConfig
+
+RoundTrip = Callable[[torch.Tensor], torch.Tensor]  # rows [n, d] -> as read back, same dtype
 
 
 @dataclass
@@ -35,13 +43,15 @@ class CompressorState:
     pending_gate: torch.Tensor | None = None  # [n, c*d'] fp32
     overlap_kv: torch.Tensor | None = None  # [r, d'] fp32, ratio 4 only
     overlap_gate: torch.Tensor | None = None  # [r, d'] fp32, ratio 4 only
+    stored: RoundTrip | None = None  # the cache's round trip of entries (None: exact)
 
     @property
     def num_entries(self) -> int:
         return 0 if self.entries is None else int(self.entries.shape[0])
 
     def clone(self) -> CompressorState:
-        return CompressorState(*(None if t is None else t.clone() for t in self._tensors()))
+        tensors = (None if t is None else t.clone() for t in self._tensors())
+        return CompressorState(*tensors, stored=self.stored)
 
     def _tensors(self) -> tuple[torch.Tensor | None, ...]:
         return (
@@ -58,13 +68,19 @@ class LayerState:
     window: torch.Tensor | None = None  # [<= W-1, head_dim]
     compressor: CompressorState | None = None
     indexer: CompressorState | None = None
+    stored_kv: RoundTrip | None = None  # the cache's round trip of window rows (None: exact)
 
     def clone(self) -> LayerState:
         return LayerState(
             None if self.window is None else self.window.clone(),
             None if self.compressor is None else self.compressor.clone(),
             None if self.indexer is None else self.indexer.clone(),
+            self.stored_kv,
         )
+
+    def as_stored(self, kv: torch.Tensor) -> torch.Tensor:
+        """Fresh window rows [S, hd] as the cache gives them back to later steps."""
+        return kv if self.stored_kv is None else self.stored_kv(kv)
 
 
 def new_layer_state(ratio: int) -> LayerState:

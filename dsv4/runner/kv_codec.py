@@ -6,10 +6,14 @@ codecs are the reference for what a Triton pack/unpack kernel writes and reads.
 - "fp8_ue8m0" (KV, 584 B for head_dim 512): [nope e4m3 | rope bf16 | one UE8M0 byte per 64 nope
   dims, zero padded to a multiple of 8]. Scale per 64-dim block = 2^ceil(log2(amax / 448)),
   amax clamped >= 1e-4 (vLLM fp8_ds_mla); the rope dims stay bf16 as trained (QAT).
-- "bf16" / "fp32" (KV, debug): the row in that dtype.
+- "bf16" / "fp32" (KV and indexer keys, `--kv-dtype` / `--indexer-key-dtype`): the row in that
+  dtype; exact for a model of that precision (served = transformers checks).
 - "mxfp4" (indexer keys, 68 B for d = 128): [d/2 packed e2m1, low nibble = even dim | d/32 UE8M0].
 - "fp8_fp32scale" (indexer keys, 132 B): [d e4m3 | fp32 scale], one scale per row.
-- "fp32" (compressor state and debug indexer keys): the row in fp32.
+- "fp32" (compressor state): the row in fp32.
+
+`round_trip` is what a step attends to for its own fresh rows: the same values a later step
+decodes from the cache, so chunk boundaries do not change outputs.
 """
 
 from __future__ import annotations
@@ -99,3 +103,14 @@ def decode_rows(records: torch.Tensor, dtype_name: str, dim: int, rope_dim: int)
         scale = records[:, dim : dim + 4].contiguous().view(torch.float32)
         return codes * scale
     raise ValueError(f"unknown cache entry format {dtype_name!r}")
+
+
+def round_trip(
+    rows: torch.Tensor, dtype_name: str, entry_bytes: int, rope_dim: int
+) -> torch.Tensor:
+    """rows [N, dim] -> what reading them back from the cache gives, in rows' dtype.
+
+    A step attends to its own fresh rows through this, exactly as a later step reads them, so
+    outputs do not depend on where chunk boundaries fall (`dsv4.model.state`)."""
+    records = encode_rows(rows, dtype_name, entry_bytes, rope_dim)
+    return decode_rows(records, dtype_name, rows.shape[1], rope_dim).to(rows.dtype)

@@ -11,11 +11,14 @@ bytes directly.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from dsv4.cache.layout import KVLayout
 from dsv4.cache.packing import CacheRegion
-from dsv4.runner.kv_codec import decode_rows, encode_rows
+from dsv4.model.state import RoundTrip
+from dsv4.runner.kv_codec import decode_rows, encode_rows, round_trip
 
 
 class PagedKVCache:
@@ -78,6 +81,14 @@ class PagedKVCache:
 
     def _rope(self, region: CacheRegion) -> int:
         return self._rope_dim if region.kind in ("window", "compressed") else 0
+
+    def stored_rows(self, layer_id: int, kind: str) -> RoundTrip | None:
+        """rows -> rows as this region gives them back; None where that is exact (fp32)."""
+        region = self.layout.region(layer_id, kind)
+        if region.dtype_name == "fp32":
+            return None
+        return partial(round_trip, dtype_name=region.dtype_name, entry_bytes=region.entry_bytes,
+                       rope_dim=self._rope(region))  # fmt: skip
 
     # ---- token regions: compressed KV and indexer keys -------------------------------------
     def read_entries(

@@ -116,6 +116,12 @@ def _empty_state(cache: PagedKVCache, pos: int) -> SequenceState:
     for layer_id, layer in enumerate(state.layers):
         if layer.indexer is not None and not _has_indexer_keys(cache, layer_id):
             layer.indexer = None  # IndexCache Shared layer: it never runs its indexer
+        # fresh rows are attended to as the cache stores them (chunk invariance)
+        layer.stored_kv = cache.stored_rows(layer_id, "window")
+        for name in ("compressor", "indexer"):
+            comp = getattr(layer, name)
+            if comp is not None:
+                comp.stored = cache.stored_rows(layer_id, _ENTRY_KIND[name][0])
     return state
 
 
@@ -203,9 +209,9 @@ def load_mtp_window(
 ) -> LayerState:
     """The MTP layer's window state before MTP position `end`: ring rows [start, end) (the
     caller passes start >= end - (W - 1) and only rows it knows were written)."""
-    layer = LayerState()
+    mtp_layer = cache.layout.model.num_hidden_layers
+    layer = LayerState(stored_kv=cache.stored_rows(mtp_layer, "window"))
     if end > start:
-        mtp_layer = cache.layout.model.num_hidden_layers
         rows = cache.read_ring(mtp_layer, "window", ring_block_ids, start, end)
         layer.window = rows.to(dtype)
     return layer

@@ -4,13 +4,15 @@ Order inside a layer (each step reads only what an earlier step of this list wro
 1. projections and rope for all T tokens (q [T, H, d], K=V rows kv [T, d]);
 2. the compressors: the step's new entries / indexer keys into the cache, state rows saved;
 3. C4: the indexer's top-k over the cached keys (or the IndexCache source layer's top-k);
-4. prefill chunks: workspaces gathered from the cache (entries, window prefix) + fresh rows;
+4. prefill chunks: workspaces gathered from the cache (entries, window prefix) + fresh rows
+   round-tripped through the cache's entry format (what a later chunk would gather);
 5. every token's K=V row into the window ring (prefill: only the last R of a request);
 6. decode tokens attend straight on the cache (window ring rows incl. their own, entries);
    prefill tokens attend on their chunk's workspace;
 7. inverse rope of the output, grouped low-rank projection.
 Decode tokens therefore read their own row as stored (fp8 in production, as vLLM's FlashMLA
-path does); bf16/fp32 caches make that lossless, which the exactness tests use.
+path does), and prefill tokens see their chunk's rows the same way, so no token's inputs depend
+on the chunk size; bf16/fp32 caches make that lossless, which the exactness tests use.
 """
 
 from __future__ import annotations
@@ -80,7 +82,8 @@ def attention_layer(attn: Attention, lw: LayerWeights, fs: ForwardState, x: torc
 
 
 def _workspace(fs: ForwardState, g, chunk, kv: torch.Tensor) -> torch.Tensor:
-    """The chunk's bf16 workspace [rows, d]: cached entries and window prefix, fresh rows."""
+    """The chunk's bf16 workspace [rows, d]: cached entries and window prefix, then the fresh
+    rows through the cache's format."""
     meta = fs.meta
     ws = kv.new_empty(chunk.num_rows, kv.shape[1])
     if chunk.comp_src.numel():
@@ -89,7 +92,9 @@ def _workspace(fs: ForwardState, g, chunk, kv: torch.Tensor) -> torch.Tensor:
     if chunk.win_src.numel():
         slots = meta.win_base[g.layer_id][chunk.win_token].long() + chunk.win_src
         ws[chunk.win_dst] = kv_rows.gather(meta.geo, slots, kv.dtype, meta.kernels)
-    ws[chunk.query_dst] = kv[chunk.token_lo : chunk.token_hi]
+    # the chunk's own rows as later chunks and decode steps read them back (chunk invariance)
+    ws[chunk.query_dst] = kv_rows.round_trip(meta.geo, kv[chunk.token_lo : chunk.token_hi],
+                                             meta.kernels)  # fmt: skip
     return ws
 
 

@@ -1,9 +1,10 @@
 """K=V rows in and out of the paged cache's KV slots, in the layout's entry format.
 
 `store` writes fresh rows [n, D] at global KV slots (-1 = skip); `gather` decodes the rows at
-slots into a bf16 (model dtype) workspace. Both go through `kernels.kv_store` when that op is
-registered and selected (one launch each), else through the byte codecs of
-`dsv4.runner.kv_codec` (the reference).
+slots into a bf16 (model dtype) workspace; `round_trip` gives fresh rows as a later `gather`
+will (a prefill chunk attends to its own rows through it: chunk-size invariance). All go
+through `kernels.kv_store` when that op is registered and selected (one launch each), else
+through the byte codecs of `dsv4.runner.kv_codec` (the reference).
 """
 
 from __future__ import annotations
@@ -25,25 +26,46 @@ def _kernel(name: str, kernels: KernelBackendConfig, device: torch.device):
 def store(geo: CacheGeometry, slots: torch.Tensor, rows: torch.Tensor,
           kernels: KernelBackendConfig) -> None:  # fmt: skip
     """rows [n, D] -> KV slots [n] (-1 = not stored)."""
-    if rows.shape[0] == 0:
-        return
-    rope = geo.layout.model.qk_rope_head_dim
-    fn = _kernel("kv_store", kernels, rows.device)
-    if fn is not None:
-        fn(rows.contiguous(), geo.kv_bytes, slots, fmt=geo.kv_format, rope_dim=rope)
-        return
-    keep = slots >= 0
-    records = encode_rows(rows[keep], geo.kv_format, geo.kve, rope)
-    geo.kv_bytes[slots[keep].long()] = records
+    _store(geo.kv_bytes, geo.kv_format, geo.layout.model.qk_rope_head_dim, slots, rows, kernels)
 
 
 def gather(geo: CacheGeometry, slots: torch.Tensor, dtype: torch.dtype,
            kernels: KernelBackendConfig) -> torch.Tensor:  # fmt: skip
     """KV slots [n] (all valid) -> rows [n, D] in `dtype`."""
     model = geo.layout.model
+    return _gather(geo.kv_bytes, geo.kv_format, model.head_dim, model.qk_rope_head_dim, slots,
+                   dtype, kernels)  # fmt: skip
+
+
+def round_trip(geo: CacheGeometry, rows: torch.Tensor,
+               kernels: KernelBackendConfig) -> torch.Tensor:  # fmt: skip
+    """rows [n, D] -> what `gather` returns for them after `store` (rows' dtype), through an
+    [n, entry_bytes] scratch; records at least as precise as the rows skip it."""
+    exact = geo.kv_format == "fp32" or (geo.kv_format == "bf16" and rows.dtype == torch.bfloat16)
+    if exact or rows.shape[0] == 0:
+        return rows
+    rope = geo.layout.model.qk_rope_head_dim
+    scratch = torch.zeros(rows.shape[0], geo.kve, dtype=torch.uint8, device=rows.device)
+    slots = torch.arange(rows.shape[0], device=rows.device)
+    _store(scratch, geo.kv_format, rope, slots, rows, kernels)
+    return _gather(scratch, geo.kv_format, rows.shape[1], rope, slots, rows.dtype, kernels)
+
+
+def _store(kv_bytes: torch.Tensor, fmt: str, rope: int, slots: torch.Tensor, rows: torch.Tensor,
+           kernels: KernelBackendConfig) -> None:  # fmt: skip
+    if rows.shape[0] == 0:
+        return
+    fn = _kernel("kv_store", kernels, rows.device)
+    if fn is not None:
+        fn(rows.contiguous(), kv_bytes, slots, fmt=fmt, rope_dim=rope)
+        return
+    keep = slots >= 0
+    kv_bytes[slots[keep].long()] = encode_rows(rows[keep], fmt, kv_bytes.shape[1], rope)
+
+
+def _gather(kv_bytes: torch.Tensor, fmt: str, dim: int, rope: int, slots: torch.Tensor,
+            dtype: torch.dtype, kernels: KernelBackendConfig) -> torch.Tensor:  # fmt: skip
     fn = _kernel("kv_gather", kernels, slots.device)
     if fn is not None:
-        return fn(geo.kv_bytes, slots, fmt=geo.kv_format, dim=model.head_dim,
-                  rope_dim=model.qk_rope_head_dim, out_dtype=dtype)  # fmt: skip
-    records = geo.kv_bytes[slots.long()]
-    return decode_rows(records, geo.kv_format, model.head_dim, model.qk_rope_head_dim).to(dtype)
+        return fn(kv_bytes, slots, fmt=fmt, dim=dim, rope_dim=rope, out_dtype=dtype)
+    return decode_rows(kv_bytes[slots.long()], fmt, dim, rope).to(dtype)

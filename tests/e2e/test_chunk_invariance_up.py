@@ -1,0 +1,42 @@
+"""Issue 20's reproduction of load-dependent outputs, against a real cluster (`dsv4 up`'s
+`LocalCluster`: router, prefill and decode processes, NIXL hand-off) on the full tiny model with
+the served CPU formats (bf16 KV, MXFP4 indexer keys): at `--max-num-batched-tokens 50` a
+129-token prompt, alone and beside others, gets the tokens one engine gives at the default
+budget (16384)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from dsv4.cluster import ensure_tiny_checkpoint, free_port
+from tests.e2e.e2e_cluster import assert_no_worker_leaks, generate, greedy
+from tests.engine.test_chunk_invariance import lossy_prompts
+from tests.model.test_served_vs_transformers import NEW_TOKENS, served_tokens
+from tests.services.worker_cluster import WORKER_ARGS, start_cluster
+
+CHUNKED = ("--max-num-batched-tokens", "50", "--max-num-seqs", "8")
+
+
+def test_cluster_at_budget_50_serves_the_default_budget_tokens(tmp_path_factory) -> None:
+    model_dir = ensure_tiny_checkpoint(tmp_path_factory.getbasetemp() / "dsv4-cache", "")
+    prompts = lossy_prompts(1024)  # 129, 1, 33, 260 tokens
+    expected = served_tokens(str(model_dir), prompts)  # one engine, default budget
+    cluster = start_cluster(model_dir, router_port=free_port(),
+                            service_args=(*WORKER_ARGS, *CHUNKED))  # fmt: skip
+    sampling = greedy(NEW_TOKENS)
+
+    async def main() -> None:
+        async with grpc.aio.insecure_channel(cluster.router_address) as channel:
+            alone = await generate(channel, prompts[0], sampling)
+            together = await asyncio.gather(*(generate(channel, p, sampling) for p in prompts))
+            assert alone.code == grpc.StatusCode.OK, alone.details
+            assert alone.token_ids == expected[0]
+            assert [o.token_ids for o in together] == expected
+        await assert_no_worker_leaks(cluster)
+
+    try:
+        asyncio.run(main())
+    finally:
+        cluster.stop()
