@@ -17,16 +17,22 @@ from kernels.compressor import _bf16_rne
 
 
 @triton.jit
-def _block_scale(s_rows, n_ok, k0, stride_sk, SCALE_E8M0: tl.constexpr):
-    """The [BLOCK_N] fp32 scales of weight rows `s_rows` (pointers) at K step k0."""
+def _scales_at(ptrs, mask, SCALE_E8M0: tl.constexpr):
+    """fp32 block scales at `ptrs` (any shape): UE8M0 bytes as 2^(b - 127), else fp32 as stored."""
     # one return: Triton 3.6 type-checks every return of a jit function, constexpr-dead or not
     if SCALE_E8M0:
-        sb = tl.load(s_rows + (k0 // 128) * stride_sk, mask=n_ok, other=127).to(tl.int32) & 0xFF
+        sb = tl.load(ptrs, mask=mask, other=127).to(tl.int32) & 0xFF
         # byte 0 is 2^-127, an fp32 subnormal (0 << 23 would read as zero)
         scale = tl.where(sb == 0, 5.877471754111438e-39, (sb << 23).to(tl.float32, bitcast=True))
     else:
-        scale = tl.load(s_rows + (k0 // 128) * stride_sk, mask=n_ok, other=1.0)
+        scale = tl.load(ptrs, mask=mask, other=1.0)
     return scale
+
+
+@triton.jit
+def _block_scale(s_rows, n_ok, k0, stride_sk, SCALE_E8M0: tl.constexpr):
+    """The [BLOCK_N] fp32 scales of weight rows `s_rows` (pointers) at K step k0."""
+    return _scales_at(s_rows + (k0 // 128) * stride_sk, n_ok, SCALE_E8M0)
 
 
 @triton.jit
