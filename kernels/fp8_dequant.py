@@ -4,7 +4,8 @@
 values `dsv4.model.quant.fp8_block_dequantize` computes (exact for UE8M0 scales; fp32 scales
 round the fp32 product once to nearest even), at 3 bytes of traffic per bf16 element where the
 torch ops take ~6 fp32 passes. fp8_linear serves prefill-sized products as this, then cuBLAS.
-`_block_scale` reads one K step's scales for a row tile (shared with the linear kernels).
+`_block_scale` reads one K step's scales for a row tile; `_weight_rows` and `_store_tile` are
+the linear kernels' shared row pointers and output store.
 """
 
 from __future__ import annotations
@@ -33,6 +34,28 @@ def _scales_at(ptrs, mask, SCALE_E8M0: tl.constexpr):
 def _block_scale(s_rows, n_ok, k0, stride_sk, SCALE_E8M0: tl.constexpr):
     """The [BLOCK_N] fp32 scales of weight rows `s_rows` (pointers) at K step k0."""
     return _scales_at(s_rows + (k0 // 128) * stride_sk, n_ok, SCALE_E8M0)
+
+
+@triton.jit
+def _weight_rows(w_ptr, s_ptr, g, N, n, stride_wn, stride_sn):
+    """Pointers to the weight rows and scale rows of output features `n` [BLOCK_N] of group g
+    (the global weight row g * N + n; its scale row that // 128)."""
+    w_row = (g * N + n).to(tl.int64)
+    return w_ptr + w_row * stride_wn, s_ptr + (w_row // 128) * stride_sn
+
+
+@triton.jit
+def _store_tile(out_ptr, acc, pid_s, rows, row_ok, g, n, n_ok, stride_os, stride_ot, stride_og,
+                TRANSPOSED: tl.constexpr):  # fmt: skip
+    """Store acc [rows, n] (TRANSPOSED: [n, rows]) at out [split pid_s, row, group g, n]."""
+    out_rows = (out_ptr + pid_s.to(tl.int64) * stride_os + rows.to(tl.int64) * stride_ot
+                + g * stride_og)  # fmt: skip
+    if TRANSPOSED:  # the transposed tile through transposed pointers
+        tl.store(out_rows[None, :] + n[:, None], acc.to(out_ptr.dtype.element_ty),
+                 mask=n_ok[:, None] & row_ok[None, :])  # fmt: skip
+    else:
+        tl.store(out_rows[:, None] + n[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & n_ok[None, :])  # fmt: skip
 
 
 @triton.jit

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from kernels.compressor import _bf16_rne
-from kernels.fp8_dequant import _block_scale, _scales_at, scale_operand
+from kernels.fp8_dequant import _block_scale, _scales_at, _store_tile, _weight_rows, scale_operand
 from kernels.specialize import sizes_vary
 
 
@@ -53,9 +53,7 @@ def _fp8_gemv_kernel(
     t_ok = t < T
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
-    w_row = (g * N + n).to(tl.int64)  # the global weight row (and its scale row)
-    w_rows = w_ptr + w_row * stride_wn
-    s_rows = s_ptr + (w_row // 128) * stride_sn
+    w_rows, s_rows = _weight_rows(w_ptr, s_ptr, g, N, n, stride_wn, stride_sn)
     x_rows = x_ptr + t.to(tl.int64) * stride_xt + g * stride_xg
     # a K step is [BLOCK_K // VEC, VEC]: VEC contiguous bytes a thread (one 16-byte load), one
     # scale column per VEC group, so BLOCK_K may span several 128-column scale blocks
@@ -90,10 +88,8 @@ def _fp8_gemv_kernel(
     y = tl.sum(acc, axis=2)  # [BLOCK_T, BLOCK_N]
     if ROUND_OUT:  # the interpreter truncates on the cast; the GPU rounds
         y = _bf16_rne(y)
-    out_rows = (out_ptr + pid_s.to(tl.int64) * stride_os + t.to(tl.int64) * stride_ot
-                + g * stride_og)  # fmt: skip
-    tl.store(out_rows[:, None] + n[None, :], y.to(out_ptr.dtype.element_ty),
-             mask=t_ok[:, None] & n_ok[None, :])  # fmt: skip
+    _store_tile(out_ptr, y, pid_s, t, t_ok, g, n, n_ok, stride_os, stride_ot,
+                stride_og, False)  # fmt: skip
 
 
 @triton.jit(**sizes_vary("T", "split_len"))
@@ -114,9 +110,7 @@ def _fp8_gemv_rows_kernel(
     t_ok = t < T
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < out_features
-    w_row = (g * out_features + n).to(tl.int64)  # the global weight row (and its scale row)
-    w_rows = w_ptr + w_row * stride_wn
-    s_rows = s_ptr + (w_row // 128) * stride_sn
+    w_rows, s_rows = _weight_rows(w_ptr, s_ptr, g, out_features, n, stride_wn, stride_sn)
     x_rows = x_ptr + t.to(tl.int64) * stride_xt + g * stride_xg
     # products accumulate elementwise across K steps; the one cross-thread reduction over K is
     # after the loop (a tl.sum per step put a shuffle tree on every step: 0.4-0.7x of cuBLAS)
@@ -138,10 +132,8 @@ def _fp8_gemv_rows_kernel(
     acc = tl.sum(acc3, axis=2)  # [BLOCK_T, BLOCK_N]
     if ROUND_OUT:  # the interpreter truncates on the cast; the GPU rounds
         acc = _bf16_rne(acc)
-    out_rows = (out_ptr + pid_s.to(tl.int64) * stride_os + t.to(tl.int64) * stride_ot
-                + g * stride_og)  # fmt: skip
-    tl.store(out_rows[:, None] + n[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=t_ok[:, None] & n_ok[None, :])  # fmt: skip
+    _store_tile(out_ptr, acc, pid_s, t, t_ok, g, n, n_ok, stride_os, stride_ot,
+                stride_og, False)  # fmt: skip
 
 
 @triton.jit(**sizes_vary("total", "num_partials"))

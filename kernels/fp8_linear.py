@@ -42,7 +42,13 @@ import triton.language as tl
 
 from dsv4.model import fp8 as model_fp8
 from kernels.compressor import _bf16_rne
-from kernels.fp8_dequant import _block_scale, fp8_dequantize, scale_operand
+from kernels.fp8_dequant import (
+    _block_scale,
+    _store_tile,
+    _weight_rows,
+    fp8_dequantize,
+    scale_operand,
+)
 from kernels.fp8_gemv import gemv_config, launch_gemv, num_sms, reduce_splits, split_k, split_output
 from kernels.fp8_w8a8 import launch_w8a8, w8a8_config
 from kernels.moe import _tile_ids  # grouped tile order: row tiles sweep W's columns together
@@ -94,10 +100,8 @@ def _fp8_linear_kernel(
     row_ok = rows < T
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
-    w_row = (g * N + n).to(tl.int64)  # the global weight row (and its scale row)
     x_rows = x_ptr + rows.to(tl.int64) * stride_xt + g * stride_xg
-    w_rows = w_ptr + w_row * stride_wn
-    s_rows = s_ptr + (w_row // 128) * stride_sn
+    w_rows, s_rows = _weight_rows(w_ptr, s_ptr, g, N, n, stride_wn, stride_sn)
     # SWAP_AB: accT [BLOCK_N, BLOCK_M] = W_tile @ x_tile^T, the dequantised weight as the LHS
     acc = tl.zeros([BLOCK_N, BLOCK_M] if SWAP_AB else [BLOCK_M, BLOCK_N], tl.float32)
     # split_len is a multiple of the K step: written so, k0 is known to be one (vector loads)
@@ -137,14 +141,8 @@ def _fp8_linear_kernel(
                 acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
     if ROUND_OUT:  # the interpreter truncates on the cast; the GPU rounds
         acc = _bf16_rne(acc)
-    out_rows = (out_ptr + pid_s.to(tl.int64) * stride_os + rows.to(tl.int64) * stride_ot
-                + g * stride_og)  # fmt: skip
-    if SWAP_AB:  # store the transposed tile through transposed pointers
-        tl.store(out_rows[None, :] + n[:, None], acc.to(out_ptr.dtype.element_ty),
-                 mask=n_ok[:, None] & row_ok[None, :])  # fmt: skip
-    else:
-        tl.store(out_rows[:, None] + n[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=row_ok[:, None] & n_ok[None, :])  # fmt: skip
+    _store_tile(out_ptr, acc, pid_s, rows, row_ok, g, n, n_ok, stride_os, stride_ot, stride_og,
+                SWAP_AB)  # fmt: skip
 
 
 def _config(rows: int, n: int, k: int, groups: int, device: torch.device) -> dict:

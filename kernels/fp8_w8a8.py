@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from dsv4.model import fp8 as model_fp8
-from kernels.fp8_dequant import _block_scale, scale_operand
+from kernels.fp8_dequant import _block_scale, _store_tile, _weight_rows, scale_operand
 from kernels.fp8_gemv import num_sms, reduce_splits, split_k, split_output
 from kernels.moe import _tile_ids
 from kernels.specialize import sizes_vary
@@ -89,9 +89,7 @@ def _fp8_w8a8_kernel(
     row_ok = rows < T
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < out_features
-    w_row = (g * out_features + n).to(tl.int64)  # the global weight row (and its scale row)
-    w_rows = w_ptr + w_row * stride_wn
-    s_rows = s_ptr + (w_row // 128) * stride_sn
+    w_rows, s_rows = _weight_rows(w_ptr, s_ptr, g, out_features, n, stride_wn, stride_sn)
     x_rows = x_ptr + rows.to(tl.int64) * stride_xt + g * stride_xg
     xs_rows = xs_ptr + rows.to(tl.int64) * stride_xst + g * stride_xsg
     # SWAP_AB: accT [BLOCK_N, BLOCK_M] = W_tile @ xq_tile^T (the weight rows on the MMA's M side)
@@ -118,14 +116,8 @@ def _fp8_w8a8_kernel(
             acc += tl.dot(w, tl.trans(xq)) * (ws[:, None] * xs[None, :])
         else:
             acc += tl.dot(xq, tl.trans(w)) * (xs[:, None] * ws[None, :])
-    out_rows = (out_ptr + pid_s.to(tl.int64) * stride_os + rows.to(tl.int64) * stride_ot
-                + g * stride_og)  # fmt: skip
-    if SWAP_AB:  # the transposed tile through transposed pointers
-        tl.store(out_rows[None, :] + n[:, None], acc.to(out_ptr.dtype.element_ty),
-                 mask=n_ok[:, None] & row_ok[None, :])  # fmt: skip
-    else:
-        tl.store(out_rows[:, None] + n[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=row_ok[:, None] & n_ok[None, :])  # fmt: skip
+    _store_tile(out_ptr, acc, pid_s, rows, row_ok, g, n, n_ok, stride_os, stride_ot, stride_og,
+                SWAP_AB)  # fmt: skip
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
