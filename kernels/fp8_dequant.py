@@ -4,7 +4,8 @@
 values `dsv4.model.quant.fp8_block_dequantize` computes (exact for UE8M0 scales; fp32 scales
 round the fp32 product once to nearest even), at 3 bytes of traffic per bf16 element where the
 torch ops take ~6 fp32 passes. fp8_linear serves prefill-sized products as this, then cuBLAS.
-`_block_scale` reads one K step's scales for a row tile (shared with the linear kernels).
+`_block_scale` reads one K step's scales for a row tile; `_weight_rows` and `_store_tile` are
+the linear kernels' shared row pointers and output store.
 """
 
 from __future__ import annotations
@@ -17,16 +18,44 @@ from kernels.compressor import _bf16_rne
 
 
 @triton.jit
-def _block_scale(s_rows, n_ok, k0, stride_sk, SCALE_E8M0: tl.constexpr):
-    """The [BLOCK_N] fp32 scales of weight rows `s_rows` (pointers) at K step k0."""
+def _scales_at(ptrs, mask, SCALE_E8M0: tl.constexpr):
+    """fp32 block scales at `ptrs` (any shape): UE8M0 bytes as 2^(b - 127), else fp32 as stored."""
     # one return: Triton 3.6 type-checks every return of a jit function, constexpr-dead or not
     if SCALE_E8M0:
-        sb = tl.load(s_rows + (k0 // 128) * stride_sk, mask=n_ok, other=127).to(tl.int32) & 0xFF
+        sb = tl.load(ptrs, mask=mask, other=127).to(tl.int32) & 0xFF
         # byte 0 is 2^-127, an fp32 subnormal (0 << 23 would read as zero)
         scale = tl.where(sb == 0, 5.877471754111438e-39, (sb << 23).to(tl.float32, bitcast=True))
     else:
-        scale = tl.load(s_rows + (k0 // 128) * stride_sk, mask=n_ok, other=1.0)
+        scale = tl.load(ptrs, mask=mask, other=1.0)
     return scale
+
+
+@triton.jit
+def _block_scale(s_rows, n_ok, k0, stride_sk, SCALE_E8M0: tl.constexpr):
+    """The [BLOCK_N] fp32 scales of weight rows `s_rows` (pointers) at K step k0."""
+    return _scales_at(s_rows + (k0 // 128) * stride_sk, n_ok, SCALE_E8M0)
+
+
+@triton.jit
+def _weight_rows(w_ptr, s_ptr, g, N, n, stride_wn, stride_sn):
+    """Pointers to the weight rows and scale rows of output features `n` [BLOCK_N] of group g
+    (the global weight row g * N + n; its scale row that // 128)."""
+    w_row = (g * N + n).to(tl.int64)
+    return w_ptr + w_row * stride_wn, s_ptr + (w_row // 128) * stride_sn
+
+
+@triton.jit
+def _store_tile(out_ptr, acc, pid_s, rows, row_ok, g, n, n_ok, stride_os, stride_ot, stride_og,
+                TRANSPOSED: tl.constexpr):  # fmt: skip
+    """Store acc [rows, n] (TRANSPOSED: [n, rows]) at out [split pid_s, row, group g, n]."""
+    out_rows = (out_ptr + pid_s.to(tl.int64) * stride_os + rows.to(tl.int64) * stride_ot
+                + g * stride_og)  # fmt: skip
+    if TRANSPOSED:  # the transposed tile through transposed pointers
+        tl.store(out_rows[None, :] + n[:, None], acc.to(out_ptr.dtype.element_ty),
+                 mask=n_ok[:, None] & row_ok[None, :])  # fmt: skip
+    else:
+        tl.store(out_rows[:, None] + n[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & n_ok[None, :])  # fmt: skip
 
 
 @triton.jit

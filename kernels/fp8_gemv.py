@@ -1,16 +1,25 @@
 """FP8 weight-only GEMV for decode rows (DSV4_ARCH.md §7): y [T, G, N] = x [T, G, K] @ W^T, T small.
 
-The tiled kernel in kernels/fp8_linear.py runs its weight tile through `tl.dot` after an
-in-register dequantise; on the H200 that reached 0.33-0.63x of cuBLAS on the bf16 weight at
-1-16 rows (12-18% of the bandwidth roofline, half the bytes) and 0.03-0.20x at 64 rows, with
-SWAP_AB, POST_SCALE and 16-row tiles all within 0.1x of it (docs/BENCHMARKS.md). A decode
-product has 1-16 rows, so it needs no MMA at all: each program streams BLOCK_N weight rows
-[BLOCK_N, BLOCK_K] as stored (K contiguous, one 128-column scale block a step), dequantises
-them in fp32 and accumulates T x BLOCK_N x BLOCK_K products elementwise on the CUDA cores,
-reducing over K once at the end. T FMAs per weight byte: near the H200's ~8 FMA/byte balance at
-T = 8, so this is a decode kernel (`GEMV_MAX_ROWS` in fp8_linear.py). K is split across
-programs when the row tiles alone leave SMs idle; partials [S, T, G, N] fp32 add in split order
-in `_fp8_linear_reduce_kernel` (deterministic).
+A decode product has 1-16 rows, so it needs no MMA (the tiled `tl.dot` kernel of
+kernels/fp8_linear.py ran at 0.33-0.63x of cuBLAS bf16 there): weight rows stream through the
+CUDA cores as stored, dequantised in fp32. T FMAs per weight byte: near the H200's ~8
+FMA/byte balance at T = 8, so these are decode kernels (`GEMV_MAX_ROWS` in fp8_linear.py).
+- One row, `_fp8_gemv_kernel`: a K step of BLOCK_K columns as [BLOCK_K / VEC, VEC] groups,
+  VEC = 16 contiguous bytes a thread (one 16-byte load), so a step spans several 128-column
+  scale blocks and each thread has BLOCK_N x BLOCK_K / (16 x threads) such loads in flight
+  (8 at the served 16 x 1024 tile, 4 warps). x and the
+  weight load as 4-D tiles of one shape ([T, BLOCK_N, BLOCK_K / VEC, VEC], x's pointers
+  broadcast over BLOCK_N: L1 hits), so both take one layout: the VEC products sum inside a
+  thread with no shuffle, and a UE8M0 scale multiplies each group's sum (exact: a power of two).
+  Built for sm_90 with ptxas: 48-120 registers, no spills, no shared memory in the loop. A 3-D
+  load broadcast afterwards had sent the weight tile through shared memory every step.
+- 2+ rows, `_fp8_gemv_rows_kernel` (the first GEMV): [BLOCK_T, BLOCK_N, BLOCK_K] products
+  accumulated elementwise, one scale block a step; the broadcast x of the 1-row kernel costs
+  L1 bandwidth x rows (it ran at 0.55-0.95x of this one at 2-4 rows on the H200).
+K is split across programs when the row tiles alone leave SMs idle; partials [S, T, G, N] fp32
+add in split order in `_fp8_linear_reduce_kernel` (deterministic). The split start is written
+as a multiple of BLOCK_K: with `split_len` out of the compile key, a plain `pid * split_len`
+hid the alignment and every weight load went out a byte at a time.
 No host sync, no data-dependent allocation: CUDA-graph capturable.
 """
 
@@ -23,7 +32,7 @@ import triton
 import triton.language as tl
 
 from kernels.compressor import _bf16_rne
-from kernels.fp8_dequant import _block_scale, scale_operand
+from kernels.fp8_dequant import _block_scale, _scales_at, _store_tile, _weight_rows, scale_operand
 from kernels.specialize import sizes_vary
 
 
@@ -35,22 +44,78 @@ def _fp8_gemv_kernel(
     T, N, K, split_len,
     stride_xt, stride_xg, stride_wn, stride_sn, stride_sk, stride_os, stride_ot, stride_og,
     # Meta-parameters
-    SCALE_E8M0: tl.constexpr, ROUND_W: tl.constexpr,
+    SCALE_E8M0: tl.constexpr, PER_ELEMENT: tl.constexpr, ROUND_W: tl.constexpr,
     ROUND_OUT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    VEC: tl.constexpr,
 ):  # fmt: skip
     pid_n, pid_s, g = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     t = tl.arange(0, BLOCK_T)
     t_ok = t < T
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
-    w_row = (g * N + n).to(tl.int64)  # the global weight row (and its scale row)
-    w_rows = w_ptr + w_row * stride_wn
-    s_rows = s_ptr + (w_row // 128) * stride_sn
+    w_rows, s_rows = _weight_rows(w_ptr, s_ptr, g, N, n, stride_wn, stride_sn)
+    x_rows = x_ptr + t.to(tl.int64) * stride_xt + g * stride_xg
+    # a K step is [BLOCK_K // VEC, VEC]: VEC contiguous bytes a thread (one 16-byte load), one
+    # scale column per VEC group, so BLOCK_K may span several 128-column scale blocks
+    group_k = tl.arange(0, BLOCK_K // VEC) * VEC  # [J]: each VEC group's first column
+    vec = group_k[:, None] + tl.arange(0, VEC)[None, :]  # [J, VEC]
+    # the VEC products of a group sum inside one thread; the group sums accumulate
+    # elementwise across K steps, and the one cross-thread reduction is after the loop
+    acc = tl.zeros([BLOCK_T, BLOCK_N, BLOCK_K // VEC], tl.float32)
+    # split_len is a multiple of the K step: written so, k0 is known to be one (vector loads)
+    k_lo = pid_s * split_len // BLOCK_K * BLOCK_K
+    for k0 in range(k_lo, tl.minimum(K, k_lo + split_len), BLOCK_K):
+        kk = k0 + vec  # [J, VEC]
+        k_ok = kk < K
+        # 4-D tiles of one shape (x's pointers broadcast over BN: L1 hits), so x and the weight
+        # load in one layout (VEC elements a thread) and the VEC sum stays in-thread; a 3-D
+        # load broadcast afterwards went through shared memory and spread VEC over lanes
+        w = tl.load(w_rows[None, :, None, None] + kk[None, None, :, :],
+                    mask=n_ok[None, :, None, None] & k_ok[None, None, :, :], other=0.0)  # [1, BN, J, VEC] e4m3  # fmt: skip
+        x_ptrs = tl.broadcast_to(x_rows[:, None, None, None] + kk[None, None, :, :],
+                                 [BLOCK_T, BLOCK_N, BLOCK_K // VEC, VEC])  # fmt: skip
+        x = tl.load(x_ptrs, mask=t_ok[:, None, None, None] & k_ok[None, None, :, :], other=0.0)
+        # [BN, J] scales: column (k0 + j * VEC) // 128 of each row's scale row
+        s_ptrs = s_rows[:, None] + ((k0 + group_k) // 128)[None, :] * stride_sk
+        scale = _scales_at(s_ptrs, n_ok[:, None], SCALE_E8M0)[None, :, :]
+        if PER_ELEMENT:  # fp32 scales: the dequantised weight, rounded as the reference's
+            wd = w.to(tl.float32) * scale[:, :, :, None]
+            if ROUND_W:
+                wd = _bf16_rne(wd)
+            acc += tl.sum(x.to(tl.float32) * wd, axis=3)
+        else:  # power-of-two scales: exact on the group's sum
+            acc += tl.sum(x.to(tl.float32) * w.to(tl.float32), axis=3) * scale
+    y = tl.sum(acc, axis=2)  # [BLOCK_T, BLOCK_N]
+    if ROUND_OUT:  # the interpreter truncates on the cast; the GPU rounds
+        y = _bf16_rne(y)
+    _store_tile(out_ptr, y, pid_s, t, t_ok, g, n, n_ok, stride_os, stride_ot,
+                stride_og, False)  # fmt: skip
+
+
+@triton.jit(**sizes_vary("T", "split_len"))
+def _fp8_gemv_rows_kernel(
+    # Pointers (N = out_features): x [T, G, K] (K contiguous), w [G*N, K] e4m3, scales [ceil(G*N/128), ceil(K/128)];
+    # out: y [T, G, N] in x's dtype (one split) or fp32 partials [S, T, G, N]
+    x_ptr, w_ptr, s_ptr, out_ptr,
+    T, out_features, K, split_len,
+    stride_xt, stride_xg, stride_wn, stride_sn, stride_sk, stride_os, stride_ot, stride_og,
+    # Meta-parameters
+    SCALE_E8M0: tl.constexpr, ROUND_W: tl.constexpr,
+    ROUND_OUT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """2+ rows: the [BLOCK_T, BLOCK_N, BLOCK_K] products accumulate elementwise, one K step a
+    scale block (the 1-row kernel's broadcast x loads cost L1 bandwidth x rows)."""
+    pid_n, pid_s, g = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    t = tl.arange(0, BLOCK_T)
+    t_ok = t < T
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < out_features
+    w_rows, s_rows = _weight_rows(w_ptr, s_ptr, g, out_features, n, stride_wn, stride_sn)
     x_rows = x_ptr + t.to(tl.int64) * stride_xt + g * stride_xg
     # products accumulate elementwise across K steps; the one cross-thread reduction over K is
     # after the loop (a tl.sum per step put a shuffle tree on every step: 0.4-0.7x of cuBLAS)
     acc3 = tl.zeros([BLOCK_T, BLOCK_N, BLOCK_K], tl.float32)
-    k_lo = pid_s * split_len
+    k_lo = pid_s * split_len // BLOCK_K * BLOCK_K  # a multiple of BLOCK_K (vector loads)
     for k0 in range(k_lo, tl.minimum(K, k_lo + split_len), BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
         k_ok = kk < K
@@ -67,10 +132,8 @@ def _fp8_gemv_kernel(
     acc = tl.sum(acc3, axis=2)  # [BLOCK_T, BLOCK_N]
     if ROUND_OUT:  # the interpreter truncates on the cast; the GPU rounds
         acc = _bf16_rne(acc)
-    out_rows = (out_ptr + pid_s.to(tl.int64) * stride_os + t.to(tl.int64) * stride_ot
-                + g * stride_og)  # fmt: skip
-    tl.store(out_rows[:, None] + n[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=t_ok[:, None] & n_ok[None, :])  # fmt: skip
+    _store_tile(out_ptr, acc, pid_s, t, t_ok, g, n, n_ok, stride_os, stride_ot,
+                stride_og, False)  # fmt: skip
 
 
 @triton.jit(**sizes_vary("total", "num_partials"))
@@ -112,7 +175,7 @@ def reduce_splits(out: torch.Tensor, y: torch.Tensor, round_bf16: bool) -> None:
         out, y, total, out.shape[0], ROUND_BF16=round_bf16, BLOCK=block)  # fmt: skip
 
 
-GEMV_ROWS_LIMIT = 64  # BLOCK_T x BLOCK_N x BLOCK_K products live in registers
+GEMV_ROWS_LIMIT = 64  # BLOCK_T x BLOCK_N x BLOCK_K / VEC sums live in registers
 
 
 @functools.cache
@@ -121,18 +184,32 @@ def num_sms(device_index: int) -> int:
 
 
 def gemv_config(rows: int, n: int, k: int, groups: int, device: torch.device) -> dict:
-    """Row tile and K split of the GEMV: BLOCK_T covers the rows; ~4 programs per SM."""
+    """Tiles and K split of the GEMV; BLOCK_T covers the rows. One row (`_fp8_gemv_kernel`):
+    16 weight bytes a thread per VEC group, 1024 columns a step (8 such loads in flight a
+    thread; the H200 sweep's best), K split until the grid has ~2 programs per SM. 2+ rows
+    (`_fp8_gemv_rows_kernel`, VEC 0): the first GEMV's tiles, ~4 programs per SM. (sm_90 builds
+    checked with ptxas: no spills, no shuffles or shared memory inside the 1-row loop.)"""
     block_t = triton.next_power_of_2(max(rows, 1))
-    if device.type != "cuda":  # interpreter: few, large programs
-        return dict(BLOCK_T=block_t, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=1, splits=1)
-    # the [T, BLOCK_N, BLOCK_K] accumulator: 32 fp32 registers a thread at 2 warps (H200 sweep:
-    # BLOCK_K 128 best at 1-2 rows)
-    block_n, block_k = (16, 128) if block_t <= 1 else (8, 128) if block_t <= 2 else (4, 64)
-    block_k = block_k if block_t <= 4 else 32
-    cfg = dict(BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=2, num_stages=3)
-    tiles = triton.cdiv(n, block_n) * groups
+    on_gpu = device.type == "cuda"
+    if block_t == 1:
+        cfg = dict(BLOCK_N=16, BLOCK_K=1024, VEC=16, num_warps=4, num_stages=2, programs=2)
+        if not on_gpu:  # interpreter: few, large programs
+            cfg.update(BLOCK_N=8, BLOCK_K=64, num_stages=1)
+        cfg["BLOCK_K"] = min(cfg["BLOCK_K"], max(cfg["VEC"], triton.next_power_of_2(k)))
+    elif not on_gpu:
+        cfg = dict(BLOCK_N=32, BLOCK_K=64, VEC=0, num_warps=4, num_stages=1, programs=0)
+    else:  # 32 fp32 accumulators a thread at 2 warps
+        block_n, block_k = (8, 128) if block_t <= 2 else (4, 64) if block_t <= 4 else (4, 32)
+        cfg = dict(BLOCK_N=block_n, BLOCK_K=block_k, VEC=0, num_warps=2, num_stages=3,
+                   programs=4)  # fmt: skip
+    programs = cfg.pop("programs")
+    cfg["BLOCK_T"] = block_t
+    if not on_gpu:
+        return {**cfg, "splits": 1}
+    tiles = triton.cdiv(n, cfg["BLOCK_N"]) * groups
     sms = num_sms(device.index if device.index is not None else torch.cuda.current_device())
-    splits = min(triton.cdiv(4 * sms, tiles), max(1, triton.cdiv(k, cfg["BLOCK_K"]) // 2))
+    steps = triton.cdiv(k, cfg["BLOCK_K"])
+    splits = min(triton.cdiv(programs * sms, tiles), steps if cfg["VEC"] else max(1, steps // 2))
     return {**cfg, "splits": max(1, splits)}
 
 
@@ -143,18 +220,24 @@ def launch_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, y: t
     n = weight.shape[0] // groups
     assert rows <= GEMV_ROWS_LIMIT, f"a GEMV of {rows} rows: the [T, N, K] tile would not fit"
     cfg = dict(cfg)
-    assert 128 % cfg["BLOCK_K"] == 0, "a K step must sit in one scale block"
+    vec = cfg.pop("VEC")  # 0: the 2+ row kernel, one scale block a K step
+    if vec:
+        assert 128 % vec == 0 and cfg["BLOCK_K"] % vec == 0, "a VEC group in one scale block"
+    else:
+        assert 128 % cfg["BLOCK_K"] == 0, "a K step must sit in one scale block"
     split_len, splits = split_k(k, cfg["BLOCK_K"], cfg.pop("splits"))
     s, e8m0 = scale_operand(scale)
     out = split_output(y, splits)
     round_bf16 = x.dtype == torch.bfloat16
     on_gpu = x.is_cuda
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), splits, groups)
-    _fp8_gemv_kernel[grid](
-        x, weight, s, out, rows, n, k, split_len,
-        x.stride(0), x.stride(1), weight.stride(0), s.stride(0), s.stride(1),
-        out.stride(0) if splits > 1 else 0, out.stride(-3), out.stride(-2),
-        SCALE_E8M0=e8m0, ROUND_W=round_bf16 and not e8m0,
-        ROUND_OUT=round_bf16 and splits == 1 and not on_gpu, **cfg,
-    )  # fmt: skip
+    args = (x, weight, s, out, rows, n, k, split_len,
+            x.stride(0), x.stride(1), weight.stride(0), s.stride(0), s.stride(1),
+            out.stride(0) if splits > 1 else 0, out.stride(-3), out.stride(-2))  # fmt: skip
+    flags = dict(SCALE_E8M0=e8m0, ROUND_W=round_bf16 and not e8m0,
+                 ROUND_OUT=round_bf16 and splits == 1 and not on_gpu)  # fmt: skip
+    if vec:
+        _fp8_gemv_kernel[grid](*args, PER_ELEMENT=not e8m0, VEC=vec, **flags, **cfg)
+    else:
+        _fp8_gemv_rows_kernel[grid](*args, **flags, **cfg)
     reduce_splits(out, y, round_bf16 and not on_gpu)

@@ -17,6 +17,9 @@ Three paths, by row count (each reachable through `tune` for the sweeps and test
   prefill sizes. S and the tiles are functions of (T, N, K, G) only. With the measured
   thresholds (GEMV to 2 rows, dequantise from 1) no row count lands here by default: it is
   reached through `tune` ({"GEMV": False, "DEQUANT": False}), kept for the sweeps.
+`activations="fp8"` (W8A8, its own switch: x rounded to e4m3 per 1x128 group, so not exact)
+sends GEMV_MAX_ROWS < T <= W8A8_MAX_ROWS to kernels/fp8_w8a8.py (FP8 x FP8 wgmma); the other
+row counts keep the exact paths, which measured faster there.
 `fp8_grouped_linear` is the same with a group axis: attn.wo_a's grouped output projection,
 z[:, g] = o[:, g] @ W[g*N:(g+1)*N]^T, in one launch (scale rows follow the global weight row,
 so a group need not start on a 128-row block).
@@ -24,8 +27,10 @@ so a group need not start on a 128-row block).
 On the H200 the tiled kernel ran at 0.33-0.63x of cuBLAS on the bf16 weight at 1-16 rows,
 0.03-0.20x at 64 and 0.12-0.20x at 1024+, whatever its tiles, SWAP_AB or POST_SCALE; dequantise
 + cuBLAS ran at 0.45-0.66x at 1-64 rows and 0.75-1.0x from 1024 (benchmarks/results/
-kernels-linear-h200.json, docs/BENCHMARKS.md). No host sync and no data-dependent allocation:
-CUDA-graph capturable.
+kernels-linear-h200.json, docs/BENCHMARKS.md). Issue 21's pass (weights rotated past L2,
+benchmarks/results/kernels-fp8-linear-vs-bf16-h200.json): the 1-row GEMV at 0.81-1.24x, W8A8
+at 16 rows 0.76-1.44x, dequantise + cuBLAS 0.64-0.97x at 1024-8192 rows. No host sync and no
+data-dependent allocation: CUDA-graph capturable.
 """
 
 from __future__ import annotations
@@ -37,8 +42,15 @@ import triton.language as tl
 
 from dsv4.model import fp8 as model_fp8
 from kernels.compressor import _bf16_rne
-from kernels.fp8_dequant import _block_scale, fp8_dequantize, scale_operand
+from kernels.fp8_dequant import (
+    _block_scale,
+    _store_tile,
+    _weight_rows,
+    fp8_dequantize,
+    scale_operand,
+)
 from kernels.fp8_gemv import gemv_config, launch_gemv, num_sms, reduce_splits, split_k, split_output
+from kernels.fp8_w8a8 import launch_w8a8, w8a8_config
 from kernels.moe import _tile_ids  # grouped tile order: row tiles sweep W's columns together
 from kernels.registry import register_op
 from kernels.specialize import sizes_vary
@@ -62,6 +74,10 @@ DEQUANT_MIN_ROWS = 1
 # H200 it ran at 0.79-1.02x of cuBLAS on the bf16 weight at 1 row (wq_a, wq_b, wo_b) and
 # 0.77-0.79x at 2, where dequantise + cuBLAS ran at 0.39-0.65x; at 4 rows they tie.
 GEMV_MAX_ROWS = 2
+# With `activations="fp8"` (W8A8, its own switch: x rounded to e4m3 per 1x128 group) the rows
+# above GEMV_MAX_ROWS up to this many run kernels/fp8_w8a8.py; above it, dequantise + cuBLAS,
+# which ran ahead of the W8A8 GEMM at 1024 and 8192 rows on the H200 (and is exact).
+W8A8_MAX_ROWS = 64
 
 
 @triton.jit(**sizes_vary("T", "split_len"))
@@ -84,13 +100,12 @@ def _fp8_linear_kernel(
     row_ok = rows < T
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
-    w_row = (g * N + n).to(tl.int64)  # the global weight row (and its scale row)
     x_rows = x_ptr + rows.to(tl.int64) * stride_xt + g * stride_xg
-    w_rows = w_ptr + w_row * stride_wn
-    s_rows = s_ptr + (w_row // 128) * stride_sn
+    w_rows, s_rows = _weight_rows(w_ptr, s_ptr, g, N, n, stride_wn, stride_sn)
     # SWAP_AB: accT [BLOCK_N, BLOCK_M] = W_tile @ x_tile^T, the dequantised weight as the LHS
     acc = tl.zeros([BLOCK_N, BLOCK_M] if SWAP_AB else [BLOCK_M, BLOCK_N], tl.float32)
-    k_lo = pid_s * split_len
+    # split_len is a multiple of the K step: written so, k0 is known to be one (vector loads)
+    k_lo = pid_s * split_len // BLOCK_K * BLOCK_K
     for k0 in range(k_lo, tl.minimum(K, k_lo + split_len), BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
         k_ok = kk < K
@@ -126,14 +141,8 @@ def _fp8_linear_kernel(
                 acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
     if ROUND_OUT:  # the interpreter truncates on the cast; the GPU rounds
         acc = _bf16_rne(acc)
-    out_rows = (out_ptr + pid_s.to(tl.int64) * stride_os + rows.to(tl.int64) * stride_ot
-                + g * stride_og)  # fmt: skip
-    if SWAP_AB:  # store the transposed tile through transposed pointers
-        tl.store(out_rows[None, :] + n[:, None], acc.to(out_ptr.dtype.element_ty),
-                 mask=n_ok[:, None] & row_ok[None, :])  # fmt: skip
-    else:
-        tl.store(out_rows[:, None] + n[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=row_ok[:, None] & n_ok[None, :])  # fmt: skip
+    _store_tile(out_ptr, acc, pid_s, rows, row_ok, g, n, n_ok, stride_os, stride_ot, stride_og,
+                SWAP_AB)  # fmt: skip
 
 
 def _config(rows: int, n: int, k: int, groups: int, device: torch.device) -> dict:
@@ -156,7 +165,8 @@ def _config(rows: int, n: int, k: int, groups: int, device: torch.device) -> dic
     return {**cfg, "splits": max(1, splits)}
 
 
-def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, tune: dict | None):
+def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, tune: dict | None,
+            activations: str = "bf16"):  # fmt: skip
     """x [T, G, K] (K contiguous) -> y [T, G, N] in x's dtype."""
     rows, groups, k = x.shape
     n = weight.shape[0] // groups
@@ -170,6 +180,10 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, tune: di
     tune = dict(tune or {})
     if tune.pop("GEMV", rows <= GEMV_MAX_ROWS):  # decode rows: CUDA-core FMAs, no MMA
         launch_gemv(x, weight, scale, y, {**gemv_config(rows, n, k, groups, x.device), **tune})
+        return y
+    w8a8 = activations == "fp8" and rows <= W8A8_MAX_ROWS
+    if tune.pop("W8A8", w8a8):  # x quantised per 1x128 group, FP8 x FP8 MMA
+        launch_w8a8(x, weight, scale, y, {**w8a8_config(rows, n, k, groups, x.device), **tune})
         return y
     if tune.pop("DEQUANT", rows >= DEQUANT_MIN_ROWS):  # dequantise once, then cuBLAS
         w = fp8_dequantize(weight, scale, x.dtype)
@@ -201,38 +215,41 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, tune: di
     return y
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *,
-               tune: dict | None = None) -> torch.Tensor:  # fmt: skip
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+               activations: str = "bf16", *, tune: dict | None = None) -> torch.Tensor:  # fmt: skip
     """x [..., K] bf16 (or fp32) @ W^T -> [..., N] in x.dtype; W = weight [N, K] e4m3 x scale
-    [ceil(N/128), ceil(K/128)] (UE8M0 or fp32). `tune`: config overrides (BLOCK_M/N/K,
-    GROUP_M, num_warps, num_stages, splits, POST_SCALE, SWAP_AB, DEQUANT)."""
+    [ceil(N/128), ceil(K/128)] (UE8M0 or fp32). `activations` "fp8": W8A8 above GEMV_MAX_ROWS
+    (kernels/fp8_w8a8.py). `tune`: config overrides (BLOCK_M/N/K, GROUP_M, num_warps,
+    num_stages, splits, POST_SCALE, SWAP_AB, GEMV, W8A8, FUSE_QUANT, DEQUANT)."""
     lead, k = x.shape[:-1], x.shape[-1]
     flat = x.reshape(-1, 1, k)
     if flat.stride(2) != 1:
         flat = flat.contiguous()
-    return _launch(flat, weight, scale, tune).view(*lead, weight.shape[0])
+    return _launch(flat, weight, scale, tune, activations).view(*lead, weight.shape[0])
 
 
-def fp8_grouped_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *,
-                       tune: dict | None = None) -> torch.Tensor:  # fmt: skip
+def fp8_grouped_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                       activations: str = "bf16", *, tune: dict | None = None) -> torch.Tensor:  # fmt: skip
     """x [..., G, K] -> [..., G, N]: group g through rows [g*N, (g+1)*N) of W = weight [G*N, K]
     e4m3 x scale, one launch (attn.wo_a)."""
     lead, (groups, k) = x.shape[:-2], x.shape[-2:]
     flat = x.reshape(-1, groups, k)
     if flat.stride(2) != 1:
         flat = flat.contiguous()
-    return _launch(flat, weight, scale, tune).view(*lead, groups, weight.shape[0] // groups)
+    y = _launch(flat, weight, scale, tune, activations)
+    return y.view(*lead, groups, weight.shape[0] // groups)
 
 
-def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                   activations: str = "bf16") -> torch.Tensor:  # fmt: skip
     """Reference (and slow path): the model's op, dequantise the whole weight then F.linear."""
-    return model_fp8.fp8_linear.reference(x, weight, scale)
+    return model_fp8.fp8_linear.reference(x, weight, scale, activations)
 
 
-def fp8_grouped_linear_ref(x: torch.Tensor, weight: torch.Tensor,
-                           scale: torch.Tensor) -> torch.Tensor:  # fmt: skip
+def fp8_grouped_linear_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                           activations: str = "bf16") -> torch.Tensor:  # fmt: skip
     """Reference: the model's op, dequantise the whole weight then one einsum over groups."""
-    return model_fp8.fp8_grouped_linear.reference(x, weight, scale)
+    return model_fp8.fp8_grouped_linear.reference(x, weight, scale, activations)
 
 
 register_op("fp8_linear", fp8_linear, fp8_linear_ref, family="fp8_linear")

@@ -166,6 +166,11 @@ class FeatureSwitches(Section):
         "bf16", "attention/shared-expert/MTP linears: bf16 or checkpoint (FP8 as stored, ~1/2 "
         "of the bytes; slower than bf16 on an H200)", choices=("bf16", "checkpoint"),
     )  # fmt: skip
+    linear_activations: str = setting(
+        "bf16", "with linear_weights checkpoint: bf16 (exact) or fp8 (W8A8 at 3-64 rows: x "
+        "rounded to e4m3 per 1x128 group, FP8 x FP8 MMA; ~2.6% relative error of a layer's output)",
+        choices=("bf16", "fp8"),
+    )  # fmt: skip
     batched_sampling: bool = setting(
         True, "CUDA: sample a step's unseeded rows together on the GPU (off: row by row on CPU)"
     )
@@ -180,6 +185,8 @@ class FeatureSwitches(Section):
         if self.fuse_shared_expert and self.linear_weights == "checkpoint":
             self.fail("fuse_shared_expert", "the grouped GEMM takes one format per launch "
                       "(the shared expert is FP8): off with linear_weights checkpoint")  # fmt: skip
+        if self.linear_activations == "fp8" and self.linear_weights != "checkpoint":
+            self.fail("linear_activations", "fp8 activations need linear_weights checkpoint")
 
 
 @dataclass(frozen=True)

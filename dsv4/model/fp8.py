@@ -29,18 +29,50 @@ FP8_BLOCK = 128  # the served scale block (the kernel's BLOCK_K divides it)
 LINEAR_WEIGHTS = ("bf16", "checkpoint")
 
 
+ACTIVATIONS = ("bf16", "fp8")  # exact (x as is), or W8A8 (x quantised per 1x128 group)
+FP8_MAX = 448.0  # the largest finite e4m3 value
+AMAX_FLOOR = 1e-4  # an all-zero group still gets a finite scale (DeepGEMM's clamp)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] -> (e4m3 [..., K], fp32 scales [..., ceil(K/128)]): one scale per 1x128 group,
+    max(amax, 1e-4) / 448 (DeepGEMM's `per_token_cast_to_fp8`)."""
+    k = x.shape[-1]
+    xf = F.pad(x.float(), (0, (-k) % FP8_BLOCK)).unflatten(-1, (-1, FP8_BLOCK))
+    s = xf.abs().amax(-1).clamp_min(AMAX_FLOOR) / FP8_MAX
+    q = (xf / s[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.flatten(-2)[..., :k], s
+
+
+def w8a8_activations(x: torch.Tensor) -> torch.Tensor:
+    """x [..., K] -> the values a W8A8 product multiplies, in fp32: e4m3 codes x group scale."""
+    q, s = quantize_activations(x)
+    k = x.shape[-1]
+    xd = F.pad(q.float(), (0, (-k) % FP8_BLOCK)).unflatten(-1, (-1, FP8_BLOCK))
+    return (xd * s[..., None]).flatten(-2)[..., :k]
+
+
 @hot_op("fp8_linear")
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+               activations: str = "bf16") -> torch.Tensor:  # fmt: skip
     """x [..., K] @ W^T -> [..., N] in x.dtype; W = weight [N, K] e4m3 x scale [ceil(N/128),
-    ceil(K/128)] (UE8M0 or fp32), dequantised to x.dtype first (exact for UE8M0 in bf16)."""
+    ceil(K/128)] (UE8M0 or fp32), dequantised to x.dtype first (exact for UE8M0 in bf16).
+    `activations` "fp8" (W8A8): x rounded per 1x128 group to e4m3 first, the product in fp32."""
+    if activations == "fp8":
+        w = fp8_block_dequantize(weight, scale, FP8_BLOCK, torch.float32)
+        return F.linear(w8a8_activations(x), w).to(x.dtype)
     return F.linear(x, fp8_block_dequantize(weight, scale, FP8_BLOCK, x.dtype))
 
 
 @hot_op("fp8_grouped_linear")
-def fp8_grouped_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def fp8_grouped_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                       activations: str = "bf16") -> torch.Tensor:  # fmt: skip
     """x [..., G, K] -> [..., G, N]: group g through rows [g*N, (g+1)*N) of W = weight [G*N, K]
-    e4m3 x scale (the grouped output projection, DSV4_ARCH.md §6.8)."""
+    e4m3 x scale (the grouped output projection, DSV4_ARCH.md §6.8); `activations` as above."""
     groups, k = x.shape[-2:]
+    if activations == "fp8":
+        w = fp8_block_dequantize(weight, scale, FP8_BLOCK, torch.float32).view(groups, -1, k)
+        return torch.einsum("...gk,gok->...go", w8a8_activations(x), w).to(x.dtype)
     w = fp8_block_dequantize(weight, scale, FP8_BLOCK, x.dtype).view(groups, -1, k)  # [G, N, K]
     return torch.einsum("...gk,gok->...go", x, w)
 
@@ -51,9 +83,13 @@ class FP8Linear(nn.Module):
     Both are frozen parameters (they count in `parameters()`; `cast_` leaves them alone)."""
 
     def __init__(self, in_features: int, out_features: int,
-                 scale_dtype: torch.dtype = torch.float8_e8m0fnu, device=None) -> None:  # fmt: skip
+                 scale_dtype: torch.dtype = torch.float8_e8m0fnu, device=None,
+                 activations: str = "bf16") -> None:  # fmt: skip
         super().__init__()
+        if activations not in ACTIVATIONS:
+            raise ConfigError("features.linear_weights", activations, "activations bf16 or fp8")
         self.in_features, self.out_features = in_features, out_features
+        self.activations = activations  # "fp8": W8A8 (its own switch; changes the numerics)
         blocks = (-(-out_features // FP8_BLOCK), -(-in_features // FP8_BLOCK))
         weight = torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn, device=device)
         self.weight = nn.Parameter(weight, requires_grad=False)  # [N, K]
@@ -61,20 +97,35 @@ class FP8Linear(nn.Module):
         self.scale = nn.Parameter(scale, requires_grad=False)  # [ceil(N/128), ceil(K/128)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.activations == "fp8":
+            return fp8_linear(x, self.weight, self.scale, activations="fp8")
         return fp8_linear(x, self.weight, self.scale)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, " \
-               f"scale={self.scale.dtype}"  # fmt: skip
+               f"scale={self.scale.dtype}, activations={self.activations}"  # fmt: skip
 
 
 def grouped_linear(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """x [B, S, G, K] through `linear`'s weight [G*N, K] split into G row groups -> [B, S, G, N]
     (attn.wo_a), whether it is a dense `nn.Linear` or an `FP8Linear`."""
+    if isinstance(linear, FP8Linear) and linear.activations == "fp8":
+        return fp8_grouped_linear(x, linear.weight, linear.scale, activations="fp8")
     if isinstance(linear, FP8Linear):
         return fp8_grouped_linear(x, linear.weight, linear.scale)
     w = linear.weight.view(x.shape[-2], -1, x.shape[-1])  # [G, N, K]
     return torch.einsum("bsgk,gok->bsgo", x, w)
+
+
+def set_linear_activations_(model: nn.Module, activations: str) -> int:
+    """Serve every `FP8Linear` of `model` with `activations` ("bf16": exact; "fp8": W8A8,
+    `features.linear_activations`). Returns how many it set."""
+    if activations not in ACTIVATIONS:
+        raise ConfigError("features.linear_activations", activations, "use bf16 or fp8")
+    linears = [m for m in model.modules() if isinstance(m, FP8Linear)]
+    for linear in linears:
+        linear.activations = activations
+    return len(linears)
 
 
 def served_linear_format(cfg, linear_weights: str) -> str:

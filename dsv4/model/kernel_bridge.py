@@ -51,16 +51,16 @@ def _hc_post(y, x, post, comb):
     return out.view(*lead, m, d)
 
 
-def _fp8_linear(x, weight, scale):
+def _fp8_linear(x, weight, scale, activations="bf16"):
     from kernels.fp8_linear import fp8_linear
 
-    return fp8_linear(x, weight, scale)  # takes [..., K] as the model passes it
+    return fp8_linear(x, weight, scale, activations)  # takes [..., K] as the model passes it
 
 
-def _fp8_grouped_linear(x, weight, scale):
+def _fp8_grouped_linear(x, weight, scale, activations="bf16"):
     from kernels.fp8_linear import fp8_grouped_linear
 
-    return fp8_grouped_linear(x, weight, scale)
+    return fp8_grouped_linear(x, weight, scale, activations)
 
 
 # model hot op -> (kernel op that decides its backend, adapter)

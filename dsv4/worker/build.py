@@ -36,6 +36,7 @@ from dsv4.engine import AsyncEngine
 from dsv4.engine_core import build_engine_core
 from dsv4.errors import CheckpointError, ConfigError
 from dsv4.model.config import ModelConfig
+from dsv4.model.fp8 import set_linear_activations_
 from dsv4.model.index_cache import IndexPattern
 from dsv4.model.indexer import set_skip_topk
 from dsv4.model.kernel_bridge import install_kernels
@@ -152,6 +153,7 @@ def build_worker_runtime(
         total_bytes = torch.cuda.get_device_properties(device).total_memory
         startup_plan(config, planned_model_config(config), total_bytes)  # raises PlanDoesNotFit
     model, model_cfg, codec = load_weights(config)
+    set_linear_activations_(model, config.features.linear_activations)  # W8A8 switch
     config = dataclasses.replace(
         config,
         model=dataclasses.replace(
