@@ -123,9 +123,8 @@ class TokenizerPool:
 
 
 def normalize_sampling(request: GenerateRequest, vocab_size: int) -> GenerateRequest:
-    """Sampling values that pass validation but that a sampler cannot evaluate (top_p that
-    rounds to 0 in fp32 filters every token; temperature 1e-30 overflows the logits) become
-    the greedy decoding they denote, so no worker ever sees them:
+    """Sampling values that pass validation (which refuses those fp32 cannot evaluate at all)
+    but can only ever pick the most likely token become the greedy decoding they denote:
     - top_p < 1 / vocab_size: the most likely token alone has probability >= 1 / vocab_size,
       so the nucleus is exactly that token: greedy (ties aside), exactly;
     - 0 < temperature < MIN_SAMPLING_TEMPERATURE: the limit T -> 0 is greedy."""

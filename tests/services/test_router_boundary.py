@@ -57,11 +57,19 @@ def test_a_long_text_prompt_is_tokenized_in_the_pool_and_served() -> None:
     run(body())
 
 
-def test_degenerate_sampling_reaches_the_workers_as_greedy() -> None:
+def test_degenerate_sampling_is_refused_or_reaches_the_workers_as_greedy() -> None:
+    """Values that cannot yield a token in fp32 (the issue's reproductions) are refused by the
+    shared validation; values that can, but only ever pick the top token, go out as greedy."""
+
     async def body() -> None:
         async with scripted_cluster(*pair()) as c:
             for sampling in ({"top_p": 1e-300}, {"temperature": 1e-30}, {"top_p": 1e-45}):
                 request = generate_request(3, PROMPT, **{"temperature": 1.0, **sampling})
+                code, details, _ = await read_outcome(c.stub.Generate(request))
+                assert code == grpc.StatusCode.INVALID_ARGUMENT, details
+                assert "sampling." in details
+            for sampling in ({"top_p": 1e-9}, {"temperature": 5e-6}):
+                request = generate_request(4, PROMPT, **{"temperature": 1.0, **sampling})
                 code, _, _ = await read_outcome(c.stub.Generate(request))
                 assert code == grpc.StatusCode.OK
                 seen = c.prefills[0].log.requests[-1].sampling
