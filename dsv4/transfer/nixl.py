@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import itertools
 import json
 import logging
@@ -24,6 +25,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -46,6 +48,7 @@ from dsv4.transfer.base import (
 logger = logging.getLogger(__name__)
 
 NOTICE_PREFIX = b"dsv4.pulled|"
+UCX_NET_DEVICES_ENV = "UCX_NET_DEVICES"
 
 
 @dataclass
@@ -76,14 +79,20 @@ class NixlAgentBox:
     """The NIXL agent and everything registered or prepped on it; callers hold the lock."""
 
     def __init__(
-        self, name: str, backing: torch.Tensor, control: torch.Tensor, ucx_params: dict[str, str]
+        self,
+        name: str,
+        backing: torch.Tensor,
+        control: torch.Tensor,
+        ucx_params: dict[str, str],
+        net_devices: str = "",
     ) -> None:
         try:
             from nixl._api import nixl_agent, nixl_agent_config
         except ImportError as exc:
             raise TransferError(f"NIXL is not installed ({exc}); pip install nixl") from exc
         self.agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=[]))
-        self.agent.create_backend("UCX", ucx_params)
+        with ucx_environment(net_devices):
+            self.agent.create_backend("UCX", ucx_params)
         self.backing_shape: tuple[int, int] = (backing.shape[0], backing.shape[1])
         self.region = {  # what D needs to address our memory; travels in the endpoint payload
             "data_addr": backing.data_ptr(),
@@ -210,8 +219,10 @@ class NixlTransport:
         max_pending_pulls: int = 1024,
         pull_timeout_s: float = 10.0,
         ucx_backend_params: dict[str, str] | None = None,
+        net_devices: str = "",
     ) -> None:
         self.peer_id = f"nixl-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self._net_devices = net_devices  # UCX_NET_DEVICES while UCX starts; "": UCX's default
         self._max_exports = max_exports
         self._max_pending_pulls = max_pending_pulls
         self._pull_timeout_s = pull_timeout_s
@@ -236,7 +247,9 @@ class NixlTransport:
                 raise TransferError(f"{self.peer_id}: register() called twice")
             num_slots = max(self._max_exports, self._max_pending_pulls)
             self._control = torch.zeros(2, num_slots, dtype=torch.int64)
-            self._box = NixlAgentBox(self.peer_id, backing, self._control, self._ucx_backend_params)
+            self._box = NixlAgentBox(
+                self.peer_id, backing, self._control, self._ucx_backend_params, self._net_devices
+            )
             self._backing = backing
             self._exports = ExportTable(self._control[0, : self._max_exports], *backing.shape)
 
@@ -459,6 +472,22 @@ class NixlTransport:
         if box is None:
             raise TransferError(f"{self.peer_id}: call register() first (or it was closed)")
         return box
+
+
+@contextlib.contextmanager
+def ucx_environment(net_devices: str) -> Iterator[None]:
+    """UCX_NET_DEVICES=`net_devices` while UCX reads its configuration (at backend creation):
+    NIXL's own `ucx_devices` parameter does not keep UCX's TCP listener off other interfaces.
+    An operator's UCX_NET_DEVICES in the environment wins; "" leaves UCX's default."""
+    previous = os.environ.get(UCX_NET_DEVICES_ENV)
+    if not net_devices or previous is not None:
+        yield
+        return
+    os.environ[UCX_NET_DEVICES_ENV] = net_devices
+    try:
+        yield
+    finally:
+        del os.environ[UCX_NET_DEVICES_ENV]
 
 
 def _strided_descs(

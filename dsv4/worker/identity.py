@@ -11,7 +11,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
+import grpc
 from prometheus_client import CollectorRegistry
 
 from dsv4.config import ServeConfig
@@ -92,6 +94,17 @@ def start_heartbeat(
     )
     heartbeat.start()
     return heartbeat, registry
+
+
+async def undrain(service: Any, context: Any) -> None:
+    """Undrain RPC of either service: take new requests again, unless shutting down (SIGTERM
+    set `service.is_stopping`; an operator's undrain must not undo a shutdown)."""
+    if service.is_stopping:
+        await context.abort(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"worker {service.identity.worker_id} is shutting down: it cannot be undrained",
+        )
+    service.is_draining = False
 
 
 def worker_metrics(
