@@ -14,7 +14,7 @@ from e2e_cluster import assert_no_worker_leaks, generate, greedy
 from dsv4.cluster import free_port
 from dsv4.discovery import make_registry
 from tests.redis_server import RedisServer
-from tests.services.worker_cluster import PROMPTS, start_cluster, tiny_checkpoint
+from tests.services.worker_cluster import PROMPTS, SECRET, start_cluster, tiny_checkpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -31,7 +31,7 @@ def redis():
 
 
 def listed_worker_ids(url: str) -> set[str]:
-    registry = make_registry(redis_url=url)
+    registry = make_registry(redis_url=url, secret=SECRET)
     try:
         registry.refresh()
         return {w.worker_id for role in ("prefill", "decode") for w in registry.list(role).workers}
