@@ -76,6 +76,7 @@ class NixlAgentBox:
         self._data_reg = self.agent.register_memory(backing)
         self._control_reg = self.agent.register_memory(control)
         self._grants: dict[str, object] = {}  # request id -> registration of its blocks
+        self._peer_names: set[str] = set()  # remote agents loaded and still connected
         self._local_data_dlists: dict[int, object] = {}
         num_slots = control.shape[1]
         landing = strided_descs(control.data_ptr() + 8 * num_slots, 8, 8, num_slots, 0)
@@ -127,11 +128,14 @@ class NixlAgentBox:
         name = self.agent.add_remote_agent(metadata)
         name = name.decode() if isinstance(name, bytes) else name
         if name != expected_name:
-            self.agent.remove_remote_agent(name)
+            if name not in self._peer_names:  # never drop a peer another pull relies on
+                self.agent.remove_remote_agent(name)
             raise TransferError(f"metadata names agent {name!r}, endpoint says {expected_name!r}")
+        self._peer_names.add(name)
         return name
 
     def remove_peer(self, peer: Peer) -> None:
+        self._peer_names.discard(peer.name)
         if peer.control_dlist is not None:
             self.agent.release_dlist_handle(peer.control_dlist)
             peer.control_dlist = None
