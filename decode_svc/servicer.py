@@ -25,6 +25,7 @@ from dsv4.worker.identity import (
     WorkerIdentity,
     WorkerLoad,
     mtp_counts,
+    undrain,
     worker_info,
     worker_metrics,
 )
@@ -46,6 +47,7 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         self._prefill_clients = PrefillClients(runtime.config)
         self._live: dict[str, Live] = {}
         self.is_draining = False
+        self.is_stopping = False  # set by dsv4.worker.main at SIGTERM; Undrain is refused then
         self.registry = new_registry()
         self.metrics = DecodeMetrics.create(
             self.registry,
@@ -128,6 +130,10 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
 
     async def Drain(self, request, context):
         self.is_draining = True
+        return wire.drain_status_to_proto(self.drain_status())
+
+    async def Undrain(self, request, context):
+        await undrain(self, context)
         return wire.drain_status_to_proto(self.drain_status())
 
 

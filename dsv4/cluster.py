@@ -8,7 +8,13 @@ the children also get SIGTERM if the launcher itself dies (PR_SET_PDEATHSIG), so
 run leaves nothing behind. Discovery is the static --prefill/--decode lists unless `--redis`.
 `--model tiny` writes the deterministic tiny checkpoint once into the cache dir (every process
 then loads the same bytes). Flags `dsv4 up` does not know are passed to every service (for
-example `--num-blocks 64 --shared-secret S`).
+example `--num-blocks 64`).
+
+Worker RPCs always need the shared secret. The one configured (`--shared-secret`, env
+DSV4_SHARED_SECRET or the YAML) is used, else a fresh `secrets.token_urlsafe(32)`; either way
+it reaches the services in their environment (DSV4_SHARED_SECRET), never on a command line
+where `ps` shows it, and a generated one is also written to a 0600 file (`secret_path`) for
+the operator's tools (deploy/scripts/drain.py), removed at `stop()`.
 """
 
 from __future__ import annotations
@@ -16,16 +22,22 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import secrets
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dsv4.errors import Unavailable
+
+if TYPE_CHECKING:
+    from dsv4.config import ServeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +45,8 @@ DEFAULT_CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"
 HEALTH_POLL_INTERVAL_S = 0.2
 AUTO_PORTS = -1
 ROUTER_HEALTH_NAME = "dsv4.v1.Router"  # SERVING once some request can be routed (readiness)
+SECRET_ENV = "DSV4_SHARED_SECRET"  # the env twin of --shared-secret
+SECRET_FLAG = "--shared-secret"
 
 
 @dataclass(frozen=True)
@@ -79,6 +93,17 @@ class LocalCluster:
     _tmp: tempfile.TemporaryDirectory[str] | None = None
     log_dir: Path | None = None  # where `<name>.log` go, once started
     credentials: object = None  # grpc.ChannelCredentials matching the services (None: plaintext)
+    shared_secret: str = field(default="", repr=False)  # every worker RPC carries it
+    secret_path: str = ""  # a generated secret's 0600 file ("" when it was configured)
+    _secret_dir: tempfile.TemporaryDirectory[str] | None = None
+    _env: dict[str, str] = field(default_factory=dict, repr=False)  # the services' environment
+
+    @property
+    def worker_metadata(self) -> tuple[tuple[str, str], ...]:
+        """gRPC metadata that authenticates a call to any worker of this cluster."""
+        from dsv4.worker.server import TOKEN_METADATA_KEY
+
+        return ((TOKEN_METADATA_KEY, self.shared_secret),)
 
     @property
     def router_address(self) -> str:
@@ -122,13 +147,15 @@ class LocalCluster:
             spec.model_dir,
             *(["--redis", spec.redis_url] if spec.redis_url else []),
         ]
-        self.credentials = channel_credentials(spec.service_args)
+        service_args, given_secret = split_secret(spec.service_args)
+        self.credentials = channel_credentials(service_args)
         try:
+            self._set_secret(given_secret or configured_secret(service_args))
             for role, count in (("prefill", spec.num_prefill), ("decode", spec.num_decode)):
                 for i in range(count):
                     port = free_port(spec.host)
                     args = [*common, "--worker-host", spec.host, "--worker-port", str(port)]
-                    args += ["--worker-id", f"{role}-{i}", *spec.service_args]
+                    args += ["--worker-id", f"{role}-{i}", *service_args]
                     self._spawn(f"{role}-{i}", role, f"{spec.host}:{port}", args, log_dir)
             if not spec.with_router:
                 self.wait_ready(ready_timeout_s)
@@ -140,12 +167,25 @@ class LocalCluster:
                 for role in ("prefill", "decode"):
                     router_args += [f"--{role}", ",".join(self.addresses(role))]
             self._spawn(
-                "router", "router", self.router_address, [*router_args, *spec.service_args], log_dir
+                "router", "router", self.router_address, [*router_args, *service_args], log_dir
             )
             self.wait_ready(ready_timeout_s)
         except BaseException:
             self.stop()
             raise
+
+    def _set_secret(self, configured: str) -> None:
+        """The services' shared secret: the configured one, else a fresh one in a 0600 file."""
+        self.shared_secret = configured or secrets.token_urlsafe(32)
+        self._env = {**os.environ, SECRET_ENV: self.shared_secret}
+        if configured:
+            return
+        self._secret_dir = tempfile.TemporaryDirectory(prefix="dsv4-secret-")  # mode 0700
+        path = Path(self._secret_dir.name) / "shared_secret"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(self.shared_secret + "\n")
+        self.secret_path = str(path)
 
     def _spawn(self, name: str, role: str, address: str, args: list[str], log_dir: Path) -> None:
         log_path = log_dir / f"{name}.log"
@@ -156,7 +196,7 @@ class LocalCluster:
         with open(log_path, "wb") as log_file:
             process = subprocess.Popen(
                 command, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True,
+                start_new_session=True, env=self._env or None,
             )  # fmt: skip
         self.services.append(_Service(name, role, address, process, log_path, metrics_port))
 
@@ -209,6 +249,9 @@ class LocalCluster:
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
+        if self._secret_dir is not None:
+            self._secret_dir.cleanup()
+            self._secret_dir, self.secret_path = None, ""
 
 
 def terminate(process: subprocess.Popen[bytes], sig: int) -> None:
@@ -255,19 +298,44 @@ def is_serving(
     return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def channel_credentials(service_args: tuple[str, ...]) -> object:
-    """Client credentials matching the services' security flags (None: plaintext): the CA of
-    `--tls-ca`, and with `--require-client-cert` the services' own key pair as client cert."""
-    import argparse
+def split_secret(service_args: tuple[str, ...]) -> tuple[tuple[str, ...], str]:
+    """(`service_args` without `--shared-secret S`, S or ""): the services get S in their
+    environment instead, where `ps` does not show it."""
+    kept: list[str] = []
+    secret = ""
+    args = iter(service_args)
+    for arg in args:
+        if arg == SECRET_FLAG:
+            secret = next(args, "")
+        elif arg.startswith(SECRET_FLAG + "="):
+            secret = arg.partition("=")[2]
+        else:
+            kept.append(arg)
+    return tuple(kept), secret
 
-    import grpc
+
+def configured_secret(service_args: tuple[str, ...]) -> str:
+    """The shared secret the services would read from the environment or a `--config` YAML."""
+    return _service_config(service_args, os.environ).security.shared_secret
+
+
+def _service_config(service_args: tuple[str, ...], env: Mapping[str, str]) -> ServeConfig:
+    import argparse
 
     from dsv4.config import add_config_args, config_from_args
 
     parser = argparse.ArgumentParser(add_help=False)
     add_config_args(parser)
     args, _ = parser.parse_known_args(list(service_args))
-    s = config_from_args(args, {}).security
+    return config_from_args(args, env)
+
+
+def channel_credentials(service_args: tuple[str, ...]) -> object:
+    """Client credentials matching the services' security flags (None: plaintext): the CA of
+    `--tls-ca`, and with `--require-client-cert` the services' own key pair as client cert."""
+    import grpc
+
+    s = _service_config(service_args, {}).security
     if not s.tls_cert_path:
         return None
     root = Path(s.tls_ca_path).read_bytes() if s.tls_ca_path else None

@@ -102,6 +102,9 @@ def cmd_up(args: argparse.Namespace) -> int:
             _say(f"dsv4 cluster up: router {cluster.router_address}{http}; prefill "
                  f"{cluster.addresses('prefill')}; decode {cluster.addresses('decode')}; "
                  f"{_metrics_and_logs(cluster)}; Ctrl-C stops")  # fmt: skip
+            if cluster.secret_path:
+                _say(f"worker RPCs need the generated shared secret in {cluster.secret_path} "
+                     "(DSV4_SHARED_SECRET=$(cat FILE) for deploy/scripts/drain.py)")  # fmt: skip
             while not (dead := cluster.dead_services()):
                 time.sleep(0.5)
             _say(f"{dead[0].name} exited ({dead[0].process.returncode}):\n{dead[0].log_tail()}")

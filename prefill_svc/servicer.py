@@ -34,7 +34,7 @@ from dsv4.types import (
     WorkerInfo,
 )
 from dsv4.worker.build import WorkerRuntime
-from dsv4.worker.identity import WorkerIdentity, WorkerLoad, worker_info, worker_metrics
+from dsv4.worker.identity import WorkerIdentity, WorkerLoad, undrain, worker_info, worker_metrics
 from dsv4.worker.server import abort_with
 from dsv4.worker.tasks import TaskOwner
 from prefill_svc.leases import LeaseTable
@@ -59,6 +59,7 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
         self._endpoint_bytes = self._endpoint.to_bytes()
         self._running: dict[str, int] = {}  # request id -> prompt tokens
         self.is_draining = False
+        self.is_stopping = False  # set by dsv4.worker.main at SIGTERM; Undrain is refused then
         self.registry = new_registry()
         self.metrics = PrefillMetrics.create(
             self.registry,
@@ -121,6 +122,10 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
 
     async def Drain(self, request, context):
         self.is_draining = True
+        return wire.drain_status_to_proto(self.drain_status())
+
+    async def Undrain(self, request, context):
+        await undrain(self, context)
         return wire.drain_status_to_proto(self.drain_status())
 
     # ---- the prefill ---------------------------------------------------------------------------

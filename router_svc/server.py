@@ -67,7 +67,8 @@ def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
 def registry_from_config(cfg: ServeConfig) -> WorkerRegistry:
     d = cfg.discovery
     if d.redis_url:
-        return make_registry(redis_url=d.redis_url, prefix=d.redis_key_prefix, ttl_s=d.ttl_s)  # type: ignore[arg-type]
+        return make_registry(redis_url=d.redis_url, prefix=d.redis_key_prefix, ttl_s=d.ttl_s,  # type: ignore[arg-type]
+                             secret=cfg.security.shared_secret)  # fmt: skip
     if not d.prefill_addresses and not d.decode_addresses:
         logger.warning("router: no workers configured: pass --prefill/--decode or --redis")
     return make_registry(prefill=",".join(d.prefill_addresses), decode=",".join(d.decode_addresses))

@@ -1,15 +1,19 @@
 """Drain one dsv4 worker before it stops: the Kubernetes preStop hook of prefill and decode pods.
 
     python /opt/dsv4/drain.py --address 127.0.0.1:50061 --timeout-s 45
+    python /opt/dsv4/drain.py --address 127.0.0.1:50061 --undrain   # take requests again
 
 Calls the worker's Drain RPC (dsv4.v1.PrefillWorker or DecodeWorker, found through gRPC health)
 once, so it takes no new requests and reports itself draining to the router; then polls Drain
 until nothing is running and no KV lease is held, or until --timeout-s. The kubelet sends SIGTERM
 after this returns, and the worker's own shutdown (worker.drain_timeout_s) finds it idle.
+`--undrain` calls Undrain instead: the worker takes new requests again (refused once it is
+shutting down).
 
 Reads the pod's ServeConfig (DSV4_CONFIG + DSV4_* env, as the worker does) for the shared secret
-and TLS files. Exit status: 0 drained, 1 timed out or the worker could not be reached (preStop
-failures are only logged by the kubelet; the pod is stopped either way), 2 bad config.
+(always required by workers; `dsv4 up` prints the file holding its generated one) and TLS files.
+Exit status: 0 drained (or undrained), 1 timed out, refused or the worker could not be reached
+(preStop failures are only logged by the kubelet; the pod is stopped either way), 2 bad config.
 """
 
 from __future__ import annotations
@@ -59,10 +63,26 @@ def find_service(channel: grpc.Channel, timeout_s: float) -> str:
     raise LookupError("no dsv4 worker service is registered on this port")
 
 
+def token_metadata(config: ServeConfig) -> tuple[tuple[str, str], ...]:
+    secret = config.security.shared_secret
+    return ((TOKEN_METADATA_KEY, secret),) if secret else ()
+
+
+def undrain(address: str, config: ServeConfig, timeout_s: float, server_name: str):
+    """Undrain once; returns the DrainResponse (raises grpc.RpcError when refused)."""
+    with open_channel(address, config, server_name) as channel:
+        stub = STUBS[find_service(channel, timeout_s=min(5.0, timeout_s))](channel)
+        status = stub.Undrain(
+            worker_pb2.UndrainRequest(), metadata=token_metadata(config), timeout=timeout_s
+        )
+    print(f"undrain {address}: taking requests ({status.num_running_requests} running)",
+          file=sys.stderr)  # fmt: skip
+    return status
+
+
 def drain(address: str, config: ServeConfig, timeout_s: float, poll_s: float, server_name: str):
     """Drain and wait; returns the last DrainResponse, or None when the deadline passed first."""
-    metadata = ((TOKEN_METADATA_KEY, config.security.shared_secret),)
-    metadata = metadata if config.security.shared_secret else ()
+    metadata = token_metadata(config)
     deadline_s = time.monotonic() + timeout_s
     with open_channel(address, config, server_name) as channel:
         stub = STUBS[find_service(channel, timeout_s=min(5.0, timeout_s))](channel)
@@ -89,16 +109,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout-s", type=float, default=30.0, help="give up after this")
     parser.add_argument("--poll-s", type=float, default=0.5)
     parser.add_argument("--tls-server-name", default="", help="name the worker's cert carries")
+    parser.add_argument("--undrain", action="store_true", help="take new requests again")
     args = parser.parse_args(argv)
     try:
         config = load_config(None, os.environ.get("DSV4_CONFIG") or None, os.environ)
     except ConfigError as exc:
         print(f"drain: {exc}", file=sys.stderr)
         return 2
+    verb = "undrain" if args.undrain else "drain"
     try:
+        if args.undrain:
+            undrain(args.address, config, args.timeout_s, args.tls_server_name)
+            return 0
         done = drain(args.address, config, args.timeout_s, args.poll_s, args.tls_server_name)
-    except (grpc.RpcError, LookupError, OSError) as exc:
-        print(f"drain {args.address}: cannot drain: {exc}", file=sys.stderr)
+    except grpc.RpcError as exc:
+        code, details = exc.code().name, exc.details()  # type: ignore[attr-defined]
+        print(f"{verb} {args.address}: refused: {code}: {details}", file=sys.stderr)
+        return 1
+    except (LookupError, OSError) as exc:
+        print(f"{verb} {args.address}: cannot {verb}: {exc}", file=sys.stderr)
         return 1
     if done is None:
         print(f"drain {args.address}: still busy after {args.timeout_s:g} s", file=sys.stderr)

@@ -201,6 +201,10 @@ class TransferSection(Section):
     pull_failure_policy: str = setting(
         "recompute", "after a failed pull", choices=("recompute", "fail")
     )
+    ucx_net_devices: str = setting(
+        "auto", "network devices UCX may use (UCX_NET_DEVICES, e.g. lo or eth0,mlx5_0:1); "
+        "auto: the interface of worker.host (lo for loopback, every one for 0.0.0.0); all",
+    )  # fmt: skip
 
     def check(self) -> None:
         if self.pull_timeout_s >= self.lease_ttl_s:

@@ -19,13 +19,19 @@ __all__ = [
 
 
 def make_registry(
-    *, redis_url: str | None = None, prefill: str = "", decode: str = "", **options: float
+    *,
+    redis_url: str | None = None,
+    prefill: str = "",
+    decode: str = "",
+    secret: str = "",
+    **options: float,
 ) -> WorkerRegistry:
-    """Redis registry when `redis_url` is given, else the static `--prefill/--decode` lists."""
+    """Redis registry when `redis_url` is given (its records signed with `secret`, the shared
+    secret), else the static `--prefill/--decode` lists."""
     if redis_url:
         from dsv4.discovery.redis import RedisWorkerRegistry
 
-        return RedisWorkerRegistry(redis_url, **options)
+        return RedisWorkerRegistry(redis_url, secret=secret, **options)
     from dsv4.discovery.static import StaticWorkerRegistry
 
     return StaticWorkerRegistry.from_flags(prefill, decode)

@@ -28,7 +28,7 @@ import torch
 
 from dsv4.errors import InvalidRequest, LayoutMismatch, ResourceExhausted, TransferError
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2  # 2: ExportedBlocks.grant
 
 
 class PullStatus(enum.Enum):
@@ -91,19 +91,24 @@ class ExportedBlocks:
     bytes_per_block: int  # the prefix of each block that is moved
     lease_slot: int
     lease_token: int
+    grant: bytes = b""  # NIXL: partial agent metadata naming just these blocks (one lease)
 
     @property
     def num_bytes(self) -> int:
         return len(self.block_ids) * self.bytes_per_block
 
     def to_bytes(self) -> bytes:
-        fields = {**self.__dict__, "block_ids": list(self.block_ids)}
+        grant = base64.b64encode(self.grant).decode()
+        fields = {**self.__dict__, "block_ids": list(self.block_ids), "grant": grant}
         return json.dumps({"v": WIRE_VERSION, **fields}).encode()
 
     @classmethod
     def from_bytes(cls, data: bytes) -> ExportedBlocks:
         fields = _load_versioned(data, cls.__name__)
-        return _build(cls, fields, block_ids=tuple(int(i) for i in fields.get("block_ids", ())))
+        return _build(
+            cls, fields, block_ids=tuple(int(i) for i in fields.get("block_ids", ())),
+            grant=base64.b64decode(fields.get("grant", "")),
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -122,6 +127,7 @@ class TransportUsage:
     num_pending_pulls: int
     num_peers: int
     num_abandoned_xfers: int = 0  # transfers NIXL could not cancel after a failure
+    num_grants: int = 0  # NIXL: leases whose blocks are registered for remote READs
 
 
 @runtime_checkable

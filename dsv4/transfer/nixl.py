@@ -2,11 +2,14 @@
 
 - The agent runs without a progress thread (PLATFORM_NOTES §3: 3x faster on few cores), so both
   sides drive it: D from `poll`, P from `progress()`, which the P service calls every few ms.
-- `register` registers the backing tensor and a small DRAM control tensor once. Per-block
-  descriptor lists are prepped once per (peer, bytes_per_block); a pull is `make_prepped_xfer`
-  with index lists = block ids.
-- `TransportEndpoint.payload` carries P's agent metadata and region addresses (JSON), so D builds
-  P's descriptor lists itself: no pickled descriptors cross the wire.
+- `register` registers the backing tensor (D's READ destination) and a small DRAM control
+  tensor once. `export` registers just the lease's blocks and puts partial agent metadata for
+  them in `ExportedBlocks.grant`; `release` deregisters them (nixl_agent.py: what a grant
+  restricts, and what it cannot).
+- `TransportEndpoint.payload` carries P's public agent metadata (connection info and the
+  lease slots, no key to any block) and region addresses (JSON), so D builds P's descriptor
+  lists itself: no pickled descriptors cross the wire. A pull loads the export's grant, preps
+  the lease's blocks and is one `make_prepped_xfer`.
 - A pull is two READs: the blocks, then P's 8-byte lease slot (the lease check in base.py), which
   carries the notification `dsv4.pulled|slot|token|request_id` to P.
 - A peer that fails (ERR or timeout) is dropped with all its pulls; a restarted P has a new
@@ -16,7 +19,7 @@
 from __future__ import annotations
 
 import base64
-import importlib
+import dataclasses
 import itertools
 import json
 import logging
@@ -25,9 +28,8 @@ import socket
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from dsv4.errors import NotFound, ResourceExhausted, TransferError
@@ -43,6 +45,7 @@ from dsv4.transfer.base import (
     check_backing,
     check_pull_args,
 )
+from dsv4.transfer.nixl_agent import NixlAgentBox, Peer
 
 logger = logging.getLogger(__name__)
 
@@ -50,167 +53,18 @@ NOTICE_PREFIX = b"dsv4.pulled|"
 
 
 @dataclass
-class _Peer:
-    name: str
-    region: dict
-    data_dlists: dict[int, object] = field(default_factory=dict)  # bytes_per_block -> handle
-    control_dlist: object | None = None
-    num_active_pulls: int = 0
-    failure: str | None = None
-
-
-@dataclass
 class _Pull:
     handle: PullHandle
-    peer: _Peer
+    peer: Peer
     exported: ExportedBlocks
     landing_slot: int
     data_xfer: object
+    data_dlist: object  # the lease's blocks on P, prepped for this pull
     check_xfer: object
     started_s: float
     deadline_s: float
     phase: str = "data"  # "data" -> "check"
     post_error: str | None = None
-
-
-def _nixl_api() -> tuple[type, type]:
-    """`nixl_agent`, `nixl_agent_config` from whichever NIXL build is installed: the `nixl`
-    meta-package (it picks a build by CUDA version), else `nixl-cu13` or `nixl-cu12` alone (what
-    the worker extra installs; either runs UCX on a CPU-only host)."""
-    missing = []
-    for module in ("nixl._api", "nixl_cu13._api", "nixl_cu12._api"):
-        try:
-            api = importlib.import_module(module)
-        except ImportError as exc:  # the meta-package raises it when its CUDA build is absent
-            missing.append(str(exc))
-            continue
-        return api.nixl_agent, api.nixl_agent_config
-    raise TransferError(f"NIXL is not installed ({'; '.join(missing)}): pip install nixl-cu13")
-
-
-class NixlAgentBox:
-    """The NIXL agent and everything registered or prepped on it; callers hold the lock."""
-
-    def __init__(
-        self, name: str, backing: torch.Tensor, control: torch.Tensor, ucx_params: dict[str, str]
-    ) -> None:
-        nixl_agent, nixl_agent_config = _nixl_api()
-        self.agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=[]))
-        self.agent.create_backend("UCX", ucx_params)
-        self.backing_shape: tuple[int, int] = (backing.shape[0], backing.shape[1])
-        self.region = {  # what D needs to address our memory; travels in the endpoint payload
-            "data_addr": backing.data_ptr(),
-            "data_mem": "VRAM" if backing.is_cuda else "DRAM",
-            "device_id": (backing.device.index or 0) if backing.is_cuda else 0,
-            "control_addr": control.data_ptr(),
-            "num_slots": control.shape[1],
-        }
-        self._regs = [self.agent.register_memory(backing), self.agent.register_memory(control)]
-        self._local_data_dlists: dict[int, object] = {}
-        num_slots = control.shape[1]
-        landing = _strided_descs(control.data_ptr() + 8 * num_slots, 8, 8, num_slots, 0)
-        self._local_landing = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", landing, "DRAM")
-        self._abandoned_xfers: list[object] = []
-
-    @property
-    def num_abandoned_xfers(self) -> int:
-        return len(self._abandoned_xfers)
-
-    def add_peer(self, metadata: bytes, expected_name: str) -> str:
-        name = self.agent.add_remote_agent(metadata)
-        name = name.decode() if isinstance(name, bytes) else name
-        if name != expected_name:
-            self.agent.remove_remote_agent(name)
-            raise TransferError(f"metadata names agent {name!r}, endpoint says {expected_name!r}")
-        return name
-
-    def remove_peer(self, peer: _Peer) -> None:
-        for dlist in [*peer.data_dlists.values(), peer.control_dlist]:
-            if dlist is not None:
-                self.agent.release_dlist_handle(dlist)
-        peer.data_dlists.clear()
-        peer.control_dlist = None
-        try:
-            self.agent.remove_remote_agent(peer.name)
-        except Exception:
-            logger.exception("removing NIXL peer %s failed", peer.name)
-
-    def make_data_read(
-        self, peer: _Peer, nbytes: int, dst_ids: tuple[int, ...], src_ids: tuple[int, ...]
-    ) -> object:
-        stride = self.backing_shape[1]  # P and D strides are equal (checked before any pull)
-        local = self._local_data_dlists.get(nbytes)
-        if local is None:
-            mine = self.region
-            descs = _strided_descs(
-                mine["data_addr"], stride, nbytes, self.backing_shape[0], mine["device_id"]
-            )
-            local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", descs, mine["data_mem"])
-            self._local_data_dlists[nbytes] = local
-        remote = peer.data_dlists.get(nbytes)
-        if remote is None:
-            theirs = peer.region
-            descs = _strided_descs(
-                theirs["data_addr"], stride, nbytes, theirs["num_blocks"], theirs["device_id"]
-            )
-            remote = self.agent.prep_xfer_dlist(peer.name, descs, theirs["data_mem"])
-            peer.data_dlists[nbytes] = remote
-        return self.agent.make_prepped_xfer(
-            "READ", local, np.asarray(dst_ids, np.int32), remote, np.asarray(src_ids, np.int32)
-        )
-
-    def make_check_read(
-        self, peer: _Peer, landing_slot: int, lease_slot: int, notice: bytes
-    ) -> object:
-        if peer.control_dlist is None:
-            descs = _strided_descs(peer.region["control_addr"], 8, 8, peer.region["num_slots"], 0)
-            peer.control_dlist = self.agent.prep_xfer_dlist(peer.name, descs, "DRAM")
-        return self.agent.make_prepped_xfer(
-            "READ", self._local_landing, [landing_slot], peer.control_dlist, [lease_slot], notice
-        )
-
-    def post(self, xfer: object) -> str:
-        """Post a prepared transfer: "DONE" | "PROC" | "ERR" (NIXL errors are logged, not raised)."""
-        try:
-            return self.agent.transfer(xfer)
-        except Exception as exc:
-            logger.warning("NIXL post failed: %s: %s", type(exc).__name__, exc)
-            return "ERR"
-
-    def state(self, xfer: object) -> str:
-        try:
-            return self.agent.check_xfer_state(xfer)
-        except Exception as exc:
-            logger.warning("NIXL transfer failed: %s: %s", type(exc).__name__, exc)
-            return "ERR"
-
-    def release_xfer(self, xfer: object) -> None:
-        """Release (cancelling if in flight); one NIXL cannot cancel is kept and retried."""
-        for pending in [*self._abandoned_xfers, xfer]:
-            try:
-                self.agent.release_xfer_handle(pending)
-            except Exception as exc:
-                if pending is xfer:
-                    logger.warning(
-                        "NIXL could not release a transfer yet (%s); retrying later", exc
-                    )
-                    self._abandoned_xfers.append(xfer)
-            else:
-                if pending is not xfer:
-                    self._abandoned_xfers.remove(pending)
-
-    def close(self) -> None:
-        for dlist in [*self._local_data_dlists.values(), self._local_landing]:
-            self.agent.release_dlist_handle(dlist)
-        self._local_data_dlists.clear()
-        for xfer in list(self._abandoned_xfers):
-            self.release_xfer(xfer)
-        if self._abandoned_xfers:
-            logger.error("closing NIXL with %d uncancellable transfers", len(self._abandoned_xfers))
-        for reg in self._regs:
-            self.agent.deregister_memory(reg)
-        self._regs.clear()
-        del self.agent
 
 
 class NixlTransport:
@@ -223,8 +77,10 @@ class NixlTransport:
         max_pending_pulls: int = 1024,
         pull_timeout_s: float = 10.0,
         ucx_backend_params: dict[str, str] | None = None,
+        net_devices: str = "",
     ) -> None:
         self.peer_id = f"nixl-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self._net_devices = net_devices  # UCX_NET_DEVICES while UCX starts; "": UCX's default
         self._max_exports = max_exports
         self._max_pending_pulls = max_pending_pulls
         self._pull_timeout_s = pull_timeout_s
@@ -235,8 +91,8 @@ class NixlTransport:
         self._control: torch.Tensor | None = None  # [2, max_slots] int64: exports, pull landing
         self._exports: ExportTable | None = None
         self._free_landing = list(range(max_pending_pulls - 1, -1, -1))
-        self._peers: dict[str, _Peer] = {}
-        self._retiring: dict[str, _Peer] = {}
+        self._peers: dict[str, Peer] = {}
+        self._retiring: dict[str, Peer] = {}
         self._pulls: dict[int, _Pull] = {}
         self._pull_ids = itertools.count(1)
 
@@ -249,13 +105,15 @@ class NixlTransport:
                 raise TransferError(f"{self.peer_id}: register() called twice")
             num_slots = max(self._max_exports, self._max_pending_pulls)
             self._control = torch.zeros(2, num_slots, dtype=torch.int64)
-            self._box = NixlAgentBox(self.peer_id, backing, self._control, self._ucx_backend_params)
+            self._box = NixlAgentBox(
+                self.peer_id, backing, self._control, self._ucx_backend_params, self._net_devices
+            )
             self._backing = backing
             self._exports = ExportTable(self._control[0, : self._max_exports], *backing.shape)
 
     def endpoint(self) -> TransportEndpoint:
         box = self._require_box()
-        metadata = base64.b64encode(box.agent.get_agent_metadata()).decode()
+        metadata = base64.b64encode(box.public_metadata()).decode()
         region = {**box.region, "metadata": metadata}
         num_blocks, stride = box.backing_shape
         return TransportEndpoint(
@@ -267,14 +125,24 @@ class NixlTransport:
     def export(
         self, request_id: str, block_ids: list[int], bytes_per_block: int | None = None
     ) -> ExportedBlocks:
-        self._require_box()
+        box = self._require_box()
         with self._lock:
             assert self._exports is not None
-            return self._exports.add(self.peer_id, request_id, block_ids, bytes_per_block)
+            exported = self._exports.add(self.peer_id, request_id, block_ids, bytes_per_block)
+            try:
+                grant = box.grant(request_id, exported.block_ids, exported.bytes_per_block)
+            except Exception as exc:
+                self._exports.remove(request_id)
+                raise TransferError(f"cannot register the blocks of {request_id!r}: {exc}") from exc
+            return dataclasses.replace(exported, grant=grant)
 
     def release(self, request_id: str) -> bool:
+        """Zero the lease slot (a racing pull reports FAILED), then revoke the grant."""
         with self._lock:
-            return self._exports is not None and self._exports.remove(request_id)
+            if self._exports is None or not self._exports.remove(request_id):
+                return False
+            self._require_box().revoke(request_id)
+            return True
 
     def progress(self) -> list[str]:
         with self._lock:
@@ -323,25 +191,34 @@ class NixlTransport:
                     retry_after_s=0.01,
                 )
             peer = self._connect(src)
+            if not exported.grant:
+                raise TransferError(f"export of {exported.request_id!r} carries no grant")
+            try:
+                box.load_metadata(exported.grant, peer.name)
+                data_xfer, data_dlist = box.make_data_read(
+                    peer, exported.bytes_per_block, dst_ids, exported.block_ids
+                )
+            except Exception as exc:  # not granted to us, or a bad grant: the peer is fine
+                raise TransferError(
+                    f"pull of {exported.request_id!r}: the blocks are not granted ({exc})"
+                ) from exc
             landing_slot = self._free_landing.pop()
             self._control[1, landing_slot] = 0  # type: ignore[index]
             notice = NOTICE_PREFIX + f"{exported.lease_slot}|{exported.lease_token}|".encode()
             try:
-                data_xfer = box.make_data_read(
-                    peer, exported.bytes_per_block, dst_ids, exported.block_ids
-                )
                 check_xfer = box.make_check_read(
                     peer, landing_slot, exported.lease_slot, notice + exported.request_id.encode()
                 )
             except Exception as exc:
                 self._free_landing.append(landing_slot)
+                box.release_xfer(data_xfer)
+                box.release_dlist(data_dlist)
                 self._drop_peer(peer, f"cannot prepare a READ from {peer.name}: {exc}")
                 raise TransferError(f"pull of {exported.request_id!r}: {exc}") from exc
             now = time.monotonic()
             timeout = self._pull_timeout_s if timeout_s is None else timeout_s
-            pull = _Pull(
-                handle, peer, exported, landing_slot, data_xfer, check_xfer, now, now + timeout
-            )
+            pull = _Pull(handle, peer, exported, landing_slot, data_xfer, data_dlist, check_xfer,
+                         now, now + timeout)  # fmt: skip
             peer.num_active_pulls += 1
             self._pulls[handle.pull_id] = pull
             if box.post(data_xfer) == "ERR":
@@ -402,12 +279,13 @@ class NixlTransport:
         box = self._require_box()
         box.release_xfer(pull.data_xfer)
         box.release_xfer(pull.check_xfer)
+        box.release_dlist(pull.data_dlist)
         pull.peer.num_active_pulls -= 1
         self._retire_if_idle(pull.peer)
 
     # ---- peers -------------------------------------------------------------------------------
 
-    def _connect(self, src: TransportEndpoint) -> _Peer:
+    def _connect(self, src: TransportEndpoint) -> Peer:
         peer = self._peers.get(src.peer_id)
         if peer is not None:
             return peer
@@ -419,13 +297,13 @@ class NixlTransport:
             region = json.loads(src.payload)
             metadata = base64.b64decode(region.pop("metadata"))
             region["num_blocks"] = src.num_blocks
-            peer = _Peer(self._require_box().add_peer(metadata, src.peer_id), region)
+            peer = Peer(self._require_box().load_metadata(metadata, src.peer_id), region)
         except Exception as exc:
             raise TransferError(f"cannot load NIXL metadata of {src.peer_id}: {exc}") from exc
         self._peers[src.peer_id] = peer
         return peer
 
-    def _drop_peer(self, peer: _Peer, reason: str) -> None:
+    def _drop_peer(self, peer: Peer, reason: str) -> None:
         """Fail every pull of the peer (at their next poll) and disconnect once none is in flight."""
         if self._peers.get(peer.name) is peer:
             logger.warning("dropping NIXL peer %s: %s", peer.name, reason)
@@ -434,7 +312,7 @@ class NixlTransport:
             self._retiring[peer.name] = peer
         self._retire_if_idle(peer)
 
-    def _retire_if_idle(self, peer: _Peer) -> None:
+    def _retire_if_idle(self, peer: Peer) -> None:
         if peer.num_active_pulls == 0 and self._retiring.get(peer.name) is peer:
             del self._retiring[peer.name]
             self._require_box().remove_peer(peer)
@@ -449,6 +327,7 @@ class NixlTransport:
                 num_pending_pulls=len(self._pulls),
                 num_peers=len(self._peers) + len(self._retiring),
                 num_abandoned_xfers=box.num_abandoned_xfers if box is not None else 0,
+                num_grants=box.num_grants if box is not None else 0,
             )
 
     def close(self) -> None:
@@ -472,14 +351,3 @@ class NixlTransport:
         if box is None:
             raise TransferError(f"{self.peer_id}: call register() first (or it was closed)")
         return box
-
-
-def _strided_descs(
-    base_addr: int, stride: int, length: int, count: int, device_id: int
-) -> np.ndarray:
-    """NIXL descriptors `[count, (addr, len, dev)]` for `count` regions `stride` bytes apart."""
-    descs = np.empty((count, 3), dtype=np.uint64)
-    descs[:, 0] = base_addr + stride * np.arange(count, dtype=np.uint64)
-    descs[:, 1] = length
-    descs[:, 2] = device_id
-    return descs

@@ -218,9 +218,7 @@ def build_worker_runtime(
     core.runner.index_cache_hit_ratio = roles.count("S") / len(roles) if roles else 0.0
     transport = None
     if with_transport:
-        transport = make_transport(
-            config.transfer.transport, pull_timeout_s=config.transfer.pull_timeout_s
-        )
+        transport = make_transport(config.transfer.transport, **transport_options(config))
         transport.register(core.runner.cache.backing)
     limits = request_limits(
         config, vocab_size=model_cfg.vocab_size, max_model_len=config.model.max_model_len
@@ -233,6 +231,22 @@ def build_worker_runtime(
     return WorkerRuntime(
         config, model_cfg, AsyncEngine(core, name), layout, transport, codec, limits
     )
+
+
+def transport_options(config: ServeConfig) -> dict:
+    """`make_transport` options: the pull timeout, and for NIXL the network devices UCX may
+    listen on and use (only the interface `worker.host` binds, so a loopback worker opens no
+    socket on another interface)."""
+    t = config.transfer
+    options: dict = {"pull_timeout_s": t.pull_timeout_s}
+    if t.transport == "nixl":
+        from dsv4.transfer.ucx_devices import ucx_net_devices
+
+        devices = t.ucx_net_devices
+        if devices in ("auto", "all"):
+            devices = ucx_net_devices(config.worker.host) if devices == "auto" else ""
+        options["net_devices"] = devices
+    return options
 
 
 def paged_options(config: ServeConfig) -> dict | None:

@@ -8,16 +8,20 @@ lists name the workers and it probes them with Info).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
+import grpc
 from prometheus_client import CollectorRegistry
 
 from dsv4.config import ServeConfig
 from dsv4.discovery import WorkerHeartbeat, WorkerRecord, make_registry
 from dsv4.discovery.base import WorkerRegistry
 from dsv4.metrics import WorkerMetrics
+from dsv4.transfer import TransportEndpoint
 from dsv4.types import TransportKind, WorkerInfo, WorkerRole
 from dsv4.worker.build import WorkerRuntime
 
@@ -79,6 +83,13 @@ def worker_record(info: WorkerInfo, endpoint_bytes: bytes) -> WorkerRecord:
     )
 
 
+def public_endpoint(endpoint: TransportEndpoint) -> bytes:
+    """The endpoint as published to the registry: identity and geometry, without the payload
+    (NIXL agent metadata, CUDA IPC handles): that reaches D only in an authenticated Prefill
+    answer, never anyone who can read Redis."""
+    return dataclasses.replace(endpoint, payload=b"").to_bytes()
+
+
 def start_heartbeat(
     config: ServeConfig, runtime: WorkerRuntime, make_info: Callable[[], WorkerInfo]
 ) -> tuple[WorkerHeartbeat, WorkerRegistry] | None:
@@ -86,13 +97,27 @@ def start_heartbeat(
     d = config.discovery
     if not d.redis_url:
         return None
-    registry = make_registry(redis_url=d.redis_url, prefix=d.redis_key_prefix, ttl_s=d.ttl_s)
-    endpoint = runtime.transport.endpoint().to_bytes() if runtime.transport else b""
+    registry = make_registry(
+        redis_url=d.redis_url, prefix=d.redis_key_prefix, ttl_s=d.ttl_s,
+        secret=config.security.shared_secret,
+    )  # fmt: skip
+    endpoint = public_endpoint(runtime.transport.endpoint()) if runtime.transport else b""
     heartbeat = WorkerHeartbeat(
         registry, lambda: worker_record(make_info(), endpoint), interval_s=d.heartbeat_s
     )
     heartbeat.start()
     return heartbeat, registry
+
+
+async def undrain(service: Any, context: Any) -> None:
+    """Undrain RPC of either service: take new requests again, unless shutting down (SIGTERM
+    set `service.is_stopping`; an operator's undrain must not undo a shutdown)."""
+    if service.is_stopping:
+        await context.abort(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"worker {service.identity.worker_id} is shutting down: it cannot be undrained",
+        )
+    service.is_draining = False
 
 
 def worker_metrics(

@@ -31,15 +31,32 @@ logger = logging.getLogger(__name__)
 
 DRAIN_POLL_INTERVAL_S = 0.1
 SERVER_STOP_GRACE_S = 1.0
+MIN_SECRET_CHARS = 16
 
 
 def run_worker(config: ServeConfig) -> int:
     """Serve until SIGTERM/SIGINT; `config.worker.role` picks prefill or decode/colocated."""
+    require_shared_secret(config)
     if not config.model.device.startswith("cuda"):
         torch.set_num_threads(max(1, min(torch.get_num_threads(), 2)))
     if config.worker.gil_switch_interval_ms > 0:
         sys.setswitchinterval(config.worker.gil_switch_interval_ms / 1e3)
     return asyncio.run(_serve(config))
+
+
+def require_shared_secret(config: ServeConfig) -> None:
+    """Worker RPCs are never open: a worker started without a secret refuses to start (one
+    generated here would be unknown to the router, so the worker could serve nobody)."""
+    secret = config.security.shared_secret
+    if not secret:
+        raise ConfigError(
+            "security.shared_secret", "", "worker RPCs always need a shared secret: set env "
+            "DSV4_SHARED_SECRET (or security.shared_secret in the YAML) to the router's, e.g. "
+            "from python -c 'import secrets; print(secrets.token_urlsafe(32))'",
+        )  # fmt: skip
+    if len(secret) < MIN_SECRET_CHARS:
+        logger.warning("security.shared_secret has %d characters: use %d or more (guessable)",
+                       len(secret), MIN_SECRET_CHARS)  # fmt: skip
 
 
 def _service_class(role: WorkerRole):
@@ -92,6 +109,7 @@ async def _serve(config: ServeConfig) -> int:
     await stop.wait()
 
     logger.info("%s %s: draining", w.role, w.worker_id)
+    service.is_stopping = True  # before is_draining: an Undrain now is refused
     service.is_draining = True
     health_task.cancel()
     await asyncio.gather(health_task, return_exceptions=True)

@@ -18,7 +18,7 @@ from dsv4 import wire
 from dsv4.cluster import LocalCluster, free_port, is_serving, terminate
 from dsv4.rpc.v1 import router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from dsv4.types import SamplingParams, StreamChunk
-from tests.services.worker_cluster import METADATA, WORKER_ARGS
+from tests.services.worker_cluster import WORKER_ARGS
 
 
 @dataclass
@@ -79,7 +79,7 @@ async def worker_leaks(cluster: LocalCluster) -> list[str]:
                 else worker_pb2_grpc.DecodeWorkerStub
             )
             msg = await stub_class(channel).Info(
-                worker_pb2.InfoRequest(), metadata=METADATA, timeout=5
+                worker_pb2.InfoRequest(), metadata=cluster.worker_metadata, timeout=5
             )
         info = wire.worker_info_from_proto(msg)
         if (

@@ -1,20 +1,25 @@
 """Redis discovery end to end: workers heartbeat into a real redis-server, the router finds them
-there; Redis stopped (the router serves from its last view) and restarted (workers re-publish,
+there and ignores records forged into it (nothing dials the address they name); Redis stopped (the router serves from its last view) and restarted (workers re-publish,
 the registry recovers) without restarting any service."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
+import threading
 import time
 
 import grpc
 import pytest
+import redis as redis_lib
 from e2e_cluster import assert_no_worker_leaks, generate, greedy
 
 from dsv4.cluster import free_port
-from dsv4.discovery import make_registry
+from dsv4.discovery import WorkerRecord, make_registry
+from dsv4.transfer import TransportEndpoint
 from tests.redis_server import RedisServer
-from tests.services.worker_cluster import PROMPTS, start_cluster, tiny_checkpoint
+from tests.services.worker_cluster import PROMPTS, SECRET, start_cluster, tiny_checkpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -31,12 +36,57 @@ def redis():
 
 
 def listed_worker_ids(url: str) -> set[str]:
-    registry = make_registry(redis_url=url)
+    registry = make_registry(redis_url=url, secret=SECRET)
     try:
         registry.refresh()
-        return {w.worker_id for role in ("prefill", "decode") for w in registry.list(role).workers}
+        workers = [w for role in ("prefill", "decode") for w in registry.list(role).workers]
     finally:
         registry.close()
+    for worker in workers:  # Redis readers learn no NIXL metadata (no key to any KV block)
+        assert TransportEndpoint.from_bytes(worker.transport_endpoint).payload == b""
+    return {w.worker_id for w in workers}
+
+
+class Trap:
+    def __init__(self, address: str) -> None:
+        self.address, self.count = address, 0
+
+
+@contextlib.contextmanager
+def trap_listener():
+    """A TCP port that counts the connections it gets (a server an attacker would run)."""
+    sock = socket.create_server(("127.0.0.1", 0))
+    sock.settimeout(0.1)
+    trap = Trap(f"127.0.0.1:{sock.getsockname()[1]}")
+    stop = threading.Event()
+
+    def accept() -> None:
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                sock.accept()[0].close()
+                trap.count += 1
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield trap
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+        sock.close()
+
+
+def forge_records(url: str, address: str) -> None:
+    """What an attacker with Redis access writes: an unsigned record, and a worker's signed
+    record moved to a new id with its address changed."""
+    client = redis_lib.Redis.from_url(url, decode_responses=True)
+    forged = WorkerRecord("prefill", "prefill-evil", address, updated_at=time.time())
+    altered = {**client.hgetall("dsv4:worker:prefill-0"), "worker_id": "prefill-evil2"}
+    altered["address"] = address
+    for worker_id, fields in (("prefill-evil", forged.to_fields()), ("prefill-evil2", altered)):
+        client.hset(f"dsv4:worker:{worker_id}", mapping=fields)
+        client.sadd("dsv4:workers", worker_id)
+    client.close()
 
 
 def wait_for(predicate, timeout_s: float) -> None:
@@ -61,6 +111,13 @@ def test_registry_survives_a_redis_restart(redis, tmp_path_factory) -> None:
             return outcome.code
 
         asyncio.run(one_request())
+        with trap_listener() as connections:  # a forged record must not route anything there
+            forge_records(redis.url, connections.address)
+            time.sleep(2.0)  # several router refreshes and probe rounds
+            asyncio.run(one_request())
+            assert connections.count == 0, "the router dialled a forged worker"
+        assert "ignoring the record of 'prefill-evil'" in cluster.service("router").log_tail(200)
+        assert listed_worker_ids(redis.url) == {"prefill-0", "decode-0"}
         redis.stop()
         time.sleep(1.5)  # several heartbeats and router refreshes fail meanwhile
         asyncio.run(one_request())  # the router routes from its last known view

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 
 import pytest
+import redis
 from redis_server import RedisServer, redis_server  # noqa: F401  (fixture)
 
 from dsv4.discovery import PoolView, WorkerHeartbeat, WorkerRecord
-from dsv4.discovery.redis import RedisWorkerRegistry
+from dsv4.discovery.redis import SIGNATURE_FIELD, RecordSigner, RedisWorkerRegistry
+from dsv4.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(60)
+SECRET = "registry-test-secret"
 
 
 def _record(role: str, index: int, **changes) -> WorkerRecord:
@@ -40,7 +44,7 @@ def _wait_for(predicate, timeout_s: float = 5.0) -> bool:
 
 def _registry(server: RedisServer, **options) -> RedisWorkerRegistry:
     options = {"ttl_s": 1.0, "refresh_interval_s": 0.0, "max_backoff_s": 0.5, **options}
-    return RedisWorkerRegistry(server.url, prefix="test", **options)
+    return RedisWorkerRegistry(server.url, secret=SECRET, prefix="test", **options)
 
 
 def test_publish_then_list_by_role(redis_server: RedisServer) -> None:  # noqa: F811
@@ -111,3 +115,41 @@ def test_registry_survives_a_redis_restart(redis_server: RedisServer) -> None:  
 def test_record_round_trips_through_fields() -> None:
     record = _record("prefill", 3, draining=True, updated_at=1234.5)
     assert WorkerRecord.from_fields(record.to_fields()) == record
+
+
+def test_forged_unsigned_and_moved_records_are_ignored_and_logged(
+    redis_server: RedisServer,  # noqa: F811
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    registry = _registry(redis_server, ttl_s=30.0)
+    honest = _record("prefill", 0)
+    registry.publish(honest)
+    raw = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    evil = _record("prefill", 1, address="203.0.113.9:50061")
+    forged = {**evil.to_fields(), SIGNATURE_FIELD: "v1:" + "0" * 64}
+    other_secret = RecordSigner("another-secret", "test").sign(evil.to_fields())
+    signed_by_other = {**evil.to_fields(), "worker_id": "prefill-2", SIGNATURE_FIELD: other_secret}
+    moved = raw.hgetall("test:worker:prefill-0")  # validly signed, stored under another key
+    entries = {"prefill-1": forged, "prefill-2": signed_by_other, "prefill-3": moved,
+               "prefill-4": evil.to_fields()}  # fmt: skip
+    for worker_id, fields in entries.items():
+        raw.hset(f"test:worker:{worker_id}", mapping=fields)
+        raw.sadd("test:workers", worker_id)
+    with caplog.at_level(logging.WARNING, logger="dsv4.discovery.redis"):
+        for _ in range(3):  # each refresh ignores them; each is logged once
+            assert registry.list("prefill").workers == (honest,)
+    ignored = [r.getMessage() for r in caplog.records if "ignoring the record" in r.getMessage()]
+    assert len(ignored) == 4, ignored
+    assert any("unsigned" in m for m in ignored) and any("signed for worker" in m for m in ignored)
+    tampered = {**raw.hgetall("test:worker:prefill-0"), "free_blocks": "999999"}
+    raw.hset("test:worker:prefill-0", mapping=tampered)
+    assert registry.list("prefill").workers == ()
+    registry.publish(honest)  # the next heartbeat repairs it
+    assert registry.list("prefill").workers == (honest,)
+    raw.close()
+    registry.close()
+
+
+def test_a_redis_registry_needs_the_secret(redis_server: RedisServer) -> None:  # noqa: F811
+    with pytest.raises(ConfigError, match="shared_secret"):
+        RedisWorkerRegistry(redis_server.url, secret="")

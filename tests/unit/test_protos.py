@@ -88,8 +88,20 @@ def test_services_have_the_agreed_shape() -> None:
     }
     assert shape == {
         "Router": {"Generate": True, "Abort": False, "GetModelInfo": False},
-        "PrefillWorker": {"Prefill": False, "Release": False, "Info": False, "Drain": False},
-        "DecodeWorker": {"Decode": True, "Abort": False, "Info": False, "Drain": False},
+        "PrefillWorker": {
+            "Prefill": False,
+            "Release": False,
+            "Info": False,
+            "Drain": False,
+            "Undrain": False,
+        },
+        "DecodeWorker": {
+            "Decode": True,
+            "Abort": False,
+            "Info": False,
+            "Drain": False,
+            "Undrain": False,
+        },
     }
 
 

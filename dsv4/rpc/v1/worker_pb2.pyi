@@ -146,6 +146,10 @@ class DrainRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class UndrainRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class DrainResponse(_message.Message):
     __slots__ = ("num_running_requests", "num_leases")
     NUM_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]

@@ -56,6 +56,11 @@ class PrefillWorkerStub:
                 request_serializer=dsv4_dot_v1_dot_worker__pb2.DrainRequest.SerializeToString,
                 response_deserializer=dsv4_dot_v1_dot_worker__pb2.DrainResponse.FromString,
                 _registered_method=True)
+        self.Undrain = channel.unary_unary(
+                '/dsv4.v1.PrefillWorker/Undrain',
+                request_serializer=dsv4_dot_v1_dot_worker__pb2.UndrainRequest.SerializeToString,
+                response_deserializer=dsv4_dot_v1_dot_worker__pb2.DrainResponse.FromString,
+                _registered_method=True)
 
 
 class PrefillWorkerServicer:
@@ -90,6 +95,13 @@ class PrefillWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Undrain(self, request, context):
+        """Takes new requests again after Drain; FAILED_PRECONDITION while the worker shuts down.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -111,6 +123,11 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
             'Drain': grpc.unary_unary_rpc_method_handler(
                     servicer.Drain,
                     request_deserializer=dsv4_dot_v1_dot_worker__pb2.DrainRequest.FromString,
+                    response_serializer=dsv4_dot_v1_dot_worker__pb2.DrainResponse.SerializeToString,
+            ),
+            'Undrain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Undrain,
+                    request_deserializer=dsv4_dot_v1_dot_worker__pb2.UndrainRequest.FromString,
                     response_serializer=dsv4_dot_v1_dot_worker__pb2.DrainResponse.SerializeToString,
             ),
     }
@@ -233,6 +250,33 @@ class PrefillWorker:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def Undrain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsv4.v1.PrefillWorker/Undrain',
+            dsv4_dot_v1_dot_worker__pb2.UndrainRequest.SerializeToString,
+            dsv4_dot_v1_dot_worker__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class DecodeWorkerStub:
     """A decode worker: pulls KV and generates the remaining tokens.
@@ -262,6 +306,11 @@ class DecodeWorkerStub:
         self.Drain = channel.unary_unary(
                 '/dsv4.v1.DecodeWorker/Drain',
                 request_serializer=dsv4_dot_v1_dot_worker__pb2.DrainRequest.SerializeToString,
+                response_deserializer=dsv4_dot_v1_dot_worker__pb2.DrainResponse.FromString,
+                _registered_method=True)
+        self.Undrain = channel.unary_unary(
+                '/dsv4.v1.DecodeWorker/Undrain',
+                request_serializer=dsv4_dot_v1_dot_worker__pb2.UndrainRequest.SerializeToString,
                 response_deserializer=dsv4_dot_v1_dot_worker__pb2.DrainResponse.FromString,
                 _registered_method=True)
 
@@ -298,6 +347,13 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Undrain(self, request, context):
+        """Takes new requests again after Drain; FAILED_PRECONDITION while the worker shuts down.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -319,6 +375,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
             'Drain': grpc.unary_unary_rpc_method_handler(
                     servicer.Drain,
                     request_deserializer=dsv4_dot_v1_dot_worker__pb2.DrainRequest.FromString,
+                    response_serializer=dsv4_dot_v1_dot_worker__pb2.DrainResponse.SerializeToString,
+            ),
+            'Undrain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Undrain,
+                    request_deserializer=dsv4_dot_v1_dot_worker__pb2.UndrainRequest.FromString,
                     response_serializer=dsv4_dot_v1_dot_worker__pb2.DrainResponse.SerializeToString,
             ),
     }
@@ -430,6 +491,33 @@ class DecodeWorker:
             target,
             '/dsv4.v1.DecodeWorker/Drain',
             dsv4_dot_v1_dot_worker__pb2.DrainRequest.SerializeToString,
+            dsv4_dot_v1_dot_worker__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Undrain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsv4.v1.DecodeWorker/Undrain',
+            dsv4_dot_v1_dot_worker__pb2.UndrainRequest.SerializeToString,
             dsv4_dot_v1_dot_worker__pb2.DrainResponse.FromString,
             options,
             channel_credentials,
