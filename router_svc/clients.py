@@ -2,7 +2,7 @@
 
 The only router module that touches worker stubs; what goes in and out are `dsv4.types`
 dataclasses, converted by `dsv4.wire`. Every call carries the shared secret as metadata
-`x-dsv4-token` when one is configured, and runs over TLS when a CA or client certificate is set.
+`x-dsv4-token` (always configured: the router refuses to start without one), and runs over TLS when a CA or client certificate is set.
 All methods run on the router's event loop. Failures surface as `WorkerCallError` (a worker
 answered with a status or could not be reached) or `CallInterrupted` (the router cancelled the
 call itself: Router.Abort, a worker marked down, shutdown).

@@ -32,7 +32,7 @@ from dsv4.errors import ConfigError, Dsv4Error, Unavailable
 from dsv4.logs import configure_logging
 from dsv4.metrics import MetricsExporter, RouterMetrics, new_registry
 from dsv4.rpc.v1 import router_pb2, router_pb2_grpc
-from dsv4.rpc_guard import MalformedMessageInterceptor
+from dsv4.rpc_guard import MalformedMessageInterceptor, require_shared_secret
 from dsv4.types import WorkerRole
 from router_svc.admission import AdmissionGate, TokenBucketLimiter
 from router_svc.clients import ClientSettings, WorkerClients
@@ -231,6 +231,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         cfg = config_from_args(args, os.environ)
+        require_shared_secret(cfg)
     except ConfigError as exc:
         parser.exit(2, f"dsv4 router: {exc}\n")
     r = cfg.router

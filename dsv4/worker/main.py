@@ -22,6 +22,7 @@ from dsv4.config import ServeConfig
 from dsv4.errors import ConfigError
 from dsv4.logs import set_worker_id
 from dsv4.metrics import MetricsExporter
+from dsv4.rpc_guard import require_shared_secret
 from dsv4.types import WorkerRole
 from dsv4.worker.build import build_worker_runtime
 from dsv4.worker.identity import WorkerIdentity, start_heartbeat
@@ -31,7 +32,6 @@ logger = logging.getLogger(__name__)
 
 DRAIN_POLL_INTERVAL_S = 0.1
 SERVER_STOP_GRACE_S = 1.0
-MIN_SECRET_CHARS = 16
 
 
 def run_worker(config: ServeConfig) -> int:
@@ -42,21 +42,6 @@ def run_worker(config: ServeConfig) -> int:
     if config.worker.gil_switch_interval_ms > 0:
         sys.setswitchinterval(config.worker.gil_switch_interval_ms / 1e3)
     return asyncio.run(_serve(config))
-
-
-def require_shared_secret(config: ServeConfig) -> None:
-    """Worker RPCs are never open: a worker started without a secret refuses to start (one
-    generated here would be unknown to the router, so the worker could serve nobody)."""
-    secret = config.security.shared_secret
-    if not secret:
-        raise ConfigError(
-            "security.shared_secret", "", "worker RPCs always need a shared secret: set env "
-            "DSV4_SHARED_SECRET (or security.shared_secret in the YAML) to the router's, e.g. "
-            "from python -c 'import secrets; print(secrets.token_urlsafe(32))'",
-        )  # fmt: skip
-    if len(secret) < MIN_SECRET_CHARS:
-        logger.warning("security.shared_secret has %d characters: use %d or more (guessable)",
-                       len(secret), MIN_SECRET_CHARS)  # fmt: skip
 
 
 def _service_class(role: WorkerRole):

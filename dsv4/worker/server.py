@@ -6,7 +6,7 @@ servicer; the caller adds its servicer, binds with `bind_port`, starts, and at s
 
 - Pending-request limits are raised (grpc-core otherwise CANCELs calls beyond ~1000 in flight).
 - Message size limits are `router.max_message_bytes` both ways.
-- With `security.shared_secret` set, every call except health checks and reflection must carry
+- `security.shared_secret` is always set (a worker refuses to start without it): every call except health checks and reflection must carry
   metadata `x-dsv4-token: <secret>`; others end UNAUTHENTICATED. Health stays open so
   Kubernetes probes work without the secret.
 - With `security.tls_cert_path`, the port is TLS (mutual when `require_client_cert`).

@@ -25,6 +25,7 @@ from router_svc.server import RouterServer, main
 from router_svc.testing import FAST_PROBES, generate_request, tiny_text_model
 
 REPO = Path(__file__).resolve().parents[2]
+WITH_SECRET = {**os.environ, "DSV4_SHARED_SECRET": "router-process-test-secret"}
 
 
 def free_port() -> int:
@@ -38,7 +39,11 @@ def test_main_serves_until_sigterm_and_exits_cleanly() -> None:
     code = "import sys; from router_svc.server import main; sys.exit(main(sys.argv[1:]))"
     args = ["--port", str(port), "--prefill", "127.0.0.1:9", "--decode", "127.0.0.1:9"]
     process = subprocess.Popen(
-        [sys.executable, "-c", code, *args], cwd=REPO, stderr=subprocess.PIPE, text=True
+        [sys.executable, "-c", code, *args],
+        cwd=REPO,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=WITH_SECRET,
     )
     try:
 
@@ -64,6 +69,19 @@ def test_main_serves_until_sigterm_and_exits_cleanly() -> None:
     assert "serving dsv4.v1.Router" in process.stderr.read()
 
 
+def test_a_router_without_a_shared_secret_refuses_to_start() -> None:
+    """Worker RPCs always need the secret, so a router without one could reach no worker."""
+    env = {k: v for k, v in os.environ.items() if k != "DSV4_SHARED_SECRET"}
+    done = subprocess.run(
+        [sys.executable, "-m", "dsv4.cli", "router", "--port", "0", "--prefill", "127.0.0.1:9",
+         "--decode", "127.0.0.1:9"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "security.shared_secret" in lines[0], done.stderr
+
+
 def test_a_service_started_with_parent_pid_dies_with_its_launcher() -> None:
     """`dsv4 up` starts services with --parent-pid: a SIGKILLed launcher leaves no orphans."""
     port = free_port()
@@ -76,7 +94,11 @@ def test_a_service_started_with_parent_pid_dies_with_its_launcher() -> None:
         "time.sleep(120)\n"
     )
     launcher = subprocess.Popen(
-        [sys.executable, "-c", launcher_code], cwd=REPO, stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", launcher_code],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=WITH_SECRET,
     )
     child_pid = int(launcher.stdout.readline())
     try:

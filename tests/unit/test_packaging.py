@@ -149,6 +149,7 @@ def _serve_and_stop(
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     args = ["router", "--port", str(port), "--prefill", "127.0.0.1:9", "--decode", "127.0.0.1:9"]
+    env = {**(os.environ if env is None else env), "DSV4_SHARED_SECRET": "packaging-test-secret"}
     process = subprocess.Popen(
         [*command, *args], cwd=cwd, env=env, stderr=subprocess.PIPE, text=True
     )
