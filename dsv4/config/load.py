@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import re
+import urllib.parse
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -180,6 +181,8 @@ def config_to_dict(config: ServeConfig, *, redact_secrets: bool = True) -> dict[
             value = getattr(section, f.name)
             if redact_secrets and SPECS[f"{name}.{f.name}"].is_secret and value:
                 value = "<redacted>"
+            elif redact_secrets and isinstance(value, str):
+                value = _redact_url_password(value)  # redis://:PASSWORD@host (deploy/k8s)
             fields[f.name] = list(value) if isinstance(value, tuple) else value
         out[name] = fields
     return out
@@ -187,3 +190,13 @@ def config_to_dict(config: ServeConfig, *, redact_secrets: bool = True) -> dict[
 
 def config_to_yaml(config: ServeConfig, *, redact_secrets: bool = True) -> str:
     return yaml.safe_dump(config_to_dict(config, redact_secrets=redact_secrets), sort_keys=False)
+
+
+def _redact_url_password(value: str) -> str:
+    """`scheme://user:password@host...` with the password shown as '<redacted>'."""
+    parts = urllib.parse.urlsplit(value) if "://" in value else None
+    if parts is None or parts.password is None:
+        return value
+    user = parts.username or ""
+    host = parts.netloc.rpartition("@")[2]
+    return urllib.parse.urlunsplit(parts._replace(netloc=f"{user}:<redacted>@{host}"))

@@ -184,6 +184,16 @@ def test_secrets_stay_out_of_repr_and_dumps() -> None:
     assert config_to_dict(config, redact_secrets=False)["security"]["shared_secret"] == "s3cret"
 
 
+def test_a_redis_password_in_the_url_stays_out_of_dumps() -> None:
+    """deploy/k8s passes the Redis password inside DSV4_REDIS (redis://:PASSWORD@host)."""
+    url = "redis://:hunter2-redis@dsv4-redis:6379/0"
+    config = load_config({}, None, {"DSV4_REDIS": url})
+    assert config.discovery.redis_url == url
+    dumped = config_to_yaml(config)
+    assert "hunter2" not in dumped and "redis://:<redacted>@dsv4-redis:6379/0" in dumped
+    assert config_to_dict(config, redact_secrets=False)["discovery"]["redis_url"] == url
+
+
 def test_yaml_dump_round_trips(tmp_path: Path) -> None:
     config = load_config({"discovery.prefill_addresses": "a:1", "cache.num_blocks": 7}, None, {})
     path = _yaml(tmp_path, config_to_yaml(config, redact_secrets=False))
