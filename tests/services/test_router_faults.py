@@ -25,6 +25,7 @@ from router_svc.pool import PoolSettings
 from router_svc.testing import generate_request, read_outcome, scripted_cluster
 
 PROMPT = list(range(10, 26))
+REGISTRY_SECRET = "router-faults-registry-secret"  # records are signed with the shared secret
 # Probes every 0.1 s that never mark a worker down: only the registry can remove it.
 NEVER_DOWN = PoolSettings(probe_interval_s=0.1, probe_timeout_s=0.2, num_failures_to_down=10**6)
 
@@ -128,7 +129,7 @@ async def _redis_cluster_up(redis: RedisServer, p0: Any, d0: Any) -> RedisWorker
     """Start both workers and publish them with a TTL long enough for the whole test."""
     await p0.start()
     await d0.start()
-    publisher = RedisWorkerRegistry(redis.url, ttl_s=30.0)
+    publisher = RedisWorkerRegistry(redis.url, secret=REGISTRY_SECRET, ttl_s=30.0)
     publisher.publish(_record(p0, "prefill"))
     publisher.publish(_record(d0, "decode"))
     return publisher
@@ -143,14 +144,16 @@ def test_registry_ttl_expiry_ends_the_stream_within_a_probe_interval(
         p0 = ScriptedPrefillWorker("p0")
         d0 = ScriptedDecodeWorker("d0", WorkerScript(hang_after=1))
         publisher = await _redis_cluster_up(redis_server, p0, d0)
-        router_registry = RedisWorkerRegistry(redis_server.url, refresh_interval_s=0.05)
+        router_registry = RedisWorkerRegistry(
+            redis_server.url, secret=REGISTRY_SECRET, refresh_interval_s=0.05
+        )
         async with scripted_cluster(
             [p0], [d0], registry=router_registry, pool_settings=NEVER_DOWN
         ) as c:
             call = c.stub.Generate(generate_request(8, PROMPT))
             await call.read()
             d0.script.info_mode = "hang"
-            short_ttl = RedisWorkerRegistry(redis_server.url, ttl_s=0.3)
+            short_ttl = RedisWorkerRegistry(redis_server.url, secret=REGISTRY_SECRET, ttl_s=0.3)
             short_ttl.publish(_record(d0, "decode"))  # its last heartbeat: expires in 0.3 s
             started = time.monotonic()
             code, details, _ = await read_outcome(call)
@@ -171,7 +174,9 @@ def test_withdrawal_after_a_drain_ends_the_streams_left_on_the_worker(
         p0 = ScriptedPrefillWorker("p0")
         d0 = ScriptedDecodeWorker("d0", WorkerScript(token_delay_s=0.05))
         publisher = await _redis_cluster_up(redis_server, p0, d0)
-        router_registry = RedisWorkerRegistry(redis_server.url, refresh_interval_s=0.05)
+        router_registry = RedisWorkerRegistry(
+            redis_server.url, secret=REGISTRY_SECRET, refresh_interval_s=0.05
+        )
         async with scripted_cluster(
             [p0], [d0], registry=router_registry, pool_settings=NEVER_DOWN
         ) as c:
