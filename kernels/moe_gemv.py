@@ -67,7 +67,7 @@ def _lanes(w, q: tl.constexpr):
 
 @triton.jit
 def _gemv_step(acc0, acc1, w_rows, s_rows, x0, x1, ok0, ok1, n_ok, k0, K, stride_xc,
-               BLOCK_W: tl.constexpr, TWO: tl.constexpr):  # fmt: skip
+               BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, TWO: tl.constexpr):  # fmt: skip
     """acc0/acc1 [BLOCK_N, BLOCK_W] += the products of the 8*BLOCK_W columns from k0 with the
     permuted activation rows at x0 / x1 (scalar pointers; x1 only when TWO; ok0 / ok1 [BLOCK_N,
     BLOCK_W] whether the row is a pair): weight words at w_rows [BLOCK_N] (int32 pointers),
@@ -78,8 +78,12 @@ def _gemv_step(acc0, acc1, w_rows, s_rows, x0, x1, ok0, ok1, n_ok, k0, K, stride
     j_ok = (j // 4) * 32 < K
     wm = n_ok[:, None] & j_ok[None, :]
     w = tl.load(w_rows[:, None] + j[None, :], mask=wm, other=0)
-    sb = tl.load(s_rows[:, None] + (j // 4)[None, :], mask=wm, other=0).to(tl.int32) & 0xFF
+    g = k0 // 32 + tl.arange(0, BLOCK_W // 4)  # scale groups: 4 words each
+    sm = (g < K // 32)[None, :] & (n_ok[:, None])
+    sb = tl.load(s_rows[:, None] + g[None, :], mask=sm, other=0).to(tl.int32) & 0xFF
     scale = ((sb + 126) << 23).to(tl.float32, bitcast=True)  # 2^126 * 2^(s - 127)
+    scale = tl.reshape(tl.broadcast_to(scale[:, :, None], [BLOCK_N, BLOCK_W // 4, 4]),
+                       [BLOCK_N, BLOCK_W])  # fmt: skip
     # NOTE: x loads [BLOCK_N, BLOCK_W] (every row's threads load the same values, from L1) in
     # the weight tile's layout: loaded [BLOCK_W] and broadcast, each went through shared memory
     # with a barrier (compiled for sm_90)
@@ -126,9 +130,9 @@ def _gemv13_kernel(
         g1, u0, u1 = g0, g0, g0
         for k0 in range(0, D, 8 * BLOCK_W):
             g0, g1 = _gemv_step(g0, g1, gate_w, gate_s, x0, x1, ok0, ok1, n_ok, k0, D, stride_xc,
-                                BLOCK_W, BLOCK_M == 2)  # fmt: skip
+                                BLOCK_N, BLOCK_W, BLOCK_M == 2)  # fmt: skip
             u0, u1 = _gemv_step(u0, u1, up_w, up_s, x0, x1, ok0, ok1, n_ok, k0, D, stride_xc,
-                                BLOCK_W, BLOCK_M == 2)  # fmt: skip
+                                BLOCK_N, BLOCK_W, BLOCK_M == 2)  # fmt: skip
         _swiglu_store(g0, u0, hp_ptr + pid_m * BLOCK_M * stride_ht, n,
                       n_ok & (n * 0 + p0 < num_pairs), stride_hc, limit, HAS_LIMIT)  # fmt: skip
         if BLOCK_M == 2:
@@ -181,7 +185,7 @@ def _gemv2_kernel(
         acc1 = acc0
         for k0 in range(0, INTER, 8 * BLOCK_W):
             acc0, acc1 = _gemv_step(acc0, acc1, w_rows, s_rows, h0, h1, ok0, ok1, n_ok, k0, INTER,
-                                    stride_hc, BLOCK_W, BLOCK_M == 2)  # fmt: skip
+                                    stride_hc, BLOCK_N, BLOCK_W, BLOCK_M == 2)  # fmt: skip
         out0 = _bf16_rne(tl.sum(acc0, axis=1))
         tl.store(out_ptr + p0.to(tl.int64) * stride_out + n, out0.to(out_ptr.dtype.element_ty),
                  mask=n_ok & (n * 0 + p0 < num_pairs))  # fmt: skip
@@ -205,7 +209,7 @@ def gemv_config(num_pairs: int, num_experts: int, on_gpu: bool) -> dict:
     # NOTE: BLOCK_M is 1 or 2 (two accumulators; a 3-D [M, N, W] one compiled for sm_90 to a
     # shared-memory layout conversion on every step)
     block_m = 1 if num_pairs <= 0.5 * num_experts else 2
-    return dict(BLOCK_M=block_m, BLOCK_N=16, BLOCK_N2=32, BLOCK_W=64, num_warps=8)
+    return dict(BLOCK_M=block_m, BLOCK_N=8, BLOCK_N2=16, BLOCK_W=64, num_warps=4)
 
 
 def permute_columns(x: torch.Tensor) -> torch.Tensor:
