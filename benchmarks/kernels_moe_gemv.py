@@ -39,14 +39,12 @@ from kernels import moe, moe_gemv  # noqa: E402
 GPU = dict(dim=4096, inter=2048, experts=256, k=6, decode=[1, 16, 64], prefill=[1024, 8192])
 DRY = dict(dim=64, inter=32, experts=8, k=2, decode=[1, 3], prefill=[])
 ROTATE = 8
-# GEMV configs tried at each decode size, each with BLOCK_M 1 and, from 16 tokens, 2 (the
-# default config is among them, or added)
+# GEMV configs tried at each decode size, each with POST_SCALE off and on, and BLOCK_M 1 and,
+# from 16 tokens, 2 (the default config first)
 CONFIGS = ({"BLOCK_N": 8, "BLOCK_N2": 16, "BLOCK_W": 64, "num_warps": 4},
            {"BLOCK_N": 8, "BLOCK_N2": 32, "BLOCK_W": 64, "num_warps": 4},
            {"BLOCK_N": 16, "BLOCK_N2": 32, "BLOCK_W": 64, "num_warps": 8},
-           {"BLOCK_N": 8, "BLOCK_N2": 16, "BLOCK_W": 32, "num_warps": 2},
-           {"BLOCK_N": 4, "BLOCK_N2": 8, "BLOCK_W": 64, "num_warps": 2},
-           {"BLOCK_N": 16, "BLOCK_N2": 16, "BLOCK_W": 32, "num_warps": 4})  # fmt: skip
+           {"BLOCK_N": 4, "BLOCK_N2": 8, "BLOCK_W": 64, "num_warps": 2})  # fmt: skip
 
 
 def _steps(sizes, t, weights, fmt, dev, count):
@@ -109,8 +107,8 @@ def run(dry: bool, limit_s: float) -> list[dict]:
         if t in sizes["decode"]:
             mma_us = _time_us(call({"GEMV": False}), fp4_steps, dry)
             default = moe_gemv.gemv_config(pairs, e, not dry)
-            tried = [default] + [{**c, "BLOCK_M": m} for c in CONFIGS for m in (1, 2)
-                                 if m == 1 or t >= 16]  # fmt: skip
+            tried = [default] + [{**c, "POST_SCALE": ps, "BLOCK_M": m} for c in CONFIGS
+                                 for ps in (False, True) for m in (1, 2) if m == 1 or t >= 16]  # fmt: skip
             tried = [c for i, c in enumerate(tried) if c not in tried[:i]]
             timed = []
             for cfg in tried if not dry else tried[:2]:

@@ -44,30 +44,31 @@ from kernels.specialize import sizes_vary
 # Average (token, slot) pairs an expert up to which `kernels.moe.moe_experts` takes this path
 # for MXFP4 experts (GEMV_MAX_PAIRS_PER_EXPERT * E pairs: 64 tokens of V4-Flash, top-6 of 256).
 GEMV_MAX_PAIRS_PER_EXPERT = 1.5
+# Each word's 8 products summed before its scale multiplies them (one multiply a word, not a
+# weight); x and h are then carried times 2^64 so the products e2m1 * 2^-126 * x stay normal
+# fp32 (exact for 2^-63 < |x| < 2^64; zeros exact)
+POST_SCALE_DEFAULT = False
 _SIGN = tl.constexpr(-2147450880)  # 0x80008000 as int32: the two lanes' sign bits
 _MAG = tl.constexpr(0x01C001C0)  # both lanes' e1 e0 m bits: bf16's exponent low bits, mantissa top
 _HIGH = tl.constexpr(-65536)  # 0xFFFF0000
+_CODE = tl.constexpr(-2118090304)  # 0x81C081C0: _MAG | _SIGN
 
 
 @triton.jit
 def _lanes(w, q: tl.constexpr):
     """Code q (0..3) of both 16-bit lanes of words w (int32) -> (low lane, high lane) as fp32
     e2m1 * 2^-126: columns 8j + q and 8j + 4 + q of word j."""
-    if q == 0:
-        mag = w << 6
-    elif q == 1:
-        mag = w << 2
-    elif q == 2:
-        mag = w >> 2  # arithmetic: the sign copies land outside _MAG
-    else:
-        mag = w >> 6
-    p = (mag & _MAG) | ((w << (12 - 4 * q)) & _SIGN)
+    if q < 2:  # one multiply makes both copies: (nibbles) * (2^(6-4q) + 2^(12-4q)), no carries
+        p = ((w & (0x000F000F << (4 * q))) * ((1 << (6 - 4 * q)) + (1 << (12 - 4 * q)))) & _CODE
+    else:  # right shift for the magnitude (arithmetic: the sign copies land outside _MAG)
+        p = ((w >> (4 * q - 6)) & _MAG) | ((w << (12 - 4 * q)) & _SIGN)
     return (p << 16).to(tl.float32, bitcast=True), (p & _HIGH).to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _gemv_step(acc0, acc1, w_rows, s_rows, x0, x1, ok0, ok1, n_ok, k0, K, stride_xc,
-               BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, TWO: tl.constexpr):  # fmt: skip
+               BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, TWO: tl.constexpr,
+               POST_SCALE: tl.constexpr):  # fmt: skip
     """acc0/acc1 [BLOCK_N, BLOCK_W] += the products of the 8*BLOCK_W columns from k0 with the
     permuted activation rows at x0 / x1 (scalar pointers; x1 only when TWO; ok0 / ok1 [BLOCK_N,
     BLOCK_W] whether the row is a pair): weight words at w_rows [BLOCK_N] (int32 pointers),
@@ -81,23 +82,37 @@ def _gemv_step(acc0, acc1, w_rows, s_rows, x0, x1, ok0, ok1, n_ok, k0, K, stride
     g = k0 // 32 + tl.arange(0, BLOCK_W // 4)  # scale groups: 4 words each
     sm = (g < K // 32)[None, :] & (n_ok[:, None])
     sb = tl.load(s_rows[:, None] + g[None, :], mask=sm, other=0).to(tl.int32) & 0xFF
-    scale = ((sb + 126) << 23).to(tl.float32, bitcast=True)  # 2^126 * 2^(s - 127)
+    # 2^126 * 2^(s - 127) on each weight; POST_SCALE: 2^-64 * 2^126 * 2^(s - 127) on the sum of
+    # a word's 8 products (x is then x * 2^64: the products e2m1 * 2^-126 * x * 2^64 stay normal)
+    scale = ((sb + (62 if POST_SCALE else 126)) << 23).to(tl.float32, bitcast=True)
     scale = tl.reshape(tl.broadcast_to(scale[:, :, None], [BLOCK_N, BLOCK_W // 4, 4]),
                        [BLOCK_N, BLOCK_W])  # fmt: skip
     # NOTE: x loads [BLOCK_N, BLOCK_W] (every row's threads load the same values, from L1) in
     # the weight tile's layout: loaded [BLOCK_W] and broadcast, each went through shared memory
     # with a barrier (compiled for sm_90)
     xj = j[None, :] + 0 * ok0.to(tl.int32)
+    word0, word1 = acc0, acc1
     for q in tl.static_range(4):
         lo, hi = _lanes(w, q)
-        lo, hi = lo * scale, hi * scale
+        if not POST_SCALE:
+            lo, hi = lo * scale, hi * scale
         at_lo, at_hi = q * stride_xc + xj, (q + 4) * stride_xc + xj
-        acc0 += lo * tl.load(x0 + at_lo, mask=wm & ok0, other=0.0)
-        acc0 += hi * tl.load(x0 + at_hi, mask=wm & ok0, other=0.0)
+        x_lo = tl.load(x0 + at_lo, mask=wm & ok0, other=0.0)
+        if POST_SCALE and q == 0:  # the word's sum starts at its first product
+            word0 = lo * x_lo
+        else:
+            word0 += lo * x_lo
+        word0 += hi * tl.load(x0 + at_hi, mask=wm & ok0, other=0.0)
         if TWO:
-            acc1 += lo * tl.load(x1 + at_lo, mask=wm & ok1, other=0.0)
-            acc1 += hi * tl.load(x1 + at_hi, mask=wm & ok1, other=0.0)
-    return acc0, acc1
+            x_lo = tl.load(x1 + at_lo, mask=wm & ok1, other=0.0)
+            if POST_SCALE and q == 0:
+                word1 = lo * x_lo
+            else:
+                word1 += lo * x_lo
+            word1 += hi * tl.load(x1 + at_hi, mask=wm & ok1, other=0.0)
+    if POST_SCALE:
+        return acc0 + word0 * scale, acc1 + word1 * scale
+    return word0, word1
 
 
 @triton.jit(**sizes_vary("num_pairs"))
@@ -109,7 +124,7 @@ def _gemv13_kernel(
     stride_xt, stride_xc, stride_we, stride_wn, stride_se, stride_sn, stride_ht, stride_hc,
     limit,
     TOPK: tl.constexpr, HAS_LIMIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_W: tl.constexpr,
+    BLOCK_W: tl.constexpr, POST_SCALE: tl.constexpr,
 ):  # fmt: skip
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(tile_e_ptr + pid_m)
@@ -130,14 +145,16 @@ def _gemv13_kernel(
         g1, u0, u1 = g0, g0, g0
         for k0 in range(0, D, 8 * BLOCK_W):
             g0, g1 = _gemv_step(g0, g1, gate_w, gate_s, x0, x1, ok0, ok1, n_ok, k0, D, stride_xc,
-                                BLOCK_N, BLOCK_W, BLOCK_M == 2)  # fmt: skip
+                                BLOCK_N, BLOCK_W, BLOCK_M == 2, POST_SCALE)  # fmt: skip
             u0, u1 = _gemv_step(u0, u1, up_w, up_s, x0, x1, ok0, ok1, n_ok, k0, D, stride_xc,
-                                BLOCK_N, BLOCK_W, BLOCK_M == 2)  # fmt: skip
+                                BLOCK_N, BLOCK_W, BLOCK_M == 2, POST_SCALE)  # fmt: skip
         _swiglu_store(g0, u0, hp_ptr + pid_m * BLOCK_M * stride_ht, n,
-                      n_ok & (n * 0 + p0 < num_pairs), stride_hc, limit, HAS_LIMIT)  # fmt: skip
+                      n_ok & (n * 0 + p0 < num_pairs), stride_hc, limit, HAS_LIMIT,
+                      POST_SCALE)  # fmt: skip
         if BLOCK_M == 2:
             _swiglu_store(g1, u1, hp_ptr + (pid_m * BLOCK_M + 1) * stride_ht, n,
-                          n_ok & (n * 0 + p1 < num_pairs), stride_hc, limit, HAS_LIMIT)  # fmt: skip
+                          n_ok & (n * 0 + p1 < num_pairs), stride_hc, limit, HAS_LIMIT,
+                          POST_SCALE)  # fmt: skip
 
 
 @triton.jit
@@ -149,13 +166,16 @@ def _row_ok(p0, p1, num_pairs, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
 
 
 @triton.jit
-def _swiglu_store(acc_g, acc_u, h_row, n, mask, stride_hc, limit, HAS_LIMIT: tl.constexpr):
+def _swiglu_store(acc_g, acc_u, h_row, n, mask, stride_hc, limit, HAS_LIMIT: tl.constexpr,
+                  POST_SCALE: tl.constexpr):  # fmt: skip
     g = _bf16_rne(tl.sum(acc_g, axis=1))  # [BLOCK_N]: F.linear's bf16 outputs
     u = _bf16_rne(tl.sum(acc_u, axis=1))
     if HAS_LIMIT:
         g = tl.minimum(g, limit)
         u = tl.minimum(tl.maximum(u, -limit), limit)
     h = _bf16_rne(g / (1.0 + tl.exp(-g)) * u)
+    if POST_SCALE:  # the second GEMV's activation, times 2^64 (exact)
+        h = h * 18446744073709551616.0
     # column n of h sits at [c = n % 8, n // 8] of the row's permuted [8, I/8]
     tl.store(h_row + (n % 8) * stride_hc + n // 8, h, mask=mask)
 
@@ -168,6 +188,7 @@ def _gemv2_kernel(
     num_pairs, D, INTER,
     stride_ht, stride_hc, stride_we, stride_wn, stride_se, stride_sn, stride_out,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
+    POST_SCALE: tl.constexpr,
 ):  # fmt: skip
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(tile_e_ptr + pid_m)
@@ -185,7 +206,8 @@ def _gemv2_kernel(
         acc1 = acc0
         for k0 in range(0, INTER, 8 * BLOCK_W):
             acc0, acc1 = _gemv_step(acc0, acc1, w_rows, s_rows, h0, h1, ok0, ok1, n_ok, k0, INTER,
-                                    stride_hc, BLOCK_N, BLOCK_W, BLOCK_M == 2)  # fmt: skip
+                                    stride_hc, BLOCK_N, BLOCK_W, BLOCK_M == 2,
+                                    POST_SCALE)  # fmt: skip
         out0 = _bf16_rne(tl.sum(acc0, axis=1))
         tl.store(out_ptr + p0.to(tl.int64) * stride_out + n, out0.to(out_ptr.dtype.element_ty),
                  mask=n_ok & (n * 0 + p0 < num_pairs))  # fmt: skip
@@ -205,18 +227,19 @@ def gemv_config(num_pairs: int, num_experts: int, on_gpu: bool) -> dict:
     """BLOCK_M: rows a tile (the tile's weights are upcast once for all of them); BLOCK_N:
     weight rows a program of w13 (gate and up rows each), BLOCK_N2 of w2; BLOCK_W: 32-bit words a row a K step."""
     if not on_gpu:  # interpreter: few, large programs
-        return dict(BLOCK_M=2, BLOCK_N=16, BLOCK_N2=16, BLOCK_W=8, num_warps=4)
+        return dict(BLOCK_M=2, BLOCK_N=16, BLOCK_N2=16, BLOCK_W=8, num_warps=4, POST_SCALE=True)
     # NOTE: BLOCK_M is 1 or 2 (two accumulators; a 3-D [M, N, W] one compiled for sm_90 to a
     # shared-memory layout conversion on every step)
     block_m = 1 if num_pairs <= 0.5 * num_experts else 2
-    return dict(BLOCK_M=block_m, BLOCK_N=8, BLOCK_N2=16, BLOCK_W=64, num_warps=4)
+    return dict(BLOCK_M=block_m, BLOCK_N=8, BLOCK_N2=16, BLOCK_W=64, num_warps=4, POST_SCALE=True)
 
 
-def permute_columns(x: torch.Tensor) -> torch.Tensor:
-    """x [R, K] -> xp [R, 8, K/8] fp32 with xp[r, c, j] = x[r, 8j + c] (one copy)."""
+def permute_columns(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """x [R, K] -> xp [R, 8, K/8] fp32 with xp[r, c, j] = x[r, 8j + c] * scale (one launch;
+    `scale` a power of two: exact)."""
     rows, k = x.shape
     out = torch.empty(rows, 8, k // 8, dtype=torch.float32, device=x.device)
-    out.copy_(x.view(rows, k // 8, 8).transpose(1, 2))
+    torch.mul(x.view(rows, k // 8, 8).transpose(1, 2), scale, out=out)
     return out
 
 
@@ -244,9 +267,10 @@ def gemv_gemms(x, sorted_ids, tile_e, w13, w2, scales, rows, topk, limit, cfg: d
     block_n, block_n2 = cfg.pop("BLOCK_N"), cfg.pop("BLOCK_N2")
     w13w, w2w = _words(w13), _words(w2)
     s13, s2 = (s.view(torch.uint8) for s in scales)
-    xp = permute_columns(x)
+    post_scale = bool(cfg.pop("POST_SCALE", POST_SCALE_DEFAULT))
+    xp = permute_columns(x, 2.0**64 if post_scale else 1.0)
     hp = torch.empty(sorted_ids.numel(), 8, inter // 8, dtype=torch.float32, device=x.device)
-    blocks = dict(BLOCK_M=block_m, BLOCK_W=block_w, **cfg)
+    blocks = dict(BLOCK_M=block_m, BLOCK_W=block_w, POST_SCALE=post_scale, **cfg)
     _gemv13_kernel[(tile_e.numel(), triton.cdiv(inter, block_n))](
         xp, sorted_ids, tile_e, w13w, s13, hp,
         num_pairs, dim, inter,

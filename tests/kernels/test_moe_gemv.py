@@ -7,6 +7,8 @@ GEMM outputs to bf16 where the reference does; only the fp32 summation order dif
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -24,7 +26,8 @@ def test_permute_columns_round_trip():
     assert torch.equal(moe_gemv.unpermute_columns(xp), x.float())
 
 
-def test_every_code_and_scale():
+@pytest.mark.parametrize("post_scale", [False, True])
+def test_every_code_and_scale(post_scale):
     """Every byte (all 16 x 16 low/high e2m1 codes, at every position in a word) under UE8M0
     scales 2^-127 (subnormal weights), 2^-126, 2^-27, 1 and 2, through one-hot x columns: each
     gate / up output is one dequantised weight."""
@@ -41,15 +44,17 @@ def test_every_code_and_scale():
     for col in (0, 1, 7, 8, 13, 63):
         x = torch.zeros(1, dim, device=DEVICE, dtype=torch.bfloat16)
         x[0, col] = 1.0
-        y = moe_experts(x, ids, one, w13, w2, "mxfp4", s13, s2, None, tune={"GEMV": True})
+        tune = {"GEMV": True, "POST_SCALE": post_scale}
+        y = moe_experts(x, ids, one, w13, w2, "mxfp4", s13, s2, None, tune=tune)
         assert_moe_close(y, moe_experts_ref(x, ids, one, w13, w2, "mxfp4", s13, s2, None))
 
 
+@pytest.mark.parametrize("post_scale", [False, True])
 @pytest.mark.parametrize("block_m", [1, 2])
 @pytest.mark.parametrize("num_tokens", [1, 3])
-def test_gemv_matches_ref(num_tokens, block_m):
+def test_gemv_matches_ref(num_tokens, block_m, post_scale):
     weights = _weights(5, 160, 96, "mxfp4", seed=num_tokens)  # 20 / 12 words a row: masked
-    tune = {"GEMV": True, "BLOCK_M": block_m}
+    tune = {"GEMV": True, "BLOCK_M": block_m, "POST_SCALE": post_scale}
     check_step(weights, num_tokens, 160, 3, "mxfp4", 10.0, seed=num_tokens, tune=tune)
 
 
@@ -64,14 +69,20 @@ def test_served_choice():
     assert not moe_gemv.use_gemv(6144, 256, "mxfp4") and not moe_gemv.use_gemv(6, 256, "fp8")
 
 
+@functools.cache
+def _production_weights():  # built once for the module's GPU tests (~3.4 GB)
+    return _weights(256, 4096, 2048, "mxfp4", seed=0)
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("post_scale", [False, True])
 @pytest.mark.parametrize("block_m", [1, 2])
 @pytest.mark.parametrize("num_tokens", [1, 16, 64])
-def test_gemv_production_shapes_gpu(num_tokens, block_m):
+def test_gemv_production_shapes_gpu(num_tokens, block_m, post_scale):
     """V4-Flash: D 4096, I 2048, E 256, K 6; against the reference and the in-register kernel."""
-    weights = _weights(256, 4096, 2048, "mxfp4", seed=0)
+    weights = _production_weights()
     y = check_step(weights, num_tokens, 4096, 6, "mxfp4", 10.0, seed=0,
-                   tune={"GEMV": True, "BLOCK_M": block_m})  # fmt: skip
+                   tune={"GEMV": True, "BLOCK_M": block_m, "POST_SCALE": post_scale})  # fmt: skip
     g = torch.Generator().manual_seed(1)
     x = (torch.randn(num_tokens, 4096, generator=g) * 2).bfloat16().to(DEVICE)
     ids, w = routing(num_tokens, 256, 6, 0)
