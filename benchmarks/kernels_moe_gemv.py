@@ -13,6 +13,8 @@ Records (a JSON list):
   (the MXFP4 bytes: weights and scales of the experts hit, x, y; at 4.3 TB/s), path (the served
   MXFP4 path at that size), mma_us (the in-register kernel; decode sizes), config};
 - "moe_gemv_tune": each GEMV config tried at each decode size;
+- "moe_gemv_threshold": the GEMV (BLOCK_M 2) against the in-register kernel at 128 and 256
+  tokens, where the served choice switches;
 - "moe_gemv_numerics": the layer output of the GEMV and of the in-register kernel against the
   exact dequantise-then-GEMM reference (`moe_experts_ref`): max abs error, relative L2 error,
   max error relative to the output's max.
@@ -36,8 +38,9 @@ from benchmarks.harness import PEAK_BYTES_PER_S, warm_up_clocks  # noqa: E402
 from benchmarks.kernels_moe import bf16_experts, moe_step, quantize_experts  # noqa: E402
 from kernels import moe, moe_gemv  # noqa: E402
 
-GPU = dict(dim=4096, inter=2048, experts=256, k=6, decode=[1, 16, 64], prefill=[1024, 8192])
-DRY = dict(dim=64, inter=32, experts=8, k=2, decode=[1, 3], prefill=[])
+GPU = dict(dim=4096, inter=2048, experts=256, k=6, decode=[1, 16, 64], prefill=[1024, 8192],
+           between=[128, 256])  # fmt: skip
+DRY = dict(dim=64, inter=32, experts=8, k=2, decode=[1, 3], prefill=[], between=[4])
 ROTATE = 8
 # GEMV configs tried at each decode size, each with POST_SCALE off and on, and BLOCK_M 1 and,
 # from 16 tokens, 2 (the default config first)
@@ -94,7 +97,7 @@ def run(dry: bool, limit_s: float) -> list[dict]:
     w_fp4 = quantize_experts(*w_bf16, "mxfp4")
     records = []
     call = lambda tune: lambda *a: moe.moe_experts(*a, tune=tune)  # noqa: E731
-    for t in sizes["decode"] + sizes["prefill"]:
+    for t in sizes["decode"] + sizes["prefill"] + sizes["between"]:
         if time.monotonic() - t0 > limit_s:
             print(f"time limit: stopped before {t} tokens", flush=True)
             break
@@ -127,6 +130,15 @@ def run(dry: bool, limit_s: float) -> list[dict]:
                 y = moe.moe_experts(*args, tune=tune)
                 records.append({"name": "moe_gemv_numerics", "tokens": t, "path": path,
                                 **_errors(y, ref)})  # fmt: skip
+        elif t in sizes["between"]:  # where the GEMV stops paying: it against the MMA kernel
+            mma_us = _time_us(call({"GEMV": False}), fp4_steps, dry)
+            cfg = {**moe_gemv.gemv_config(pairs, e, not dry), "BLOCK_M": 2}
+            us = _time_us(call({"GEMV": True, **cfg}), fp4_steps, dry)
+            records.append({"name": "moe_gemv_threshold", "tokens": t, "gemv_us": round(us, 2),
+                            "mma_us": round(mma_us, 2), "bf16_us": round(bf16_us, 2),
+                            "config": cfg})  # fmt: skip
+            print(json.dumps(records[-1]), flush=True)
+            continue
         else:
             us = _time_us(call(None), fp4_steps, dry)
             path = "dequant" if moe._use_dequant(pairs, e, "mxfp4", not dry) else "mma"
