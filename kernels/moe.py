@@ -27,6 +27,9 @@ on the dequantised values, as the reference's dequantise-then-GEMM):
 - "mxfp4": int8 [E, rows, cols/2] packed e2m1 pairs (low nibble = even column), UE8M0 scales
   [E, rows, cols/32]. The even and odd columns of the x tile are loaded separately and meet the
   low and high nibbles in two half-K dots, so no nibble interleave is needed.
+Decode-sized MXFP4 steps (<= moe_gemv.GEMV_MAX_PAIRS_PER_EXPERT pairs an expert, 128 tokens of
+V4-Flash) run as a batched CUDA-core GEMV instead (kernels/moe_gemv.py: 1.6x bf16 experts at
+1-16 tokens on the H200, 3.1x this kernel at one token); tune GEMV=False keeps this kernel.
 Prefill-sized MXFP4 steps (>= DEQUANT_MIN_PAIRS_PER_EXPERT pairs an expert) instead dequantise
 the experts chunk by chunk into a bf16 scratch and run these GEMMs in bf16 (kernels/
 moe_dequant.py): on the H200 3x faster at 8192 tokens than the per-element nibble decode.

@@ -1,32 +1,37 @@
 """Decode-sized MXFP4 MoE: the two grouped products as a batched GEMV on the CUDA cores.
 
-At 1-64 tokens each routed expert sees one or two (token, slot) pairs, so `kernels.moe`'s MMA
-tiles are mostly padding and its per-element nibble decode (shifts, a select, a scale multiply,
-a cast, then a register shuffle into the MMA operand) bounds it far below the bytes' roofline
-(175 us a layer at one token against 90 us for bf16, docs/BENCHMARKS.md). Here each program
-streams BLOCK_N weight rows of one expert as stored (K contiguous: wide loads of 32-bit words,
-eight e2m1 codes each), upcasts two codes per integer operation and accumulates BLOCK_M x
-BLOCK_N x 8*BLOCK_W products elementwise in fp32, reducing over K once after the loop.
+At 1-128 tokens each routed expert sees one to three (token, slot) pairs, so `kernels.moe`'s
+MMA tiles are mostly padding and its per-element nibble decode (shifts, a select, a scale
+multiply, a cast, then a register shuffle into the MMA operand) bounds it far below the bytes'
+roofline (175 us a layer at one token against 90 us for bf16). Here each program streams
+BLOCK_N weight rows of one expert as stored (K contiguous: 16-byte loads of 32-bit words, eight
+e2m1 codes each; no load-time relayout), upcasts two codes with a few integer operations and
+accumulates BLOCK_N x 8*BLOCK_W products elementwise in fp32 for each of its BLOCK_M (1 or 2)
+rows, reducing over K once after the loop. On the H200 (V4-Flash experts, top-6 of 256,
+benchmarks/results/moe-mxfp4-h200.json): 57 / 578 / 2144 us at 1 / 16 / 64 tokens against
+91 / 936 / 2296 us for bf16 experts and 177 / 1603 / 3927 us for the in-register kernel.
 
 The upcast, on a 32-bit word w = bytes b0..b3 (low nibble = even column): its two 16-bit lanes
 hold columns 0-3 and 4-7 as nibbles q = 0..3 (sign at bit 4q+3, e1 e0 m at 4q+2..4q). For each q
     p = ((w << (6 - 4q)) & 0x01C001C0) | ((w << (12 - 4q)) & 0x80008000)
+(for q = 0, 1 one multiply of the masked nibbles by 2^(6-4q) + 2^(12-4q) makes both copies)
 puts both lanes' code bits where bf16 keeps them (sign at 15, e1 e0 at the exponent's two low
 bits, m at the mantissa's top), so each lane is the bf16 pattern of e2m1 * 2^-126 (exponent
 field e: code e = 0 is the subnormal m/2 * 2^-126, which is why no select is needed). Each lane
-becomes fp32 by one more operation (p << 16, p & 0xFFFF0000), and one multiply by
-2^126 * 2^(s - 127) = 2^(s - 1) (s the UE8M0 byte; exact: a power of two, fp32 subnormals kept)
-gives the dequantised weight, the same value `dsv4.model.quant.mxfp4_dequantize` returns. So
-the products are exact in fp32 and the outputs differ from the dequantise-then-GEMM reference
-only in summation order. 2^(s - 1) is an fp32 for s <= 128 (a scale of at most 2: weights
-|w| <= 12, which the quantiser's amax/6 scale gives for every expert weight in practice).
+becomes fp32 by one more operation (p << 16, p & 0xFFFF0000). The UE8M0 byte s enters as a
+power of two, 2^126 * 2^(s - 127), either on each weight (then the same value
+`dsv4.model.quant.mxfp4_dequantize` returns) or, POST_SCALE (the default), on the sum of a
+word's eight products with x carried times 2^64: 2^(s - 65) on the sum. Either way the products
+are exact in fp32 and the outputs differ from the dequantise-then-GEMM reference only in
+summation order (the powers of two fit fp32 for s <= 128, resp. 192: weights up to |12|, resp.
+6 * 2^65, far above any checkpoint's).
 
 The activation operand is permuted to match (`permute_columns`): xp [rows, 8, K/8] fp32 with
 xp[r, c, j] = x[r, 8j + c], so the values met by code c of word j are contiguous in j and load
 as wide as the weights. The first kernel writes h in that order too, for the second.
 
-Steps (no host sync, CUDA-graph capturable): `moe_align` with BLOCK_M (1-4) rows a tile; the
-x permute (one copy); `_gemv13_kernel` (gate and up rows of a tile share the x values; SwiGLU
+Steps (no host sync, CUDA-graph capturable): `moe_align` with BLOCK_M rows a tile; the x
+permute (one launch); `_gemv13_kernel` (gate and up rows of a tile share the x values; SwiGLU
 with the clamp; h permuted fp32 [P, 8, I/8], bf16-exact values); `_gemv2_kernel` (rows
 [T*K, D] bf16, one per pair); `kernels.moe`'s combine. Grid: row tiles fastest, so the tiles of
 an expert with several pairs read the same weight block at the same time (one DRAM read).
@@ -42,12 +47,14 @@ from kernels.compressor import _bf16_rne
 from kernels.specialize import sizes_vary
 
 # Average (token, slot) pairs an expert up to which `kernels.moe.moe_experts` takes this path
-# for MXFP4 experts (GEMV_MAX_PAIRS_PER_EXPERT * E pairs: 64 tokens of V4-Flash, top-6 of 256).
-GEMV_MAX_PAIRS_PER_EXPERT = 1.5
+# for MXFP4 experts: 128 tokens of V4-Flash (top-6 of 256). On the H200 (benchmarks/results/
+# moe-mxfp4-h200.json) the GEMV took 3.76 ms at 128 tokens against 4.88 ms for the in-register
+# kernel, and 6.99 against 5.05 ms at 256.
+GEMV_MAX_PAIRS_PER_EXPERT = 3.0
 # Each word's 8 products summed before its scale multiplies them (one multiply a word, not a
 # weight); x and h are then carried times 2^64 so the products e2m1 * 2^-126 * x stay normal
-# fp32 (exact for 2^-63 < |x| < 2^64; zeros exact)
-POST_SCALE_DEFAULT = False
+# fp32 (exact for 2^-63 < |x| < 2^64; zeros exact). H200: 57 against 63 us at one token.
+POST_SCALE_DEFAULT = True
 _SIGN = tl.constexpr(-2147450880)  # 0x80008000 as int32: the two lanes' sign bits
 _MAG = tl.constexpr(0x01C001C0)  # both lanes' e1 e0 m bits: bf16's exponent low bits, mantissa top
 _HIGH = tl.constexpr(-65536)  # 0xFFFF0000
@@ -227,11 +234,13 @@ def gemv_config(num_pairs: int, num_experts: int, on_gpu: bool) -> dict:
     """BLOCK_M: rows a tile (the tile's weights are upcast once for all of them); BLOCK_N:
     weight rows a program of w13 (gate and up rows each), BLOCK_N2 of w2; BLOCK_W: 32-bit words a row a K step."""
     if not on_gpu:  # interpreter: few, large programs
-        return dict(BLOCK_M=2, BLOCK_N=16, BLOCK_N2=16, BLOCK_W=8, num_warps=4, POST_SCALE=True)
+        return dict(BLOCK_M=2, BLOCK_N=16, BLOCK_N2=16, BLOCK_W=8, num_warps=4)
     # NOTE: BLOCK_M is 1 or 2 (two accumulators; a 3-D [M, N, W] one compiled for sm_90 to a
     # shared-memory layout conversion on every step)
+    # H200 sweep (kernels_moe_gemv.py): this config was the best or within 0.1% at 1, 16 and 64
+    # tokens, BLOCK_M 2 the better from 64 (2.14 against 2.17 ms)
     block_m = 1 if num_pairs <= 0.5 * num_experts else 2
-    return dict(BLOCK_M=block_m, BLOCK_N=8, BLOCK_N2=16, BLOCK_W=64, num_warps=4, POST_SCALE=True)
+    return dict(BLOCK_M=block_m, BLOCK_N=8, BLOCK_N2=16, BLOCK_W=64, num_warps=4)
 
 
 def permute_columns(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:

@@ -65,8 +65,8 @@ def test_gemv_no_limit_and_two_rows_an_expert():
 
 
 def test_served_choice():
-    assert moe_gemv.use_gemv(6, 256, "mxfp4") and moe_gemv.use_gemv(384, 256, "mxfp4")
-    assert not moe_gemv.use_gemv(6144, 256, "mxfp4") and not moe_gemv.use_gemv(6, 256, "fp8")
+    assert moe_gemv.use_gemv(6, 256, "mxfp4") and moe_gemv.use_gemv(768, 256, "mxfp4")  # 128 tok
+    assert not moe_gemv.use_gemv(1536, 256, "mxfp4") and not moe_gemv.use_gemv(6, 256, "fp8")
 
 
 @functools.cache
