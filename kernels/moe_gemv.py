@@ -248,7 +248,7 @@ def permute_columns(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
     `scale` a power of two: exact)."""
     rows, k = x.shape
     out = torch.empty(rows, 8, k // 8, dtype=torch.float32, device=x.device)
-    torch.mul(x.view(rows, k // 8, 8).transpose(1, 2), scale, out=out)
+    torch.mul(x.unflatten(1, (k // 8, 8)).transpose(1, 2), scale, out=out)
     return out
 
 
