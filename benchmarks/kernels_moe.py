@@ -119,7 +119,7 @@ def _moe_cases(dev, sizes, dry) -> Iterator[Case]:
 
 def _tile_cases(dev, sizes, dry) -> Iterator[Case]:
     def launch(args, tune):  # a dry run times the reference: `tune` is the kernel's
-        tune = {"DEQUANT": False, **(tune or {})}  # the in-register GEMMs at every size
+        tune = {"DEQUANT": False, "GEMV": False, **(tune or {})}  # in-register GEMMs, every size
         return moe.moe_experts_ref(*args) if dry else moe.moe_experts(*args, tune=tune)
 
     for fmt in sizes["tile_formats"]:

@@ -27,6 +27,9 @@ on the dequantised values, as the reference's dequantise-then-GEMM):
 - "mxfp4": int8 [E, rows, cols/2] packed e2m1 pairs (low nibble = even column), UE8M0 scales
   [E, rows, cols/32]. The even and odd columns of the x tile are loaded separately and meet the
   low and high nibbles in two half-K dots, so no nibble interleave is needed.
+Decode-sized MXFP4 steps (<= moe_gemv.GEMV_MAX_PAIRS_PER_EXPERT pairs an expert, 128 tokens of
+V4-Flash) run as a batched CUDA-core GEMV instead (kernels/moe_gemv.py: 1.6x bf16 experts at
+1-16 tokens on the H200, 3.1x this kernel at one token); tune GEMV=False keeps this kernel.
 Prefill-sized MXFP4 steps (>= DEQUANT_MIN_PAIRS_PER_EXPERT pairs an expert) instead dequantise
 the experts chunk by chunk into a bf16 scratch and run these GEMMs in bf16 (kernels/
 moe_dequant.py): on the H200 3x faster at 8192 tokens than the per-element nibble decode.
@@ -47,6 +50,7 @@ import triton.language as tl
 
 from dsv4.model.moe import swiglu
 from dsv4.model.quant import dequantize
+from kernels import moe_gemv
 from kernels.compressor import _bf16_rne
 from kernels.fp8_dequant import scale_operand
 from kernels.moe_align import moe_align, moe_align_ref
@@ -59,6 +63,10 @@ FORMATS = ("bf16", "fp8", "mxfp4")
 # rows per expert sit on the MMA's N side. `_config` turns it on for quantised experts at
 # decode sizes (BLOCK_M 16), where the H200 sweep (--only moe_tile) measured it faster.
 SWAP_AB_DEFAULT = False
+# MXFP4 at decode sizes through kernels/moe_gemv.py (moe_gemv.use_gemv); False: the in-register
+# MMA kernel below at every size (tune GEMV overrides either way).
+GEMV_DEFAULT = True
+_MMA_KEYS = {"SWAP_AB", "BLOCK_K", "GROUP_M", "num_stages"}  # a tune of the MMA kernel: no GEMV
 
 
 @triton.jit
@@ -293,7 +301,7 @@ def moe_experts(
     """Routed experts: x [T, D] bf16, expert_ids [T, K] int, weights [T, K] fp32, w13/w2 (and
     scales) in `format` (see the module doc) -> y [T, D] fp32 = sum_k w * expert(x). `tune`:
     config overrides (BLOCK_M/N/K, GROUP_M, num_warps, num_stages, SWAP_AB, DEQUANT,
-    CHUNK_EXPERTS)."""
+    CHUNK_EXPERTS; GEMV and moe_gemv.gemv_config's keys)."""
     assert format in FORMATS, format
     assert x.dim() == 2 and x.dtype == torch.bfloat16 and x.stride(1) == 1
     num_tokens, dim = x.shape
@@ -310,6 +318,13 @@ def moe_experts(
     # prefill-sized MXFP4: the experts through a bf16 scratch, chunk by chunk (kernels/moe_dequant)
     dequant = tune.pop("DEQUANT", _use_dequant(num_pairs, num_experts, format, x.is_cuda))
     chunk_experts = tune.pop("CHUNK_EXPERTS", None)  # the scratch's experts (default: 1 GiB)
+    # decode-sized MXFP4: a batched GEMV on the CUDA cores (kernels/moe_gemv.py)
+    gemv = tune.pop("GEMV", GEMV_DEFAULT and not dequant and not tune.keys() & _MMA_KEYS
+                    and moe_gemv.use_gemv(num_pairs, num_experts, format))  # fmt: skip
+    if gemv:
+        assert format == "mxfp4" and not dequant, format
+        cfg = {**moe_gemv.gemv_config(num_pairs, num_experts, x.is_cuda), **tune}
+        return _via_gemv(x, expert_ids, weights, w13, w2, (w13_scale, w2_scale), limit, cfg, y)
     cfg = {**_config(num_pairs, num_experts, x.is_cuda, "bf16" if dequant else format), **tune}
     swap_ab = bool(cfg.pop("SWAP_AB", SWAP_AB_DEFAULT))
     if not dequant:
@@ -328,7 +343,22 @@ def moe_experts(
         _gemms_through_scratch(*gemms, format, cfg, chunk_experts)
     else:
         grouped_gemms(*gemms, FORMATS.index(format), cfg, swap_ab)
-    block_t, block_d = (4, 1024) if x.is_cuda else (triton.next_power_of_2(num_tokens), 4096)
+    return _combine(rows, weights, y, topk)
+
+
+def _via_gemv(x, expert_ids, weights, w13, w2, scales, limit, cfg: dict, y) -> torch.Tensor:
+    align = moe_align if x.is_cuda else moe_align_ref
+    sorted_ids, tile_e = align(expert_ids, w13.shape[0], cfg["BLOCK_M"])
+    rows = torch.empty(expert_ids.numel(), x.shape[1], dtype=torch.bfloat16, device=x.device)
+    moe_gemv.gemv_gemms(x, sorted_ids, tile_e, w13, w2, scales, rows, expert_ids.shape[1], limit,
+                        cfg)  # fmt: skip
+    return _combine(rows, weights, y, expert_ids.shape[1])
+
+
+def _combine(rows: torch.Tensor, weights: torch.Tensor, y: torch.Tensor, topk: int):
+    """y [T, D] fp32 = sum_k weights[t, k] * rows[t*K + k] (`_moe_combine_kernel`)."""
+    num_tokens, dim = y.shape
+    block_t, block_d = (4, 1024) if y.is_cuda else (triton.next_power_of_2(num_tokens), 4096)
     block_d = min(block_d, triton.next_power_of_2(dim))
     _moe_combine_kernel[(triton.cdiv(num_tokens, block_t), triton.cdiv(dim, block_d))](
         rows, weights.float().contiguous(), y, num_tokens, dim,

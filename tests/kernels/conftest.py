@@ -30,6 +30,7 @@ if not torch.cuda.is_available():
                 "kernels.kv_store",
                 "kernels.moe_align",  # before kernels.moe, which imports it
                 "kernels.fp8_dequant",  # before kernels.moe and the fp8 linears, which import it
+                "kernels.moe_gemv",  # before kernels.moe, which imports it
                 "kernels.moe",
                 "kernels.moe_dequant",  # after kernels.moe, whose kernels it launches
                 "kernels.fp8_gemv",  # after fp8_dequant, whose _block_scale it calls
