@@ -125,14 +125,20 @@ def _record(worker: Any, role: str, **fields: Any) -> WorkerRecord:
     return WorkerRecord(role=role, worker_id=worker.worker_id, address=worker.address, **fields)
 
 
-async def _redis_cluster_up(redis: RedisServer, p0: Any, d0: Any) -> RedisWorkerRegistry:
-    """Start both workers and publish them with a TTL long enough for the whole test."""
+async def _redis_cluster_up(
+    redis: RedisServer, p0: Any, d0: Any
+) -> tuple[RedisWorkerRegistry, RedisWorkerRegistry]:
+    """Start both workers and publish them with a TTL long enough for the whole test; the
+    publisher and the router's registry (refreshing every 50 ms)."""
     await p0.start()
     await d0.start()
     publisher = RedisWorkerRegistry(redis.url, secret=REGISTRY_SECRET, ttl_s=30.0)
     publisher.publish(_record(p0, "prefill"))
     publisher.publish(_record(d0, "decode"))
-    return publisher
+    router_registry = RedisWorkerRegistry(
+        redis.url, secret=REGISTRY_SECRET, refresh_interval_s=0.05
+    )
+    return publisher, router_registry
 
 
 def test_registry_ttl_expiry_ends_the_stream_within_a_probe_interval(
@@ -143,10 +149,7 @@ def test_registry_ttl_expiry_ends_the_stream_within_a_probe_interval(
     async def body() -> None:
         p0 = ScriptedPrefillWorker("p0")
         d0 = ScriptedDecodeWorker("d0", WorkerScript(hang_after=1))
-        publisher = await _redis_cluster_up(redis_server, p0, d0)
-        router_registry = RedisWorkerRegistry(
-            redis_server.url, secret=REGISTRY_SECRET, refresh_interval_s=0.05
-        )
+        publisher, router_registry = await _redis_cluster_up(redis_server, p0, d0)
         async with scripted_cluster(
             [p0], [d0], registry=router_registry, pool_settings=NEVER_DOWN
         ) as c:
@@ -173,10 +176,7 @@ def test_withdrawal_after_a_drain_ends_the_streams_left_on_the_worker(
     async def body() -> None:
         p0 = ScriptedPrefillWorker("p0")
         d0 = ScriptedDecodeWorker("d0", WorkerScript(token_delay_s=0.05))
-        publisher = await _redis_cluster_up(redis_server, p0, d0)
-        router_registry = RedisWorkerRegistry(
-            redis_server.url, secret=REGISTRY_SECRET, refresh_interval_s=0.05
-        )
+        publisher, router_registry = await _redis_cluster_up(redis_server, p0, d0)
         async with scripted_cluster(
             [p0], [d0], registry=router_registry, pool_settings=NEVER_DOWN
         ) as c:
