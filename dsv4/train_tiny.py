@@ -5,7 +5,7 @@ on text that every machine has: the Python standard library's own source. The co
 fixed, sorted list of stdlib modules (`TRAIN_MODULES`; `HELDOUT_MODULE` is kept out for
 evaluation), byte-level BPE tokenized with the tiny checkpoint's tokenizer.
 
-Objective (DSV4_ARCH.md §10): next-token cross-entropy of the main model plus
+Objective (docs/model.md#mtp): next-token cross-entropy of the main model plus
 `MTP_LOSS_WEIGHT` times the MTP layer's cross-entropy for token i+2 from the target's final
 streams at i and token i+1 (gradients flow into the shared embedding / head and the trunk, as
 in DeepSeek's MTP training). AdamW, fp32 on CPU, warmup then cosine decay over the time (or

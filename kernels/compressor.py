@@ -1,4 +1,4 @@
-"""KV compressor step of the ratio-4 and ratio-128 layers (DSV4_ARCH.md §6.4, §11.2, #48957).
+"""KV compressor step of the ratio-4 and ratio-128 layers (docs/model.md#compressor, #48957).
 
 Every token t at position p brings a_t (`kv`) and z_t + ape[p % r] (`gate`), both [c*d'] fp32,
 and saves the row [a_t | z_t] into its compressor-state ring slot. A token with (p+1) % r == 0
@@ -47,7 +47,7 @@ FORMATS = ("fp8_ue8m0", "mxfp4", "fp8_fp32scale", "bf16", "fp32")  # the last tw
 
 
 def entry_bytes(fmt: str, dim: int, rope_dim: int) -> int:
-    """Bytes of one cache entry in `fmt` (DSV4_ARCH.md §11.2)."""
+    """Bytes of one cache entry in `fmt` (docs/model.md#entry-formats)."""
     if fmt == "fp8_ue8m0":
         nope = dim - rope_dim
         return nope + 2 * rope_dim + (-(-nope // 64) + 7) // 8 * 8

@@ -1,4 +1,5 @@
-"""FP8 block-scaled weights dequantised to the activation dtype in one pass (DSV4_ARCH.md §7).
+"""FP8 block-scaled weights dequantised to the activation dtype in one pass
+(docs/model.md#fp8-linears).
 
 `fp8_dequantize` writes e4m3 [N, K] x its 128x128 block scales as [N, K] bf16 (or fp32): the
 values `dsv4.model.quant.fp8_block_dequantize` computes (exact for UE8M0 scales; fp32 scales

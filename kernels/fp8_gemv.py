@@ -1,4 +1,5 @@
-"""FP8 weight-only GEMV for decode rows (DSV4_ARCH.md §7): y [T, G, N] = x [T, G, K] @ W^T, T small.
+"""FP8 weight-only GEMV for decode rows: y [T, G, N] = x [T, G, K] @ W^T, T small.
+W is an FP8 linear of docs/model.md#fp8-linears.
 
 A decode product has 1-16 rows, so it needs no MMA (the tiled `tl.dot` kernel of
 kernels/fp8_linear.py ran at 0.33-0.63x of cuBLAS bf16 there): weight rows stream through the

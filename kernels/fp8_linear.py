@@ -1,4 +1,4 @@
-"""FP8 block-scaled linears, weight-only (DSV4_ARCH.md §7): y = x @ W^T, W = e4m3 x scale.
+"""FP8 block-scaled linears, weight-only (docs/model.md#fp8-linears): y = x @ W^T, W = e4m3 x scale.
 
 W [N, K] float8_e4m3fn carries one scale per 128x128 block, `scale` [ceil(N/128), ceil(K/128)]
 (UE8M0 float8_e8m0fnu in V4 checkpoints, fp32 in -Base ones). Each weight tile is dequantised

@@ -1,4 +1,4 @@
-"""Lightning-indexer logits over the paged indexer-key cache (DSV4_ARCH.md §6.5, §11.2).
+"""Lightning-indexer logits over the paged indexer-key cache (docs/model.md#lightning-indexer).
 
 For a batched decode (or prefill) step of T query tokens, token t belongs to request
 `token_to_req[t]` (-1 = padding) and sees that request's compressed entries i < lengths[t]:

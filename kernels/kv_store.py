@@ -1,4 +1,4 @@
-"""KV cache rows in and out of the packed byte records (DSV4_ARCH.md §11.2, `kv_codec`).
+"""KV cache rows in and out of the packed byte records (docs/model.md#entry-formats, `kv_codec`).
 
 `kv_store` writes rows [T, D] (bf16 or fp32) into the rows `slots` of a byte cache
 [num_slots, entry_bytes] exactly as `kv_codec.encode_rows` does; `kv_gather` reads the records

@@ -1,4 +1,5 @@
-"""Per-step attention metadata, built once per step and shared by all layers (DSV4_ARCH.md §11.4).
+"""Per-step attention metadata, built once per step and shared by all layers
+(docs/model.md#per-step-metadata).
 
 - `token_to_req_indices` (#47474): request index of every token, on the device, from the
   query start locations, once per step; the slow path it replaces built it on the CPU in every

@@ -1,4 +1,4 @@
-"""Manifold-constrained hyper-connections (mHC, DSV4_ARCH.md §4), fused.
+"""Manifold-constrained hyper-connections (mHC, docs/model.md#hyper-connections), fused.
 
 hc_pre (per token, x̄ = vec(X) in fp32, M = 4 streams of D):
   ρ = rsqrt(mean(x̄²) + rms_eps); m = ρ·(F x̄) [24]; pre = σ(s₀m[:M]+b) + eps;
@@ -13,8 +13,8 @@ post and the Sinkhorn (in registers on a [BLOCK_T, 8, 4] tile: rows 0/1 = pre/po
 rows 2..5 = the 4×4 comb). Decode-sized T runs (B) on one warp per token, so the 40 serial
 Sinkhorn reductions are warp shuffles, not shared-memory round trips. With one split, (B) runs
 inside (A)'s program (one launch, X re-read hits L2).
-Sinkhorn order is exactly §4.2: row softmax, +eps, column-normalise, then (iters-1) times
-row-normalise, column-normalise, every normalisation dividing by (sum + eps).
+Sinkhorn order is exactly docs/model.md#hc_pre: row softmax, +eps, column-normalise, then (iters-1)
+times row-normalise, column-normalise, every normalisation dividing by (sum + eps).
 
 hc_head is the same kernel with 4 mixing rows and no post/comb. The first-layer path (#48137)
 passes the embedding e [T, D] with stream stride 0, so the "four copies" are never written; it
@@ -405,7 +405,7 @@ def _mixes_ref(x, fn, rms_eps):
 
 
 def hc_pre_ref(x, fn, scale, base, iters, eps, rms_eps):
-    """Reference (and unfused slow path) of `hc_pre`, DSV4_ARCH.md §4.2 verbatim."""
+    """Reference (and unfused slow path) of `hc_pre`, docs/model.md#hc_pre verbatim."""
     num_tokens, m, _ = x.shape
     z = _mixes_ref(x, fn, rms_eps)
     scale, base = scale.float(), base.float()
@@ -424,13 +424,13 @@ def hc_pre_first_layer_ref(e, fn, scale, base, iters, eps, rms_eps):
 
 
 def hc_head_ref(x, fn, scale, base, eps, rms_eps):
-    """Reference of `hc_head` (DSV4_ARCH.md §4.4)."""
+    """Reference of `hc_head` (docs/model.md#hc_head)."""
     a = torch.sigmoid(_mixes_ref(x, fn, rms_eps) * scale.float()[0] + base.float()) + eps
     return (a.unsqueeze(-1) * x.float()).sum(dim=1).to(x.dtype)
 
 
 def hc_post_ref(y, x, post, comb):
-    """Reference of `hc_post` (DSV4_ARCH.md §4.3); x may be [T, D] (M equal streams)."""
+    """Reference of `hc_post` (docs/model.md#hc_post); x may be [T, D] (M equal streams)."""
     m = post.shape[1]
     xf = x.float() if x.dim() == 3 else x.float().unsqueeze(1).expand(-1, m, -1)
     out = post.float().unsqueeze(-1) * y.float().unsqueeze(1) + comb.float().transpose(1, 2) @ xf

@@ -1,4 +1,4 @@
-"""Routed MoE experts as two grouped GEMMs over expert-sorted rows (DSV4_ARCH.md §7, §8).
+"""Routed MoE experts as two grouped GEMMs over expert-sorted rows (docs/model.md#moe).
 
 For every (token t, slot k) pair routed to expert e = expert_ids[t, k] with weight w[t, k]:
     g, a = bf16(W1_e x_t), bf16(W3_e x_t);  g <- min(g, limit);  a <- clamp(a, -limit, limit)

@@ -1,7 +1,7 @@
 """Compressor state-ring slots -> float offsets of their rows, in one launch.
 
 A compressor keeps each request's last c·r rows in a ring that may span several ring blocks
-(DSV4_ARCH.md §6, geometry in `dsv4.runner.paged.geometry`):
+(docs/model.md#block-packing, geometry in `dsv4.runner.paged.geometry`):
 
     offset(req, s) = (ring_ids[req, rbi + s // epb] · block_stride + offset_bytes
                       + (s % epb) · entry_bytes) / 4          (-1 where s < 0)

@@ -1,4 +1,4 @@
-"""MoE routing for DeepSeek-V4 (DSV4_ARCH.md §8), fused into one launch per MoE layer.
+"""MoE routing for DeepSeek-V4 (docs/model.md#routing), fused into one launch per MoE layer.
 
 Scored layers (noaux_tc): s = sqrt(softplus(g)) over the fp32 gate logits g [T, E]; the experts
 are the top-k of s + bias (the correction bias is used for selection only); the weights are the

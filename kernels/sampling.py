@@ -1,4 +1,4 @@
-"""Token sampling for a batch of rows: greedy, temperature, top-k, top-p (FLASHINFER_SM90.md §3).
+"""Token sampling for a batch of rows: greedy, temperature, top-k, top-p (FlashInfer).
 
 `sample` runs FlashInfer's sampling kernels on CUDA and the torch reference elsewhere:
     scaled = logits / temperature;  top-k mask (`top_k_mask_logits`);  softmax;

@@ -1,4 +1,5 @@
-"""Sparse attention with sink (DSV4_ARCH.md §6.6) over the packed FP8 cache, decode and prefill.
+"""Sparse attention with sink over the packed FP8 cache, decode and prefill
+(docs/model.md#attention-with-sink).
 
 Every query token t attends its own candidate list `slot_table[t]` (window slots, then the
 indexer's top-k or all visible compressed slots; -1 = no entry) of rows in ONE flat cache view

@@ -5,7 +5,7 @@ loadgen (and its tests) works without them. One channel is shared by all request
 request is one `Generate` stream. With `api_key`, each call carries the metadata
 `authorization: Bearer KEY`; with `tls_ca_path`, the channel is TLS with that root CA.
 
-Note (PLATFORM_NOTES.md section 7): a grpc.aio server without raised
+Note (docs/architecture.md#platform-notes): a grpc.aio server without raised
 `grpc.server.max_pending_requests` cancels calls beyond about 1000 in flight; those come back
 here as CANCELLED and are counted, not hidden. Use `--max-concurrency` to stay below it.
 """

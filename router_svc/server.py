@@ -57,7 +57,7 @@ def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
-        # PLATFORM_NOTES.md section 7: the default cancels calls beyond ~1000 in flight.
+        # docs/architecture.md#platform-notes: the default cancels calls beyond ~1000 in flight.
         ("grpc.server.max_pending_requests", 10_000),
         ("grpc.server.max_pending_requests_hard_limit", 20_000),
         ("grpc.so_reuseport", 0),  # a second router on the same port must fail, not share

@@ -4,7 +4,8 @@
 # Build from the repository root:
 #   docker build -f deploy/docker/worker.Dockerfile -t registry.example.com/dsv4-serve/worker:0.1.0 .
 # The devel base is deliberate: Triton compiles a launcher stub with gcc and FlashInfer JIT-builds
-# kernels with nvcc at run time (PLATFORM_NOTES.md: the first sampling op builds for ~100 s).
+# kernels with nvcc at run time (the first sampling op builds for ~100 s;
+# docs/architecture.md#platform-notes).
 FROM nvidia/cuda:13.0.1-cudnn-devel-ubuntu24.04
 
 ARG TORCH_VERSION=2.11.0

@@ -36,7 +36,7 @@ pages / state pages. `block_stride` is a multiple of `kv_entry_bytes`, so every 
 every layer also has a global slot id `(block * block_stride + offset) / kv_entry_bytes + row`
 in one flat `[*, kv_entry_bytes]` view (what single-pool sparse attention kernels want).
 
-Entry formats (DSV4_ARCH.md §11.2), bytes per entry:
+Entry formats (docs/model.md#entry-formats), bytes per entry:
 - KV "fp8": [nope e4m3 | rope bf16 | one UE8M0 byte per 64 nope dims, padded to 8] = 584 for
   head_dim 512; "bf16" / "fp32": head_dim * 2 / * 4 (exact: served = reference checks).
 - indexer "mxfp4": d/2 packed e2m1 + d/32 UE8M0 scales (68 for d = 128); "fp8": d + 4 (132);

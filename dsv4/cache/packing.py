@@ -1,8 +1,8 @@
 """Entry formats and slab packing for the KV cache layout (see `dsv4.cache.layout`).
 
-Pure functions used by `KVLayout.build`: bytes per entry of each cache kind (DSV4_ARCH.md
-§11.2), the dense packing of token-block regions, and the first-fit-decreasing packing of the
-per-request ring regions into ring blocks.
+Pure functions used by `KVLayout.build`: bytes per entry of each cache kind
+(docs/model.md#entry-formats), the dense packing of token-block regions, and the
+first-fit-decreasing packing of the per-request ring regions into ring blocks.
 """
 
 from __future__ import annotations

@@ -116,11 +116,12 @@ class SpeculativeSection(Section):
 
 @dataclass(frozen=True)
 class FeatureSwitches(Section):
-    """Every speed feature (OPTIMIZATIONS.md) the engine runs, on by default except IndexCache;
-    off = the baseline path, measured against it in benchmarks/. `forward` picks the engine
-    path: the paged forward (one flat batch per step on the packed cache, every kernel) or the
-    reference (per-request states, the oracle); the other switches apply to whichever path has
-    the feature. Still kernels only: packed-vs-unpacked KV and q-head padding.
+    """Every speed feature the engine runs (each reproduces a vLLM PR; docs/BENCHMARKS.md), on by
+    default except IndexCache; off = the baseline path, measured against it in benchmarks/.
+    `forward` picks the engine path: the paged forward (one flat batch per step on the packed
+    cache, every kernel) or the reference (per-request states, the oracle); the other switches
+    apply to whichever path has the feature. Still kernels only: packed-vs-unpacked KV and
+    q-head padding.
 
     Elsewhere: scheduler.prefill_chunk_plan (#45061), speculative.budget (#51725),
     cache.indexer_key_dtype (#48993), model.kernels / kernel_overrides (kernel backends).

@@ -1,7 +1,7 @@
 """DeepSeek-V4 attention: shared K=V MQA over a sliding window plus compressed entries, with
-a per-head sink and a grouped low-rank output projection (DSV4_ARCH.md §6).
+a per-head sink and a grouped low-rank output projection (docs/model.md#attention).
 
-The three kinds, by compress ratio r (§6.1):
+The three kinds, by compress ratio r (docs/model.md#attention):
 - r = 0: window only, plain rope (rope_theta);
 - r = 4: window + the indexer's top-k of the overlapping ratio-4 compressed entries;
 - r = 128: window + every available ratio-128 entry (i < floor((p + 1) / 128)).
@@ -36,7 +36,7 @@ def sparse_attention(
     """q [S, H, d], kv [L, d] (key = value), visible [S, L] bool, sink [H] -> o [S, H, d] fp32.
 
     o_h = sum_j e^{l_j} kv_j / (sum_j e^{l_j} + e^{sink_h}), l_j = scale * q_h . kv_j over the
-    visible j (§6.6).
+    visible j (docs/model.md#attention-with-sink).
     """
     logits = torch.einsum("shd,ld->hsl", q.float(), kv.float()) * scale  # [H, S, L]
     logits = logits.masked_fill(~visible, float("-inf"))
@@ -178,7 +178,7 @@ class Attention(nn.Module):
         return chosen
 
     def _project_out(self, o: torch.Tensor) -> torch.Tensor:
-        """o [B, S, H, hd] -> grouped low-rank projection (§6.8) -> [B, S, D]."""
+        """o [B, S, H, hd] -> grouped low-rank projection -> [B, S, D]."""
         cfg = self.cfg
         b, s = o.shape[:2]
         grouped = o.reshape(b, s, cfg.o_groups, -1)  # [B, S, G, (H/G)*hd]

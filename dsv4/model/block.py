@@ -1,4 +1,4 @@
-"""One DeepSeek-V4 block (DSV4_ARCH.md §3): mHC around attention, then mHC around MoE.
+"""One DeepSeek-V4 block (docs/model.md#forward): mHC around attention, then mHC around MoE.
 
 u, post, comb = hc_pre(X; hc_attn_*);  X = hc_post(attn(attn_norm(u)), X, post, comb)
 u, post, comb = hc_pre(X; hc_ffn_*);   X = hc_post(moe(ffn_norm(u)), X, post, comb)

@@ -1,4 +1,4 @@
-"""KV compressor of the ratio-4 and ratio-128 layers (DSV4_ARCH.md §6.4).
+"""KV compressor of the ratio-4 and ratio-128 layers (docs/model.md#compressor).
 
 Every token t at position p projects a_t = W_kv x_t and z_t = W_gate x_t + ape[p mod r]
 (both [c*d'], fp32). Window i = tokens r*i .. r*i + r - 1 yields one entry by a per-channel

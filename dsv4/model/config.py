@@ -1,4 +1,4 @@
-"""Frozen view of a DeepSeek-V4 `config.json` (DSV4_ARCH.md §1, §14).
+"""Frozen view of a DeepSeek-V4 `config.json` (docs/model.md#configurations).
 
 Reads both spellings that exist in the wild:
 - the official checkpoint config (`compress_ratios` with L+1 entries, the last one for the MTP
@@ -28,7 +28,7 @@ RATIO_TO_LAYER_TYPE = {v: k for k, v in LAYER_TYPE_TO_RATIO.items()}
 
 @dataclass(frozen=True)
 class YarnScaling:
-    """YaRN frequency interpolation used by compressed layers only (DSV4_ARCH.md §6.7)."""
+    """YaRN frequency interpolation used by compressed layers only (docs/model.md#rope-and-yarn)."""
 
     factor: float = 16.0
     original_max_position_embeddings: int = 65536
@@ -64,7 +64,8 @@ class ModelConfig:
     routed_scaling_factor: float = 1.5
     swiglu_limit: float = 10.0
     # The official reference leaves the shared expert unclamped; transformers and vLLM clamp it
-    # (DSV4_ARCH.md §16.1). We follow transformers (our oracle) by default.
+    # (docs/model.md#choices-where-implementations-differ). We follow transformers (our oracle) by
+    # default.
     clamp_shared_expert: bool = True
     hc_mult: int = 4
     hc_sinkhorn_iters: int = 20
@@ -310,7 +311,7 @@ def _read_rope(raw: dict[str, Any]) -> tuple[float, float, YarnScaling | None]:
 
 
 def flash_config(num_layers: int = 4, ratios: tuple[int, ...] = (0, 4, 128, 4)) -> ModelConfig:
-    """V4-Flash dimensions with few layers (DSV4_ARCH.md §15), for GPU benchmarks."""
+    """V4-Flash dimensions with few layers (docs/model.md#configurations), for GPU benchmarks."""
     return ModelConfig(
         num_hidden_layers=num_layers,
         compress_ratios=tuple(ratios[:num_layers]),
@@ -319,7 +320,8 @@ def flash_config(num_layers: int = 4, ratios: tuple[int, ...] = (0, 4, 128, 4)) 
 
 
 def tiny_config() -> ModelConfig:
-    """The CPU test shape (DSV4_ARCH.md §14): every layer kind, hash and scored routing, MTP.
+    """The CPU test shape (docs/model.md#configurations): every layer kind, hash and scored
+    routing, MTP.
 
     Window 32 and top-k 16 make 300-700 token prompts cross every boundary: the C4 layer has
     more candidates than top-k, the C128 layer several windows.

@@ -1,10 +1,10 @@
-"""The DeepSeek-V4 reference model (DSV4_ARCH.md §3): embed -> M streams -> blocks -> hc_head
--> norm -> head, plus the MTP layer (§10).
+"""The DeepSeek-V4 reference model (docs/model.md#forward): embed -> M streams -> blocks -> hc_head
+-> norm -> head, plus the MTP layer (docs/model.md#mtp).
 
-`state_dict()` keys are exactly the official checkpoint names of §13 (`embed.weight`,
-`layers.{i}.attn.wq_a.weight`, `layers.{i}.ffn.experts.{e}.w1.weight`, `mtp.0.e_proj.weight`,
-...), with quantised weights held dequantised. Run it without states for a full forward from
-position 0, or with one `SequenceState` per row to prefill in chunks and decode.
+`state_dict()` keys are exactly the official checkpoint names (docs/model.md#checkpoint-names)
+(`embed.weight`, `layers.{i}.attn.wq_a.weight`, `layers.{i}.ffn.experts.{e}.w1.weight`,
+`mtp.0.e_proj.weight`, ...), with quantised weights held dequantised. Run it without states for a
+full forward from position 0, or with one `SequenceState` per row to prefill in chunks and decode.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from dsv4.model.layers import RMSNorm, linear
 from dsv4.model.mtp import MTPLayer
 from dsv4.model.state import SequenceState
 
-# Parameters kept in fp32 whatever the model dtype (they are fp32 in the checkpoint, §7).
+# Parameters kept in fp32 whatever the model dtype (they are fp32 in the checkpoint,
+# docs/model.md#forward).
 FP32_PARAM_SUFFIXES = ("_fn", "_base", "_scale", ".ape", ".attn_sink", ".gate.bias")
 _STORED_DTYPES = (torch.float8_e4m3fn, torch.float8_e8m0fnu)
 
@@ -53,8 +54,8 @@ class DeepseekV4(nn.Module):
         self.fuse_first_hc = True
 
     def cast_(self, dtype: torch.dtype) -> DeepseekV4:
-        """Cast floating parameters to `dtype`, keeping the fp32 ones of §7 in fp32 (and FP8
-        linears held as stored, `dsv4.model.fp8`, as they are)."""
+        """Cast floating parameters to `dtype`, keeping the fp32 ones (`FP32_PARAM_SUFFIXES`) in
+        fp32 (and FP8 linears held as stored, `dsv4.model.fp8`, as they are)."""
         for name, param in self.named_parameters():
             if param.dtype in _STORED_DTYPES or name.endswith(".scale"):  # an FP8Linear's
                 continue

@@ -2,11 +2,11 @@
 
 A DeepSeek-V4 checkpoint stores the attention, shared-expert and MTP projections
 (`inventory.FP8_LINEAR_SUFFIXES`) as e4m3 weights with one scale per 128x128 block (UE8M0, or
-fp32 in -Base checkpoints; DSV4_ARCH.md §7). By default the loader dequantises them to the model
-dtype. With the switch, `quantized_linears_` swaps those `nn.Linear` modules for `FP8Linear`
-before the load and the loader copies weight and scale as stored (about half the bf16 bytes).
-Every call dequantises: the torch reference the whole weight, then `F.linear` (the very values
-a dequantising load holds, so the outputs are the same); the Triton kernel
+fp32 in -Base checkpoints; docs/model.md#fp8-linears). By default the loader dequantises them to
+the model dtype. With the switch, `quantized_linears_` swaps those `nn.Linear` modules for
+`FP8Linear` before the load and the loader copies weight and scale as stored (about half the bf16
+bytes). Every call dequantises: the torch reference the whole weight, then `F.linear` (the very
+values a dequantising load holds, so the outputs are the same); the Triton kernel
 (kernels/fp8_linear.py) tile by tile in registers.
 
 The one use of such a weight other than `linear(x)`, attn.wo_a's grouped output projection,
@@ -68,7 +68,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
 def fp8_grouped_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                        activations: str = "bf16") -> torch.Tensor:  # fmt: skip
     """x [..., G, K] -> [..., G, N]: group g through rows [g*N, (g+1)*N) of W = weight [G*N, K]
-    e4m3 x scale (the grouped output projection, DSV4_ARCH.md §6.8); `activations` as above."""
+    e4m3 x scale (the grouped output projection, docs/model.md#grouped-output-projection);
+    `activations` as above."""
     groups, k = x.shape[-2:]
     if activations == "fp8":
         w = fp8_block_dequantize(weight, scale, FP8_BLOCK, torch.float32).view(groups, -1, k)

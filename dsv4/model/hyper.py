@@ -1,4 +1,4 @@
-"""Manifold-constrained hyper-connections (mHC), DSV4_ARCH.md §4.
+"""Manifold-constrained hyper-connections (mHC), docs/model.md#hyper-connections.
 
 The residual is M = hc_mult streams X [..., M, D]. Around every sublayer:
     u, post, comb = hc_pre(X)            # collapse M streams into the sublayer input
@@ -15,7 +15,7 @@ from dsv4.model.layers import hot_op
 
 
 def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    """[..., M, M] logits -> doubly stochastic comb, in the exact order of §4.2 step 6.
+    """[..., M, M] logits -> doubly stochastic comb, in the exact order of docs/model.md#hc_pre.
 
     Row softmax, +eps, one column normalisation, then (iters - 1) x (row, column).
     """
@@ -49,7 +49,7 @@ def hc_pre(
     eps: float,
     norm_eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [..., M, D] -> (u [..., D] in x.dtype, post [..., M], comb [..., M, M]) (§4.2)."""
+    """x [..., M, D] -> (u [..., D] in x.dtype, post [..., M], comb [..., M, M])."""
     m = x.shape[-2]
     flat = x.flatten(-2).float()  # [..., M*D], stream-major
     rho = torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)  # [..., 1]
@@ -69,7 +69,7 @@ def hc_pre_first(
     eps: float,
     norm_eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """hc_pre of M copies of e [..., D] without building them (§4.5).
+    """hc_pre of M copies of e [..., D] without building them (docs/model.md#first-block).
 
     mean(x^2) = mean(e^2); F x = (sum_k F[:, kD:(k+1)D]) e; u = (sum_i pre_i) e.
     """
@@ -87,7 +87,7 @@ def hc_pre_first(
 def hc_post(
     y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
 ) -> torch.Tensor:
-    """X'_j = post_j * y + sum_i comb[i, j] * X_i   (y [..., D], x [..., M, D]) (§4.3)."""
+    """X'_j = post_j * y + sum_i comb[i, j] * X_i   (y [..., D], x [..., M, D])."""
     mixed = torch.einsum("...ij,...id->...jd", comb, x.float())  # [..., M, D]
     return (post.unsqueeze(-1) * y.float().unsqueeze(-2) + mixed).to(x.dtype)
 
@@ -111,7 +111,7 @@ def hc_head(
     eps: float,
     norm_eps: float,
 ) -> torch.Tensor:
-    """Final collapse (§4.4): h = sum_m a_m X_m, a = sigmoid(s * rho * F x + b) + eps."""
+    """Final collapse: h = sum_m a_m X_m, a = sigmoid(s * rho * F x + b) + eps."""
     flat = x.flatten(-2).float()
     rho = torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
     mixes = torch.nn.functional.linear(flat, fn.float()) * rho  # [..., M]

@@ -1,7 +1,7 @@
 """IndexCache (arXiv 2603.12201; vLLM #49085 / #51209): ratio-4 layers that reuse a top-k.
 
-The lightning indexer (DSV4_ARCH.md §6.5) runs in every ratio-4 ("C4") layer, yet consecutive
-C4 layers pick 70-100% the same entries. IndexCache splits the C4 layers into
+The lightning indexer (docs/model.md#lightning-indexer) runs in every ratio-4 ("C4") layer, yet
+consecutive C4 layers pick 70-100% the same entries. IndexCache splits the C4 layers into
 - Full layers, which run their indexer (compressor keys, query projection, logits, top-k), and
 - Shared layers, which skip all of it and attend to the top-k of the nearest preceding Full
   layer of the same forward. Their indexer keys are then never read, so the cache layout has

@@ -1,4 +1,4 @@
-"""Lightning indexer of the ratio-4 layers (DSV4_ARCH.md §6.5).
+"""Lightning indexer of the ratio-4 layers (docs/model.md#lightning-indexer).
 
 score(p, i) = sum_h w_h(p) * ReLU(q_h(p) . k_i),  w = weights_proj(x) * d_I^-1/2 * H_I^-1/2,
 over the indexer's own compressed keys k_i (a ratio-4 `Compressor` with d' = index_head_dim);
@@ -7,9 +7,10 @@ entries i >= floor((p + 1) / 4) are not yet available. Each query keeps the top
 
 NOTE: ties are broken towards the lower entry index (stable sort), so the selection does
 not depend on how many entries exist beyond the query, i.e. on the chunking. ReLU makes
-exact ties (score 0) common; `torch.topk` breaks them shape-dependently (PLATFORM_NOTES §4).
+exact ties (score 0) common; `torch.topk` breaks them shape-dependently
+(docs/architecture.md#platform-notes).
 We keep the reference's numerics otherwise: no Hadamard rotation and no FP4 simulation of
-q and k (transformers does neither; DSV4_ARCH.md §16.2).
+q and k (transformers does neither; docs/model.md#choices-where-implementations-differ).
 """
 
 from __future__ import annotations

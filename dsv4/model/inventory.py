@@ -1,4 +1,5 @@
-"""The checkpoint inventory: every tensor a DeepSeek-V4 checkpoint stores (DSV4_ARCH.md §13).
+"""The checkpoint inventory: every tensor a DeepSeek-V4 checkpoint stores
+(docs/model.md#checkpoint-names).
 
 Names are the official ones (no `model.` prefix, per-expert `ffn.experts.{e}.w{1,2,3}`, MTP under
 `mtp.0.`). Quantised linears appear as `<name>.weight` plus `<name>.scale`; the model holds the

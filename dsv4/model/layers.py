@@ -1,6 +1,6 @@
 """Small building blocks shared by the model files, and the kernel switch.
 
-Norms follow DSV4_ARCH.md §2/§5: statistics in fp32, the weight applied in fp32, one cast back.
+Norms follow docs/model.md#norms: statistics in fp32, the weight applied in fp32, one cast back.
 
 Kernel switch: the hot ops (routing, hc_pre/hc_post, sparse attention with sink, compressor,
 indexer scores/top-k) are plain-torch functions decorated with `@hot_op("name")`. A kernel
@@ -89,5 +89,5 @@ def linear(in_features: int, out_features: int) -> nn.Linear:
 
 
 def linear_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight.T computed in fp32 (compressor and router math, DSV4_ARCH.md §6.4, §8)."""
+    """x @ weight.T computed in fp32 (compressor and router math, docs/model.md#norms)."""
     return torch.nn.functional.linear(x.float(), weight.float())

@@ -1,11 +1,11 @@
-"""Mixture of experts (DSV4_ARCH.md §8): every layer (and the MTP layer) is MoE.
+"""Mixture of experts (docs/model.md#moe): every layer (and the MTP layer) is MoE.
 
 Router: g = W_g u (fp32), s = sqrt(softplus(g)).
 - hash layers (layer_id < num_hash_layers): experts = tid2eid[token id] (no bias);
 - scored layers: experts = top-k of s + bias (the bias only selects).
 Weights: the unbiased s of the chosen experts, renormalised, times routed_scaling_factor.
 Experts are SwiGLU with the gate clamped above and the up-projection clamped to +-limit;
-the shared expert is clamped too unless `cfg.clamp_shared_expert` is False (§16.1).
+the shared expert too unless `cfg.clamp_shared_expert` is False (docs/model.md#moe).
 
 Routed experts are held either as modules in the model dtype (`experts`, stacked for the grouped
 GEMM by `stack_experts_`) or, served in the checkpoint's own MXFP4 / FP8 format, only as one
@@ -211,7 +211,7 @@ class ExpertWeights:
 
     def parts(self, e: int) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
         """Expert e's w1, w2, w3 as (weight, scale) views of the storage, in the checkpoint's
-        per-expert shapes (DSV4_ARCH.md §13): what a loader fills."""
+        per-expert shapes (docs/model.md#checkpoint-names): what a loader fills."""
         inter = self.w13.shape[1] // 2
         split = inter // FP8_BLOCK if self.format == "fp8" else inter  # w1's scale rows
         s13 = self.w13_scale[e] if self.w13_scale is not None else None

@@ -1,4 +1,4 @@
-"""The multi-token-prediction layer `mtp.0` (DSV4_ARCH.md §10).
+"""The multi-token-prediction layer `mtp.0` (docs/model.md#mtp).
 
 At target position i, with X_prev [M, D] the main model's final stream state at i (after the
 last block, before hc_head) and e = Embed(token_{i+1}):

@@ -1,4 +1,4 @@
-"""Weight storage formats of the DeepSeek-V4 checkpoints (DSV4_ARCH.md §7, §13).
+"""Weight storage formats of the DeepSeek-V4 checkpoints (docs/model.md#checkpoint-formats).
 
 - FP8 linears: e4m3 weights with one UE8M0 (power-of-two, stored as float8_e8m0fnu) scale
   per 128x128 block; `w = w_fp8 * scale[block]`.

@@ -1,4 +1,5 @@
-"""Interleaved ("GPT-J") rotary embedding on the trailing rope slice (DSV4_ARCH.md §6.7).
+"""Interleaved ("GPT-J") rotary embedding on the trailing rope slice
+(docs/model.md#rope-and-yarn).
 
 Pairs (2j, 2j+1) of the last `rope_dim` channels rotate by angle p * f_j, f_j = base^(-2j/rope_dim).
 - ratio-0 (sliding-window only) layers and the MTP layer: base = rope_theta, no YaRN;

@@ -2,7 +2,7 @@
 
 One `SequenceState` holds everything a request needs to continue from `num_tokens` processed
 tokens, so that "prefill in any chunks, then decode token by token" gives the same logits as
-one full forward (DSV4_ARCH.md §6.4, §6.9):
+one full forward (docs/model.md#sequence-state):
 
 - `LayerState.window`: the shared K=V rows of the last `sliding_window - 1` tokens, oldest
   first (a query sees those plus itself). Same content as the official 128-slot ring.

@@ -2,8 +2,8 @@
 
 Accepted layouts: one `model.safetensors`, shards listed by `model.safetensors.index.json`, or
 (no index) every `*.safetensors` in the directory. Accepted names:
-- official (DSV4_ARCH.md §13): `embed.weight`, `layers.{i}.attn.kv_norm.weight`, per-expert
-  `ffn.experts.{e}.w1.weight`, `mtp.0.*`, quantised weights with a `.scale` companion;
+- official (docs/model.md#checkpoint-names): `embed.weight`, `layers.{i}.attn.kv_norm.weight`,
+  per-expert `ffn.experts.{e}.w1.weight`, `mtp.0.*`, quantised weights with a `.scale` companion;
 - the hybrid names transformers' `save_pretrained` writes: a `model.` prefix,
   `model.embed_tokens.weight`, `model.hc_head.hc_fn`, and `attn.norm.weight` for the
   attention's kv_norm. Such checkpoints hold no MTP weights (`load_model` then builds the model

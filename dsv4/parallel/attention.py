@@ -1,5 +1,5 @@
 """Tensor-parallel attention: each rank computes the query heads of o_groups / world output
-groups (DSV4_ARCH.md §6.8) and the partial output projections are summed.
+groups (docs/model.md#grouped-output-projection) and the partial output projections are summed.
 
 Rank r of W keeps, with H heads, G groups, hd = head_dim, o = o_lora_rank, h = H / W, g = G / W:
 - `wq_b` rows [r*h*hd, (r+1)*h*hd)       (head-major: head i is rows i*hd .. (i+1)*hd)

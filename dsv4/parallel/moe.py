@@ -1,5 +1,5 @@
 """Expert-parallel MoE: rank r of W holds the routed experts e with e % W == r, and a 1/W slice
-of the shared expert's intermediate dimension (DSV4_ARCH.md §8).
+of the shared expert's intermediate dimension (docs/model.md#moe).
 
 Every rank routes every token with the replicated gate (same weights, same inputs, so the same
 weights and ids on all ranks), runs its own experts on the tokens routed to them and its shared

@@ -1,5 +1,5 @@
-"""Full-depth V4-Flash and V4-Pro configs for planning (DSV4_ARCH.md §1), as served: FP8
-linears with 128x128 UE8M0 block scales, MXFP4 routed experts.
+"""Full-depth V4-Flash and V4-Pro configs for planning (docs/model.md#configurations), as served:
+FP8 linears with 128x128 UE8M0 block scales, MXFP4 routed experts.
 
 `dsv4.model.config.flash_config` is the few-layer benchmark slice; these are the real models.
 """

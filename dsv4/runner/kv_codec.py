@@ -1,4 +1,4 @@
-"""Byte formats of the cache entries (DSV4_ARCH.md §11.2): float rows <-> uint8 records.
+"""Byte formats of the cache entries (docs/model.md#entry-formats): float rows <-> uint8 records.
 
 The paged cache stores every entry as raw bytes in one `[num_blocks, block_stride]` tensor; these
 codecs are the reference for what a Triton pack/unpack kernel writes and reads.

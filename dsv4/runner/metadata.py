@@ -1,5 +1,5 @@
 """Per-step sparse-index metadata, built once and shared by every layer of a kind (#45863,
-#47474; DSV4_ARCH.md §11.4), and the paged gathers that consume it.
+#47474; docs/model.md#per-step-metadata), and the paged gathers that consume it.
 
 For the T tokens of a step (requests in order, each at positions start..end-1):
 - `token_to_req` [T] int32: request index of every token, once per step (#47474);

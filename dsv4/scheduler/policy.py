@@ -5,7 +5,7 @@ tests and benchmarks call them directly.
 Prefill chunk planning (vLLM #45061). Sparse prefill attention gathers, per request, its
 visible compressed entries (N = seq_len // r) and its raw window prefix plus the chunk's own
 tokens (gather = query_len + min(prefix_len, window - 1)) into a bf16 workspace of M = N +
-gather rows (DSV4_ARCH.md §9.1, §11.5). Requests run in chunks of consecutive requests:
+gather rows (docs/model.md#prefill-workspaces). Requests run in chunks of consecutive requests:
 - "area" (default): pack greedily while num_requests * (max N + max gather) stays within an
   area budget computed from the real lengths of the step;
 - "fixed" (baseline): `group_size` requests per chunk, each sized for the worst case

@@ -1,6 +1,6 @@
 """What the MTP layer still has to read of one request: the target's final streams.
 
-MTP position j (DSV4_ARCH.md §10) needs the target's final stream state at j (before
+MTP position j (docs/model.md#mtp) needs the target's final stream state at j (before
 hc_head) and the token at j + 1. Those streams are not part of the paged cache, so the runner
 keeps them here from the forward that produced them until the MTP consumes them (at the next
 draft, when the token after the last position is known).

@@ -1,4 +1,4 @@
-"""Draft k tokens with the MTP layer (DSV4_ARCH.md §10), reusing it for steps 2..k.
+"""Draft k tokens with the MTP layer (docs/model.md#mtp), reusing it for steps 2..k.
 
 For a request whose cache holds positions [0, P) and whose next token t_P is known:
 1. catch-up: the MTP layer reads every pending target position j in [start, P) of the

@@ -1,4 +1,4 @@
-"""The MTP layer's passes on the paged cache (DSV4_ARCH.md §10): catch-up, then draft steps.
+"""The MTP layer's passes on the paged cache (docs/model.md#mtp): catch-up, then draft steps.
 
 MTP position j reads the final streams at j (the target's for verified positions, the MTP's
 own for draft steps) and the token at j + 1; its window row goes into the MTP ring (layer id

@@ -1,5 +1,5 @@
 """Same-host GPU transport through CUDA IPC handles (NIXL's VRAM path reached only ~0.5 GB/s
-between two processes on one H200: PLATFORM_NOTES §0).
+between two processes on one H200: docs/architecture.md#platform-notes).
 
 P shares its backing tensor and its lease-token table as CUDA IPC handles (torch's own
 `reduce_tensor` / `rebuild_cuda_tensor`, serialised as JSON in the endpoint payload). D opens them

@@ -1,7 +1,8 @@
 """NIXL (UCX) transport: one agent per worker, D READs P's blocks; CPU (DRAM) in CI, VRAM on GPU.
 
-- The agent runs without a progress thread (PLATFORM_NOTES §3: 3x faster on few cores), so both
-  sides drive it: D from `poll`, P from `progress()`, which the P service calls every few ms.
+- The agent runs without a progress thread (docs/architecture.md#platform-notes: 3x faster on few
+  cores), so both sides drive it: D from `poll`, P from `progress()`, which the P service calls
+  every few ms.
 - `register` registers the backing tensor (D's READ destination) and a small DRAM control
   tensor once. `export` registers just the lease's blocks and puts partial agent metadata for
   them in `ExportedBlocks.grant`; `release` deregisters them (nixl_agent.py: what a grant

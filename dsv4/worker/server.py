@@ -2,7 +2,8 @@
 
 `make_server(config, service_names)` returns an unstarted `grpc.aio.Server` plus its health
 servicer; the caller adds its servicer, binds with `bind_port`, starts, and at shutdown awaits
-`server.stop(grace)` (PLATFORM_NOTES §7). Called once per process on the event loop.
+`server.stop(grace)` (docs/architecture.md#platform-notes). Called once per process on the event
+loop.
 
 - Pending-request limits are raised (grpc-core otherwise CANCELs calls beyond ~1000 in flight).
 - Message size limits are `router.max_message_bytes` both ways.

@@ -1,9 +1,9 @@
 """compressor_step (kernels/compressor.py) against compressor_step_ref on the same ring
 contents, the always-launch slow path (#48957), and a chunked-vs-whole-sequence oracle built
-from the model's `compress_windows` (DSV4_ARCH.md §6.4).
+from the model's `compress_windows` (docs/model.md#compressor).
 
 Quantised bytes are compared exactly where they agree and, decoded, within one code step where
-a last-bit difference of exp/rsqrt flips a rounding (PLATFORM_NOTES.md §2).
+a last-bit difference of exp/rsqrt flips a rounding (docs/architecture.md#platform-notes).
 """
 
 from __future__ import annotations

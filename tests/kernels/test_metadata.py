@@ -1,5 +1,5 @@
 """Per-step metadata kernels (kernels/metadata.py) against their references and their slow
-paths, plus the bookkeeping oracle of DSV4_ARCH.md §9.1."""
+paths, plus the bookkeeping oracle of docs/model.md#bookkeeping-example."""
 
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ CASES = [  # query lens, prefix lens, padded token count
     ([], [], 0),
     ([1], [0], 1),
     ([3, 1, 13], [5, 300, 0], 17),
-    ([1, 1, 1, 1], [999, 128, 4095, 4], 5),  # §9.1 decode positions, one padding token
+    ([1, 1, 1, 1], [999, 128, 4095, 4], 5),  # decode positions, one padding token
 ]
 
 

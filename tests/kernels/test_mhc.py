@@ -1,5 +1,6 @@
 """hc_pre / hc_pre_first_layer / hc_head / hc_post (kernels/mhc.py) against their references,
-plus the properties DSV4_ARCH.md §4 and §14 ask for (doubly-stochastic comb, Sinkhorn order)."""
+plus the properties docs/model.md#hyper-connections asks for (doubly-stochastic comb, Sinkhorn
+order)."""
 
 from __future__ import annotations
 
@@ -168,7 +169,8 @@ def test_comb_is_doubly_stochastic():
 
 
 def test_sinkhorn_order():
-    """§4.2 step 6: softmax, +eps, column-normalise, then (iters-1)× (row, column)."""
+    """docs/model.md#hc_pre Sinkhorn: softmax, +eps, column-normalise, then (iters-1)× (row,
+    column)."""
     c0 = torch.randn(3, M, M, generator=torch.Generator().manual_seed(15)) * 3
     c = torch.softmax(c0, -1) + EPS
     c = c / (c.sum(-2, keepdim=True) + EPS)

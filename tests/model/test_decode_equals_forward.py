@@ -1,4 +1,4 @@
-"""Cached execution equals the full forward (DSV4_ARCH.md §14 tests a and b).
+"""Cached execution equals the full forward (docs/model.md#sequence-state).
 
 Tiny config: window 32, C4 top-k 16, C128. Positions cross the window, every 4-token
 boundary, the indexer's top-k saturation (> 64 tokens) and the first 128 boundary.

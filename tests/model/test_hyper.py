@@ -1,4 +1,5 @@
-"""mHC (DSV4_ARCH.md §4) against literal per-token transcriptions of the equations."""
+"""mHC (docs/model.md#hyper-connections) against literal per-token transcriptions of the
+equations."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ def _params(gen, rows=(2 + M) * M):
 
 
 def _literal_pre(x, fn, scale, base):
-    """§4.2 for one token x [M, D], written step by step."""
+    """docs/model.md#hc_pre for one token x [M, D], written step by step."""
     xbar = x.reshape(-1)
     rho = 1 / torch.sqrt(xbar.square().mean() + NORM_EPS)
     m = rho * (fn @ xbar)

@@ -1,4 +1,4 @@
-"""MoE routing and experts (DSV4_ARCH.md §8)."""
+"""MoE routing and experts (docs/model.md#moe)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The MTP layer against DSV4_ARCH.md §10 on hand-built inputs (MTP is not in transformers).
+"""The MTP layer against docs/model.md#mtp on hand-built inputs (MTP is not in transformers).
 
 The input composition X0 = e_proj(enorm(e)) + h_proj(hnorm(X_prev)) is written out here by
 hand; the block is checked against transformers' own decoder layer (a sliding-window, scored

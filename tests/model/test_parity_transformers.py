@@ -6,8 +6,8 @@ expert weights applied before vs after w2), so they differ by accumulated roundi
 ~5e-6 at 600 tokens; 5e-5 leaves margin for other BLAS builds while a wrong equation (Sinkhorn
 order, rope variant, a missing clamp, a different top-k entry) moves logits by >1e-2.
 
-Known difference (PLATFORM_NOTES §4): exact ties in the indexer top-k (ReLU scores of 0).
-We break ties towards the lower entry index so chunking cannot change the selection;
+Known difference (docs/architecture.md#platform-notes): exact ties in the indexer top-k (ReLU
+scores of 0). We break ties towards the lower entry index so chunking cannot change the selection;
 `torch.topk` (transformers) breaks them shape-dependently. The shared checkpoint is built
 without exact ties (see `randomize_hf`); `test_ties_are_the_only_indexer_difference` shows
 that with ties present the two agree once our top-k uses torch.topk's rule.

@@ -70,7 +70,7 @@ def test_bf16_sharded_checkpoint_and_dtype(bf16_ckpt):
     model, _ = load_model(bf16_ckpt, dtype=torch.bfloat16)
     state = model.state_dict()
     assert state["layers.1.attn.wq_a.weight"].dtype == torch.bfloat16
-    assert state["layers.1.hc_attn_fn"].dtype == torch.float32  # fp32 by design (§7)
+    assert state["layers.1.hc_attn_fn"].dtype == torch.float32  # docs/model.md#forward
     assert state["layers.1.attn.compressor.ape"].dtype == torch.float32
     assert torch.equal(state["embed.weight"], _stored(bf16_ckpt, "embed.weight"))
 

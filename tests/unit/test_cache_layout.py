@@ -1,4 +1,5 @@
-"""KV cache layout: DSV4_ARCH.md §11 sizes, dense packing, addressing, compat hash, hand-off."""
+"""KV cache layout (docs/model.md#paged-cache): sizes, dense packing, addressing, compat
+hash, hand-off."""
 
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ def test_flash_entry_formats_match_dsv4_arch() -> None:
     assert layout.region(c4, COMPRESSOR_STATE).ring_slots == 8  # c * r
     assert layout.region(c128, COMPRESSOR_STATE).ring_slots == 128
     assert layout.region(swa, WINDOW).ring_slots == 128
-    # 256-token block: 64 C4 entries, 2 C128 entries, 64 indexer rows (§11.2).
+    # 256-token block: 64 C4 entries, 2 C128 entries, 64 indexer rows (docs/model.md#block-packing).
     assert layout.region(c4, COMPRESSED).page_bytes == 64 * 584
     assert layout.region(c128, COMPRESSED).page_bytes == 2 * 584
     assert layout.region(c4, INDEXER).page_bytes == 64 * 68
@@ -147,7 +148,7 @@ def test_every_address_of_a_request_is_distinct() -> None:
 
 
 def test_flash_at_32k_compacted_handoff_vs_raw_bf16() -> None:
-    """ARCHITECTURE.md §2: "roughly 0.12 GB instead of ~1.4 GB of raw bf16 KV"."""
+    """docs/architecture.md (Blocks, not groups): 0.133 GB against 1.48 GB of raw bf16 KV."""
     layout = KVLayout.build(full_flash())
     n = 32 * 1024
     live = layout.live_state_bytes(n)
@@ -170,12 +171,12 @@ def one_layer(ratio: int) -> KVLayout:
 @pytest.mark.parametrize(
     ("seq_len", "window_rows", "c4_entries", "c128_entries", "c128_pending"),
     [
-        # §9.1 decode step: S = p + 1 for p = 999, 128, 4095, 4.
+        # decode step: S = p + 1 for p = 999, 128, 4095, 4.
         (1000, 128, 250, 7, 1000 % 128),
         (129, 128, 32, 1, 1),
         (4096, 128, 1024, 32, 0),
         (5, 5, 1, 0, 5),
-        # §9.1 prefill chunk: A after its chunk (1512 tokens), B (300 tokens).
+        # prefill chunk: A after its chunk (1512 tokens), B (300 tokens).
         (1512, 128, 378, 11, 104),
         (300, 128, 75, 2, 44),
     ],
@@ -183,7 +184,8 @@ def one_layer(ratio: int) -> KVLayout:
 def test_worked_examples_as_live_state(
     seq_len: int, window_rows: int, c4_entries: int, c128_entries: int, c128_pending: int
 ) -> None:
-    """DSV4_ARCH.md §9.1 bookkeeping, read back from the live hand-off payload of one layer."""
+    """docs/model.md#bookkeeping-example rules, read back from the live hand-off payload of one
+    layer."""
     kv = 584
     assert one_layer(0).live_state_bytes(seq_len) == window_rows * kv
     c128 = one_layer(128).live_state_bytes(seq_len)

@@ -1,5 +1,5 @@
-"""Prefill chunk planning (#45061): DSV4_ARCH.md §9.1 oracle, the PR's 10-request example,
-and hypothesis invariants for the area and fixed planners."""
+"""Prefill chunk planning (#45061): docs/model.md#bookkeeping-example oracle, the PR's 10-request
+example, and hypothesis invariants for the area and fixed planners."""
 
 from __future__ import annotations
 

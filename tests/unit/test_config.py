@@ -167,7 +167,7 @@ def test_flags_env_names_and_help_are_unique_and_complete() -> None:
     assert len({s.flag for s in specs}) == len(specs)
     assert len({s.env_var for s in specs}) == len(specs)
     assert all(s.help for s in specs)
-    assert SPECS["model.kernels"].env_var == "DSV4_KERNELS"  # the name ARCHITECTURE.md uses
+    assert SPECS["model.kernels"].env_var == "DSV4_KERNELS"  # the name docs/operations.md uses
     for attribute, section_cls, _ in iter_specs(ServeConfig):
         assert attribute == section_cls.SECTION
     parser = argparse.ArgumentParser()

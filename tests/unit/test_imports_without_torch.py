@@ -1,4 +1,5 @@
-"""The control plane imports without torch (STYLE.md habit 7): the router image has none.
+"""The control plane imports without torch: the router image has none
+(docs/architecture.md#conventions).
 
 Each module is imported in a fresh interpreter; modules other sessions are still writing are
 checked only once they exist.

@@ -1,5 +1,5 @@
-"""The memory planner against hand-computed V4-Flash and V4-Pro figures (DSV4_ARCH.md §1, §7,
-§11, §15), its verdicts, the start-up refusal and the `dsv4 plan` command."""
+"""The memory planner against hand-computed V4-Flash and V4-Pro figures (docs/model.md
+#configurations, #paged-cache), its verdicts, the start-up refusal and the `dsv4 plan` command."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def test_configs_have_the_real_layer_mix():
 def test_flash_weights_by_hand():
     # One MXFP4 expert: 3 matrices of 2048 x 4096 values at half a byte, + one UE8M0 byte per 32.
     one_expert = 3 * 2048 * 4096 // 2 + 3 * 2048 * 4096 // 32
-    assert one_expert == 13_369_344 == expert_bytes(FLASH)  # 12.75 MiB (DSV4_ARCH §15)
+    assert one_expert == 13_369_344 == expert_bytes(FLASH)  # 12.75 MiB
     assert one_expert / 2**20 == 12.75
     plan = plan_memory(PlanRequest(FLASH, num_gpus=1, gpu_mem_gib=141))
     assert total(plan, "routed_experts") == 43 * 256 * one_expert  # 137.06 GiB
@@ -76,7 +76,7 @@ def test_flash_weights_by_hand():
         + (43 * (4096 * 2 + 1024 + 512) + 21 * (512 + 128) + 20 * 512 + 4096) * 2  # norms
     )  # fmt: skip
     assert plan.weight_bytes == everything
-    # DSV4_ARCH §15: ~3.3 GiB per layer, ~2 x 1 GiB embed/head; "about 150 GB" in all.
+    # ~3.3 GiB per layer, ~2 x 1 GiB embed/head; "about 150 GB" in all.
     per_layer = (everything - 2 * 129280 * 4096 * 2) / 43 / GIB
     assert 3.2 < per_layer < 3.4 and 145 < everything / GIB < 146
 
@@ -91,7 +91,7 @@ def test_pro_weights_by_hand():
     fp8 = 1536 * 7168 + 65536 * 1536 + 512 * 7168 + 16384 * 4096 + 7168 * 16384
     assert total(plan, "attention", "fp8") == 61 * fp8
     per_layer = (plan_total := sum(w.total_bytes for w in plan.weights)) - 2 * 129280 * 7168 * 2
-    assert 12.7 < per_layer / 61 / GIB < 13.1  # DSV4_ARCH §15: ~12.9 GiB per layer
+    assert 12.7 < per_layer / 61 / GIB < 13.1  # ~12.9 GiB per layer
     assert 790 < plan_total / GIB < 800  # ~1.6 T parameters, mostly 4-bit
 
 

@@ -1,6 +1,6 @@
 """The paged forward: one step's tokens, flat [T], through the model on the paged cache.
 
-Same math as `DeepseekV4.forward` over per-request states (DSV4_ARCH.md §3), but every layer
+Same math as `DeepseekV4.forward` over per-request states (docs/model.md#forward), but every layer
 runs batched over all tokens of the step and reads/writes the packed cache in place through the
 kernels (sparse attention, indexer, compressor, grouped MoE, mHC, routing), selected per op by
 the kernel config ("auto": Triton on CUDA, the torch references on CPU). The reference path
@@ -110,7 +110,7 @@ class PagedForward:
 
     def run_mtp(self, meta: StepMetadata, streams: torch.Tensor,
                 select: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """The MTP layer (DSV4_ARCH.md §10) on a step whose flat token i is at MTP position
+        """The MTP layer (docs/model.md#mtp) on a step whose flat token i is at MTP position
         p_i: `streams` [T, M, D] are the final streams at p_i (the target's, or the MTP's own
         for a draft step) and `meta.t.token_ids` the tokens at p_i + 1. Its window rows go
         into the MTP ring. -> (draft logits [rows, V] fp32 for the tokens at p_i + 2 of the

@@ -1,4 +1,4 @@
-"""Prefill attention over per-chunk bf16 workspaces (vLLM #45061; DSV4_ARCH.md §9.1, §11.5).
+"""Prefill attention over per-chunk bf16 workspaces (vLLM #45061; docs/model.md#prefill-workspaces).
 
 The scheduler's chunk plan groups consecutive prefill requests; a chunk's attention runs as one
 sparse-kernel launch over a workspace of M = N + G rows per request:

@@ -5,7 +5,7 @@
   once (the reference path still works). Experts served in the checkpoint's MXFP4 / FP8
   (`features.expert_weights=checkpoint`) are loaded straight into that layout, with scales.
 - Compressors: wkv and wgate stacked and upcast to fp32 once ([2 c d', D]), and the ape table
-  upcast once: the compressor's math is fp32 (DSV4_ARCH.md §6.4) and upcasting per step would
+  upcast once: the compressor's math is fp32 (docs/model.md#compressor) and upcasting per step would
   re-read the bf16 weights (and launch a cast per compressor).
 - Attention output: wo_a viewed [G, o_lora, (H/G) d] for the grouped projection.
 - Router weight and bias, attention sinks: fp32 copies made once (the router's and the sink's
