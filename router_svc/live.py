@@ -1,23 +1,18 @@
-"""Owners for what outlives a single await: live requests and fire-and-forget cleanup calls.
+"""The owner of what outlives a single await on the router: its live requests.
 
 `LiveRequests` maps request ids to running flows, so Router.Abort and the pool's "worker down"
-signal can reach them. `TaskOwner` keeps a reference to every background task (Abort on D,
-Release on P after a request ended abnormally), logs its failure, and is drained at shutdown.
-Both are used only on the router's event loop.
+signal can reach them. Background cleanups (Abort on D, Release on P after a request ended
+abnormally) go through the shared `dsv4.worker.tasks.TaskOwner`. Used only on the router's event
+loop.
 """
 
 from __future__ import annotations
 
-import asyncio
 import hmac
-import logging
-from collections.abc import Coroutine
-from typing import Any, Protocol
+from typing import Protocol
 
 from dsv4.errors import InvalidRequest
 from router_svc.clients import WorkerCall
-
-logger = logging.getLogger(__name__)
 
 
 class Interruptible(Protocol):
@@ -103,35 +98,3 @@ class LiveRequests:
 
 def _same(owner: str, caller: str | None) -> bool:
     return caller is not None and hmac.compare_digest(owner.encode(), caller.encode())
-
-
-class TaskOwner:
-    """Holds background tasks until they finish; `close()` waits a bounded time, then cancels."""
-
-    def __init__(self, name: str) -> None:
-        self._name = name
-        self._tasks: set[asyncio.Task[Any]] = set()
-
-    def __len__(self) -> int:
-        return len(self._tasks)
-
-    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> None:
-        task = asyncio.get_running_loop().create_task(coro, name=f"{self._name}: {name}")
-        self._tasks.add(task)
-        task.add_done_callback(self._on_done)
-
-    def _on_done(self, task: asyncio.Task[Any]) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            logger.error("%s failed", task.get_name(), exc_info=task.exception())
-
-    async def close(self, timeout_s: float) -> None:
-        if not self._tasks:
-            return
-        _, pending = await asyncio.wait(set(self._tasks), timeout=timeout_s)
-        for task in pending:
-            task.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
-
-    def find_leaks(self) -> list[str]:
-        return [f"task {t.get_name()} still running" for t in self._tasks]

@@ -34,12 +34,13 @@ from dsv4.metrics import MetricsExporter, RouterMetrics, new_registry
 from dsv4.rpc.v1 import router_pb2, router_pb2_grpc
 from dsv4.rpc_guard import MalformedMessageInterceptor, require_shared_secret
 from dsv4.types import WorkerRole
+from dsv4.worker.tasks import TaskOwner
 from router_svc.admission import AdmissionGate, TokenBucketLimiter
 from router_svc.clients import ClientSettings, WorkerClients
 from router_svc.flow_settings import FlowDeps, FlowSettings
 from router_svc.http import HttpFront, load_chat_template
 from router_svc.intake import TokenizerPool
-from router_svc.live import LiveRequests, TaskOwner
+from router_svc.live import LiveRequests
 from router_svc.pool import PoolSettings, WorkerPool
 from router_svc.servicer import RouterServicer
 from router_svc.text_model import TextModel, load_text_model

@@ -1,8 +1,9 @@
-"""`TaskOwner`: the owner of a worker's background asyncio tasks (leases, pulls, cleanups).
+"""`TaskOwner`: the owner of a service's background asyncio tasks (leases, pulls, cleanups).
 
-Every task a worker starts outside a request's own await goes through `spawn`: the owner keeps a
-reference (so the task is never garbage-collected mid-flight), logs its exception, and `close`
-waits a bounded time, then cancels what is left. Event-loop thread only.
+The one owner for the workers and the router (its Abort / Release cleanups); torch-free, so the
+router imports it. Every task started outside a request's own await goes through `spawn`: the
+owner keeps a reference (so the task is never garbage-collected mid-flight), logs its exception,
+and `close` waits a bounded time, then cancels what is left. Event-loop thread only.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ T = TypeVar("T")
 
 
 class TaskOwner:
+    """Holds background tasks until they finish; `close()` waits a bounded time, then cancels."""
+
     def __init__(self, name: str) -> None:
         self._name = name
         self._tasks: set[asyncio.Task[Any]] = set()
