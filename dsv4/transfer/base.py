@@ -1,7 +1,8 @@
 """The `KVTransport` contract: move whole KV blocks from a prefill worker (P) to a decode worker (D).
 
 Reading path: the dataclasses below, then `KVTransport`, then `ExportTable` (the lease check every
-implementation shares), then one implementation (`local.py` is the shortest).
+implementation shares) and `ExportingTransport` (`export` / `release` over it, with per-transport
+hooks), then one implementation (`local.py` is the shortest).
 
 The KV cache is one backing tensor `[num_blocks, block_stride_bytes]` (uint8) per worker, and one
 block is one transfer descriptor. P exports a request's block ids under a lease; D pulls (READ) them
@@ -20,6 +21,7 @@ import base64
 import enum
 import json
 import secrets
+import threading
 import time
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -210,6 +212,12 @@ class ExportTable:
         self._by_request: dict[str, ExportedBlocks] = {}
         self._by_slot: dict[int, ExportedBlocks] = {}
 
+    @classmethod
+    def beside(cls, backing: torch.Tensor, max_exports: int) -> ExportTable:
+        """A table whose tokens `[max_exports]` live on the backing's device."""
+        tokens = torch.zeros(max_exports, dtype=torch.int64, device=backing.device)
+        return cls(tokens, backing.shape[0], backing.shape[1])
+
     def __len__(self) -> int:
         return len(self._by_request)
 
@@ -263,6 +271,54 @@ class ExportTable:
         if self.tokens.is_cuda:
             # NOTE: the zero must be visible to D before the caller may reuse the blocks.
             torch.cuda.synchronize(self.tokens.device)
+
+
+class ExportingTransport:
+    """The P side every transport shares: `export` / `release` through its `ExportTable`, under its
+    lock. A transport sets `peer_id`, `_lock` and `_exports` (None before `register` and after
+    `close`); what it registers per lease (NIXL: a grant of the blocks) goes in the hooks."""
+
+    peer_id: str
+    _lock: threading.RLock
+    _exports: ExportTable | None
+
+    def export(
+        self, request_id: str, block_ids: list[int], bytes_per_block: int | None = None
+    ) -> ExportedBlocks:
+        with self._lock:
+            exports = self._exports
+            if exports is None:
+                raise TransferError(f"{self.peer_id}: call register() first (or it was closed)")
+            exported = exports.add(self.peer_id, request_id, block_ids, bytes_per_block)
+            try:
+                return self._grant(exported)
+            except Exception:
+                exports.remove(request_id)
+                raise
+
+    def release(self, request_id: str) -> bool:
+        """Zero the lease slot (a racing pull reports FAILED), then `_revoke` the lease."""
+        with self._lock:
+            if self._exports is None or not self._exports.remove(request_id):
+                return False
+            self._revoke(request_id)
+            return True
+
+    def _grant(self, exported: ExportedBlocks) -> ExportedBlocks:
+        """Hook, under the lock: register one new lease; raising undoes the export."""
+        return exported
+
+    def _revoke(self, request_id: str) -> None:
+        """Hook, under the lock: undo `_grant` once the lease slot is zeroed."""
+
+    def _num_exports(self) -> int:
+        return len(self._exports) if self._exports is not None else 0
+
+    def _drop_exports(self) -> None:
+        """At `close`, under the lock: zero every lease slot and forget the table."""
+        if self._exports is not None:
+            self._exports.clear()
+        self._exports = None
 
 
 def check_backing(backing: torch.Tensor) -> None:

@@ -26,6 +26,7 @@ import torch
 from dsv4.errors import NotFound, TransferError
 from dsv4.transfer.base import (
     ExportedBlocks,
+    ExportingTransport,
     ExportTable,
     PullHandle,
     PullState,
@@ -64,7 +65,7 @@ class _Pull:
     deadline_s: float
 
 
-class CudaIpcTransport:
+class CudaIpcTransport(ExportingTransport):
     kind = "cuda_ipc"
 
     def __init__(self, *, max_exports: int = 4096, pull_timeout_s: float = 10.0) -> None:
@@ -87,9 +88,8 @@ class CudaIpcTransport:
         with self._lock:
             if self._backing is not None:
                 raise TransferError(f"{self.peer_id}: register() called twice")
-            tokens = torch.zeros(self._max_exports, dtype=torch.int64, device=backing.device)
             self._backing = backing
-            self._exports = ExportTable(tokens, backing.shape[0], backing.shape[1])
+            self._exports = ExportTable.beside(backing, self._max_exports)
             self._stream = torch.cuda.Stream(device=backing.device)
 
     def endpoint(self) -> TransportEndpoint:
@@ -104,18 +104,6 @@ class CudaIpcTransport:
         return TransportEndpoint(
             self.kind, self.peer_id, num_blocks, stride, json.dumps(payload).encode()
         )
-
-    def export(
-        self, request_id: str, block_ids: list[int], bytes_per_block: int | None = None
-    ) -> ExportedBlocks:
-        self._require_backing()
-        with self._lock:
-            assert self._exports is not None
-            return self._exports.add(self.peer_id, request_id, block_ids, bytes_per_block)
-
-    def release(self, request_id: str) -> bool:
-        with self._lock:
-            return self._exports is not None and self._exports.remove(request_id)
 
     def progress(self) -> list[str]:
         """P side. CUDA IPC has no notification channel: P learns of pulls through the service's
@@ -182,8 +170,7 @@ class CudaIpcTransport:
 
     def usage(self) -> TransportUsage:
         with self._lock:
-            num_exports = len(self._exports) if self._exports is not None else 0
-            return TransportUsage(num_exports, len(self._pulls), len(self._peers))
+            return TransportUsage(self._num_exports(), len(self._pulls), len(self._peers))
 
     def close(self) -> None:
         with self._lock:
@@ -191,9 +178,7 @@ class CudaIpcTransport:
                 self._stream.synchronize()  # in-flight copies finish before memory goes
             self._pulls.clear()
             self._peers.clear()
-            if self._exports is not None:
-                self._exports.clear()
-            self._exports = None
+            self._drop_exports()
             self._backing = None
             self._stream = None
 

@@ -19,6 +19,7 @@ import torch
 from dsv4.errors import NotFound, TransferError
 from dsv4.transfer.base import (
     ExportedBlocks,
+    ExportingTransport,
     ExportTable,
     PullHandle,
     PullState,
@@ -37,7 +38,7 @@ _PEERS: weakref.WeakValueDictionary[str, LocalTransport] = weakref.WeakValueDict
 _PEERS_LOCK = threading.Lock()
 
 
-class LocalTransport:
+class LocalTransport(ExportingTransport):
     kind = "local"
 
     def __init__(self, *, max_exports: int = 4096, pull_timeout_s: float = 10.0) -> None:
@@ -57,26 +58,13 @@ class LocalTransport:
             if self._backing is not None:
                 raise TransferError(f"{self.peer_id}: register() called twice")
             self._backing = backing
-            tokens = torch.zeros(self._max_exports, dtype=torch.int64, device=backing.device)
-            self._exports = ExportTable(tokens, backing.shape[0], backing.shape[1])
+            self._exports = ExportTable.beside(backing, self._max_exports)
         with _PEERS_LOCK:
             _PEERS[self.peer_id] = self
 
     def endpoint(self) -> TransportEndpoint:
         backing = self._require_backing()
         return TransportEndpoint(self.kind, self.peer_id, backing.shape[0], backing.shape[1])
-
-    def export(
-        self, request_id: str, block_ids: list[int], bytes_per_block: int | None = None
-    ) -> ExportedBlocks:
-        self._require_backing()
-        with self._lock:
-            assert self._exports is not None
-            return self._exports.add(self.peer_id, request_id, block_ids, bytes_per_block)
-
-    def release(self, request_id: str) -> bool:
-        with self._lock:
-            return self._exports is not None and self._exports.remove(request_id)
 
     def progress(self) -> list[str]:
         with self._lock:
@@ -113,16 +101,13 @@ class LocalTransport:
 
     def usage(self) -> TransportUsage:
         with self._lock:
-            num_exports = len(self._exports) if self._exports is not None else 0
-            return TransportUsage(num_exports, len(self._finished), 0)
+            return TransportUsage(self._num_exports(), len(self._finished), 0)
 
     def close(self) -> None:
         with _PEERS_LOCK:
             _PEERS.pop(self.peer_id, None)
         with self._lock:
-            if self._exports is not None:
-                self._exports.clear()
-            self._exports = None
+            self._drop_exports()
             self._backing = None
             self._finished.clear()
             self._pulled.clear()

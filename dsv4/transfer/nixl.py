@@ -36,6 +36,7 @@ import torch
 from dsv4.errors import NotFound, ResourceExhausted, TransferError
 from dsv4.transfer.base import (
     ExportedBlocks,
+    ExportingTransport,
     ExportTable,
     PullHandle,
     PullState,
@@ -68,7 +69,7 @@ class _Pull:
     post_error: str | None = None
 
 
-class NixlTransport:
+class NixlTransport(ExportingTransport):
     kind = "nixl"
 
     def __init__(
@@ -123,27 +124,20 @@ class NixlTransport:
 
     # ---- P side ------------------------------------------------------------------------------
 
-    def export(
-        self, request_id: str, block_ids: list[int], bytes_per_block: int | None = None
-    ) -> ExportedBlocks:
-        box = self._require_box()
-        with self._lock:
-            assert self._exports is not None
-            exported = self._exports.add(self.peer_id, request_id, block_ids, bytes_per_block)
-            try:
-                grant = box.grant(request_id, exported.block_ids, exported.bytes_per_block)
-            except Exception as exc:
-                self._exports.remove(request_id)
-                raise TransferError(f"cannot register the blocks of {request_id!r}: {exc}") from exc
-            return dataclasses.replace(exported, grant=grant)
+    # `export` / `release`: `ExportingTransport`; a lease's blocks are granted to remote READs.
 
-    def release(self, request_id: str) -> bool:
-        """Zero the lease slot (a racing pull reports FAILED), then revoke the grant."""
-        with self._lock:
-            if self._exports is None or not self._exports.remove(request_id):
-                return False
-            self._require_box().revoke(request_id)
-            return True
+    def _grant(self, exported: ExportedBlocks) -> ExportedBlocks:
+        request_id = exported.request_id
+        try:
+            grant = self._require_box().grant(
+                request_id, exported.block_ids, exported.bytes_per_block
+            )
+        except Exception as exc:
+            raise TransferError(f"cannot register the blocks of {request_id!r}: {exc}") from exc
+        return dataclasses.replace(exported, grant=grant)
+
+    def _revoke(self, request_id: str) -> None:
+        self._require_box().revoke(request_id)
 
     def progress(self) -> list[str]:
         with self._lock:
@@ -324,7 +318,7 @@ class NixlTransport:
         with self._lock:
             box = self._box
             return TransportUsage(
-                num_exports=len(self._exports) if self._exports is not None else 0,
+                num_exports=self._num_exports(),
                 num_pending_pulls=len(self._pulls),
                 num_peers=len(self._peers) + len(self._retiring),
                 num_abandoned_xfers=box.num_abandoned_xfers if box is not None else 0,
@@ -339,11 +333,9 @@ class NixlTransport:
                 self._fail(pull, "transport closed", peer_failed=False)
             for peer in list(self._peers.values()):
                 self._drop_peer(peer, "transport closed")
-            assert self._exports is not None
-            self._exports.clear()
+            self._drop_exports()
             self._box.close()
             self._box = None
-            self._exports = None
             self._backing = None
             self._control = None
 
