@@ -4,7 +4,7 @@
 #   fi      FlashInfer's sampling and hash_topk modules JIT-compile in the background (CPU) while
 #           the GPU parts run; after e2e, the sampling and hash-routing benchmarks against them;
 #   mhc     the GPU tests of the mHC, norm/rope and sampler paths, and the benchmarks of the
-#           first two (kernels.py --only hc_, --only rope);
+#           first two (bench_kernels --only hc_, --only rope);
 #   fresh   the GPU tests of the indexer, metadata and moe_align kernels, moe_align's benchmark;
 #   decode  the decode TPOT benchmark (graphs, switches, MTP);
 #   formats the served weight formats: the FP8 linear and MoE GPU tests, the FP8 GEMV, MoE tile
@@ -44,7 +44,7 @@ run_into "${T_MHC:-100}" "$logs/mhc-tests.txt" python3 -m pytest -q -p no:cachep
     tests/unit/test_sampler.py
 tail -3 "$logs/mhc-tests.txt"
 for pair in hc_:mhc rope:rope; do
-    run_into "${T_MHC:-100}" "$logs/mhc-bench.log" python3 benchmarks/kernels.py \
+    run_into "${T_MHC:-100}" "$logs/mhc-bench.log" python3 -m benchmarks.bench_kernels \
         --only "${pair%%:*}" --out "$out/kernels-${pair##*:}-h200.json"
 done
 grep -E "^hc_|^norm_rope|^rope|Error" "$logs/mhc-bench.log" | cut -c1-200
@@ -53,12 +53,12 @@ has fresh && {  # the GPU tests of the last kernel changes, and the one-launch m
 run_into "${T_FRESH:-100}" "$logs/fresh-tests.txt" python3 -m pytest -q -p no:cacheprovider -m gpu \
     tests/kernels/test_moe_align.py tests/kernels/test_indexer.py tests/kernels/test_metadata.py
 tail -3 "$logs/fresh-tests.txt"
-run_into 60 "$logs/align-bench.log" python3 benchmarks/kernels_moe.py --only moe_align \
+run_into 60 "$logs/align-bench.log" python3 -m benchmarks.bench_kernels_moe --only moe_align \
     --out "$out/kernels-align-h200.json"
 grep -E "^moe_align|Error" "$logs/align-bench.log" | cut -c1-200
 }
 has decode && {
-timeout "${T_DECODE:-200}" python3 benchmarks/decode_graphs.py --out "$out/decode-graphs-h200.json" \
+timeout "${T_DECODE:-200}" python3 -m benchmarks.bench_decode_graphs --out "$out/decode-graphs-h200.json" \
     ${DECODE_ARGS:-} > "$logs/decode-graphs.log" 2>&1
 rc=$?; echo "decode rc=$rc"; grep -E "^decode_tpot|k=. B=|FAILED|Error" "$logs/decode-graphs.log" | cut -c1-160
 [ $rc -ne 0 ] && tail -12 "$logs/decode-graphs.log" | cut -c1-300
@@ -67,18 +67,18 @@ has formats && {
 run_into "${T_FORMATS:-150}" "$logs/formats-tests.txt" python3 -m pytest -q -p no:cacheprovider \
     -m gpu tests/kernels/test_fp8_linear.py tests/kernels/test_moe.py tests/kernels/test_moe_dequant.py
 tail -3 "$logs/formats-tests.txt"
-run_into 150 "$logs/formats-bench.log" python3 benchmarks/kernels_linear.py --only fp8_linear_gemv \
+run_into 150 "$logs/formats-bench.log" python3 -m benchmarks.bench_kernels_linear --only fp8_linear_gemv \
     --out "$out/kernels-linear-gemv-h200.json"
-run_into 150 "$logs/formats-bench.log" python3 benchmarks/kernels_moe.py --only moe_tile \
+run_into 150 "$logs/formats-bench.log" python3 -m benchmarks.bench_kernels_moe --only moe_tile \
     --out "$out/kernels-moe-tile-h200.json"
-run_into 150 "$logs/formats-bench.log" python3 benchmarks/kernels_moe_dequant.py \
+run_into 150 "$logs/formats-bench.log" python3 -m benchmarks.bench_kernels_moe_dequant \
     --out "$out/kernels-moe-dequant-h200.json"
 grep -E "^(fp8_linear_gemv|moe_tile|moe_experts_dequant)|Error" "$logs/formats-bench.log" | cut -c1-200
 }
 has fdecode && {
 for fmt in "bf16 bf16" "checkpoint bf16" "checkpoint checkpoint"; do
     set -- $fmt
-    run_into 150 "$logs/formats-decode.log" python3 benchmarks/decode_graphs.py --only plain \
+    run_into 150 "$logs/formats-decode.log" python3 -m benchmarks.bench_decode_graphs --only plain \
         --variants '' --batches 1,16,64 --contexts 4096 --linear-weights "$1" \
         --expert-weights "$2" --out "$out/decode-formats-$1-$2.json"
 done
@@ -88,16 +88,16 @@ grep -E "^decode_tpot_graphs |Error" "$logs/formats-decode.log" | cut -c1-200
 # share the CPU cores with the workers' start-up and the load test (a skewed run, seen once)
 if [ -n "$jit_pid" ] && has e2e; then wait "$jit_pid"; echo "flashinfer jit rc=$?"; jit_pid=; fi
 has e2e && {
-timeout "${T_E2E:-450}" python3 benchmarks/e2e.py --out-dir /tmp/e2e ${E2E_ARGS:-} > "$logs/e2e.log" 2>&1
+timeout "${T_E2E:-450}" python3 -m benchmarks.bench_e2e --out-dir /tmp/e2e ${E2E_ARGS:-} > "$logs/e2e.log" 2>&1
 rc=$?; echo "e2e rc=$rc"; [ $rc -ne 0 ] && tail -12 "$logs/e2e.log" | cut -c1-300
 cp /tmp/e2e/e2e-summary.json "$out/" 2>/dev/null
 }
 if has fi; then
     [ -n "$jit_pid" ] && { wait "$jit_pid"; echo "flashinfer jit rc=$?"; }
     tail -3 "$logs/fi-jit.log" | cut -c1-300
-    run_into "${T_FI:-120}" "$logs/fi-bench.log" python3 benchmarks/kernels_moe.py --only sample \
+    run_into "${T_FI:-120}" "$logs/fi-bench.log" python3 -m benchmarks.bench_kernels_moe --only sample \
         --out "$out/kernels-sampling-h200.json"
-    run_into "${T_FI:-120}" "$logs/fi-bench.log" python3 benchmarks/kernels.py --only hash_route \
+    run_into "${T_FI:-120}" "$logs/fi-bench.log" python3 -m benchmarks.bench_kernels --only hash_route \
         --out "$out/kernels-hash-h200.json"
     grep -E "^(sample|hash_route)|Error|error" "$logs/fi-bench.log" | cut -c1-220
 fi

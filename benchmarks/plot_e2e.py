@@ -1,8 +1,8 @@
 """Plots of the end-to-end results (issue 12): disaggregated against colocated per request rate.
 
-    python benchmarks/plot_e2e.py benchmarks/results/e2e-h200.json docs/e2e-h200.svg
+    python -m benchmarks.plot_e2e benchmarks/results/e2e-h200.json docs/e2e-h200.svg
 
-Three panels from `e2e.py`'s summary (either `e2e-summary.json` or the committed results
+Three panels from `bench_e2e.py`'s summary (either `e2e-summary.json` or the committed results
 file): TTFT (median and p90) and TPOT (median and p90) against the offered request rate, and
 goodput under the run's SLO. Needs matplotlib (not a serving dependency).
 """

@@ -1,6 +1,6 @@
 """Render a benchmark results file (a list of records) as a markdown table.
 
-    python benchmarks/to_markdown.py benchmarks/results/kernels-h200.json
+    python -m benchmarks.to_markdown benchmarks/results/kernels-h200.json
 Records: {"name", "shape", "time_us", "baseline", "baseline_time_us", "speedup", "pct_roofline"}.
 """
 

@@ -237,7 +237,7 @@ def gemv_config(num_pairs: int, num_experts: int, on_gpu: bool) -> dict:
         return dict(BLOCK_M=2, BLOCK_N=16, BLOCK_N2=16, BLOCK_W=8, num_warps=4)
     # NOTE: BLOCK_M is 1 or 2 (two accumulators; a 3-D [M, N, W] one compiled for sm_90 to a
     # shared-memory layout conversion on every step)
-    # H200 sweep (kernels_moe_gemv.py): this config was the best or within 0.1% at 1, 16 and 64
+    # H200 sweep (bench_kernels_moe_gemv): this config was the best or within 0.1% at 1, 16 and 64
     # tokens, BLOCK_M 2 the better from 64 (2.14 against 2.17 ms)
     block_m = 1 if num_pairs <= 0.5 * num_experts else 2
     return dict(BLOCK_M=block_m, BLOCK_N=8, BLOCK_N2=16, BLOCK_W=64, num_warps=4)

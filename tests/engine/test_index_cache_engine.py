@@ -72,18 +72,12 @@ def test_pattern_missing_from_the_layout_fails_loudly(shared_model) -> None:
 
 
 def test_prefill_benchmark_dry_run(tmp_path) -> None:
-    """benchmarks/prefill.py on CPU with the tiny model: one record per switch, and the
+    """benchmarks/bench_prefill.py on CPU with the tiny model: one record per switch, and the
     metadata switch leaves the first token unchanged (the script asserts it)."""
-    import importlib.util
     import json
-    import sys
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parents[2]
-    spec = importlib.util.spec_from_file_location("bench_prefill", root / "benchmarks/prefill.py")
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = bench  # its dataclasses look their module up
-    spec.loader.exec_module(bench)
+    from benchmarks import bench_prefill as bench
+
     out = tmp_path / "prefill.json"
     assert bench.main(["--dry-run", "--lengths", "130", "--out", str(out)]) == 0
     records = json.loads(out.read_text())

@@ -162,9 +162,9 @@ def test_offload_packs_the_stored_mxfp4_experts(models, checkpoint) -> None:
 
 
 def test_decode_benchmark_serves_mxfp4_experts(tmp_path) -> None:
-    """`benchmarks/decode_graphs.py --expert-weights checkpoint` (the GPU A/B against bf16
+    """`benchmarks/bench_decode_graphs.py --expert-weights checkpoint` (the GPU A/B against bf16
     experts) runs end to end on the CPU, and its read floor counts the MXFP4 bytes."""
-    from benchmarks import decode_graphs
+    from benchmarks import bench_decode_graphs as decode_graphs
     from benchmarks import engine_setup as es
 
     out = tmp_path / "decode.json"

@@ -185,9 +185,9 @@ def test_offload_keeps_the_fp8_linears(checkpoint, models) -> None:
 
 
 def test_decode_benchmark_serves_fp8_linears(tmp_path) -> None:
-    """`benchmarks/decode_graphs.py --linear-weights checkpoint` (the GPU A/B against bf16
+    """`benchmarks/bench_decode_graphs.py --linear-weights checkpoint` (the GPU A/B against bf16
     linears) runs end to end on the CPU, and its read floor counts the FP8 bytes."""
-    from benchmarks import decode_graphs
+    from benchmarks import bench_decode_graphs as decode_graphs
     from benchmarks import engine_setup as es
 
     out = tmp_path / "decode.json"

@@ -222,8 +222,8 @@ def test_fp8_linear_is_graph_capturable_gpu():
         assert torch.equal(y, want)
 
 
-def test_benchmark_dry_run(tmp_path, monkeypatch):
-    """benchmarks/kernels_linear.py --dry-run (CPU, tiny shapes, references) writes its records."""
-    records = dry_run_records(monkeypatch, tmp_path, "kernels_linear.py")
+def test_benchmark_dry_run(tmp_path):
+    """`python -m benchmarks.bench_kernels_linear --dry-run` (CPU, tiny shapes) writes records."""
+    records = dry_run_records(tmp_path, "bench_kernels_linear")
     names = {"fp8_linear", "fp8_grouped_linear", "fp8_linear_tile", "fp8_linear_gemv"}
     assert {r["name"] for r in records} == names

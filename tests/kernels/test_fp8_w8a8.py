@@ -145,19 +145,13 @@ def test_linear_activations_switch_reaches_the_modules():
         set_linear_activations_(model, "e5m2")
 
 
-def test_benchmark_dry_run(tmp_path, monkeypatch):
-    """benchmarks/fp8_linear_vs_bf16.py --dry-run (CPU, tiny shapes, references) writes the
+def test_benchmark_dry_run(tmp_path):
+    """benchmarks/bench_fp8_linear_vs_bf16.py --dry-run (CPU, tiny shapes, references) writes the
     issue's fp8_linear_vs_bf16 records: every path at every row count, errors included."""
-    import importlib.util
     import json
-    import sys
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "fp8_linear_vs_bf16.py"
-    spec = importlib.util.spec_from_file_location("bench_fp8_linear_vs_bf16", path)
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, bench)
-    spec.loader.exec_module(bench)
+    from benchmarks import bench_fp8_linear_vs_bf16 as bench
+
     out = tmp_path / "records.json"
     assert bench.main(["--dry-run", "--out", str(out)]) == 0
     records = json.loads(out.read_text())

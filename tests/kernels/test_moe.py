@@ -101,8 +101,8 @@ def test_moe_experts_production_shapes_gpu(fmt, num_tokens, swap_ab):
     _check(num_tokens, 4096, 2048, 256, 6, fmt, limit=10.0, tune={"SWAP_AB": swap_ab})
 
 
-def test_benchmark_dry_run(tmp_path, monkeypatch):
-    """benchmarks/kernels_moe.py --dry-run (CPU, tiny shapes, references) writes its records."""
-    records = dry_run_records(monkeypatch, tmp_path, "kernels_moe.py")
+def test_benchmark_dry_run(tmp_path):
+    """`python -m benchmarks.bench_kernels_moe --dry-run` (CPU, tiny shapes, refs): its records."""
+    records = dry_run_records(tmp_path, "bench_kernels_moe")
     names = {"moe_experts", "moe_tile", "moe_align", "compressor_step", "sample"}
     assert {r["name"] for r in records} == names

@@ -116,8 +116,8 @@ def test_moe_experts_dequant_vs_in_register_gpu(fmt, num_tokens):
     assert_moe_close(y, base)
 
 
-def test_benchmark_dry_run(tmp_path, monkeypatch):
-    """benchmarks/kernels_moe_dequant.py --dry-run (CPU, tiny shapes, references) writes its
+def test_benchmark_dry_run(tmp_path):
+    """benchmarks/bench_kernels_moe_dequant.py --dry-run (CPU, tiny shapes, references) writes its
     records."""
-    records = dry_run_records(monkeypatch, tmp_path, "kernels_moe_dequant.py")
+    records = dry_run_records(tmp_path, "bench_kernels_moe_dequant")
     assert {r["name"] for r in records} == {"moe_experts_dequant", "moe_experts_dequant_bf16"}

@@ -126,8 +126,8 @@ def test_sparse_attention_prefill_production_shape_gpu(kv):
                  "activation")  # fmt: skip
 
 
-def test_attention_benchmark_dry_run(tmp_path, monkeypatch):
-    records = dry_run_records(monkeypatch, tmp_path, "kernels_attention.py")
+def test_attention_benchmark_dry_run(tmp_path):
+    records = dry_run_records(tmp_path, "bench_kernels_attention")
     names = {r["name"] for r in records}
     assert {"sparse_attention_decode", "sparse_attention_prefill", "indexer_logits+topk",
             "indexer_topk", "indexer_select_all"} <= names  # fmt: skip

@@ -4,9 +4,7 @@ resident path bit for bit, and the hit / miss counters follow the cache policy."
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,7 +23,6 @@ from dsv4.model.offload import (
 from dsv4.model.quant import mxfp4_dequantize, mxfp4_quantize
 from tests.model.conftest import tiny_model
 
-ROOT = Path(__file__).resolve().parents[2]
 PROMPT = [5, 17, 300, 42, 42, 7, 999, 64, 3, 128, 511, 2, 77, 19, 640, 33]
 
 
@@ -121,9 +118,8 @@ def test_more_misses_than_slots_reuses_slots_within_a_step():
 
 
 def test_benchmark_dry_run(tmp_path):
-    spec = importlib.util.spec_from_file_location("bench_offload", ROOT / "benchmarks/offload.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    from benchmarks import bench_offload as bench
+
     out = tmp_path / "offload.json"
     assert bench.main(["--dry-run", "--out", str(out)]) == 0
     result = json.loads(out.read_text())

@@ -1,8 +1,8 @@
 """MXFP4 grouped MoE against bf16 experts on one GPU: the decode GEMV (kernels/moe_gemv.py), the
 in-register MMA kernel it replaces at decode sizes, and the served path at prefill sizes.
 
-    python benchmarks/kernels_moe_gemv.py --out results/moe-mxfp4-h200.json [--limit-s 330]
-    python benchmarks/kernels_moe_gemv.py --dry-run --out /tmp/g.json   # CPU: tiny shapes
+    python -m benchmarks.bench_kernels_moe_gemv --out results/moe-mxfp4-h200.json [--limit-s 330]
+    python -m benchmarks.bench_kernels_moe_gemv --dry-run --out /tmp/g.json   # CPU: tiny shapes
 
 V4-Flash experts (D 4096, I 2048, E 256, top-6), random routing. Every time is one CUDA graph of
 ROTATE calls over ROTATE different routings of the same size, replayed, divided by ROTATE: each
@@ -24,19 +24,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from benchmarks.harness import PEAK_BYTES_PER_S, warm_up_clocks  # noqa: E402
-from benchmarks.kernels_moe import bf16_experts, moe_step, quantize_experts  # noqa: E402
-from kernels import moe, moe_gemv  # noqa: E402
+from benchmarks.bench_kernels_moe import bf16_experts, moe_step, quantize_experts
+from benchmarks.harness import PEAK_BYTES_PER_S, warm_up_clocks
+from kernels import moe, moe_gemv
 
 GPU = dict(dim=4096, inter=2048, experts=256, k=6, decode=[1, 16, 64], prefill=[1024, 8192],
            between=[128, 256])  # fmt: skip

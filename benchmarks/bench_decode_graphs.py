@@ -1,11 +1,11 @@
 """Decode TPOT with CUDA graphs (issue 7): graph replay against the eager paged step, each
 graph-compatible switch at its baseline, and MTP speculation with k = 1, 2, 3.
 
-    python3 benchmarks/decode_graphs.py --out benchmarks/results/decode-graphs-h200.json
-    python benchmarks/decode_graphs.py --dry-run --out /tmp/g.json   # CPU smoke (tiny model)
+    python -m benchmarks.bench_decode_graphs --out benchmarks/results/decode-graphs-h200.json
+    python -m benchmarks.bench_decode_graphs --dry-run --out /tmp/g.json   # CPU smoke (tiny model)
 
 Model: V4-Flash dimensions, layers 0,4,128,4 + the MTP layer, 256 routed experts, random bf16
-weights, fp8 KV + MXFP4 indexer keys (as benchmarks/engine.py). B requests are prefilled to
+weights, fp8 KV + MXFP4 indexer keys (as benchmarks/bench_engine.py). B requests are prefilled to
 each context; the next decode step of all B is then timed again and again (it rewrites the
 same cache rows): median wall time of `runner.execute` (forward, sampling, host work), so the
 launch and host costs that graphs remove are in the number. Every variant runs the same step
@@ -22,23 +22,17 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import sys
 import traceback
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "benchmarks"]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from benchmarks import engine_setup as es  # noqa: E402
-from benchmarks.attribution import attribute  # noqa: E402
-from dsv4.runner.paged.decode_graphs import DecodeGraphs, GraphOptions  # noqa: E402
+from benchmarks import engine_setup as es
+from benchmarks.attribution import attribute
+from dsv4.runner.paged.decode_graphs import DecodeGraphs, GraphOptions
 
 # switches whose baseline can be captured (t2r per builder and the boundary list are host work:
-# graphs make them moot, they are measured eagerly in benchmarks/engine.py)
+# graphs make them moot, they are measured eagerly in benchmarks/bench_engine.py)
 GRAPH_VARIANTS = ("all_on", "shared_sparse_metadata_off", "skip_redundant_fill_off",
                   "skip_topk_off", "router_kernel_reference", "fused_mhc_off",
                   "glue_kernels_reference", "fused_shared_expert_on")  # fmt: skip

@@ -1,13 +1,13 @@
 """End to end on one GPU (issue 12): router + prefill + decode processes against one colocated
 engine, both driven by `dsv4 loadtest`, and transformers' DeepSeek-V4 on the same shape.
 
-    python3 benchmarks/e2e.py --out-dir benchmarks/results/e2e      # a GPU host
-    python benchmarks/e2e.py --dry-run --out-dir /tmp/e2e           # CPU smoke (tiny model)
+    python -m benchmarks.bench_e2e --out-dir benchmarks/results/e2e      # a GPU host
+    python -m benchmarks.bench_e2e --dry-run --out-dir /tmp/e2e           # CPU smoke (tiny model)
 
 Model: V4-Flash dimensions, layers 0,4,128,4, 256 routed experts, random bf16 weights served as
 `--model random:DIR` (every process draws the same weights from the seed on its GPU). The MTP
 layer is left out here: two processes each holding 5 x 12.9 GB of experts would not fit one
-card next to each other (MTP is measured in benchmarks/decode_graphs.py).
+card next to each other (MTP is measured in benchmarks/bench_decode_graphs.py).
 
 Per mode (disaggregated: 1 P + 1 D, KV over CUDA IPC; colocated: one engine, chunked prefill):
 1. probes at concurrency 1: one 1024-token prompt (TTFT), one 256-token decode (TPOT, batch 1);
@@ -26,16 +26,11 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "benchmarks"]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from benchmarks.engine_setup import model_config  # noqa: E402
-from dsv4.cluster import AUTO_PORTS, ClusterSpec, LocalCluster, free_port  # noqa: E402
-from dsv4.metrics import scrape  # noqa: E402
-from dsv4.model.config import ModelConfig  # noqa: E402
-from dsv4.model.tiny import write_model_spec  # noqa: E402
+from benchmarks.engine_setup import model_config
+from dsv4.cluster import AUTO_PORTS, ClusterSpec, LocalCluster, free_port
+from dsv4.metrics import scrape
+from dsv4.model.config import ModelConfig
+from dsv4.model.tiny import write_model_spec
 
 MODES = {"disaggregated": (1, ()), "colocated": (0, ("--role", "colocated"))}
 

@@ -1,12 +1,12 @@
 """MoE experts over FP8 / MXFP4 weights: dequantise to a bf16 scratch, then the bf16 GEMMs.
 
-    python benchmarks/kernels_moe_dequant.py    # H200: writes results/kernels-moe-dequant-h200.json
-    python benchmarks/kernels_moe_dequant.py --dry-run --out /tmp/d.json   # CPU: tiny shapes, refs
+    python -m benchmarks.bench_kernels_moe_dequant  # H200: results/kernels-moe-dequant-h200.json
+    python -m benchmarks.bench_kernels_moe_dequant --dry-run --out /tmp/d.json  # CPU: tiny, refs
 
-Same record format as benchmarks/kernels.py (pct_roofline is the larger of bandwidth / 4.3 TB/s
+Same record format as benchmarks/bench_kernels.py (pct_roofline is the larger of bandwidth / 4.3 TB/s
 and FLOP/s / 790 TFLOP/s over compulsory traffic and work), timed with do_bench (eager, as a
 prefill runs; the scratch is up to 1 GiB). V4-Flash experts (D 4096, I 2048, E 256, K 6),
-random routing as benchmarks/kernels_moe.py draws it, T = 64 / 256 / 1024 / 4096 / 8192
+random routing as benchmarks/bench_kernels_moe.py draws it, T = 64 / 256 / 1024 / 4096 / 8192
 tokens, for MXFP4 and FP8 weights quantised from the same bf16 experts:
 - moe_experts_dequant: kernels/moe_dequant.py's `moe_experts_dequant` against `moe_experts`
   dequantising in registers on the same weights: the two sides of `use_dequant`, whose
@@ -18,22 +18,17 @@ FLOPs = 6*T*K*D*I; bytes = the quantised weights of the experts hit + x + y.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if sys.path and Path(sys.path[0] or ".").resolve() == Path(__file__).resolve().parent:
-    sys.path[0] = str(ROOT)  # this folder first on sys.path would shadow `kernels`
-elif str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from benchmarks.bench_kernels_moe import bf16_experts, moe_step, quantize_experts
+from benchmarks.harness import Case, bench_main, measure, warm_up_clocks
+from kernels import moe
+from kernels.moe_dequant import moe_experts_dequant
 
-from benchmarks.harness import Case, bench_main, measure, warm_up_clocks  # noqa: E402
-from benchmarks.kernels_moe import bf16_experts, moe_step, quantize_experts  # noqa: E402
-from kernels import moe  # noqa: E402
-from kernels.moe_dequant import moe_experts_dequant  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "kernels-moe-dequant-h200.json"
 GPU_SIZES = {"dim": 4096, "inter": 2048, "experts": 256, "k": 6,

@@ -1,9 +1,9 @@
 """FP8 linears against bf16 on one GPU, weights rotated past L2 (issue 21's fp8_linear_vs_bf16).
 
-    python benchmarks/fp8_linear_vs_bf16.py --out results/kernels-fp8-linear-vs-bf16-h200.json
-    python benchmarks/fp8_linear_vs_bf16.py --dry-run --out /tmp/f.json   # CPU: tiny, refs
+    python -m benchmarks.bench_fp8_linear_vs_bf16 --out results/kernels-fp8-linear-vs-bf16-h200.json
+    python -m benchmarks.bench_fp8_linear_vs_bf16 --dry-run --out /tmp/f.json   # CPU: tiny, refs
 
-Every V4-Flash linear stored as FP8 (benchmarks/kernels_linear.py's shapes, wo_a grouped) at
+Every V4-Flash linear stored as FP8 (benchmarks/bench_kernels_linear.py's shapes, wo_a grouped) at
 1, 16, 64, 1024 and 8192 rows (and 2, 4 for the GEMV): cuBLAS on the dequantised bf16 weight
 against each FP8 path on the same x, in one process. Each side is timed as one CUDA graph
 that calls it on C copies of its weight in turn (C x weight bytes > 2x the H200's 60 MB L2, as
@@ -22,26 +22,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from benchmarks.harness import PEAK_BYTES_PER_S, PEAK_FLOPS, warm_up_clocks  # noqa: E402
-from benchmarks.kernels_linear import GPU_SIZES  # noqa: E402
-from dsv4.model.quant import fp8_block_dequantize, fp8_block_quantize  # noqa: E402
-from kernels.fp8_linear import (  # noqa: E402
+from benchmarks.bench_kernels_linear import GPU_SIZES
+from benchmarks.harness import PEAK_BYTES_PER_S, PEAK_FLOPS, warm_up_clocks
+from dsv4.model.quant import fp8_block_dequantize, fp8_block_quantize
+from kernels.fp8_linear import (
     fp8_grouped_linear,
     fp8_grouped_linear_ref,
     fp8_linear,
     fp8_linear_ref,
 )
+
+ROOT = Path(__file__).resolve().parents[1]
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "kernels-fp8-linear-vs-bf16-h200.json"
 ROWS = [1, 2, 4, 16, 64, 1024, 8192]

@@ -1,15 +1,15 @@
 """Sparse attention and lightning-indexer benchmarks on one GPU, against torch and FlashInfer.
 
-    python benchmarks/kernels_attention.py        # H200: results/kernels-attention-h200.json
-    python benchmarks/kernels_attention.py --dry-run --out /tmp/a.json   # CPU: tiny, ref only
+    python -m benchmarks.bench_kernels_attention        # H200: results/kernels-attention-h200.json
+    python -m benchmarks.bench_kernels_attention --dry-run --out /tmp/a.json   # CPU: tiny, ref only
 
-Same record format and timing as benchmarks/kernels.py ({"name", "shape", "time_us",
+Same record format and timing as benchmarks/bench_kernels.py ({"name", "shape", "time_us",
 "baseline", "baseline_time_us", "speedup", "pct_roofline"}; medians of CUDA-graph replays).
 Every case rotates over several input sets whose KV bytes together exceed the 50 MB L2, so
 graph replays read HBM as a decode step does (the same candidate rows replayed back to back
 would otherwise be L2 hits). Compulsory bytes: candidate rows read once + q + o (attention);
 indexer keys read once + q + weights + slots (indexer); pct_roofline is the larger of
-bandwidth / 4.3 TB/s and FLOP/s / 790 TFLOP/s, as in kernels.py.
+bandwidth / 4.3 TB/s and FLOP/s / 790 TFLOP/s, as in bench_kernels.py.
 
 FlashInfer (`BatchMLAPagedAttentionWrapper`, fa3, ckv 512, kpe 0, page_size 1, one CSR row per
 query token, causal=False) is the peer for sparse attention; it has no sink, so the sink is
@@ -22,21 +22,16 @@ from __future__ import annotations
 
 import inspect
 import math
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if sys.path and Path(sys.path[0] or ".").resolve() == Path(__file__).resolve().parent:
-    sys.path[0] = str(ROOT)  # this folder first on sys.path would shadow `kernels`
-elif str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from benchmarks.harness import Case, bench_main, measure, warm_up_clocks
+from dsv4.runner.kv_codec import encode_rows
+from kernels import indexer, indexer_select, sparse_attention
 
-from benchmarks.harness import Case, bench_main, measure, warm_up_clocks  # noqa: E402
-from dsv4.runner.kv_codec import encode_rows  # noqa: E402
-from kernels import indexer, indexer_select, sparse_attention  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "kernels-attention-h200.json"
 L2_BYTES = 50e6

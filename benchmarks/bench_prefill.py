@@ -1,9 +1,9 @@
 """Prefill TTFT on one GPU: a lone prompt through the paged prefill path, each switch on and off.
 
-    python benchmarks/prefill.py --dry-run --out /tmp/p.json   # CPU smoke: tiny model, ref path
+    python -m benchmarks.bench_prefill --dry-run --out /tmp/p.json  # CPU: tiny model, ref path
     # On an H200 (results/prefill-h200.json), in two commands of < 10 min each:
-    python3 benchmarks/prefill.py --lengths 8192,32768             # ~3 min (8K ~1.5 s, 32K ~8 s)
-    python3 benchmarks/prefill.py --lengths 131072 --repeats 1 --merge   # ~6-7 min (~70 s/run)
+    python -m benchmarks.bench_prefill --lengths 8192,32768  # ~3 min (8K ~1.5 s, 32K ~8 s)
+    python -m benchmarks.bench_prefill --lengths 131072 --repeats 1 --merge   # ~6-7 min (~70 s/run)
 
 Model: V4-Flash dimensions (`flash_config`, random bf16 weights via `random_model`) with
 `--layers` ratios (default 0,4,128,4,128,4,128,4: four ratio-4 layers, so IndexCache frequency 2
@@ -38,22 +38,18 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-# Run as a script, sys.path[0] is benchmarks/, where kernels.py would shadow the kernels package.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "benchmarks"]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from benchmarks.harness import PEAK_FLOPS
+from dsv4.cache.layout import KVLayout
+from dsv4.cache.manager import KVCacheManager
+from dsv4.cache.packing import CacheOptions
+from dsv4.model.config import ModelConfig, flash_config, tiny_config
+from dsv4.model.index_cache import IndexPattern
+from dsv4.model.tiny import random_model
+from dsv4.runner.paged_cache import PagedKVCache
+from dsv4.runner.paged_state import load_states, store_state
+from dsv4.scheduler.batch import ScheduledRequest
 
-from benchmarks.harness import PEAK_FLOPS  # noqa: E402
-from dsv4.cache.layout import KVLayout  # noqa: E402
-from dsv4.cache.manager import KVCacheManager  # noqa: E402
-from dsv4.cache.packing import CacheOptions  # noqa: E402
-from dsv4.model.config import ModelConfig, flash_config, tiny_config  # noqa: E402
-from dsv4.model.index_cache import IndexPattern  # noqa: E402
-from dsv4.model.tiny import random_model  # noqa: E402
-from dsv4.runner.paged_cache import PagedKVCache  # noqa: E402
-from dsv4.runner.paged_state import load_states, store_state  # noqa: E402
-from dsv4.scheduler.batch import ScheduledRequest  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "prefill-h200.json"
 GPU_LENGTHS = (8192, 32768, 131072)

@@ -1,9 +1,9 @@
 """FP8 weight-only linears on one GPU: the fp8_linear kernel against cuBLAS on bf16 weights.
 
-    python benchmarks/kernels_linear.py         # H200: writes results/kernels-linear-h200.json
-    python benchmarks/kernels_linear.py --dry-run --out /tmp/l.json   # CPU: tiny shapes, refs
+    python -m benchmarks.bench_kernels_linear  # H200: writes results/kernels-linear-h200.json
+    python -m benchmarks.bench_kernels_linear --dry-run --out /tmp/l.json   # CPU: tiny shapes, refs
 
-Same record format and timing as benchmarks/kernels.py (CUDA-graph replays; pct_roofline is
+Same record format and timing as benchmarks/bench_kernels.py (CUDA-graph replays; pct_roofline is
 the larger of bandwidth / 4.3 TB/s and FLOP/s / 790 TFLOP/s over compulsory traffic and work).
 The V4-Flash linears that checkpoints store as FP8 (`features.linear_weights=checkpoint`), at
 decode rows (1, 16, 64: weight-bandwidth-bound, the FP8 weight is half the bf16 bytes) and
@@ -25,26 +25,21 @@ Bytes = the FP8 weight + scales + x + y; FLOPs = 2 T N K.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if sys.path and Path(sys.path[0] or ".").resolve() == Path(__file__).resolve().parent:
-    sys.path[0] = str(ROOT)  # this folder first on sys.path would shadow `kernels`
-elif str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from benchmarks.harness import Case, bench_main, measure, warm_up_clocks  # noqa: E402
-from dsv4.model.quant import fp8_block_dequantize, fp8_block_quantize  # noqa: E402
-from kernels.fp8_linear import (  # noqa: E402
+from benchmarks.harness import Case, bench_main, measure, warm_up_clocks
+from dsv4.model.quant import fp8_block_dequantize, fp8_block_quantize
+from kernels.fp8_linear import (
     fp8_grouped_linear,
     fp8_grouped_linear_ref,
     fp8_linear,
     fp8_linear_ref,
 )
+
+ROOT = Path(__file__).resolve().parents[1]
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "kernels-linear-h200.json"
 GPU_SIZES = {"rows": [1, 16, 64, 1024, 8192], "groups": (8, 1024, 4096),

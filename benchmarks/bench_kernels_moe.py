@@ -1,9 +1,9 @@
 """MoE experts, compressor step and sampling benchmarks on one GPU, each against its slow path.
 
-    python benchmarks/kernels_moe.py            # H200: writes results/kernels-moe-h200.json
-    python benchmarks/kernels_moe.py --dry-run --out /tmp/m.json   # CPU: tiny shapes, refs only
+    python -m benchmarks.bench_kernels_moe            # H200: writes results/kernels-moe-h200.json
+    python -m benchmarks.bench_kernels_moe --dry-run --out /tmp/m.json  # CPU: tiny shapes, refs
 
-Same record format and timing as benchmarks/kernels.py ({"name", "shape", "time_us",
+Same record format and timing as benchmarks/bench_kernels.py ({"name", "shape", "time_us",
 "baseline", "baseline_time_us", "speedup", "pct_roofline"}; pct_roofline is the larger of
 bandwidth / 4.3 TB/s and FLOP/s / 790 TFLOP/s over compulsory traffic and work).
 - moe_experts: V4-Flash (D 4096, I 2048, E 256, K 6) at 8192 tokens (compute-bound: the bf16
@@ -29,22 +29,17 @@ bandwidth / 4.3 TB/s and FLOP/s / 790 TFLOP/s over compulsory traffic and work).
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if sys.path and Path(sys.path[0] or ".").resolve() == Path(__file__).resolve().parent:
-    sys.path[0] = str(ROOT)  # this folder first on sys.path would shadow `kernels`
-elif str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from benchmarks.harness import Case, bench_main, measure
+from dsv4.model.quant import fp8_block_quantize, mxfp4_quantize
+from kernels import compressor, moe, sampling
+from kernels.moe_align import moe_align, moe_align_ref
 
-from benchmarks.harness import Case, bench_main, measure  # noqa: E402
-from dsv4.model.quant import fp8_block_quantize, mxfp4_quantize  # noqa: E402
-from kernels import compressor, moe, sampling  # noqa: E402
-from kernels.moe_align import moe_align, moe_align_ref  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "kernels-moe-h200.json"
 GPU_SIZES = {"dim": 4096, "inter": 2048, "experts": 256, "k": 6, "moe_tokens": [8192, 64],

@@ -1,9 +1,9 @@
 """Engine-level decode TPOT and prefill TTFT on one GPU: the paged forward with each speed
 switch at its baseline, against the reference forward, on the same cache and inputs.
 
-    python3 benchmarks/engine.py decode --out benchmarks/results/decode-h200.json
-    python3 benchmarks/engine.py prefill --out benchmarks/results/prefill-h200.json
-    python benchmarks/engine.py decode --dry-run --out /tmp/d.json     # CPU smoke (tiny model)
+    python -m benchmarks.bench_engine decode --out benchmarks/results/decode-h200.json
+    python -m benchmarks.bench_engine prefill --out benchmarks/results/prefill-h200.json
+    python -m benchmarks.bench_engine decode --dry-run --out /tmp/d.json  # CPU smoke (tiny model)
 
 Decode: V4-Flash dimensions, layers `--layers` (default 0,4,128,4), 256 routed experts, random
 bf16 weights, fp8 KV + MXFP4 indexer keys. B requests are prefilled to `--contexts` tokens; the
@@ -23,20 +23,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-# Run as a script, sys.path[0] is benchmarks/, where kernels.py would shadow the kernels package.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "benchmarks"]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from benchmarks import engine_setup as es  # noqa: E402
-from dsv4.model.index_cache import IndexPattern  # noqa: E402
-from dsv4.scheduler.request import Request  # noqa: E402
+from benchmarks import engine_setup as es
+from dsv4.model.index_cache import IndexPattern
+from dsv4.scheduler.request import Request
 
 
 def _prompt(gen, vocab: int, n: int) -> tuple[int, ...]:

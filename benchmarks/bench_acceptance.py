@@ -1,30 +1,24 @@
 """MTP acceptance per draft position of the trained tiny model (`dsv4 train-tiny`), measured
-through the paged speculator on held-out text: the rates `benchmarks/decode_graphs.py` turns
+through the paged speculator on held-out text: the rates `benchmarks/bench_decode_graphs.py` turns
 step times into TPOT with.
 
     dsv4 train-tiny /tmp/trained --minutes 8
-    python benchmarks/acceptance.py --model /tmp/trained --out benchmarks/results/mtp-acceptance.json
+    python -m benchmarks.bench_acceptance --model /tmp/trained --out benchmarks/results/mtp-acceptance.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "benchmarks"]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from dsv4.model.weights import load_model  # noqa: E402
-from dsv4.runner.sampler import SamplingSpec  # noqa: E402
-from dsv4.spec.measure import measure_acceptance  # noqa: E402
-from dsv4.train_tiny import HELDOUT_MODULE, stdlib_tokens  # noqa: E402
+from dsv4.model.weights import load_model
+from dsv4.runner.sampler import SamplingSpec
+from dsv4.spec.measure import measure_acceptance
+from dsv4.train_tiny import HELDOUT_MODULE, stdlib_tokens
 
 
 def main(argv: list[str] | None = None) -> int:

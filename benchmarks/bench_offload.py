@@ -1,9 +1,9 @@
 """Expert offload on one GPU: a full-depth V4-Flash-shaped model whose random MXFP4 experts
 (43 x 256 x 12.75 MiB = 137 GiB, ~155 GB of weights in all) exceed the card.
 
-    python benchmarks/offload.py                            # H200: results/offload-h200.json
-    python benchmarks/offload.py --dry-run --out /tmp/o.json  # CPU smoke: tiny config
-    python benchmarks/offload.py --layers 4 --gpu-mem-gib 12 --out /tmp/o.json  # GPU smoke
+    python -m benchmarks.bench_offload                            # H200: results/offload-h200.json
+    python -m benchmarks.bench_offload --dry-run --out /tmp/o.json  # CPU smoke: tiny config
+    python -m benchmarks.bench_offload --layers 4 --gpu-mem-gib 12 --out /tmp/o.json  # GPU smoke
 
 `dsv4.plan` decides how many experts per layer stay resident (the same plan a worker would
 check at start-up); the rest go to pinned host memory. Weights are generated in memory on the
@@ -25,26 +25,22 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-# Run as a script, sys.path[0] is benchmarks/, where kernels.py would shadow the kernels package.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "benchmarks"]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from dsv4.model.config import ModelConfig, tiny_config  # noqa: E402
-from dsv4.model.deepseek_v4 import DeepseekV4  # noqa: E402
-from dsv4.model.inventory import model_tensors  # noqa: E402
-from dsv4.model.moe import MoE, swiglu  # noqa: E402
-from dsv4.model.offload import (  # noqa: E402
+from dsv4.model.config import ModelConfig, tiny_config
+from dsv4.model.deepseek_v4 import DeepseekV4
+from dsv4.model.inventory import model_tensors
+from dsv4.model.moe import MoE, swiglu
+from dsv4.model.offload import (
     ExpertFormat,
     OffloadedExperts,
     OffloadPolicy,
     offload_model,
     offload_stats,
 )
-from dsv4.model.quant import mxfp4_dequantize  # noqa: E402
-from dsv4.model.tiny import random_model, random_tensor  # noqa: E402
-from dsv4.plan import PlanRequest, WeightFormats, full_flash_config, plan_memory  # noqa: E402
+from dsv4.model.quant import mxfp4_dequantize
+from dsv4.model.tiny import random_model, random_tensor
+from dsv4.plan import PlanRequest, WeightFormats, full_flash_config, plan_memory
+
+ROOT = Path(__file__).resolve().parents[1]
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "offload-h200.json"
 GIB = 1024**3

@@ -1,7 +1,7 @@
 """Kernel micro-benchmarks on one GPU: each kernel against its slow path on the same inputs.
 
-    python benchmarks/kernels.py                 # on an H200: writes results/kernels-h200.json
-    python benchmarks/kernels.py --dry-run --out /tmp/k.json   # CPU smoke: tiny shapes, ref only
+    python -m benchmarks.bench_kernels  # on an H200: writes results/kernels-h200.json
+    python -m benchmarks.bench_kernels --dry-run --out /tmp/k.json  # CPU: tiny shapes, ref only
 
 Times are medians of many timed repeats: `triton.testing.do_bench_cudagraph` (CUDA-graph
 replay, no Python launch overhead) where the callable can be captured, else `do_bench`.
@@ -12,26 +12,19 @@ FLOP/s / 790 TFLOP/s, counting each kernel's minimum (compulsory) traffic and wo
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-# Run as a script, this file's folder comes first on sys.path and its name would shadow the
-# `kernels` package: put the repository root there instead.
-if sys.path and Path(sys.path[0] or ".").resolve() == Path(__file__).resolve().parent:
-    sys.path[0] = str(ROOT)
-elif str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from benchmarks.harness import Case, bench_main, measure, warm_up_clocks
+from dsv4.runner.kv_codec import encode_rows
+from kernels import metadata, mhc, routing
+from kernels.kv_store import kv_store, kv_store_ref, min_entry_bytes
+from kernels.norm_rope import norm_rope, norm_rope_ref, rope_ref
+from kernels.norm_rope import rope as rope_kernel
 
-from benchmarks.harness import Case, bench_main, measure, warm_up_clocks  # noqa: E402
-from dsv4.runner.kv_codec import encode_rows  # noqa: E402
-from kernels import metadata, mhc, routing  # noqa: E402
-from kernels.kv_store import kv_store, kv_store_ref, min_entry_bytes  # noqa: E402
-from kernels.norm_rope import norm_rope, norm_rope_ref, rope_ref  # noqa: E402
-from kernels.norm_rope import rope as rope_kernel  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "kernels-h200.json"
 M, ITERS, EPS = 4, 20, 1e-6
