@@ -49,6 +49,33 @@ ClientFactory = Callable[[ClientOptions], Any]
 IN_FLIGHT_WARNING_THRESHOLD = 1000
 
 
+def _int_at_least(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} must be at least {minimum}")
+        return value
+
+    return parse
+
+
+positive_int = _int_at_least(1)
+non_negative_int = _int_at_least(0)
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0 or math.isinf(value):
+        raise argparse.ArgumentTypeError(f"{text} must be a positive finite number")
+    return value
+
+
 def add_loadtest_args(parser: argparse.ArgumentParser) -> None:
     """Add every `dsv4 loadtest` flag to `parser`."""
     g = parser.add_argument_group("target")
@@ -66,9 +93,12 @@ def add_loadtest_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--served-model-name", default=None, help="name sent in requests if not --model")
     g.add_argument("--tls-ca", default=None, metavar="FILE", help="root CA (PEM): use TLS")
     g.add_argument("--api-key", default=None, help="sent as `authorization: Bearer KEY`")
-    g.add_argument("--timeout-s", type=float, default=600.0, help="per-request deadline")
+    g.add_argument("--timeout-s", type=positive_float, default=600.0, help="per-request deadline")
     g.add_argument(
-        "--vocab-size", type=int, default=None, help="default: ask GetModelInfo, else 129280"
+        "--vocab-size",
+        type=positive_int,
+        default=None,
+        help="default: ask GetModelInfo, else 129280",
     )
     g.add_argument("--temperature", type=float, default=None, help="default: server's")
     g.add_argument(
@@ -80,18 +110,28 @@ def add_loadtest_args(parser: argparse.ArgumentParser) -> None:
     d = parser.add_argument_group("workload")
     d.add_argument("--dataset-name", choices=DATASET_NAMES, default="random")
     d.add_argument("--dataset-path", default=None, help="ShareGPT JSON or Mooncake JSONL")
-    d.add_argument("--num-prompts", type=int, default=1000)
-    d.add_argument("--random-input-len", type=int, default=1024, help="also shared-prefix suffix")
-    d.add_argument("--random-output-len", type=int, default=128)
+    d.add_argument("--num-prompts", type=positive_int, default=1000)
+    d.add_argument(
+        "--random-input-len", type=positive_int, default=1024, help="also shared-prefix suffix"
+    )
+    d.add_argument("--random-output-len", type=positive_int, default=128)
     d.add_argument("--random-range-ratio", type=float, default=0.0, help="lengths in mean*(1±r)")
-    d.add_argument("--prefix-len", type=int, default=512, help="shared-prefix: prefix tokens")
-    d.add_argument("--prefix-num-groups", type=int, default=4, help="shared-prefix: groups")
-    d.add_argument("--sharegpt-output-len", type=int, default=None, help="fixed output length")
+    d.add_argument(
+        "--prefix-len", type=non_negative_int, default=512, help="shared-prefix: prefix tokens"
+    )
+    d.add_argument(
+        "--prefix-num-groups", type=positive_int, default=4, help="shared-prefix: groups"
+    )
+    d.add_argument(
+        "--sharegpt-output-len", type=positive_int, default=None, help="fixed output length"
+    )
     d.add_argument(
         "--tokenizer", default=None,
         help="tokenizer.json or its dir: exact ShareGPT lengths, chat prompt text, vocab size",
     )  # fmt: skip
-    d.add_argument("--trace-block-size", type=int, default=512, help="tokens per trace hash id")
+    d.add_argument(
+        "--trace-block-size", type=positive_int, default=512, help="tokens per trace hash id"
+    )
     d.add_argument("--trace-time-scale", type=float, default=1.0, help="0.5 = replay 2x faster")
     d.add_argument(
         "--trace-timestamps",
@@ -103,8 +143,8 @@ def add_loadtest_args(parser: argparse.ArgumentParser) -> None:
     a.add_argument("--request-rate", type=rate_from_text, default=math.inf, help="req/s or inf")
     a.add_argument("--request-rate-mode", choices=ARRIVAL_MODES, default="poisson")
     a.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
-    a.add_argument("--max-concurrency", type=int, default=None)
-    a.add_argument("--num-warmups", type=int, default=0)
+    a.add_argument("--max-concurrency", type=positive_int, default=None)
+    a.add_argument("--num-warmups", type=non_negative_int, default=0)
     a.add_argument("--seed", type=int, default=0)
     a.add_argument("--sweep-rates", default=None, metavar="R1,R2,..", help="one run per rate")
     o = parser.add_argument_group("output")
