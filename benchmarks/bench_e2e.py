@@ -223,8 +223,8 @@ def main(argv: list[str] | None = None) -> int:
         args.probe_prompt, args.probe_output, args.probe_scale = 64, 6, 1
         args.max_model_len, args.num_blocks, args.budget = 512, 256, 512
         args.hf_decode_steps = 3
-    args.rate_list = args.rates.split(",")
-    args.prompt_counts = [int(n) for n in args.prompts_per_rate.split(",")]
+    args.rate_list = [r for r in args.rates.split(",") if r]  # "": the probes alone
+    args.prompt_counts = [int(n) for n in args.prompts_per_rate.split(",") if n]
     out = args.out_dir
     out.mkdir(parents=True, exist_ok=True)
     # no MTP layer (see the module doc); checkpoint experts: MXFP4, V4-Flash's format; checkpoint
