@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.harness import Case, bench_main, measure, warm_up_clocks
+from benchmarks.harness import Case, bench_main, measure, start_run
 from dsv4.runner.kv_codec import encode_rows
 from kernels import metadata, mhc, routing
 from kernels.kv_store import kv_store, kv_store_ref, min_entry_bytes
@@ -220,11 +220,7 @@ DRY_SIZES = {
 
 
 def run(dry_run: bool, only: str = "") -> list[dict]:
-    dev = "cpu" if dry_run else "cuda"
-    sizes = DRY_SIZES if dry_run else GPU_SIZES
-    torch.manual_seed(0)
-    if not dry_run:
-        warm_up_clocks()
+    dev, sizes = start_run(dry_run, DRY_SIZES, GPU_SIZES)
     cases = (
         c
         for gen in (_route_cases, _mhc_cases, _glue_cases, _metadata_cases, _kv_store_cases)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.harness import Case, bench_main, measure, warm_up_clocks
+from benchmarks.harness import Case, bench_main, measure, start_run
 from dsv4.runner.kv_codec import encode_rows
 from kernels import indexer, indexer_select, sparse_attention
 
@@ -221,11 +221,7 @@ def _indexer_cases(dev, sz, dry) -> Iterator[Case]:
 
 
 def run(dry_run: bool, only: str = "") -> list[dict]:
-    dev = "cpu" if dry_run else "cuda"
-    sizes = DRY_SIZES if dry_run else GPU_SIZES
-    torch.manual_seed(0)
-    if not dry_run:
-        warm_up_clocks()
+    dev, sizes = start_run(dry_run, DRY_SIZES, GPU_SIZES)
     cases = (c for gen in (_attention_cases, _indexer_cases) for c in gen(dev, sizes, dry_run))
     return list(measure(cases, dry_run, only))
 

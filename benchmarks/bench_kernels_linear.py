@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.harness import Case, bench_main, measure, warm_up_clocks
+from benchmarks.harness import Case, bench_main, measure, start_run
 from dsv4.model.quant import fp8_block_dequantize, fp8_block_quantize
 from kernels.fp8_linear import (
     fp8_grouped_linear,
@@ -129,11 +129,7 @@ def _grouped_cases(dev, sizes, dry) -> Iterator[Case]:
 
 
 def run(dry_run: bool, only: str = "") -> list[dict]:
-    dev = "cpu" if dry_run else "cuda"
-    sizes = DRY_SIZES if dry_run else GPU_SIZES
-    torch.manual_seed(0)
-    if not dry_run:
-        warm_up_clocks()
+    dev, sizes = start_run(dry_run, DRY_SIZES, GPU_SIZES)
     gens = (("fp8_linear", _linear_cases), ("fp8_grouped_linear", _grouped_cases),
             ("fp8_linear_tile", _tile_cases), ("fp8_linear_gemv", _gemv_cases))  # fmt: skip
     # a generator whose cases `only` excludes is never started (no weights drawn for it)

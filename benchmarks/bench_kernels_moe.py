@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.harness import Case, bench_main, measure
+from benchmarks.harness import Case, bench_main, measure, start_run
 from dsv4.model.quant import fp8_block_quantize, mxfp4_quantize
 from kernels import compressor, moe, sampling
 from kernels.moe_align import moe_align, moe_align_ref
@@ -212,9 +212,7 @@ def _sampling_cases(dev, sizes, dry) -> Iterator[Case]:
 
 
 def run(dry_run: bool, only: str = "") -> list[dict]:
-    dev = "cpu" if dry_run else "cuda"
-    sizes = DRY_SIZES if dry_run else GPU_SIZES
-    torch.manual_seed(0)
+    dev, sizes = start_run(dry_run, DRY_SIZES, GPU_SIZES, warm_up=False)
     # (case name, its generator): a generator whose cases `only` excludes is never started,
     # so `--only moe_align` does not first build 256 experts' weights in three formats
     gens = (("compressor_step", _compressor_cases), ("sample", _sampling_cases),

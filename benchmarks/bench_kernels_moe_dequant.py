@@ -21,10 +21,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-import torch
-
 from benchmarks.bench_kernels_moe import bf16_experts, moe_step, quantize_experts
-from benchmarks.harness import Case, bench_main, measure, warm_up_clocks
+from benchmarks.harness import Case, bench_main, measure, start_run
 from kernels import moe
 from kernels.moe_dequant import moe_experts_dequant
 
@@ -64,11 +62,7 @@ def _cases(dev, sizes, dry) -> Iterator[Case]:
 
 
 def run(dry_run: bool, only: str = "") -> list[dict]:
-    dev = "cpu" if dry_run else "cuda"
-    sizes = DRY_SIZES if dry_run else GPU_SIZES
-    torch.manual_seed(0)
-    if not dry_run:
-        warm_up_clocks()
+    dev, sizes = start_run(dry_run, DRY_SIZES, GPU_SIZES)
     return list(measure(_cases(dev, sizes, dry_run), dry_run, only))
 
 

@@ -57,6 +57,15 @@ def warm_up_clocks() -> None:
     torch.cuda.synchronize()
 
 
+def start_run(dry_run: bool, dry_sizes: dict, gpu_sizes: dict, *, warm_up: bool = True):
+    """A sweep's common start: (device, sizes) for a dry or a GPU run, torch's seed 0, and on
+    the GPU the clocks brought up first (unless `warm_up` is False)."""
+    torch.manual_seed(0)
+    if not dry_run and warm_up:
+        warm_up_clocks()
+    return ("cpu", dry_sizes) if dry_run else ("cuda", gpu_sizes)
+
+
 def measure(cases: Iterable[Case], dry_run: bool, only: str = "") -> Iterator[dict]:
     """Time every case (and its baseline) whose name contains `only`; yield its record."""
     for case in cases:
