@@ -71,6 +71,8 @@ def _check_up_args(args: argparse.Namespace) -> None:
             raise UsageError(f"{flag} {count}: give at least 1 (each pool needs a worker)")
     if not 0 < args.port < 65536:
         raise UsageError(f"--port {args.port}: give a TCP port in 1..65535")
+    if not 0 <= args.http_port < 65536:
+        raise UsageError(f"--http-port {args.http_port}: give a TCP port in 1..65535 (0: off)")
     model_dir = Path(args.model.removeprefix("random:"))
     if args.model != "tiny" and not (model_dir / "config.json").is_file():
         raise UsageError(

@@ -78,6 +78,7 @@ BAD = [
     (["up", "--num-prefill", "0"], "--num-prefill"),
     (["up", "--num-decode", "x"], "--num-decode"),
     (["up", "--port", "99999"], "--port"),
+    (["up", "--http-port", "-1"], "--http-port"),
     (["up", "--model", "/nonexistent/ckpt"], "--model"),
     (["demo", "--request-rate", "abc"], "--request-rate"),
 ]
