@@ -15,10 +15,10 @@ from pathlib import Path
 
 import torch
 
+from dsv4.commands.train_tiny import HELDOUT_MODULE, stdlib_tokens
 from dsv4.model.weights import load_model
 from dsv4.runner.sampler import SamplingSpec
-from dsv4.spec.measure import measure_acceptance
-from dsv4.train_tiny import HELDOUT_MODULE, stdlib_tokens
+from dsv4.speculative.measure import measure_acceptance
 
 
 def main(argv: list[str] | None = None) -> int:

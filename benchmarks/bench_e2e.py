@@ -27,10 +27,10 @@ import time
 from pathlib import Path
 
 from benchmarks.engine_setup import model_config
-from dsv4.cluster import AUTO_PORTS, ClusterSpec, LocalCluster, free_port
-from dsv4.metrics import scrape
+from dsv4.commands.cluster import AUTO_PORTS, ClusterSpec, LocalCluster, free_port
 from dsv4.model.config import ModelConfig
 from dsv4.model.tiny import write_model_spec
+from dsv4.serving.metrics import scrape
 
 MODES = {"disaggregated": (1, ()), "colocated": (0, ("--role", "colocated"))}
 
@@ -47,7 +47,7 @@ def service_args(args) -> tuple[str, ...]:
 def loadtest(target: str, out: Path, label: str, rate: str, num_prompts: int, input_len: int,
              output_len: int, ratio: float, args, concurrency: int = 0) -> dict:  # fmt: skip
     """One `dsv4 loadtest` run -> its result JSON (per-request records in `label`.jsonl)."""
-    cmd = [sys.executable, "-m", "dsv4.cli", "loadtest", "--target", target,
+    cmd = [sys.executable, "-m", "dsv4.commands.cli", "loadtest", "--target", target,
            "--dataset-name", "random", "--num-prompts", str(num_prompts),
            "--random-input-len", str(input_len), "--random-output-len", str(output_len),
            "--random-range-ratio", str(ratio), "--request-rate", rate, "--seed", "1",

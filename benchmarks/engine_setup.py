@@ -13,7 +13,7 @@ import time
 import torch
 
 from dsv4.cache.packing import CacheOptions
-from dsv4.engine_core import build_engine_core
+from dsv4.engine.core import build_engine_core
 from dsv4.model.config import ModelConfig, flash_config, tiny_config
 from dsv4.model.kernel_bridge import install_kernels
 from dsv4.model.tiny import random_model

@@ -14,8 +14,8 @@ import grpc
 
 from dsv4 import wire
 from dsv4.config import ServeConfig
-from dsv4.logs import request_metadata
 from dsv4.rpc.v1 import worker_pb2_grpc
+from dsv4.serving.logs import request_metadata
 from dsv4.types import ReleaseRequest
 from dsv4.worker.server import TOKEN_METADATA_KEY
 

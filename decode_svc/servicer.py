@@ -16,9 +16,10 @@ from decode_svc.prefill_client import PrefillClients
 from decode_svc.session import DecodeDeps, DecodeSession, Live
 from dsv4 import wire
 from dsv4.errors import DeadlineExceeded, Dsv4Error, InvalidRequest, Unavailable
-from dsv4.logs import bind_request_id
-from dsv4.metrics import DecodeMetrics, new_registry
 from dsv4.rpc.v1 import worker_pb2_grpc
+from dsv4.serving.logs import bind_request_id
+from dsv4.serving.metrics import DecodeMetrics, new_registry
+from dsv4.serving.tasks import TaskOwner
 from dsv4.types import DrainStatus, StreamChunk, WorkerInfo
 from dsv4.worker.build import WorkerRuntime
 from dsv4.worker.identity import (
@@ -30,7 +31,6 @@ from dsv4.worker.identity import (
     worker_metrics,
 )
 from dsv4.worker.server import abort_with
-from dsv4.worker.tasks import TaskOwner
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ SERVICE_NAME = "dsv4.v1.DecodeWorker"
 
 
 class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
-    SERVICE_NAME = SERVICE_NAME  # the class attribute `dsv4.worker.main` reads
+    SERVICE_NAME = SERVICE_NAME  # the class attribute `dsv4.commands.worker` reads
 
     def __init__(self, runtime: WorkerRuntime, identity: WorkerIdentity) -> None:
         self.runtime = runtime
@@ -47,7 +47,7 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         self._prefill_clients = PrefillClients(runtime.config)
         self._live: dict[str, Live] = {}
         self.is_draining = False
-        self.is_stopping = False  # set by dsv4.worker.main at SIGTERM; Undrain is refused then
+        self.is_stopping = False  # set by dsv4.commands.worker at SIGTERM; Undrain is refused then
         self.registry = new_registry()
         self.metrics = DecodeMetrics.create(
             self.registry,

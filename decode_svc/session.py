@@ -34,9 +34,10 @@ from dsv4.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from dsv4.metrics import DecodeMetrics
 from dsv4.scheduler.batch import RequestOutput
 from dsv4.scheduler.request import FinishReason as EngineFinish
+from dsv4.serving.metrics import DecodeMetrics
+from dsv4.serving.tasks import TaskOwner
 from dsv4.transfer import ExportedBlocks, PullState, PullStatus, TransportEndpoint
 from dsv4.types import (
     DecodeRequest,
@@ -48,7 +49,6 @@ from dsv4.types import (
     Usage,
 )
 from dsv4.worker.build import WorkerRuntime
-from dsv4.worker.tasks import TaskOwner
 
 logger = logging.getLogger(__name__)
 

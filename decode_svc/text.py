@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dsv4.model.tokenizer import TextCodec
+from dsv4.text.tokenizer import TextCodec
 
 
 class TextDeltas:

@@ -18,7 +18,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from dsv4.engine import AsyncEngine
+from dsv4.engine.async_engine import AsyncEngine
 from dsv4.transfer import ExportedBlocks, KVTransport
 from dsv4.types import ReleaseResult
 

@@ -19,11 +19,12 @@ import time
 import grpc
 
 from dsv4 import wire
-from dsv4.engine import AsyncEngine
+from dsv4.engine.async_engine import AsyncEngine
 from dsv4.errors import DeadlineExceeded, Dsv4Error, Unavailable
-from dsv4.logs import bind_request_id
-from dsv4.metrics import PrefillMetrics, new_registry
 from dsv4.rpc.v1 import worker_pb2_grpc
+from dsv4.serving.logs import bind_request_id
+from dsv4.serving.metrics import PrefillMetrics, new_registry
+from dsv4.serving.tasks import TaskOwner
 from dsv4.types import (
     DrainStatus,
     GenerateRequest,
@@ -36,7 +37,6 @@ from dsv4.types import (
 from dsv4.worker.build import WorkerRuntime
 from dsv4.worker.identity import WorkerIdentity, WorkerLoad, undrain, worker_info, worker_metrics
 from dsv4.worker.server import abort_with
-from dsv4.worker.tasks import TaskOwner
 from prefill_svc.leases import LeaseTable
 
 logger = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ SERVICE_NAME = "dsv4.v1.PrefillWorker"
 
 
 class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
-    SERVICE_NAME = SERVICE_NAME  # the class attribute `dsv4.worker.main` reads
+    SERVICE_NAME = SERVICE_NAME  # the class attribute `dsv4.commands.worker` reads
 
     def __init__(self, runtime: WorkerRuntime, identity: WorkerIdentity) -> None:
         assert runtime.transport is not None, "a prefill worker needs a KV transport"
@@ -59,7 +59,7 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
         self._endpoint_bytes = self._endpoint.to_bytes()
         self._running: dict[str, int] = {}  # request id -> prompt tokens
         self.is_draining = False
-        self.is_stopping = False  # set by dsv4.worker.main at SIGTERM; Undrain is refused then
+        self.is_stopping = False  # set by dsv4.commands.worker at SIGTERM; Undrain is refused then
         self.registry = new_registry()
         self.metrics = PrefillMetrics.create(
             self.registry,

@@ -19,8 +19,8 @@ import grpc
 
 from dsv4 import errors, wire
 from dsv4.config import ServeConfig
-from dsv4.logs import request_metadata
 from dsv4.rpc.v1 import worker_pb2, worker_pb2_grpc
+from dsv4.serving.logs import request_metadata
 from dsv4.types import (
     DecodeRequest,
     GenerateRequest,

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dsv4.config import ServeConfig
-from dsv4.metrics import RouterMetrics, new_registry
+from dsv4.serving.metrics import RouterMetrics, new_registry
+from dsv4.serving.tasks import TaskOwner
 from dsv4.types import PullFailurePolicy
-from dsv4.worker.tasks import TaskOwner
 from router_svc.clients import WorkerClients
 from router_svc.pool import WorkerPool
 from router_svc.text_model import TextModel

@@ -2,7 +2,7 @@
 
 `LiveRequests` maps request ids to running flows, so Router.Abort and the pool's "worker down"
 signal can reach them. Background cleanups (Abort on D, Release on P after a request ended
-abnormally) go through the shared `dsv4.worker.tasks.TaskOwner`. Used only on the router's event
+abnormally) go through the shared `dsv4.serving.tasks.TaskOwner`. Used only on the router's event
 loop.
 """
 

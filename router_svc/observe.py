@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 
-from dsv4.metrics import RouterMetrics
+from dsv4.serving.metrics import RouterMetrics
 from dsv4.types import StreamChunk
 
 logger = logging.getLogger(__name__)

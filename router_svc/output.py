@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from tokenizers.decoders import DecodeStream
 
-from dsv4.model.tokenizer import TextCodec
+from dsv4.text.tokenizer import TextCodec
 from dsv4.types import FinishReason, SamplingParams
 
 NUM_PROMPT_CONTEXT_TOKENS = 6  # prompt tail decoded with the output, so spacing comes out right

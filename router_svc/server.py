@@ -29,12 +29,12 @@ from grpc_reflection.v1alpha import reflection
 from dsv4.config import ServeConfig, add_config_args, config_from_args
 from dsv4.discovery import WorkerRegistry, make_registry
 from dsv4.errors import ConfigError, Dsv4Error, Unavailable
-from dsv4.logs import configure_logging
-from dsv4.metrics import MetricsExporter, RouterMetrics, new_registry
 from dsv4.rpc.v1 import router_pb2, router_pb2_grpc
-from dsv4.rpc_guard import MalformedMessageInterceptor, require_shared_secret
+from dsv4.serving.logs import configure_logging
+from dsv4.serving.metrics import MetricsExporter, RouterMetrics, new_registry
+from dsv4.serving.rpc_guard import MalformedMessageInterceptor, require_shared_secret
+from dsv4.serving.tasks import TaskOwner
 from dsv4.types import WorkerRole
-from dsv4.worker.tasks import TaskOwner
 from router_svc.admission import AdmissionGate, TokenBucketLimiter
 from router_svc.clients import ClientSettings, WorkerClients
 from router_svc.flow_settings import FlowDeps, FlowSettings

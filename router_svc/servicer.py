@@ -19,8 +19,8 @@ import grpc
 from dsv4 import wire
 from dsv4.config import ServeConfig, request_limits
 from dsv4.errors import Dsv4Error, Unavailable, to_grpc_status
-from dsv4.logs import bind_request_id
 from dsv4.rpc.v1 import router_pb2, router_pb2_grpc
+from dsv4.serving.logs import bind_request_id
 from dsv4.types import GenerateRequest, ModelInfo, RequestLimits, WorkerRole
 from router_svc.admission import (
     AdmissionGate,

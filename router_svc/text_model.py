@@ -1,7 +1,7 @@
 """The router's tokenizer and special token ids, loaded without torch.
 
 The router reads only `tokenizer.json` (through the `tokenizers` package, via
-`dsv4.model.tokenizer.TextCodec`, whose module imports no torch) and `config.json` for the
+`dsv4.text.tokenizer.TextCodec`, whose module imports no torch) and `config.json` for the
 BOS/EOS ids. Which tokenizer, in order:
 1. `model.tokenizer` (a tokenizer.json file or a directory holding one): missing is an error;
 2. `model.path == "tiny"`: the deterministic tiny tokenizer (BOS 0, EOS 1);
@@ -22,7 +22,7 @@ from tokenizers import Tokenizer
 
 from dsv4.config import ModelSection
 from dsv4.errors import CheckpointError
-from dsv4.model.tokenizer import TextCodec, build_tokenizer
+from dsv4.text.tokenizer import TextCodec, build_tokenizer
 from router_svc.intake import max_token_bytes
 
 logger = logging.getLogger(__name__)

@@ -6,14 +6,14 @@ cache, advanced by the model, and its changes stored back, so the cache alone ca
 between steps (and between workers, after a KV hand-off).
 
 With MTP speculation on (the layout reserves draft slots and the model has an MTP layer) the
-decodes go to `dsv4.spec.SpeculativeDecoder` instead (draft, verify 1 + k positions in one
+decodes go to `dsv4.speculative.SpeculativeDecoder` instead (draft, verify 1 + k positions in one
 forward per row, accept, store only the accepted positions), and prefill chunks hand their
 final streams to it for the MTP layer.
 
 With `paged` set (a `dsv4.runner.paged.PagedForward`, the GPU serving path) every step runs as
 one flat forward on the cache through the kernels instead; decode-only steps replay the
 captured graphs of `graphs` (a `DecodeGraphs`) when given, and MTP speculation runs as
-`dsv4.spec.paged.PagedSpeculator` (verify, accept, propose with the MTP layer on the cache).
+`dsv4.speculative.paged.PagedSpeculator` (verify, accept, propose with the MTP layer on the cache).
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from dsv4.runner.paged_cache import PagedKVCache
 from dsv4.runner.paged_state import load_state, load_states, store_state
 from dsv4.runner.sampler import Sampler, SamplingSpec
 from dsv4.scheduler.batch import RequestStepOutput, ScheduledBatch, ScheduledRequest, StepOutput
-from dsv4.spec.decoder import SpeculativeDecoder
-from dsv4.spec.metrics import SpecMetrics
-from dsv4.spec.paged import PagedSpeculator
+from dsv4.speculative.decoder import SpeculativeDecoder
+from dsv4.speculative.metrics import SpecMetrics
+from dsv4.speculative.paged import PagedSpeculator
 from kernels.backend import KernelBackendConfig
 
 

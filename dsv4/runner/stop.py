@@ -7,8 +7,8 @@ its stop strings. Only the tail that a new token can have completed is searched:
 
 from __future__ import annotations
 
-from dsv4.model.tokenizer import TextCodec
 from dsv4.scheduler.request import Request
+from dsv4.text.tokenizer import TextCodec
 
 
 class TextStopChecker:

@@ -2,6 +2,6 @@
 
 Reading path: `build` (ServeConfig -> model, engine, KV layout, transport), `server` (the grpc.aio
 server: limits, health, reflection, TLS, the x-dsv4-token check), `identity` (Info and the
-Redis heartbeat), `tasks` (owned background tasks), `main` (a worker's life: start, serve,
-drain on SIGTERM, stop).
+Redis heartbeat). A worker's life (start, serve, drain on SIGTERM, stop) is assembled in
+`dsv4.commands.worker`; its background tasks are owned by `dsv4.serving.tasks`.
 """

@@ -32,18 +32,18 @@ import torch
 from dsv4.cache.layout import KVLayout
 from dsv4.cache.packing import CacheOptions
 from dsv4.config import ServeConfig, request_limits, resolve_auto
-from dsv4.engine import AsyncEngine
-from dsv4.engine_core import build_engine_core
+from dsv4.engine.async_engine import AsyncEngine
+from dsv4.engine.core import build_engine_core
 from dsv4.errors import CheckpointError, ConfigError
 from dsv4.model.config import ModelConfig
 from dsv4.model.fp8 import set_linear_activations_
 from dsv4.model.index_cache import IndexPattern
 from dsv4.model.indexer import set_skip_topk
 from dsv4.model.kernel_bridge import install_kernels
-from dsv4.model.tokenizer import TextCodec
 from dsv4.runner.metadata import MetadataOptions
 from dsv4.scheduler.config import SchedulerConfig
 from dsv4.scheduler.request import Request
+from dsv4.text.tokenizer import TextCodec
 from dsv4.transfer import KVTransport, make_transport
 from dsv4.types import GenerateRequest, KVLayoutInfo, RequestLimits
 from dsv4.worker.fit import startup_plan
@@ -112,7 +112,7 @@ def load_weights(config: ServeConfig) -> tuple[torch.nn.Module, ModelConfig, Tex
     if m.path == "tiny":
         from dsv4.model.config import tiny_config
         from dsv4.model.tiny import random_model
-        from dsv4.model.tokenizer import build_tokenizer
+        from dsv4.text.tokenizer import build_tokenizer
 
         cfg = tiny_config()
         model = random_model(cfg, seed=m.seed, dtype=dtype, device=m.device,

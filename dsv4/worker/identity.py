@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry
 from dsv4.config import ServeConfig
 from dsv4.discovery import WorkerHeartbeat, WorkerRecord, make_registry
 from dsv4.discovery.base import WorkerRegistry
-from dsv4.metrics import WorkerMetrics
+from dsv4.serving.metrics import WorkerMetrics
 from dsv4.transfer import TransportEndpoint
 from dsv4.types import TransportKind, WorkerInfo, WorkerRole
 from dsv4.worker.build import WorkerRuntime
@@ -128,7 +128,7 @@ def worker_metrics(
     num_running: Callable[[], int],
     is_draining: Callable[[], bool],
 ) -> WorkerMetrics:
-    """The metrics every worker exports (dsv4.metrics), wired to this runtime's engine."""
+    """The metrics every worker exports (dsv4.serving.metrics), wired to this runtime's engine."""
     return WorkerMetrics.create(
         registry,
         worker_id=identity.worker_id,

@@ -11,7 +11,7 @@ loop.
   metadata `x-dsv4-token: <secret>`; others end UNAUTHENTICATED. Health stays open so
   Kubernetes probes work without the secret.
 - With `security.tls_cert_path`, the port is TLS (mutual when `require_client_cert`).
-- A request that does not parse ends INVALID_ARGUMENT (`dsv4.rpc_guard`), never UNKNOWN.
+- A request that does not parse ends INVALID_ARGUMENT (`dsv4.serving.rpc_guard`), never UNKNOWN.
 - Health follows the engine (`follow_engine_health`): NOT_SERVING while the engine cannot
   step (thread gone, or its last steps all failed), so liveness restarts a worker stuck so.
 """
@@ -31,7 +31,7 @@ from grpc_reflection.v1alpha import reflection
 
 from dsv4.config import ServeConfig
 from dsv4.errors import Dsv4Error, to_grpc_status
-from dsv4.rpc_guard import MalformedMessageInterceptor
+from dsv4.serving.rpc_guard import MalformedMessageInterceptor
 
 logger = logging.getLogger(__name__)
 

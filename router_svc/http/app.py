@@ -26,7 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from dsv4.config import ServeConfig
 from dsv4.errors import Dsv4Error, Unavailable, to_grpc_status
-from dsv4.metrics import RouterMetrics
+from dsv4.serving.metrics import RouterMetrics
 from dsv4.types import StreamChunk
 from router_svc.admission import AUTHORIZATION_KEY, check_api_key
 from router_svc.http.call import InProcessCall

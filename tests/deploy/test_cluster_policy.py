@@ -203,13 +203,13 @@ def test_decode_scales_before_its_batch_is_full(rendered):
 
 
 def test_the_services_export_the_series_the_hpas_use():
-    source = (ROOT / "dsv4" / "metrics.py").read_text()
+    source = (ROOT / "dsv4" / "serving" / "metrics.py").read_text()
     if "vllm:" not in source:
         pytest.skip(
-            "dsv4/metrics.py exports no vllm:* series yet (they land with the metrics work)"
+            "dsv4/serving/metrics.py exports no vllm:* series yet (they land with the metrics work)"
         )
     for series in set().union(*HPA_SERIES.values()):
-        assert f'"{series}"' in source, f"dsv4/metrics.py defines no {series}"
+        assert f'"{series}"' in source, f"dsv4/serving/metrics.py defines no {series}"
 
 
 def test_lws_groups_run_the_prod_pods_with_the_rank_environment(rendered):

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from dsv4 import wire
-from dsv4.cluster import LocalCluster, free_port, is_serving, terminate
+from dsv4.commands.cluster import LocalCluster, free_port, is_serving, terminate
 from dsv4.rpc.v1 import router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from dsv4.types import SamplingParams, StreamChunk
 from tests.services.worker_cluster import WORKER_ARGS
@@ -109,7 +109,7 @@ class ExtraRouter:
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         command = [
-            sys.executable, "-m", "dsv4.cli", "router", "--model", model_dir,
+            sys.executable, "-m", "dsv4.commands.cli", "router", "--model", model_dir,
             "--port", str(self.port), *WORKER_ARGS, *args,
         ]  # fmt: skip
         if prefill:

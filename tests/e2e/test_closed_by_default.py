@@ -19,7 +19,7 @@ import pytest
 from e2e_cluster import assert_no_worker_leaks, generate, greedy
 
 from dsv4 import wire
-from dsv4.cluster import free_port, split_secret
+from dsv4.commands.cluster import free_port, split_secret
 from dsv4.rpc.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from dsv4.types import DecodeRequest, GenerateRequest
 from tests.services.worker_cluster import PROMPTS, WORKER_ARGS, start_cluster, tiny_checkpoint
@@ -183,7 +183,16 @@ def test_no_worker_listens_beyond_loopback_and_the_cluster_serves(cluster) -> No
 
 def test_a_worker_without_a_secret_refuses_to_start_in_one_line() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DSV4_")}
-    command = [sys.executable, "-m", "dsv4.cli", "prefill", "--model", "tiny", "--worker-port", "0"]
+    command = [
+        sys.executable,
+        "-m",
+        "dsv4.commands.cli",
+        "prefill",
+        "--model",
+        "tiny",
+        "--worker-port",
+        "0",
+    ]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()

@@ -22,9 +22,9 @@ from e2e_cluster import (
     kill,
 )
 
-from dsv4.cluster import free_port
-from dsv4.model.tokenizer import TextCodec
+from dsv4.commands.cluster import free_port
 from dsv4.rpc.v1 import common_pb2, router_pb2_grpc
+from dsv4.text.tokenizer import TextCodec
 from dsv4.types import FinishReason, SamplingParams
 from tests.services.worker_cluster import (
     PROMPTS,

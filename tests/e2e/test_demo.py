@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from dsv4.cluster import free_port
+from dsv4.commands.cluster import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 def test_dsv4_demo_runs_and_exits_zero(tmp_path_factory) -> None:
     cache_dir = tmp_path_factory.getbasetemp() / "dsv4-cache"
     command = [
-        sys.executable, "-m", "dsv4.cli", "demo", "--port", str(free_port()),
+        sys.executable, "-m", "dsv4.commands.cli", "demo", "--port", str(free_port()),
         "--cache-dir", str(cache_dir), "--layers", "0,4", "--grace-s", "5",
     ]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=200)

@@ -13,7 +13,7 @@ import grpc
 import pytest
 from e2e_cluster import assert_no_worker_leaks, generate, greedy
 
-from dsv4.cluster import free_port, is_serving
+from dsv4.commands.cluster import free_port, is_serving
 from dsv4.types import FinishReason, GenerateRequest, SamplingParams
 from tests.services.worker_cluster import WORKER_ARGS, Workers, start_cluster, tiny_checkpoint
 

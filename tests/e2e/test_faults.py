@@ -18,9 +18,9 @@ import pytest
 from e2e_cluster import ExtraRouter, assert_no_worker_leaks, generate, greedy, kill
 
 from dsv4 import wire
-from dsv4.cluster import AUTO_PORTS, free_port
-from dsv4.metrics import scrape
+from dsv4.commands.cluster import AUTO_PORTS, free_port
 from dsv4.rpc.v1 import router_pb2, router_pb2_grpc, worker_pb2
+from dsv4.serving.metrics import scrape
 from dsv4.types import FinishReason, GenerateRequest, PullFailurePolicy
 from tests.services.worker_cluster import (
     METADATA,

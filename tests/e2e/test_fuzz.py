@@ -19,7 +19,7 @@ from e2e_cluster import assert_no_worker_leaks, generate, greedy
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from dsv4.cluster import free_port
+from dsv4.commands.cluster import free_port
 from dsv4.rpc.v1 import common_pb2, router_pb2
 from tests.services.worker_cluster import PROMPTS, start_cluster, tiny_checkpoint
 

@@ -16,8 +16,8 @@ import grpc
 import pytest
 from e2e_cluster import assert_no_worker_leaks, generate, greedy
 
-from dsv4.cluster import AUTO_PORTS, free_port
-from dsv4.metrics import scrape
+from dsv4.commands.cluster import AUTO_PORTS, free_port
+from dsv4.serving.metrics import scrape
 from tests.services.worker_cluster import PROMPTS, WORKER_ARGS, start_cluster, tiny_checkpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
@@ -140,7 +140,7 @@ def test_dsv4_up_prints_metrics_urls_and_logs_and_metrics_are_on_by_default(
     """No metrics flag given: every service serves /metrics, the start-up line names each URL
     and the log directory, and each URL answers with vLLM's names for this model."""
     model_dir = tiny_checkpoint(tmp_path_factory.getbasetemp() / "dsv4-cache")
-    command = [sys.executable, "-m", "dsv4.cli", "up", "--port", str(free_port()),
+    command = [sys.executable, "-m", "dsv4.commands.cli", "up", "--port", str(free_port()),
                "--model", str(model_dir), "--log-dir", str(tmp_path / "logs"), *WORKER_ARGS]  # fmt: skip
     up = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     try:

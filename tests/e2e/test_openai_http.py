@@ -22,9 +22,9 @@ import openai
 import pytest
 from e2e_cluster import ExtraRouter, assert_no_worker_leaks, generate, greedy, worker_leaks
 
-from dsv4.cluster import free_port
+from dsv4.commands.cluster import free_port
 from dsv4.config import ModelSection
-from dsv4.metrics import scrape
+from dsv4.serving.metrics import scrape
 from router_svc.http import load_chat_template
 from router_svc.text_model import load_text_model
 from tests.services.worker_cluster import start_cluster, tiny_checkpoint
@@ -265,7 +265,7 @@ def test_loadtest_openai_backends_drive_the_front(cluster, client) -> None:
     with in-vocabulary prompts drawn from the vocabulary size /v1/models lists."""
     for backend in ("openai", "openai-chat"):
         done = subprocess.run(
-            [sys.executable, "-m", "dsv4.cli", "loadtest", "--backend", backend, "--base-url",
+            [sys.executable, "-m", "dsv4.commands.cli", "loadtest", "--backend", backend, "--base-url",
              cluster.http_url.removesuffix("/v1"), "--num-prompts", "2", "--random-input-len", "16",
              "--random-output-len", "4", "--request-rate", "inf", "--disable-tqdm"],
             capture_output=True, text=True, timeout=120,

@@ -15,7 +15,7 @@ import pytest
 import redis as redis_lib
 from e2e_cluster import assert_no_worker_leaks, generate, greedy
 
-from dsv4.cluster import free_port
+from dsv4.commands.cluster import free_port
 from dsv4.discovery import WorkerRecord, make_registry
 from dsv4.transfer import TransportEndpoint
 from tests.redis_server import RedisServer

@@ -15,7 +15,7 @@ import grpc
 import pytest
 from e2e_cluster import assert_no_worker_leaks, generate, greedy
 
-from dsv4.cluster import free_port
+from dsv4.commands.cluster import free_port
 from tests.e2e.test_redis_discovery import listed_worker_ids, wait_for
 from tests.redis_server import RedisServer
 from tests.services.worker_cluster import PROMPTS, start_cluster, tiny_checkpoint

@@ -16,7 +16,7 @@ import pytest
 from e2e_cluster import assert_no_worker_leaks, generate, greedy
 
 from dsv4 import wire
-from dsv4.cluster import free_port
+from dsv4.commands.cluster import free_port
 from dsv4.rpc.v1 import router_pb2_grpc
 from tests.redis_server import RedisServer, redis_server  # noqa: F401  (fixture)
 from tests.services.worker_cluster import PROMPTS, WORKER_ARGS, start_cluster, tiny_checkpoint

@@ -16,7 +16,7 @@ import pytest
 from e2e_cluster import assert_no_worker_leaks, greedy
 
 from dsv4 import wire
-from dsv4.cluster import free_port
+from dsv4.commands.cluster import free_port
 from dsv4.rpc.v1 import router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from dsv4.types import GenerateRequest
 from tests.services.worker_cluster import (

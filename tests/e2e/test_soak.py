@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from dsv4.cluster import free_port, is_serving, terminate
-from dsv4.metrics import scrape
+from dsv4.commands.cluster import free_port, is_serving, terminate
+from dsv4.serving.metrics import scrape
 from tests.services.worker_cluster import WORKER_ARGS, tiny_checkpoint
 
 pytestmark = [
@@ -31,7 +31,7 @@ SOAK_ARGS = ("--num-blocks", "800", "--max-num-seqs", "128", "--log-level", "inf
 
 def loadtest(target: str, out: Path, num_prompts: int, rate: float) -> dict:
     command = [
-        sys.executable, "-m", "dsv4.cli", "loadtest", "--target", target,
+        sys.executable, "-m", "dsv4.commands.cli", "loadtest", "--target", target,
         "--num-prompts", str(num_prompts), "--request-rate", str(rate),
         "--random-input-len", "96", "--random-output-len", "24", "--random-range-ratio", "0.5",
         "--timeout-s", "60", "--no-progress", "--result-json", str(out), "--seed", "1",
@@ -52,7 +52,7 @@ def test_soak_keeps_blocks_free_and_memory_bounded(tmp_path_factory) -> None:
     tmp = tmp_path_factory.mktemp("soak")
     port, metrics_port = free_port(), free_port()
     up = subprocess.Popen(
-        [sys.executable, "-m", "dsv4.cli", "up", "--model", str(model_dir), "--port", str(port),
+        [sys.executable, "-m", "dsv4.commands.cli", "up", "--model", str(model_dir), "--port", str(port),
          "--log-dir", str(tmp / "logs"), "--metrics-base-port", str(metrics_port),
          "--grace-s", "5", *WORKER_ARGS, *SOAK_ARGS],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from dsv4.engine import AsyncEngine
+from dsv4.engine.async_engine import AsyncEngine
 from dsv4.errors import Cancelled
 from dsv4.model.generate import generate
 from dsv4.scheduler.request import FinishReason

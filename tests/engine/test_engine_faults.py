@@ -13,8 +13,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from dsv4.config import ServeConfig
-from dsv4.engine import MAX_CONSECUTIVE_STEP_FAILURES, AsyncEngine
-from dsv4.engine_core import EngineCore
+from dsv4.engine.async_engine import MAX_CONSECUTIVE_STEP_FAILURES, AsyncEngine
+from dsv4.engine.core import EngineCore
 from dsv4.errors import InvalidRequest, OutOfBlocks, StepFailed, Unavailable, to_grpc_status
 from dsv4.model.generate import generate
 from dsv4.runner.model_runner import ModelRunner

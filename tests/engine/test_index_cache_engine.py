@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dsv4.cache import INDEXER, CacheOptions
-from dsv4.engine_core import build_engine_core
+from dsv4.engine.core import build_engine_core
 from dsv4.errors import StepFailed
 from dsv4.model.generate import generate
 from dsv4.model.index_cache import IndexPattern

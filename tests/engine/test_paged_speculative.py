@@ -1,4 +1,4 @@
-"""MTP speculation on the paged forward (`dsv4.spec.paged`): greedy output is token-identical to
+"""MTP speculation on the paged forward (`dsv4.speculative.paged`): greedy output is token-identical to
 non-speculative decoding, the drafts are the reference drafter's (same acceptance counts), and
 forced acceptance (an oracle rewrites the drafts) exercises full, partial and zero acceptance —
 rejected positions leave rows in the cache that must never be read. fp32 caches; eager steps
@@ -11,8 +11,8 @@ import zlib
 import pytest
 
 from dsv4.runner.paged.decode_graphs import GraphOptions
-from dsv4.spec.drafter import Draft
-from dsv4.spec.paged import PagedSpeculator
+from dsv4.speculative.drafter import Draft
+from dsv4.speculative.paged import PagedSpeculator
 from tests.engine.conftest import greedy_request, make_core, run_to_completion
 from tests.engine.test_speculative import (  # noqa: F401  (fixtures)
     NEW_TOKENS,

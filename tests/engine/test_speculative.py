@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from dsv4.cache.packing import CacheOptions
-from dsv4.engine_core import EngineCore, build_engine_core
+from dsv4.engine.core import EngineCore, build_engine_core
 from dsv4.model.config import tiny_config
 from dsv4.model.generate import generate
 from dsv4.model.tiny import random_model
 from dsv4.scheduler.config import SchedulerConfig
-from dsv4.spec.drafter import Draft
+from dsv4.speculative.drafter import Draft
 from tests.engine.conftest import greedy_request, run_to_completion
 from tests.leak import assert_no_leaks
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from dsv4.cli import main
+from dsv4.commands.cli import main
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """The paged engine (continuous batching, chunked prefill) against transformers directly.
 
-A batch of mixed-length prompts runs through `dsv4.offline.generate_batch` with a small token
+A batch of mixed-length prompts runs through `dsv4.engine.offline.generate_batch` with a small token
 budget, so prefills are chunked across window (32) and compression (4, 128) boundaries and
 decodes batch together; every greedy continuation must equal transformers' `generate`.
 """
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from dsv4.engine.offline import generate_batch
 from dsv4.model.weights import load_model
-from dsv4.offline import generate_batch
 from dsv4.runner.sampler import SamplingSpec
 
 LENGTHS = (3, 64, 129, 257)

@@ -1,7 +1,7 @@
 """IndexCache in the reference model: frequency 1 is bit-identical to no IndexCache, Shared
 layers never run their indexer, chunked prefill + decode equals one forward under a pattern,
 and frequency 2 stays within the stated tolerance on random weights and on the tiny model
-trained by `dsv4.train_tiny` (20 steps, marked slow). Plus the greedy search (indexcache-search)."""
+trained by `dsv4.commands.train_tiny` (20 steps, marked slow). Plus the greedy search (indexcache-search)."""
 
 from __future__ import annotations
 
@@ -126,7 +126,7 @@ def test_relay_refuses_a_shared_layer_without_its_source() -> None:
 
 @torch.no_grad()
 def test_greedy_search_keeps_the_budget_and_reports_every_pair(model6) -> None:
-    from dsv4.indexcache_search import greedy_search
+    from dsv4.commands.indexcache_search import greedy_search
 
     batch = prompt(2 * 128, 8).view(2, 128)
     report = greedy_search(model6, batch, budget=1, rows_per_forward=2)
@@ -139,7 +139,7 @@ def test_greedy_search_keeps_the_budget_and_reports_every_pair(model6) -> None:
 
 
 def test_topk_overlap_counts_shared_entries() -> None:
-    from dsv4.indexcache_search import topk_overlap
+    from dsv4.commands.indexcache_search import topk_overlap
 
     a = torch.tensor([[0, -1], [0, 1], [2, 1]])
     b = torch.tensor([[0, -1], [1, 0], [2, 0]])
@@ -151,7 +151,7 @@ def test_topk_overlap_counts_shared_entries() -> None:
 def test_indexcache_search_cli_writes_json(tmp_path) -> None:
     import json
 
-    from dsv4.indexcache_search import main
+    from dsv4.commands.indexcache_search import main
     from dsv4.model.tiny import write_checkpoint
 
     write_checkpoint(tmp_path / "ckpt", tiny_config().with_overrides(linear_dtype="bf16"))
@@ -167,7 +167,9 @@ def test_indexcache_search_cli_writes_json(tmp_path) -> None:
 @pytest.fixture(scope="module")
 def trained_tiny(tmp_path_factory):
     """A briefly trained tiny model (`dsv4 train-tiny`, 20 steps, ~45 s on 2 busy cores)."""
-    train_tiny = pytest.importorskip("dsv4.train_tiny", reason="dsv4 train-tiny not written yet")
+    train_tiny = pytest.importorskip(
+        "dsv4.commands.train_tiny", reason="dsv4 train-tiny not written yet"
+    )
     from dsv4.model.weights import load_model
 
     out = train_tiny.train_tiny(tmp_path_factory.mktemp("trained"), steps=20, seed=0).out_dir

@@ -12,7 +12,7 @@ import sys
 import pytest
 from worker_cluster import start_cluster, tiny_checkpoint
 
-from dsv4.cluster import free_port
+from dsv4.commands.cluster import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 NUM_PROMPTS = 12
@@ -24,7 +24,7 @@ def test_loadtest_totals_match_the_servers_usage(tmp_path, tmp_path_factory) -> 
     try:
         summary_path, records_path = tmp_path / "summary.json", tmp_path / "requests.jsonl"
         command = [
-            sys.executable, "-m", "dsv4.cli", "loadtest", "--target", cluster.router_address,
+            sys.executable, "-m", "dsv4.commands.cli", "loadtest", "--target", cluster.router_address,
             "--num-prompts", str(NUM_PROMPTS), "--random-input-len", "48",
             "--random-output-len", "12", "--random-range-ratio", "0.5", "--max-concurrency", "6",
             "--timeout-s", "60", "--no-progress", "--result-json", str(summary_path),

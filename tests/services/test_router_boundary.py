@@ -1,4 +1,4 @@
-"""The router's API boundary against scripted peers (router_svc.fakes): bounded work before a
+"""The router's API boundary against scripted peers (tests.router_fakes.scripted_workers): bounded work before a
 request is validated (a 16 MB prompt is refused at once, long prompts are tokenized off the
 event loop), sampling no sampler can evaluate reaches workers as greedy, Abort only for the
 key that made the request, and ModelInfo from what the workers report."""
@@ -13,8 +13,17 @@ from typing import Any
 import grpc
 
 from dsv4.rpc.v1 import common_pb2, router_pb2
-from router_svc.fakes import ScriptedDecodeWorker, ScriptedPrefillWorker, WorkerScript
-from router_svc.testing import generate_request, read_outcome, scripted_cluster, tiny_text_model
+from tests.router_fakes.harness import (
+    generate_request,
+    read_outcome,
+    scripted_cluster,
+    tiny_text_model,
+)
+from tests.router_fakes.scripted_workers import (
+    ScriptedDecodeWorker,
+    ScriptedPrefillWorker,
+    WorkerScript,
+)
 
 PROMPT = [5, 9, 200, 17, 33]
 

@@ -1,4 +1,4 @@
-"""Fault isolation in the router, against scripted peers (router_svc.fakes): a request's own
+"""Fault isolation in the router, against scripted peers (tests.router_fakes.scripted_workers): a request's own
 fault (INTERNAL from a failed step, OUT_OF_RANGE, ...) is returned at once and never retried
 or migrated; every way a worker leaves the pool (failed probes, registry TTL expiry in a real
 redis-server, withdrawal after a drain, its channel closing) ends the streams on it with a
@@ -20,9 +20,13 @@ from dsv4.discovery.redis import RedisWorkerRegistry
 from dsv4.rpc.v1 import worker_pb2
 from dsv4.types import DecodeRequest, GenerateRequest, SamplingParams
 from router_svc.clients import CallInterrupted, ClientSettings, WorkerClients
-from router_svc.fakes import ScriptedDecodeWorker, ScriptedPrefillWorker, WorkerScript
 from router_svc.pool import PoolSettings
-from router_svc.testing import generate_request, read_outcome, scripted_cluster
+from tests.router_fakes.harness import generate_request, read_outcome, scripted_cluster
+from tests.router_fakes.scripted_workers import (
+    ScriptedDecodeWorker,
+    ScriptedPrefillWorker,
+    WorkerScript,
+)
 
 PROMPT = list(range(10, 26))
 REGISTRY_SECRET = "router-faults-registry-secret"  # records are signed with the shared secret

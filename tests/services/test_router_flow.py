@@ -1,4 +1,4 @@
-"""The router's CONTROL FLOW against scripted peers (router_svc.fakes), not real workers.
+"""The router's CONTROL FLOW against scripted peers (tests.router_fakes.scripted_workers), not real workers.
 
 Every test starts in-process grpc.aio PrefillWorker / DecodeWorker servicers with tiny
 deterministic behaviour (P answers a first token and a handle, D streams the rest; variants
@@ -18,8 +18,13 @@ from typing import Any
 import grpc
 
 from dsv4.rpc.v1 import common_pb2, router_pb2, router_pb2_grpc
-from router_svc.fakes import ScriptedDecodeWorker, ScriptedPrefillWorker, WorkerScript, next_token
-from router_svc.testing import generate_request, scripted_cluster, tiny_text_model
+from tests.router_fakes.harness import generate_request, scripted_cluster, tiny_text_model
+from tests.router_fakes.scripted_workers import (
+    ScriptedDecodeWorker,
+    ScriptedPrefillWorker,
+    WorkerScript,
+    next_token,
+)
 
 VOCAB = 1000
 PROMPT = list(range(10, 26))  # 16 tokens

@@ -1,5 +1,5 @@
 """`dsv4 router` as a process (signals, exit codes) and TLS on both sides of the router,
-against scripted peers (router_svc.fakes)."""
+against scripted peers (tests.router_fakes.scripted_workers)."""
 
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from dsv4.config import load_config
 from dsv4.discovery.static import StaticWorkerRegistry
 from dsv4.rpc.v1 import router_pb2_grpc
-from router_svc.fakes import ScriptedDecodeWorker, ScriptedPrefillWorker
 from router_svc.server import RouterServer, main
-from router_svc.testing import FAST_PROBES, generate_request, tiny_text_model
+from tests.router_fakes.harness import FAST_PROBES, generate_request, tiny_text_model
+from tests.router_fakes.scripted_workers import ScriptedDecodeWorker, ScriptedPrefillWorker
 
 REPO = Path(__file__).resolve().parents[2]
 WITH_SECRET = {**os.environ, "DSV4_SHARED_SECRET": "router-process-test-secret"}
@@ -73,7 +73,7 @@ def test_a_router_without_a_shared_secret_refuses_to_start() -> None:
     """Worker RPCs always need the secret, so a router without one could reach no worker."""
     env = {k: v for k, v in os.environ.items() if k != "DSV4_SHARED_SECRET"}
     done = subprocess.run(
-        [sys.executable, "-m", "dsv4.cli", "router", "--port", "0", "--prefill", "127.0.0.1:9",
+        [sys.executable, "-m", "dsv4.commands.cli", "router", "--port", "0", "--prefill", "127.0.0.1:9",
          "--decode", "127.0.0.1:9"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
@@ -87,7 +87,7 @@ def test_a_service_started_with_parent_pid_dies_with_its_launcher() -> None:
     port = free_port()
     launcher_code = (
         "import os, subprocess, sys, time\n"
-        "cmd = [sys.executable, '-m', 'dsv4.cli', '--parent-pid', str(os.getpid()), 'router',\n"
+        "cmd = [sys.executable, '-m', 'dsv4.commands.cli', '--parent-pid', str(os.getpid()), 'router',\n"
         f"       '--port', '{port}', '--prefill', '127.0.0.1:9', '--decode', '127.0.0.1:9']\n"
         "child = subprocess.Popen(cmd, start_new_session=True)\n"
         "print(child.pid, flush=True)\n"
@@ -128,7 +128,7 @@ def _is_running(pid: int) -> bool:
 
 def test_parent_pid_that_is_not_the_parent_refuses_to_start() -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "dsv4.cli", "--parent-pid", "1", "plan", "--shape", "flash", "--gpu-mem", "80"],
+        [sys.executable, "-m", "dsv4.commands.cli", "--parent-pid", "1", "plan", "--shape", "flash", "--gpu-mem", "80"],
         cwd=REPO, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert done.returncode != 0 and "launcher 1 is gone" in done.stderr

@@ -1,4 +1,4 @@
-"""The router server's own duties, against scripted peers (router_svc.fakes): health checking,
+"""The router server's own duties, against scripted peers (tests.router_fakes.scripted_workers): health checking,
 reflection, API keys, admission and rate limits, the shared secret towards workers, input
 validation with worker-reported limits, pool states, and many concurrent streams."""
 
@@ -14,9 +14,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from dsv4.rpc.v1 import common_pb2, router_pb2
-from router_svc.fakes import ScriptedDecodeWorker, ScriptedPrefillWorker, WorkerScript, next_token
 from router_svc.server import ROUTER_SERVICE_NAME
-from router_svc.testing import generate_request, scripted_cluster
+from tests.router_fakes.harness import generate_request, scripted_cluster
+from tests.router_fakes.scripted_workers import (
+    ScriptedDecodeWorker,
+    ScriptedPrefillWorker,
+    WorkerScript,
+    next_token,
+)
 
 PROMPT = [5, 6, 7, 8]
 

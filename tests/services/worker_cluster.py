@@ -12,7 +12,7 @@ from pathlib import Path
 import grpc
 
 from dsv4 import wire
-from dsv4.cluster import ClusterSpec, LocalCluster, ensure_tiny_checkpoint
+from dsv4.commands.cluster import ClusterSpec, LocalCluster, ensure_tiny_checkpoint
 from dsv4.rpc.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from dsv4.types import DecodeRequest, GenerateRequest, PullFailurePolicy, SamplingParams
 from dsv4.worker.server import TOKEN_METADATA_KEY

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from dsv4.runner.sampler import Sampler, SamplingSpec
-from dsv4.spec.acceptance import accept_greedy, accept_sampled, residual_probs
-from dsv4.spec.decoder import RequestRandom
-from dsv4.spec.metrics import SpecMetrics
+from dsv4.speculative.acceptance import accept_greedy, accept_sampled, residual_probs
+from dsv4.speculative.decoder import RequestRandom
+from dsv4.speculative.metrics import SpecMetrics
 
 # Hand-built target p_0, p_1, p_2 and draft q_1, q_2 over a 5-token vocabulary; q differs
 # from p a lot (and puts mass where p has none) so both branches are exercised.

@@ -11,9 +11,9 @@ from dsv4.cache.packing import CacheOptions
 from dsv4.runner.paged_cache import PagedKVCache
 from dsv4.runner.sampler import Sampler, SamplingSpec
 from dsv4.scheduler.batch import ScheduledRequest
-from dsv4.spec.context import DraftContext
-from dsv4.spec.decoder import RequestRandom
-from dsv4.spec.drafter import DraftJob, MTPDrafter
+from dsv4.speculative.context import DraftContext
+from dsv4.speculative.decoder import RequestRandom
+from dsv4.speculative.drafter import DraftJob, MTPDrafter
 
 LENGTH = 80
 

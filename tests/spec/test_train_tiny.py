@@ -7,9 +7,9 @@ import math
 
 import torch
 
-from dsv4.cli import main
+from dsv4.commands.cli import main
+from dsv4.commands.train_tiny import HELDOUT_MODULE, TRAIN_MODULES, stdlib_tokens
 from dsv4.model.weights import load_model
-from dsv4.train_tiny import HELDOUT_MODULE, TRAIN_MODULES, stdlib_tokens
 
 
 def test_corpus_is_deterministic_and_heldout_is_separate() -> None:

@@ -1,7 +1,7 @@
 """Every user error of every `dsv4` command is one line on stderr that names the flag, with a
 non-zero exit status and no traceback: a table of bad invocations, run as a user runs them.
 
-Rows run in-process through `dsv4.cli.main` (each fails before any model loads or service
+Rows run in-process through `dsv4.commands.cli.main` (each fails before any model loads or service
 starts); two run as real processes to show what a terminal gets.
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from dsv4.cli import DEBUG_ENV, main
+from dsv4.commands.cli import DEBUG_ENV, main
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "{model}"  # a config-only tiny checkpoint (config.json + tokenizer.json)
@@ -116,12 +116,12 @@ def test_bad_invocation_is_one_line_naming_the_flag(
 
 def test_a_bug_is_one_line_with_how_to_get_its_traceback(monkeypatch, capsys) -> None:
     """An unexpected exception is a bug: one line that says so; DSV4_DEBUG=1 re-raises it."""
-    import dsv4.plan_cli
+    import dsv4.commands.plan
 
     def broken(args):
         raise KeyError("no such thing")
 
-    monkeypatch.setattr(dsv4.plan_cli, "run_plan", broken)
+    monkeypatch.setattr(dsv4.commands.plan, "run_plan", broken)
     argv = ["plan", "--shape", "flash", "--gpu-mem", "80"]
     monkeypatch.delenv(DEBUG_ENV, raising=False)
     code, err = run(argv, capsys)
@@ -142,7 +142,7 @@ def test_the_terminal_gets_one_line(argv: list[str], model_dir: str) -> None:
     argv = [a.format(model=model_dir) for a in argv]
     env = {k: v for k, v in os.environ.items() if k != DEBUG_ENV}
     result = subprocess.run(
-        [sys.executable, "-m", "dsv4.cli", *argv],
+        [sys.executable, "-m", "dsv4.commands.cli", *argv],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert result.returncode == 2 and result.stdout == ""

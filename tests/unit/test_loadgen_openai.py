@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from dsv4.cluster import free_port
+from dsv4.commands.cluster import free_port
 from loadgen.cli import add_loadtest_args, run_loadtest
 
 MODEL = "fake/tiny-model"
@@ -210,7 +210,7 @@ def test_openai_chat_backend_with_vllm_spellings_saves_result(fake_openai, tmp_p
 def _loadtest_cli(*argv: str) -> tuple[subprocess.CompletedProcess, float]:
     started = time.monotonic()
     done = subprocess.run(
-        [sys.executable, "-m", "dsv4.cli", "loadtest", *argv],
+        [sys.executable, "-m", "dsv4.commands.cli", "loadtest", *argv],
         capture_output=True, text=True, timeout=30, cwd=Path(__file__).resolve().parents[2],
     )  # fmt: skip
     return done, time.monotonic() - started

@@ -1,4 +1,4 @@
-"""dsv4.metrics, dsv4.logs and dsv4.rpc_guard without processes: the exporter serves and stops,
+"""dsv4.serving.metrics, dsv4.serving.logs and dsv4.serving.rpc_guard without processes: the exporter serves and stops,
 log lines carry the request and worker ids (JSON and text), hostile ids cannot forge lines, and
 bytes that are not a message get INVALID_ARGUMENT from a router in front of scripted workers."""
 
@@ -13,11 +13,17 @@ import urllib.request
 import grpc
 import pytest
 
-from dsv4.cluster import free_port
-from dsv4.logs import ContextFilter, JsonFormatter, bind_request_id, request_id_var, set_worker_id
-from dsv4.metrics import MetricsExporter, RouterMetrics, new_registry
-from router_svc.fakes import ScriptedDecodeWorker, ScriptedPrefillWorker
-from router_svc.testing import generate_request, scripted_cluster
+from dsv4.commands.cluster import free_port
+from dsv4.serving.logs import (
+    ContextFilter,
+    JsonFormatter,
+    bind_request_id,
+    request_id_var,
+    set_worker_id,
+)
+from dsv4.serving.metrics import MetricsExporter, RouterMetrics, new_registry
+from tests.router_fakes.harness import generate_request, scripted_cluster
+from tests.router_fakes.scripted_workers import ScriptedDecodeWorker, ScriptedPrefillWorker
 
 
 def test_exporter_serves_the_registry_and_stops() -> None:
@@ -102,9 +108,9 @@ def test_default_metrics_port_falls_back_to_a_free_one_and_vllm_names_carry_the_
 
     from prometheus_client import generate_latest
 
-    from dsv4.engine_core import EngineLoad
+    from dsv4.engine.core import EngineLoad
     from dsv4.errors import Unavailable
-    from dsv4.metrics import DEFAULT_PORT, DEFAULT_PORTS, EngineGauges
+    from dsv4.serving.metrics import DEFAULT_PORT, DEFAULT_PORTS, EngineGauges
 
     router = new_registry()
     RouterMetrics.create(router, model_name="m").prompt_tokens.inc(7)

@@ -104,8 +104,8 @@ def test_base_set_covers_every_import_of_the_router_and_the_load_generator() -> 
     code = (
         "import sys\n"
         "at_start = set(sys.modules)  # what site's .pth hooks load, before any import of ours\n"
-        "import dsv4.cli, router_svc.server, loadgen.cli\n"
-        "dsv4.cli.build_parser()  # `dsv4 router` loads the whole CLI\n"
+        "import dsv4.commands.cli, router_svc.server, loadgen.cli\n"
+        "dsv4.commands.cli.build_parser()  # `dsv4 router` loads the whole CLI\n"
         "print(' '.join(sorted({m.split('.')[0] for m in set(sys.modules) - at_start})))"
     )
     out = subprocess.run(
@@ -136,7 +136,7 @@ class Absent(importlib.abc.MetaPathFinder):
         if name.split(".")[0] in {heavy!r}:
             raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
 sys.meta_path.insert(0, Absent())
-from dsv4.cli import main
+from dsv4.commands.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 

@@ -173,7 +173,7 @@ def test_mtp_counts_only_when_speculative_decoding_is_on():
 
 
 def test_cli_json_and_exit_status(capsys):
-    from dsv4.cli import main
+    from dsv4.commands.cli import main
 
     assert main(["plan", "--shape", "flash", "--gpus", "8", "--gpu-mem", "141", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -232,12 +232,12 @@ def test_bad_parallel_sizes_are_config_errors():
 
 
 def test_planner_imports_without_torch():
-    code = "import sys, dsv4.plan, dsv4.plan_cli; assert 'torch' not in sys.modules"
+    code = "import sys, dsv4.plan, dsv4.commands.plan; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_cli_reads_a_checkpoint_config(tmp_path, capsys):
-    from dsv4.cli import main
+    from dsv4.commands.cli import main
     from dsv4.model.config import tiny_config
 
     (tmp_path / "config.json").write_text(json.dumps(tiny_config().to_hf_dict()))

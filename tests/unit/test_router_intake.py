@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from tokenizers import AddedToken, Regex, normalizers, pre_tokenizers
 
 from dsv4.errors import InvalidRequest, ResourceExhausted
-from dsv4.model.tokenizer import build_tokenizer
+from dsv4.text.tokenizer import build_tokenizer
 from dsv4.types import GenerateRequest, SamplingParams
 from router_svc.intake import (
     TokenizerPool,

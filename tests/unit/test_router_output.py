@@ -12,7 +12,7 @@ import pytest
 
 from dsv4.config import ModelSection
 from dsv4.errors import CheckpointError
-from dsv4.model.tokenizer import TextCodec, build_tokenizer
+from dsv4.text.tokenizer import TextCodec, build_tokenizer
 from dsv4.types import FinishReason, SamplingParams
 from router_svc.output import IncrementalDetokenizer, OutputTracker
 from router_svc.text_model import load_text_model
@@ -111,7 +111,7 @@ def test_loading_the_tokenizer_imports_no_torch() -> None:
         "from dsv4.config import ModelSection\n"
         "from router_svc.text_model import load_text_model\n"
         "assert load_text_model(ModelSection()).codec is not None\n"
-        "import router_svc.server, router_svc.fakes, router_svc.testing\n"
+        "import router_svc.server, tests.router_fakes.scripted_workers, tests.router_fakes.harness\n"
         "print([m for m in ('torch', 'triton', 'nixl') if m in sys.modules])\n"
     )
     repo = Path(__file__).resolve().parents[2]

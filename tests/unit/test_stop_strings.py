@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from dsv4.model.tokenizer import TextCodec, build_tokenizer
 from dsv4.runner.stop import TextStopChecker
 from dsv4.scheduler.request import Request
+from dsv4.text.tokenizer import TextCodec, build_tokenizer
 from dsv4.types import SamplingParams
 
 

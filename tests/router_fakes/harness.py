@@ -19,12 +19,12 @@ import grpc
 from dsv4.config import load_config
 from dsv4.discovery.base import WorkerRegistry
 from dsv4.discovery.static import StaticWorkerRegistry
-from dsv4.model.tokenizer import build_tokenizer
 from dsv4.rpc.v1 import common_pb2, router_pb2, router_pb2_grpc
-from router_svc.fakes import ScriptedDecodeWorker, ScriptedPrefillWorker
+from dsv4.text.tokenizer import build_tokenizer
 from router_svc.pool import PoolSettings
 from router_svc.server import RouterServer
 from router_svc.text_model import TextModel, text_model
+from tests.router_fakes.scripted_workers import ScriptedDecodeWorker, ScriptedPrefillWorker
 
 ROUTABLE_WAIT_S = 5.0
 FAST_PROBES = PoolSettings(probe_interval_s=0.05, probe_timeout_s=0.2, num_failures_to_down=2)

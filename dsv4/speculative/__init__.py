@@ -5,12 +5,12 @@ Reading path: `decoder.py` (the step), `drafter.py` + `context.py` (MTP drafting
 inputs), `acceptance.py` (the rules), `rollback.py` (exact cache state), `metrics.py`.
 """
 
-from dsv4.spec.acceptance import accept_greedy, accept_sampled, residual_probs
-from dsv4.spec.context import DraftContext
-from dsv4.spec.decoder import SpeculativeDecoder
-from dsv4.spec.drafter import Draft, DraftJob, MTPDrafter
-from dsv4.spec.metrics import SpecMetrics
-from dsv4.spec.rollback import can_truncate, truncate_state
+from dsv4.speculative.acceptance import accept_greedy, accept_sampled, residual_probs
+from dsv4.speculative.context import DraftContext
+from dsv4.speculative.decoder import SpeculativeDecoder
+from dsv4.speculative.drafter import Draft, DraftJob, MTPDrafter
+from dsv4.speculative.metrics import SpecMetrics
+from dsv4.speculative.rollback import can_truncate, truncate_state
 
 __all__ = [
     "Draft",

@@ -34,7 +34,7 @@ from dsv4.model.config import ModelConfig, tiny_config
 from dsv4.model.deepseek_v4 import DeepseekV4
 from dsv4.model.inventory import model_tensors
 from dsv4.model.tiny import encode_tensor, output_dir, random_model
-from dsv4.model.tokenizer import build_tokenizer
+from dsv4.text.tokenizer import build_tokenizer
 
 log = logging.getLogger(__name__)
 

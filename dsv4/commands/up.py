@@ -1,4 +1,4 @@
-"""`dsv4 up` and `dsv4 demo`: argument parsing and the two commands over `dsv4.cluster`.
+"""`dsv4 up` and `dsv4 demo`: argument parsing and the two commands over `dsv4.commands.cluster`.
 
 `up` runs a `LocalCluster` until Ctrl-C / SIGTERM (exit 0) or until a service dies (exit 1).
 `demo` is `up` + a short `dsv4 loadtest` (16 requests at 4/s, random 32-128 input and 10-38
@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from dsv4.cluster import (
+from dsv4.commands.cluster import (
     AUTO_PORTS,
     DEFAULT_CACHE_DIR,
     ClusterSpec,

@@ -27,8 +27,8 @@ from dsv4.runner.paged_cache import PagedKVCache
 from dsv4.runner.paged_state import load_mtp_window, store_mtp_window
 from dsv4.runner.sampler import SamplingSpec, filtered_probs
 from dsv4.scheduler.batch import ScheduledRequest
-from dsv4.spec.acceptance import RandomSource
-from dsv4.spec.context import DraftContext
+from dsv4.speculative.acceptance import RandomSource
+from dsv4.speculative.context import DraftContext
 
 
 @dataclass(frozen=True)

@@ -199,7 +199,7 @@ class WorkerMetrics:
         step_counters: object,
         model_name: str = "",
     ) -> WorkerMetrics:
-        """`load()` returns an `EngineLoad` (dsv4.engine_core); callbacks run at scrape time."""
+        """`load()` returns an `EngineLoad` (dsv4.engine.core); callbacks run at scrape time."""
         r = registry
         info = Gauge(
             "dsv4_worker_info",

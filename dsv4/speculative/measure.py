@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from dsv4.cache.packing import CacheOptions
-from dsv4.engine_core import build_engine_core
+from dsv4.engine.core import build_engine_core
 from dsv4.model.deepseek_v4 import DeepseekV4
 from dsv4.runner.sampler import SamplingSpec
 from dsv4.scheduler.config import SchedulerConfig
 from dsv4.scheduler.request import Request
-from dsv4.spec.metrics import SpecMetrics
+from dsv4.speculative.metrics import SpecMetrics
 
 
 def measure_acceptance(
@@ -22,7 +22,7 @@ def measure_acceptance(
 ) -> tuple[SpecMetrics, dict[str, list[int]]]:
     """Run every prompt to `max_new_tokens` with k drafts (greedy unless `sampling`; EOS
     ignored) on an exact fp32 cache -> (acceptance counters, output ids per request).
-    `paged`: the serving path (`dsv4.spec.paged` on the paged forward, its decode steps as the
+    `paged`: the serving path (`dsv4.speculative.paged` on the paged forward, its decode steps as the
     static passes CUDA graphs replay) instead of the reference speculator."""
     k = num_speculative_tokens
     options = CacheOptions(block_size=128, kv_dtype="fp32", index_dtype="fp32",

@@ -1,6 +1,6 @@
 """The engine loop body shared by both pools: schedule -> execute -> update, on ONE thread.
 
-`EngineCore` is synchronous and not thread-safe; `dsv4.engine.AsyncEngine` owns one on a
+`EngineCore` is synchronous and not thread-safe; `dsv4.engine.async_engine.AsyncEngine` owns one on a
 dedicated thread and bridges it to asyncio. Three ways a request enters:
 
 - `add_request`: a whole request (colocated serving, `dsv4 generate`);

@@ -31,7 +31,7 @@ def _cmd_make_tiny(args: argparse.Namespace) -> int:
 
     cfg = shape_config(args.shape, args.linear_dtype, args.expert_dtype)
     if args.layers:
-        from dsv4.generate_cli import parse_ints
+        from dsv4.commands.generate import parse_ints
 
         ratios = parse_ints("--layers", args.layers, "compress ratios such as 0,4,128,4")
         try:
@@ -50,8 +50,8 @@ def _cmd_make_tiny(args: argparse.Namespace) -> int:
 
 
 def _cmd_train_tiny(args: argparse.Namespace) -> int:
+    from dsv4.commands.train_tiny import train_tiny
     from dsv4.errors import UsageError
-    from dsv4.train_tiny import train_tiny
 
     if not args.minutes > 0:
         raise UsageError(f"--minutes {args.minutes}: give a positive wall-time budget, e.g. 3")
@@ -92,10 +92,10 @@ def _cmd_worker(role: str) -> Handler:
     def run(args: argparse.Namespace) -> int:
         import os
 
+        from dsv4.commands.worker import run_worker
         from dsv4.config import config_from_args
         from dsv4.errors import UsageError
-        from dsv4.logs import configure_logging
-        from dsv4.worker.main import run_worker
+        from dsv4.serving.logs import configure_logging
 
         chosen = getattr(args, "worker.role", None)
         allowed = (role, "colocated") if role == "decode" else (role,)
@@ -141,7 +141,7 @@ def _add_services(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("loadtest", help="load-test a router (vLLM metric names, SLO goodput)")
     add_loadtest_args(p)
     p.set_defaults(handler=_cmd_loadtest)
-    from dsv4.cluster_cli import add_demo_args, add_up_args
+    from dsv4.commands.up import add_demo_args, add_up_args
 
     add_up_args(sub.add_parser("up", help="start a local cluster: router + prefill + decode"))
     add_demo_args(sub.add_parser("demo", help="up + a short load test + report + shutdown"))
@@ -186,13 +186,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_make_tiny(sub)
     _add_train_tiny(sub)
-    from dsv4.generate_cli import add_generate_parser
+    from dsv4.commands.generate import add_generate_parser
 
     add_generate_parser(sub)
-    from dsv4.plan_cli import add_plan_parser
+    from dsv4.commands.plan import add_plan_parser
 
     add_plan_parser(sub)
-    from dsv4 import indexcache_search
+    from dsv4.commands import indexcache_search
 
     search = sub.add_parser("indexcache-search", help="find an IndexCache pattern (greedy)")
     indexcache_search.add_arguments(search)

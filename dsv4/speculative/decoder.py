@@ -7,7 +7,7 @@ Per decode request at position P (cache holds [0, P), t_P = the token to compute
 2. verify: ONE target forward per row over [t_P, d_1..d_k] at positions P..P+k (rows of
    equal k share the forward), giving p_0..p_k;
 3. accept (greedy exact, or rejection sampling with the request's generator);
-4. store exactly the accepted positions P..P+a in the paged cache (`dsv4.spec.rollback`:
+4. store exactly the accepted positions P..P+a in the paged cache (`dsv4.speculative.rollback`:
    truncate the state, or replay the accepted tokens when a compressed window completed
    at a rejected position), and hand the accepted positions' streams to the MTP context.
 Prefill chunks only feed the MTP context (`observe`).
@@ -24,11 +24,11 @@ from dsv4.runner.paged_cache import PagedKVCache
 from dsv4.runner.paged_state import load_state, store_state
 from dsv4.runner.sampler import Sampler, SamplingSpec
 from dsv4.scheduler.batch import ScheduledRequest
-from dsv4.spec.acceptance import accept_greedy, accept_sampled
-from dsv4.spec.context import DraftContext
-from dsv4.spec.drafter import Draft, DraftJob, MTPDrafter
-from dsv4.spec.metrics import SpecMetrics
-from dsv4.spec.rollback import truncate_state
+from dsv4.speculative.acceptance import accept_greedy, accept_sampled
+from dsv4.speculative.context import DraftContext
+from dsv4.speculative.drafter import Draft, DraftJob, MTPDrafter
+from dsv4.speculative.metrics import SpecMetrics
+from dsv4.speculative.rollback import truncate_state
 
 NO_DRAFT = Draft((), None)
 

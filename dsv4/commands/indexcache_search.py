@@ -48,7 +48,7 @@ def stdlib_text() -> str:
 def calibration_ids(model_dir: str, calib: str, vocab_size: int, max_tokens: int) -> list[int]:
     """Token ids of the calibration text (the checkpoint's tokenizer, else bytes mod vocab)."""
     text = stdlib_text() if calib == "stdlib" else Path(calib).read_text(encoding="utf-8")
-    from dsv4.model.tokenizer import TextCodec
+    from dsv4.text.tokenizer import TextCodec
 
     codec = TextCodec.from_dir_if_present(model_dir)
     # A checkpoint without tokenizer.json: raw bytes.

@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from dsv4.engine_core import EngineCore, EngineLoad, HeldBlocks
+from dsv4.engine.core import EngineCore, EngineLoad, HeldBlocks
 from dsv4.errors import Cancelled, Dsv4Error, StepFailed, Unavailable
 from dsv4.scheduler.batch import RequestOutput
 from dsv4.scheduler.request import FinishReason, Request

@@ -9,14 +9,14 @@ import torch
 
 from dsv4.cache.layout import KVLayout
 from dsv4.cache.packing import CacheOptions
-from dsv4.engine_core import build_engine_core
+from dsv4.engine.core import build_engine_core
 from dsv4.model.config import ModelConfig
 from dsv4.model.deepseek_v4 import DeepseekV4
-from dsv4.model.tokenizer import TextCodec
 from dsv4.runner.sampler import SamplingSpec
 from dsv4.runner.stop import TextStopChecker
 from dsv4.scheduler.config import SchedulerConfig
 from dsv4.scheduler.request import Request
+from dsv4.text.tokenizer import TextCodec
 from dsv4.types import RequestLimits, SamplingParams
 from dsv4.wire.validate import check_prompt_token_ids, check_sampling
 

@@ -20,9 +20,9 @@ import torch
 
 from dsv4.config import ServeConfig
 from dsv4.errors import ConfigError
-from dsv4.logs import set_worker_id
-from dsv4.metrics import MetricsExporter
-from dsv4.rpc_guard import require_shared_secret
+from dsv4.serving.logs import set_worker_id
+from dsv4.serving.metrics import MetricsExporter
+from dsv4.serving.rpc_guard import require_shared_secret
 from dsv4.types import WorkerRole
 from dsv4.worker.build import build_worker_runtime
 from dsv4.worker.identity import WorkerIdentity, start_heartbeat

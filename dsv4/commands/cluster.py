@@ -1,6 +1,6 @@
 """`dsv4 up` and `dsv4 demo`: a local cluster of real processes (router + N prefill + M decode).
 
-`LocalCluster` starts each service as `python -m dsv4.cli <role> ...` in its own session (so a
+`LocalCluster` starts each service as `python -m dsv4.commands.cli <role> ...` in its own session (so a
 terminal Ctrl-C reaches the launcher, which then stops the services in order: router first,
 then workers), logs each to `<log_dir>/<name>.log`, waits until every one answers
 grpc.health.v1 SERVING, and `stop()`s them: SIGTERM, then SIGKILL after `grace_s`. On Linux
@@ -191,7 +191,15 @@ class LocalCluster:
         log_path = log_dir / f"{name}.log"
         metrics_port = self._metrics_port(len(self.services), role)
         args = [*args, "--metrics-port", str(metrics_port)]  # 0 too: not the role's default
-        command = [sys.executable, "-m", "dsv4.cli", "--parent-pid", str(os.getpid()), role, *args]
+        command = [
+            sys.executable,
+            "-m",
+            "dsv4.commands.cli",
+            "--parent-pid",
+            str(os.getpid()),
+            role,
+            *args,
+        ]
         logger.info("starting %s: %s", name, " ".join(command))
         with open(log_path, "wb") as log_file:
             process = subprocess.Popen(

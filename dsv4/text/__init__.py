@@ -1,0 +1,1 @@
+"""Text <-> token ids: the tokenizer and its incremental detokenizer (torch-free)."""
