@@ -17,7 +17,7 @@ import torch
 
 from dsv4.commands.train_tiny import HELDOUT_MODULE, stdlib_tokens
 from dsv4.model.weights import load_model
-from dsv4.runner.sampler import SamplingSpec
+from dsv4.ops.sampling import SamplingSpec
 from dsv4.speculative.measure import measure_acceptance
 
 

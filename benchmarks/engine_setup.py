@@ -15,8 +15,8 @@ import torch
 from dsv4.cache.packing import CacheOptions
 from dsv4.engine.core import build_engine_core
 from dsv4.model.config import ModelConfig, flash_config, tiny_config
-from dsv4.model.kernel_bridge import install_kernels
 from dsv4.model.tiny import random_model
+from dsv4.runner.kernel_bridge import hot_ops
 from dsv4.runner.paged import MetadataSwitches, PagedForward, PagedSwitches
 from dsv4.scheduler.config import SchedulerConfig
 from dsv4.scheduler.request import Request
@@ -79,7 +79,7 @@ def build_model(cfg: ModelConfig, dry_run: bool, seed: int = 0, expert_weights: 
     model = random_model(cfg, seed=seed, dtype=dtype, device=device, draw_on_device=not dry_run,
                          expert_weights=expert_weights, linear_weights=linear_weights)  # fmt: skip
     kernels = KernelBackendConfig(default="ref" if dry_run else "triton")
-    install_kernels(kernels, device)  # the reference forward's hot ops, too
+    model.use_hot_ops(hot_ops(kernels, device))  # the reference forward's hot ops, too
     return model, kernels
 
 

@@ -196,7 +196,7 @@ class EngineCore:
         request decodes, so the mixed prefill + decode steps of chunked prefill compile here as
         well (on the H200 e2e run, the first colocated prompts that joined a decoding batch
         took 2.2 s to their first token, 0.07 s later). Leaves nothing behind (checked)."""
-        from dsv4.runner.sampler import SamplingSpec
+        from dsv4.ops.sampling import SamplingSpec
 
         sampled = SamplingSpec(temperature=1.0, top_p=0.9, top_k=50)
         for n, length in enumerate(prompt_lengths):

@@ -11,11 +11,12 @@ from torch import nn
 
 from dsv4.model.attention import Attention
 from dsv4.model.config import ModelConfig
-from dsv4.model.hyper import hc_post, hc_post_first, hc_pre, hc_pre_first
+from dsv4.model.hot_ops import REFERENCE_OPS, HotOps
 from dsv4.model.index_cache import TopkRelay
 from dsv4.model.layers import RMSNorm
 from dsv4.model.moe import MoE
 from dsv4.model.state import LayerState
+from dsv4.ops.hyper import hc_post_first, hc_pre_first
 
 
 class Block(nn.Module):
@@ -35,6 +36,7 @@ class Block(nn.Module):
         self.hc_ffn_scale = nn.Parameter(torch.ones(3))
         self.attn = Attention(cfg, layer_id)
         self.ffn = MoE(cfg, layer_id)
+        self.ops: HotOps = REFERENCE_OPS  # hc_pre, hc_post (DeepseekV4.use_hot_ops)
 
     def forward(
         self,
@@ -56,9 +58,9 @@ class Block(nn.Module):
             y = self.attn(self.attn_norm(u), positions, states, topk_relay)
             x = hc_post_first(y, x, post, comb)
         else:
-            u, post, comb = hc_pre(x, *attn_params, *hc)
+            u, post, comb = self.ops.hc_pre(x, *attn_params, *hc)
             y = self.attn(self.attn_norm(u), positions, states, topk_relay)
-            x = hc_post(y, x, post, comb)
-        u, post, comb = hc_pre(x, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, *hc)
+            x = self.ops.hc_post(y, x, post, comb)
+        u, post, comb = self.ops.hc_pre(x, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, *hc)
         y = self.ffn(self.ffn_norm(u), token_ids)
-        return hc_post(y, x, post, comb)
+        return self.ops.hc_post(y, x, post, comb)

@@ -36,7 +36,7 @@ import torch
 
 from dsv4.cache.layout import KVLayout
 from dsv4.cache.packing import CacheRegion
-from dsv4.runner.kv_codec import decode_rows
+from dsv4.ops.kv_codec import decode_rows
 from dsv4.scheduler.batch import ScheduledRequest
 from kernels import metadata as _builders  # importing registers the builders
 from kernels.backend import KernelBackendConfig, resolve

@@ -22,10 +22,11 @@ import torch
 
 from dsv4.errors import ConfigError
 from dsv4.model.deepseek_v4 import DeepseekV4, ModelOutput
+from dsv4.ops.sampling import SamplingSpec
 from dsv4.runner.metadata import DEFAULT_KERNELS, DEFAULT_METADATA_OPTIONS, MetadataOptions
 from dsv4.runner.paged_cache import PagedKVCache
 from dsv4.runner.paged_state import load_state, load_states, store_state
-from dsv4.runner.sampler import Sampler, SamplingSpec
+from dsv4.runner.sampler import Sampler
 from dsv4.scheduler.batch import RequestStepOutput, ScheduledBatch, ScheduledRequest, StepOutput
 from dsv4.speculative.decoder import SpeculativeDecoder
 from dsv4.speculative.metrics import SpecMetrics

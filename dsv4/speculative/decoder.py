@@ -20,9 +20,10 @@ from collections import defaultdict
 import torch
 
 from dsv4.model.deepseek_v4 import DeepseekV4
+from dsv4.ops.sampling import SamplingSpec
 from dsv4.runner.paged_cache import PagedKVCache
 from dsv4.runner.paged_state import load_state, store_state
-from dsv4.runner.sampler import Sampler, SamplingSpec
+from dsv4.runner.sampler import Sampler
 from dsv4.scheduler.batch import ScheduledRequest
 from dsv4.speculative.acceptance import accept_greedy, accept_sampled
 from dsv4.speculative.context import DraftContext

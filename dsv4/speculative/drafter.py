@@ -23,9 +23,9 @@ import torch
 
 from dsv4.model.deepseek_v4 import DeepseekV4
 from dsv4.model.state import SequenceState
+from dsv4.ops.sampling import SamplingSpec, filtered_probs
 from dsv4.runner.paged_cache import PagedKVCache
 from dsv4.runner.paged_state import load_mtp_window, store_mtp_window
-from dsv4.runner.sampler import SamplingSpec, filtered_probs
 from dsv4.scheduler.batch import ScheduledRequest
 from dsv4.speculative.acceptance import RandomSource
 from dsv4.speculative.context import DraftContext

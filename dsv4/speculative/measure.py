@@ -5,7 +5,7 @@ from __future__ import annotations
 from dsv4.cache.packing import CacheOptions
 from dsv4.engine.core import build_engine_core
 from dsv4.model.deepseek_v4 import DeepseekV4
-from dsv4.runner.sampler import SamplingSpec
+from dsv4.ops.sampling import SamplingSpec
 from dsv4.scheduler.config import SchedulerConfig
 from dsv4.scheduler.request import Request
 from dsv4.speculative.metrics import SpecMetrics

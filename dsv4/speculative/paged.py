@@ -24,9 +24,10 @@ from dataclasses import dataclass
 
 import torch
 
+from dsv4.ops.sampling import SamplingSpec, filtered_probs
 from dsv4.runner.paged.decode_graphs import DecodeGraphs
 from dsv4.runner.paged.forward import PagedForward
-from dsv4.runner.sampler import Sampler, SamplingSpec, filtered_probs
+from dsv4.runner.sampler import Sampler
 from dsv4.scheduler.batch import ScheduledBatch, ScheduledRequest
 from dsv4.speculative.acceptance import accept_greedy, accept_sampled
 from dsv4.speculative.decoder import RequestRandom

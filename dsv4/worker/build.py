@@ -39,7 +39,7 @@ from dsv4.model.config import ModelConfig
 from dsv4.model.fp8 import set_linear_activations_
 from dsv4.model.index_cache import IndexPattern
 from dsv4.model.indexer import set_skip_topk
-from dsv4.model.kernel_bridge import install_kernels
+from dsv4.runner.kernel_bridge import hot_ops, kernel_choices
 from dsv4.runner.metadata import MetadataOptions
 from dsv4.scheduler.config import SchedulerConfig
 from dsv4.scheduler.request import Request
@@ -319,7 +319,9 @@ def apply_features(model: torch.nn.Module, model_cfg: ModelConfig, config: Serve
     model.set_index_pattern(pattern)
     model.fuse_first_hc = f.fused_mhc
     set_skip_topk(f.skip_topk)
-    chosen = install_kernels(kernel_config(config), config.model.device)
+    kernels, device = kernel_config(config), config.model.device
+    model.use_hot_ops(hot_ops(kernels, device))
+    chosen = kernel_choices(kernels, device)
     logger.info("kernels: %s; index pattern %s", chosen, pattern.roles or "off")
     return pattern
 

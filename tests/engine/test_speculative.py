@@ -143,7 +143,7 @@ def test_lone_long_prompt_gets_the_prefill_budget_end_to_end(mtp_model, mode, fi
 
 def sampled_outputs(core, model) -> dict[str, list[int]]:
     """Every prompt sampled (T 0.8, top-k 50, its own seed) to 6 tokens with speculation."""
-    from dsv4.runner.sampler import SamplingSpec
+    from dsv4.ops.sampling import SamplingSpec
     from dsv4.scheduler.request import Request
 
     for i, (rid, prompt) in enumerate(prompts(model.cfg.vocab_size).items()):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from dsv4.model.hyper import hc_head, hc_post, hc_post_first, hc_pre, hc_pre_first, sinkhorn
+from dsv4.ops.hyper import hc_head, hc_post, hc_post_first, hc_pre, hc_pre_first, sinkhorn
 from tests.model.conftest import tiny_model
 
 M, D, ITERS, EPS, NORM_EPS = 4, 16, 20, 1e-6, 1e-6

@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from dsv4.model.config import tiny_config
-from dsv4.model.moe import MoE, route
+from dsv4.model.moe import MoE
+from dsv4.ops.moe import route
 from tests.model.conftest import tiny_model
 
 

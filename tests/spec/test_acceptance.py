@@ -8,7 +8,8 @@ from collections import Counter
 import pytest
 import torch
 
-from dsv4.runner.sampler import Sampler, SamplingSpec
+from dsv4.ops.sampling import SamplingSpec
+from dsv4.runner.sampler import Sampler
 from dsv4.speculative.acceptance import accept_greedy, accept_sampled, residual_probs
 from dsv4.speculative.decoder import RequestRandom
 from dsv4.speculative.metrics import SpecMetrics

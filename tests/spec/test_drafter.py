@@ -8,8 +8,9 @@ import torch
 
 from dsv4.cache.layout import KVLayout
 from dsv4.cache.packing import CacheOptions
+from dsv4.ops.sampling import SamplingSpec
 from dsv4.runner.paged_cache import PagedKVCache
-from dsv4.runner.sampler import Sampler, SamplingSpec
+from dsv4.runner.sampler import Sampler
 from dsv4.scheduler.batch import ScheduledRequest
 from dsv4.speculative.context import DraftContext
 from dsv4.speculative.decoder import RequestRandom
