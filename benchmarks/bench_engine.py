@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import engine_setup as es
-from dsv4.model.index_cache import IndexPattern
+from dsv4.config.index_pattern import IndexPattern
 from dsv4.scheduler.request import Request
 
 

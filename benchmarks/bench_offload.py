@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from dsv4.model.config import ModelConfig, tiny_config
+from dsv4.config.model import ModelConfig, tiny_config
 from dsv4.model.deepseek_v4 import DeepseekV4
 from dsv4.model.inventory import model_tensors
 from dsv4.model.moe import MoE

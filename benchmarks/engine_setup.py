@@ -13,8 +13,8 @@ import time
 import torch
 
 from dsv4.cache.packing import CacheOptions
+from dsv4.config.model import ModelConfig, flash_config, tiny_config
 from dsv4.engine.core import build_engine_core
-from dsv4.model.config import ModelConfig, flash_config, tiny_config
 from dsv4.model.tiny import random_model
 from dsv4.runner.kernel_bridge import hot_ops
 from dsv4.runner.paged import MetadataSwitches, PagedForward, PagedSwitches

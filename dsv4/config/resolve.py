@@ -14,7 +14,7 @@ from dsv4.config.sections import ServeConfig
 from dsv4.types import RequestLimits
 
 if TYPE_CHECKING:
-    from dsv4.model.config import ModelConfig
+    from dsv4.config.model import ModelConfig
 
 _LOOPBACK = {"localhost", "127.0.0.1", "::1", "[::1]", ""}
 

@@ -9,8 +9,8 @@ import torch
 
 from dsv4.cache.layout import KVLayout
 from dsv4.cache.packing import CacheOptions
+from dsv4.config.model import ModelConfig
 from dsv4.engine.core import build_engine_core
-from dsv4.model.config import ModelConfig
 from dsv4.model.deepseek_v4 import DeepseekV4
 from dsv4.ops.sampling import SamplingSpec
 from dsv4.runner.stop import TextStopChecker

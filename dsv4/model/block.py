@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dsv4.config.model import ModelConfig
 from dsv4.model.attention import Attention
-from dsv4.model.config import ModelConfig
 from dsv4.model.hot_ops import REFERENCE_OPS, HotOps
 from dsv4.model.index_cache import TopkRelay
 from dsv4.model.layers import RMSNorm

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dsv4.model.config import ModelConfig
+from dsv4.config.model import ModelConfig
 from dsv4.model.hot_ops import REFERENCE_OPS, HotOps
 from dsv4.model.layers import RMSNorm, linear, linear_fp32
 from dsv4.model.rope import inv_freq

@@ -14,10 +14,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from dsv4.config.index_pattern import IndexPattern
+from dsv4.config.model import ModelConfig
 from dsv4.model.block import Block
-from dsv4.model.config import ModelConfig
 from dsv4.model.hot_ops import REFERENCE_OPS, HotOps
-from dsv4.model.index_cache import IndexPattern, TopkRelay
+from dsv4.model.index_cache import TopkRelay
 from dsv4.model.layers import RMSNorm, linear
 from dsv4.model.mtp import MTPLayer
 from dsv4.model.state import SequenceState

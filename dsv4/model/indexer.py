@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dsv4.config.model import ModelConfig
 from dsv4.model.compressor import Compressor
-from dsv4.model.config import ModelConfig
 from dsv4.model.hot_ops import REFERENCE_OPS, HotOps
 from dsv4.model.layers import linear
 from dsv4.model.state import CompressorState

@@ -24,8 +24,8 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from dsv4.config.model import ModelConfig
 from dsv4.errors import ConfigError
-from dsv4.model.config import ModelConfig
 from dsv4.model.hot_ops import REFERENCE_OPS, HotOps
 from dsv4.model.layers import linear, linear_fp32
 from dsv4.ops.moe import gated_silu, swiglu

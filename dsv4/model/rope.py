@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from dsv4.model.config import ModelConfig, YarnScaling
+from dsv4.config.model import ModelConfig, YarnScaling
 
 
 @functools.lru_cache(maxsize=16)

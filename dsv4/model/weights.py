@@ -34,8 +34,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from dsv4.config.model import ModelConfig
 from dsv4.errors import CheckpointError
-from dsv4.model.config import ModelConfig
 from dsv4.model.deepseek_v4 import DeepseekV4
 from dsv4.model.fp8 import FP8Linear, quantized_linears_, served_linear_format
 from dsv4.model.inventory import quantized_kind

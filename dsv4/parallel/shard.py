@@ -8,8 +8,8 @@ costs two all-reduces and the model 2 * (num_hidden_layers + 1 with MTP) per for
 
 from __future__ import annotations
 
+from dsv4.config.model import ModelConfig
 from dsv4.errors import ConfigError
-from dsv4.model.config import ModelConfig
 from dsv4.model.deepseek_v4 import DeepseekV4
 from dsv4.model.fp8 import FP8Linear
 from dsv4.parallel.attention import TensorParallelAttention

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from dsv4.cache.layout import KVLayout
 from dsv4.cache.packing import CacheOptions
-from dsv4.model.config import ModelConfig
+from dsv4.config.model import ModelConfig
 from dsv4.model.inventory import model_tensors, quantized_kind
 
 # Transient bf16 copies that weights held as stored make in large steps: the kernels' thresholds,

@@ -32,12 +32,12 @@ import torch
 from dsv4.cache.layout import KVLayout
 from dsv4.cache.packing import CacheOptions
 from dsv4.config import ServeConfig, request_limits, resolve_auto
+from dsv4.config.index_pattern import IndexPattern
+from dsv4.config.model import ModelConfig
 from dsv4.engine.async_engine import AsyncEngine
 from dsv4.engine.core import build_engine_core
 from dsv4.errors import CheckpointError, ConfigError
-from dsv4.model.config import ModelConfig
 from dsv4.model.fp8 import set_linear_activations_
-from dsv4.model.index_cache import IndexPattern
 from dsv4.model.indexer import set_skip_topk
 from dsv4.runner.kernel_bridge import hot_ops, kernel_choices
 from dsv4.runner.metadata import MetadataOptions
@@ -97,7 +97,7 @@ class WorkerRuntime:
 def planned_model_config(config: ServeConfig) -> ModelConfig:
     """The model's config, read before any weight is loaded."""
     if config.model.path == "tiny":
-        from dsv4.model.config import tiny_config
+        from dsv4.config.model import tiny_config
 
         return tiny_config()
     return ModelConfig.from_file(config.model.model_dir)
@@ -110,7 +110,7 @@ def load_weights(config: ServeConfig) -> tuple[torch.nn.Module, ModelConfig, Tex
     experts = config.features.expert_weights  # "checkpoint": MXFP4 / FP8 experts as stored
     linears = config.features.linear_weights  # "checkpoint": FP8 linears as stored
     if m.path == "tiny":
-        from dsv4.model.config import tiny_config
+        from dsv4.config.model import tiny_config
         from dsv4.model.tiny import random_model
         from dsv4.text.tokenizer import build_tokenizer
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dsv4.cache.packing import CacheOptions
 from dsv4.config import ServeConfig
-from dsv4.model.config import ModelConfig
+from dsv4.config.model import ModelConfig
 from dsv4.plan import MemoryPlan, PlanRequest, WeightFormats, check_fits, plan_memory
 
 GIB = 1 << 30

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4.model.config import tiny_config
+from dsv4.config.model import tiny_config
 from dsv4.model.tiny import random_model
 from dsv4.runner.paged.decode_graphs import GraphOptions
 from dsv4.runner.paged.graphs import batch_buckets, bucket_of, context_buckets

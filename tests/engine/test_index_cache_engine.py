@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from dsv4.cache import INDEXER, CacheOptions
+from dsv4.config.index_pattern import IndexPattern
 from dsv4.engine.core import build_engine_core
 from dsv4.errors import StepFailed
 from dsv4.model.generate import generate
-from dsv4.model.index_cache import IndexPattern
 from dsv4.scheduler.config import SchedulerConfig
 from tests.engine.conftest import greedy_request, run_to_completion
 from tests.leak import assert_no_leaks

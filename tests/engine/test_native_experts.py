@@ -16,8 +16,8 @@ import json
 import pytest
 import torch
 
+from dsv4.config.model import tiny_config
 from dsv4.errors import CheckpointError, ConfigError
-from dsv4.model.config import tiny_config
 from dsv4.model.offload import offload_model
 from dsv4.model.tiny import random_model, write_checkpoint
 from dsv4.model.weights import load_model

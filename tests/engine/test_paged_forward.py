@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4.model.config import tiny_config
+from dsv4.config.index_pattern import IndexPattern
+from dsv4.config.model import tiny_config
 from dsv4.model.generate import generate
-from dsv4.model.index_cache import IndexPattern
 from dsv4.model.tiny import random_model
 from dsv4.runner.paged import MetadataSwitches, PagedSwitches
 from dsv4.scheduler.batch import RequestStepOutput, StepOutput

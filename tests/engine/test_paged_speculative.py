@@ -165,7 +165,7 @@ def test_paged_mtp_with_captured_graphs_on_the_gpu() -> None:
     the CPU tests' job)."""
     import torch
 
-    from dsv4.model.config import tiny_config
+    from dsv4.config.model import tiny_config
     from dsv4.model.tiny import random_model
     from kernels.backend import KernelBackendConfig
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from dsv4.cache.packing import CacheOptions
+from dsv4.config.model import tiny_config
 from dsv4.engine.core import EngineCore, build_engine_core
-from dsv4.model.config import tiny_config
 from dsv4.model.generate import generate
 from dsv4.model.tiny import random_model
 from dsv4.scheduler.config import SchedulerConfig

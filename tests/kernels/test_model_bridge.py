@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from dsv4.model.config import tiny_config
+from dsv4.config.model import tiny_config
 from dsv4.model.hot_ops import REFERENCE_OPS, HotOps
 from dsv4.model.tiny import random_model
 from dsv4.runner.kernel_bridge import BRIDGES, hot_ops, kernel_choices

@@ -20,7 +20,7 @@ import dataclasses
 import pytest
 import torch
 
-from dsv4.model.config import tiny_config
+from dsv4.config.model import tiny_config
 from dsv4.model.generate import generate
 from dsv4.model.hot_ops import REFERENCE_OPS
 from dsv4.model.rope import inv_freq

@@ -11,8 +11,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from dsv4.config.model import tiny_config
 from dsv4.errors import CheckpointError
-from dsv4.model.config import tiny_config
 from dsv4.model.deepseek_v4 import DeepseekV4
 from dsv4.model.inventory import model_tensors
 from dsv4.model.tiny import write_checkpoint

@@ -238,7 +238,7 @@ def test_planner_imports_without_torch():
 
 def test_cli_reads_a_checkpoint_config(tmp_path, capsys):
     from dsv4.commands.cli import main
-    from dsv4.model.config import tiny_config
+    from dsv4.config.model import tiny_config
 
     (tmp_path / "config.json").write_text(json.dumps(tiny_config().to_hf_dict()))
     argv = ["plan", "--model", str(tmp_path), "--gpu-mem", "4", "--max-num-seqs", "4", "--json"]

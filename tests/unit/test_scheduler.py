@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dsv4.cache import CacheOptions, KVCacheManager, KVLayout
+from dsv4.config.model import tiny_config
 from dsv4.errors import InvalidRequest
-from dsv4.model.config import tiny_config
 from dsv4.scheduler import (
     FinishReason,
     Request,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dsv4.cache import CacheOptions, KVCacheManager, KVLayout
-from dsv4.model.config import tiny_config
+from dsv4.config.model import tiny_config
 from dsv4.runner.metadata import build_step_metadata, c4_topk_slots
 from dsv4.runner.paged_cache import PagedKVCache
 from dsv4.runner.paged_state import load_state, load_states

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dsv4.model.index_cache import IndexPattern
+from dsv4.config.index_pattern import IndexPattern
 from dsv4.model.rope import inv_freq
 from dsv4.ops.rope import rope_cos_sin
 from dsv4.runner.paged import kv_rows
