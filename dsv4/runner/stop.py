@@ -12,13 +12,14 @@ from dsv4.text.tokenizer import TextCodec
 
 
 class TextStopChecker:
-    """Reads `request.sampling_params.stop_strings` (any object with that field)."""
+    """Reads `request.sampling_params.stop_strings` (none without sampling params)."""
 
     def __init__(self, codec: TextCodec) -> None:
         self._codec = codec
 
     def __call__(self, request: Request, new_token_ids: tuple[int, ...]) -> bool:
-        stops = tuple(getattr(request.sampling_params, "stop_strings", ()) or ())
+        params = request.sampling_params
+        stops = params.stop_strings if params is not None else ()
         if not stops:
             return False
         outputs = request.output_token_ids

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dsv4.scheduler.request import FinishReason
+from dsv4.types import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -23,7 +24,7 @@ class ScheduledRequest:
     samples_token: bool  # a token is sampled (decode, or the last chunk of a prefill)
     block_table: tuple[int, ...]  # token block ids (see dsv4.cache.layout)
     ring_block_ids: tuple[int, ...]
-    sampling_params: object = None
+    sampling_params: SamplingParams | None = None  # None: greedy
 
     @property
     def num_tokens(self) -> int:

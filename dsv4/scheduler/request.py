@@ -12,6 +12,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from dsv4.types import SamplingParams
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -32,14 +34,14 @@ class FinishReason(enum.Enum):
 class Request:
     """Created by the engine from a validated client request; owned by the `Scheduler`.
 
-    `sampling_params` is opaque here (the runner's sampler reads it); the scheduler reads only
-    the stop fields below.
+    `sampling_params` (None: greedy) is the runner's to read; the scheduler reads only the
+    stop fields below.
     """
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
     max_new_tokens: int
-    sampling_params: object = None
+    sampling_params: SamplingParams | None = None
     eos_token_id: int | None = None  # None: ignore EOS
     stop_token_ids: frozenset[int] = frozenset()
     arrival_time_s: float = 0.0

@@ -15,9 +15,12 @@ logits at position P+i, i.e. for the token at P+i+1).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+from dsv4.runner.sampler import Sampler, SamplingSpec
 
 
 class RandomSource(Protocol):
@@ -26,6 +29,27 @@ class RandomSource(Protocol):
     def uniform(self) -> float: ...
 
     def categorical(self, probs: torch.Tensor) -> int: ...
+
+
+@dataclass(frozen=True)
+class Draft:
+    """What a drafter proposes for one request (both forwards' MTP halves draft these)."""
+
+    token_ids: tuple[int, ...]  # d_1..d_k
+    probs: torch.Tensor | None  # [k, V] fp32 q_1..q_k (sampled requests); None when greedy
+
+
+class RequestRandom:
+    """A request's random stream, drawn from the sampler's per-request generator."""
+
+    def __init__(self, sampler: Sampler, request_id: str, spec: SamplingSpec) -> None:
+        self._sampler, self._request_id, self._spec = sampler, request_id, spec
+
+    def uniform(self) -> float:
+        return self._sampler.uniform(self._request_id, self._spec)
+
+    def categorical(self, probs: torch.Tensor) -> int:
+        return self._sampler.categorical(probs, self._request_id, self._spec)
 
 
 def accept_greedy(draft_ids: Sequence[int], target_ids: Sequence[int]) -> tuple[int, ...]:
