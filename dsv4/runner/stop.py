@@ -1,6 +1,6 @@
 """Stop strings: the detokenizing `StopChecker` the scheduler calls after each new token.
 
-A request ends with FinishReason.STOP_STRING once the text of its output tokens contains one of
+A request ends with FinishCause.STOP_STRING once the text of its output tokens contains one of
 its stop strings. Only the tail that a new token can have completed is searched: the last
 `len(longest stop) + len(new text)` characters.
 """

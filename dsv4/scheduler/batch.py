@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dsv4.scheduler.request import FinishReason
+from dsv4.scheduler.request import FinishCause
 from dsv4.types import SamplingParams
 
 
@@ -122,7 +122,7 @@ class RequestOutput:
 
     request_id: str
     new_token_ids: tuple[int, ...]
-    finish_reason: FinishReason | None = None
+    finish_reason: FinishCause | None = None
 
     @property
     def is_finished(self) -> bool:
