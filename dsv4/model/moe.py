@@ -93,6 +93,14 @@ class Expert(nn.Module):
         return self.w2(gated_silu(self.w1(u), self.w3(u), self.limit).to(u.dtype))
 
 
+# The routing kernels' signatures (`kernels.routing`): (logits [T, E], bias [E], top_k,
+# scaling) and (logits [T, E], token_ids [T], tid2eid [V, K], scaling) -> (weights, ids).
+ScoredRoute = Callable[[torch.Tensor, torch.Tensor, int, float], tuple[torch.Tensor, torch.Tensor]]
+HashRoute = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]
+]
+
+
 class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
         super().__init__()
@@ -129,6 +137,24 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             out += self.shared_experts(flat).float()
         return out.to(u.dtype).view(shape)
+
+    def route(
+        self,
+        logits: torch.Tensor,
+        token_ids: torch.Tensor,
+        scored: ScoredRoute,
+        hashed: HashRoute,
+        bias: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The router's choice on gate logits [T, E] fp32 (g = W_g u) -> (weights [T, K] fp32,
+        expert ids [T, K]): by token id through `tid2eid` on a hash layer, else top-k of the
+        scores + bias. `scored` / `hashed`: `kernels.routing`'s `route` / `hash_route` (or
+        their references); `bias`: the gate bias as the caller holds it (an fp32 copy)."""
+        cfg, gate = self.cfg, self.gate
+        if gate.is_hash:
+            return hashed(logits, token_ids, gate.tid2eid, cfg.routed_scaling_factor)
+        bias = gate.bias if bias is None else bias
+        return scored(logits, bias, cfg.num_experts_per_tok, cfg.routed_scaling_factor)
 
     def _expert(self, e: int, num_tokens: int) -> Callable[[torch.Tensor], torch.Tensor]:
         if self.expert_store is not None:

@@ -102,3 +102,16 @@ class Sampler:
     @property
     def num_live_generators(self) -> int:
         return len(self._generators)
+
+
+class RequestRandom:
+    """A request's random stream, drawn from the sampler's per-request generator."""
+
+    def __init__(self, sampler: Sampler, request_id: str, spec: SamplingSpec) -> None:
+        self._sampler, self._request_id, self._spec = sampler, request_id, spec
+
+    def uniform(self) -> float:
+        return self._sampler.uniform(self._request_id, self._spec)
+
+    def categorical(self, probs: torch.Tensor) -> int:
+        return self._sampler.categorical(probs, self._request_id, self._spec)

@@ -35,12 +35,14 @@ from dsv4.config import ServeConfig, request_limits, resolve_auto
 from dsv4.config.index_pattern import IndexPattern
 from dsv4.config.model import ModelConfig
 from dsv4.engine.async_engine import AsyncEngine
-from dsv4.engine.core import build_engine_core
+from dsv4.engine.core import EngineOptions, build_engine_core
 from dsv4.errors import CheckpointError, ConfigError
 from dsv4.model.fp8 import set_linear_activations_
 from dsv4.model.indexer import set_skip_topk
 from dsv4.runner.kernel_bridge import hot_ops, kernel_choices
-from dsv4.runner.metadata import MetadataOptions
+from dsv4.runner.paged import MetadataSwitches, PagedOptions, PagedSwitches
+from dsv4.runner.reference import ReferenceOptions
+from dsv4.runner.reference.slot_tables import SlotTableOptions
 from dsv4.scheduler.config import SchedulerConfig
 from dsv4.scheduler.request import Request
 from dsv4.text.tokenizer import TextCodec
@@ -188,22 +190,25 @@ def build_worker_runtime(
         chunk_area_budget=s.chunk_area_budget,
     )
     f = config.features
-    core = build_engine_core(
-        model,
-        options,
-        scheduler_config,
-        num_blocks=num_blocks,
-        device=config.model.device,
-        shared_metadata=f.shared_sparse_metadata,
+    reference = ReferenceOptions(
+        shared_slot_tables=f.shared_sparse_metadata,
         kernels=kernel_config(config),
-        metadata_options=MetadataOptions(
+        slot_tables=SlotTableOptions(
             cached_token_to_req=f.cached_token_to_req_indices,
             skip_redundant_fill=f.skip_redundant_fill,
         ),
+    )
+    engine_options = EngineOptions(
+        options,
+        scheduler_config,
+        num_blocks,
+        device=config.model.device,
+        kernels=kernel_config(config),
         paged=paged_options(config),
-        graphs=graph_options(config),
+        reference=reference,
         batched_sampling=f.batched_sampling,
     )
+    core = build_engine_core(model, engine_options)
     if config.model.device.startswith("cuda"):
         s = config.scheduler
         lengths = warm_up_lengths(s.max_num_batched_tokens, config.model.max_model_len)
@@ -249,13 +254,11 @@ def transport_options(config: ServeConfig) -> dict:
     return options
 
 
-def paged_options(config: ServeConfig) -> dict | None:
-    """The paged forward's switches (`build_engine_core(paged=...)`), None for the reference."""
+def paged_options(config: ServeConfig) -> PagedOptions | None:
+    """The paged forward's switches and decode graphs, None for the reference forward."""
     f = config.features
     if f.forward != "paged":
         return None
-    from dsv4.runner.paged import MetadataSwitches, PagedSwitches
-
     metadata = MetadataSwitches(
         shared=f.shared_sparse_metadata,
         cached_token_to_req=f.cached_token_to_req_indices,
@@ -263,7 +266,7 @@ def paged_options(config: ServeConfig) -> dict | None:
     )
     switches = PagedSwitches(compressor_boundary_only=f.compressor_boundary_only,
                              skip_topk=f.skip_topk, fuse_shared_expert=f.fuse_shared_expert)  # fmt: skip
-    return {"metadata": metadata, "switches": switches}
+    return PagedOptions(metadata, switches, graph_options(config))
 
 
 def warm_up_lengths(budget: int, max_model_len: int) -> tuple[int, ...]:

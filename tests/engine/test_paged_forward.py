@@ -94,7 +94,7 @@ def _lockstep_logits(*cores) -> list[list[torch.Tensor]]:
     steps = []
     while cores[0].has_work():
         batches = [c.scheduler.schedule() for c in cores]
-        logits = [c.runner.paged(b).logits for c, b in zip(cores, batches)]
+        logits = [c.runner.forward.paged(b).logits for c, b in zip(cores, batches)]
         steps.append(logits)
         rows = [r.request_id for r in batches[0].requests if r.samples_token]
         given = dict(zip(rows, logits[0].argmax(-1).tolist()))

@@ -17,7 +17,7 @@ from dsv4.config import add_config_args, config_from_args, load_config, resolve_
 from dsv4.config.model import tiny_config
 from dsv4.errors import ConfigError
 from dsv4.ops.kv_codec import round_trip
-from dsv4.runner.paged_cache import PagedKVCache
+from dsv4.runner.kv_cache import PagedKVCache
 
 
 def test_flags_env_and_yaml_set_the_exact_formats(tmp_path: Path) -> None:

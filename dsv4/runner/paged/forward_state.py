@@ -15,7 +15,7 @@ from dsv4.runner.paged import kv_rows
 from dsv4.runner.paged.compress import CompressorTables, compressor_tables
 from dsv4.runner.paged.geometry import LayerGeometry
 from dsv4.runner.paged.prefill import ChunkTables, chunk_tables, chunks_of
-from dsv4.runner.paged.step import StepMetadata
+from dsv4.runner.paged.step_metadata import StepMetadata
 
 
 @dataclass(frozen=True)
