@@ -169,8 +169,12 @@ def start_ranks(config: ServeConfig):
     if config.model.tensor_parallel_size == 1:
         return None
     from dsv4.commands.cluster import free_port
+    from dsv4.parallel import check_shardable
     from dsv4.parallel.ranks import RankGroup
 
+    m = config.model  # refuse a world size the model cannot split before spawning anything
+    check_shardable(planned_model_config(config), m.tensor_parallel_size,
+                    expert_parallel=m.expert_parallel)  # fmt: skip
     return RankGroup.start(config, free_port())
 
 
