@@ -58,6 +58,8 @@ class ClusterSpec:
     num_decode: int = 1
     redis_url: str = ""
     service_args: tuple[str, ...] = ()  # passed to every service
+    prefill_args: tuple[str, ...] = ()  # then to prefill workers only (--tensor-parallel-size 2)
+    decode_args: tuple[str, ...] = ()  # then to decode workers only
     log_dir: str = ""  # empty: a temporary directory
     grace_s: float = 10.0
     with_router: bool = True  # False: workers only (worker tests call them directly)
@@ -156,6 +158,7 @@ class LocalCluster:
                     port = free_port(spec.host)
                     args = [*common, "--worker-host", spec.host, "--worker-port", str(port)]
                     args += ["--worker-id", f"{role}-{i}", *service_args]
+                    args += spec.prefill_args if role == "prefill" else spec.decode_args
                     self._spawn(f"{role}-{i}", role, f"{spec.host}:{port}", args, log_dir)
             if not spec.with_router:
                 self.wait_ready(ready_timeout_s)

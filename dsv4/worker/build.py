@@ -68,6 +68,8 @@ class WorkerRuntime:
     transport: KVTransport | None  # None when built without one (single-engine baseline)
     codec: TextCodec | None
     limits: RequestLimits
+    # rank 0's handle on the follower ranks (a dsv4.parallel.ranks.RankGroup); None: one rank
+    ranks: object = None
 
     @property
     def layout_info(self) -> KVLayoutInfo:
@@ -154,8 +156,37 @@ def build_worker_runtime(
         device = torch.device(config.model.device)
         total_bytes = torch.cuda.get_device_properties(device).total_memory
         startup_plan(config, planned_model_config(config), total_bytes)  # raises PlanDoesNotFit
+    ranks = start_ranks(config)  # None for one rank; else followers load alongside
+    try:
+        return _build(config, ranks, with_transport=with_transport, name=name)
+    except BaseException:
+        if ranks is not None:
+            ranks.close("start-up failed")
+        raise
+
+
+def start_ranks(config: ServeConfig):
+    """The follower ranks of a replica of `model.tensor_parallel_size` > 1 (a `RankGroup`,
+    spawned and joined), or None for one rank."""
+    if config.model.tensor_parallel_size == 1:
+        return None
+    from dsv4.commands.cluster import free_port
+    from dsv4.parallel import check_shardable
+    from dsv4.parallel.ranks import RankGroup
+
+    m = config.model  # refuse a world size the model cannot split before spawning anything
+    check_shardable(planned_model_config(config), m.tensor_parallel_size,
+                    expert_parallel=m.expert_parallel)  # fmt: skip
+    return RankGroup.start(config, free_port())
+
+
+def _build(config: ServeConfig, ranks, *, with_transport: bool, name: str) -> WorkerRuntime:
     model, model_cfg, codec = load_weights(config)
     set_linear_activations_(model, config.features.linear_activations)  # W8A8 switch
+    if ranks is not None:
+        from dsv4.parallel import shard_model
+
+        shard_model(model, ranks.group, expert_parallel=config.model.expert_parallel)
     config = dataclasses.replace(
         config,
         model=dataclasses.replace(
@@ -165,17 +196,9 @@ def build_worker_runtime(
             ),
         ),
     )
-    spec_tokens = (
-        config.speculative.num_speculative_tokens if config.speculative.method == "mtp" else 0
-    )
+    spec_tokens = options_spec_tokens(config)
     pattern = apply_features(model, model_cfg, config)
-    options = CacheOptions(
-        block_size=config.cache.block_size,
-        kv_dtype=config.cache.kv_dtype,
-        index_dtype=config.cache.indexer_key_dtype,
-        num_speculative_tokens=spec_tokens,
-        index_pattern=pattern.roles,
-    )
+    options = cache_options(config, pattern)
     layout = KVLayout.build(model_cfg, options)
     num_blocks = _num_blocks(config, layout)
     s = config.scheduler
@@ -209,6 +232,10 @@ def build_worker_runtime(
         batched_sampling=f.batched_sampling,
     )
     core = build_engine_core(model, engine_options)
+    if ranks is not None:  # before the warm-up: its steps run on every rank
+        from dsv4.parallel.ranks import rank_zero_core
+
+        core = rank_zero_core(core, ranks, num_blocks)
     if config.model.device.startswith("cuda"):
         s = config.scheduler
         lengths = warm_up_lengths(s.max_num_batched_tokens, config.model.max_model_len)
@@ -234,7 +261,25 @@ def build_worker_runtime(
         layout.compat_hash[:12], transport.kind if transport else "none",
     )  # fmt: skip
     return WorkerRuntime(
-        config, model_cfg, AsyncEngine(core, name), layout, transport, codec, limits
+        config, model_cfg, AsyncEngine(core, name), layout, transport, codec, limits, ranks
+    )
+
+
+def options_spec_tokens(config: ServeConfig) -> int:
+    """Draft slots the cache reserves: MTP's draft tokens, 0 without speculation."""
+    s = config.speculative
+    return s.num_speculative_tokens if s.method == "mtp" else 0
+
+
+def cache_options(config: ServeConfig, pattern: IndexPattern) -> CacheOptions:
+    """The KV cache's options (block size, formats, draft slots, IndexCache roles): the same
+    on every rank of a replica and on both sides of a hand-off."""
+    return CacheOptions(
+        block_size=config.cache.block_size,
+        kv_dtype=config.cache.kv_dtype,
+        index_dtype=config.cache.indexer_key_dtype,
+        num_speculative_tokens=options_spec_tokens(config),
+        index_pattern=pattern.roles,
     )
 
 
