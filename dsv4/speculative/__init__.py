@@ -1,6 +1,6 @@
 """What both forwards' MTP speculation shares: the acceptance rules (greedy and rejection
-sampling), a `Draft`, the per-request random stream, the acceptance counters, and the
-acceptance measurement tool.
+sampling), a `Draft` and the acceptance counters (the per-request random stream is
+`dsv4.runner.sampler.RequestRandom`; the acceptance measurement, `dsv4.engine.acceptance`).
 
 Each forward owns its own speculative half: the reference forward's
 `dsv4.runner.reference.speculative` (draft at the start of a step over per-request states,
@@ -11,7 +11,6 @@ cache).
 
 from dsv4.speculative.acceptance import (
     Draft,
-    RequestRandom,
     accept_greedy,
     accept_sampled,
     residual_probs,
@@ -20,7 +19,6 @@ from dsv4.speculative.metrics import SpecMetrics
 
 __all__ = [
     "Draft",
-    "RequestRandom",
     "SpecMetrics",
     "accept_greedy",
     "accept_sampled",
