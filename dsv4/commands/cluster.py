@@ -24,7 +24,6 @@ import logging
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -35,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dsv4.errors import Unavailable
+from dsv4.serving.ports import free_port
 
 if TYPE_CHECKING:
     from dsv4.config import ServeConfig
@@ -269,22 +269,6 @@ def terminate(process: subprocess.Popen[bytes], sig: int) -> None:
     if process.poll() is None:
         with contextlib.suppress(ProcessLookupError):
             process.send_signal(sig)
-
-
-_HANDED_OUT: set[int] = set()
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port free now and never handed out before by this process: two services started
-    back to back must not both get a port that neither has bound yet."""
-    for _ in range(100):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind((host, 0))
-            port = sock.getsockname()[1]
-        if port not in _HANDED_OUT:
-            _HANDED_OUT.add(port)
-            return port
-    raise Unavailable("no fresh free port after 100 tries")
 
 
 def is_serving(

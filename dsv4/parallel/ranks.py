@@ -1,7 +1,7 @@
 """The rank processes of one worker's model replica: start, step, watch, stop (rank 0's side).
 
 `dsv4 prefill|decode --tensor-parallel-size T` makes the worker process rank 0 of T. Before it
-loads weights, `RankGroup.start` spawns ranks 1..T-1 (`python -m dsv4.parallel.follower`, same
+loads weights, `RankGroup.start` spawns ranks 1..T-1 (`python -m dsv4.worker.follower`, same
 interpreter, environment from `launch_env`), hands each the resolved config over its stdin pipe
 and joins them in a torch.distributed group rendezvousing at a free loopback port (gloo on CPU,
 nccl on CUDA unless `model.distributed_backend` says otherwise). Every rank then loads the
@@ -9,7 +9,7 @@ model and keeps its shard (`shard_model`: heads, and experts whole with `--exper
 sliced without); rank 0 alone owns the gRPC servicer, scheduler, KV manager and transport.
 
 Each engine step, `RankZeroRunner.execute` sends the batch (`StepMessage`) down every pipe and
-then runs rank 0's own shard; the followers run theirs (`dsv4.parallel.follower`). Blocks that
+then runs rank 0's own shard; the followers run theirs (`dsv4.worker.follower`). Blocks that
 the transport wrote into rank 0's cache (a decode worker's pulls) are recorded by
 `RankedEngineCore.activate` and copied to the other ranks before the next forward.
 
@@ -107,7 +107,7 @@ class RankGroup:
         ranks = cls(ParallelGroup.single())
         try:
             for rank in range(1, world):
-                command = [sys.executable, "-m", "dsv4.parallel.follower", "--rank", str(rank),
+                command = [sys.executable, "-m", "dsv4.worker.follower", "--rank", str(rank),
                            "--world-size", str(world), "--port", str(port),
                            "--parent-pid", str(os.getpid())]  # fmt: skip
                 proc = subprocess.Popen(command, stdin=subprocess.PIPE, env=env)

@@ -170,9 +170,9 @@ def start_ranks(config: ServeConfig):
     spawned and joined), or None for one rank."""
     if config.model.tensor_parallel_size == 1:
         return None
-    from dsv4.commands.cluster import free_port
     from dsv4.parallel import check_shardable
     from dsv4.parallel.ranks import RankGroup
+    from dsv4.serving.ports import free_port
 
     m = config.model  # refuse a world size the model cannot split before spawning anything
     check_shardable(planned_model_config(config), m.tensor_parallel_size,

@@ -96,7 +96,7 @@ def test_ranked_workers_give_the_single_engine_tokens(
 
 
 def follower_pids(worker_pid: int) -> list[int]:
-    """The follower rank processes a worker started (children running dsv4.parallel.follower)."""
+    """The follower rank processes a worker started (children running dsv4.worker.follower)."""
     pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -107,7 +107,7 @@ def follower_pids(worker_pid: int) -> list[int]:
         except OSError:
             continue
         parent = int(stat.rpartition(")")[2].split()[1])
-        if parent == worker_pid and b"dsv4.parallel.follower" in cmdline:
+        if parent == worker_pid and b"dsv4.worker.follower" in cmdline:
             pids.append(int(entry.name))
     return sorted(pids)
 

@@ -11,9 +11,9 @@ import torch
 
 from dsv4.cache.packing import CacheOptions
 from dsv4.config import load_config, resolve_auto
+from dsv4.config.model import tiny_config
 from dsv4.engine.core import EngineOptions, build_engine_core
 from dsv4.errors import ConfigError
-from dsv4.config.model import tiny_config
 from dsv4.model.tiny import random_model
 from dsv4.parallel import ParallelGroup, shard_model
 from dsv4.parallel.ranks import (

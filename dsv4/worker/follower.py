@@ -1,4 +1,4 @@
-"""A follower rank of a worker's model replica: `python -m dsv4.parallel.follower --rank R ...`.
+"""A follower rank of a worker's model replica: `python -m dsv4.worker.follower --rank R ...`.
 
 Started only by rank 0 (`dsv4.parallel.ranks.RankGroup.start`), which writes to this process's
 stdin, in order: its `ServeConfig` (resolved, this rank's device), later a `CacheSetup`, then one
@@ -86,7 +86,7 @@ def serve_steps(pipe, runner: ModelRunner, group) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="dsv4.parallel.follower")
+    parser = argparse.ArgumentParser(prog="dsv4.worker.follower")
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--world-size", type=int, required=True)
     parser.add_argument("--port", type=int, required=True)
