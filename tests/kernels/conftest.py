@@ -33,6 +33,7 @@ if not torch.cuda.is_available():
                 "kernels.moe_gemv",  # before kernels.moe, which imports it
                 "kernels.moe",
                 "kernels.moe_dequant",  # after kernels.moe, whose kernels it launches
+                "kernels.fp8_splitk",  # after fp8_dequant, before the linears that call it
                 "kernels.fp8_gemv",  # after fp8_dequant, whose _block_scale it calls
                 "kernels.fp8_w8a8",  # after fp8_gemv and kernels.moe, whose helpers it calls
                 "kernels.fp8_linear",  # after kernels.moe, whose _tile_ids it calls
