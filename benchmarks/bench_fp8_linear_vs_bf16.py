@@ -4,18 +4,23 @@
     python -m benchmarks.bench_fp8_linear_vs_bf16 --dry-run --out /tmp/f.json   # CPU: tiny, refs
 
 Every V4-Flash linear stored as FP8 (benchmarks/bench_kernels_linear.py's shapes, wo_a grouped) at
-1, 16, 64, 1024 and 8192 rows (and 2, 4 for the GEMV): cuBLAS on the dequantised bf16 weight
+1, 2, 4, 16, 64, 1024 and 8192 rows: cuBLAS on the dequantised bf16 weight
 against each FP8 path on the same x, in one process. Each side is timed as one CUDA graph
 that calls it on C copies of its weight in turn (C x weight bytes > 2x the H200's 60 MB L2, as
 a decode step reads every layer's weights once), R times over; time = graph replay / (C x R),
-median of 5 replays. Paths (`_paths`): "exact" (the served default of
-`linear_weights=checkpoint`: the GEMV up to GEMV_MAX_ROWS, dequantise + cuBLAS above),
-"fp8_switch" (`activations="fp8"` as served), "w8a8" (x quantised per 1x128 group, FP8 x FP8
-MMA, the quantise included, at every row count from 16), "gemv" (1-row alternative configs).
-Records: {"name": "fp8_linear_vs_bf16", "linear", "rows", "bf16_us", "fp8_us", "speedup",
-"pct_roofline" (FP8 weight + scales + x + y bytes / time / 4.3 TB/s, or FLOP/s / 790
-TFLOP/s (bf16 peak; FP8's is ~2x), the larger), "path", "config", "max_abs_err",
-"rel_err" (||y - y_exact|| / ||y_exact||, y_exact: the dequantise path)}.
+median of 5 replays. Paths (`_paths`): the served switches, "exact" (`linear_weights=checkpoint`:
+the GEMV up to GEMV_MAX_ROWS, dequantise + cuBLAS above) and "fp8_switch"
+(`linear_activations=fp8`), and issue 21's candidates, each a `tune` of fp8_linear on the same
+x: "gemv_rowtile" (1-4 rows), "gemv_fused_reduce", "tiled_swap", "w8a8_fused_reduce" (4-64
+rows) and "w8a8" (1024+ rows, prefill tiles W8A8_PREFILL). In-launch split-K reduction:
+kernels/fp8_splitk.py. Well under 8 minutes on the H200 (--deadline-s stops starting cases).
+Records: {"name": "fp8_linear_vs_bf16", "linear", "rows", "path", "activations" ("bf16":
+exact numerics; "fp8": x quantised per 1x128 group), "config", "bf16_us", "time_us" (= fp8_us),
+"speedup", "pct_roofline" (FP8 weight + scales + x + y bytes / time / 4.3 TB/s, or FLOP/s / 790
+TFLOP/s (bf16 peak; FP8's is ~2x), the larger), "max_abs_err", "rel_err" (||y - y_exact|| /
+||y_exact||, y_exact: the dequantise path)}, then one {"name": "fp8_linear_best", "linear",
+"rows", "activations", "path", "config", ...} per (linear, rows, activations): the fastest
+exact path ("bf16") and the fastest of all ("fp8"), the dispatch table's input.
 """
 
 from __future__ import annotations
@@ -44,8 +49,16 @@ DEFAULT_OUT = ROOT / "benchmarks" / "results" / "kernels-fp8-linear-vs-bf16-h200
 ROWS = [1, 2, 4, 16, 64, 1024, 8192]
 DRY = {"rows": [1, 16], "linears": {"wq_a": (256, 512)}, "groups": (2, 128, 256)}
 L2_ROTATE_BYTES = 160e6  # > 2x the H200's 60 MB L2
-# configs per path (each over the served config; `{}` = the served one)
-GEMV_TUNES = ({"BLOCK_N": 32}, {"BLOCK_N": 32, "num_warps": 8}, {"BLOCK_K": 2048})
+GEMV = {"GEMV": True}
+TILED_SWAP = {"GEMV": False, "DEQUANT": False, "SWAP_AB": True, "POST_SCALE": True}
+W8A8 = {"GEMV": False, "W8A8": True}
+FUSED = {"REDUCE": "kernel"}  # split-K partials added inside the GEMM's launch
+# W8A8 tiles at prefill rows (BLOCK_K is the 128-column scale block): the served 64 x 128 at 4
+# warps, 128 x 128 at 8 warps (one CTA an SM at 216 registers) and 64 x 128 at 8 warps (122
+# registers: two CTAs an SM, one's promotion under the other's MMA); ptxas: no spills
+W8A8_PREFILL = ({}, {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3},
+                {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 4},
+                {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 8, "num_stages": 4})  # fmt: skip
 
 
 def _time_rotated(fn, arg_sets, rows: int, dry: bool) -> float:
@@ -89,16 +102,42 @@ def _cases(sizes: dict, rows_list: list[int]):
     yield "wo_a", g, n, k
 
 
-def _paths(rows: int) -> list[tuple[str, dict]]:
-    """(path, tune) at `rows`: "exact" (linear_weights=checkpoint's default), "fp8_switch" (the
-    W8A8 switch as served: GEMV, W8A8 up to W8A8_MAX_ROWS, dequantise above), "w8a8" forced at
-    every row count from 16, and the 1-row GEMV's alternative configs."""
-    paths = [("exact", {}), ("fp8_switch", {})]
+def _paths(rows: int) -> list[tuple[str, str, dict]]:
+    """(path, activations, tune) at `rows`: the served switches ("exact":
+    linear_weights=checkpoint, "fp8_switch": linear_activations=fp8) and issue 21's candidates,
+    each a `tune` of fp8_linear: "gemv_rowtile" (few weight rows a program, K whole; STEP_BYTES
+    per step), "gemv_fused_reduce" (the served GEMV, split-K partials added in its own launch),
+    "tiled_swap" (the tl.dot kernel, weight tile on the MMA's left, in-launch reduce),
+    "w8a8" / "w8a8_fused_reduce" (FP8 x FP8, x quantised per 1x128 group)."""
+    paths = [("exact", "bf16", {}), ("fp8_switch", "fp8", {})]
+    if rows <= 4:
+        paths += [("gemv_rowtile", "bf16", {**GEMV, "STEP_BYTES": b}) for b in (8192, 16384, 32768)]
+        paths.append(("gemv_fused_reduce", "bf16", {**GEMV, **FUSED}))
     if rows == 1:
-        paths += [("gemv", {"GEMV": True, **t}) for t in GEMV_TUNES]
-    if rows >= 16:
-        paths.append(("w8a8", {"GEMV": False, "W8A8": True}))
+        paths.append(("gemv", "bf16", {**GEMV, "BLOCK_K": 2048}))
+    if rows <= 64:
+        paths.append(("tiled_swap", "bf16", {**TILED_SWAP, **FUSED}))
+    if 4 <= rows <= 64:
+        paths.append(("w8a8_fused_reduce", "fp8", {**W8A8, **FUSED}))
+        paths.append(("w8a8_fused_reduce", "fp8", {**W8A8, **FUSED, "BLOCK_N": 128}))
+    if rows > 64:  # up to 64 rows "fp8_switch" is the served W8A8
+        paths += [("w8a8", "fp8", {**W8A8, **FUSED, **t}) for t in W8A8_PREFILL]
     return paths
+
+
+def best_records(records: list[dict]) -> list[dict]:
+    """Per (linear, rows): the fastest path with exact numerics ("bf16": x as given) and the
+    fastest of all ("fp8": what `linear_activations=fp8` may dispatch to), for a dispatch table."""
+    best = {}
+    for r in records:
+        for acts in ("bf16", "fp8") if r["activations"] == "bf16" else ("fp8",):
+            key = (r["linear"], r["rows"], acts)
+            if key not in best or r["time_us"] < best[key]["time_us"]:
+                best[key] = r
+    keep = ("linear", "rows", "path", "config", "speedup", "pct_roofline", "time_us",
+            "bf16_us", "rel_err")  # fmt: skip
+    return [{"name": "fp8_linear_best", "activations": key[2], **{k: r[k] for k in keep}}
+            for key, r in sorted(best.items())]  # fmt: skip
 
 
 def run(dry: bool, deadline_s: float, out: Path) -> list[dict]:
@@ -121,8 +160,6 @@ def run(dry: bool, deadline_s: float, out: Path) -> list[dict]:
             if time.monotonic() - t0 > deadline_s:
                 print(f"deadline: stopped before {name} rows={rows}", flush=True)
                 return records
-            if groups > 1 and rows in (2, 4):
-                continue
             shape = (rows, groups, k) if groups > 1 else (rows, k)
             x = torch.randn(shape, device=dev).to(torch.bfloat16)
             if groups > 1:
@@ -144,8 +181,7 @@ def run(dry: bool, deadline_s: float, out: Path) -> list[dict]:
             exact = bf16(dense)
             nbytes = codes.numel() + scale.numel() + 2 * rows * groups * (n + k)
             flops = 2.0 * rows * groups * n * k
-            for path, tune in _paths(rows):
-                act = "bf16" if path in ("exact", "gemv") else "fp8"
+            for path, act, tune in _paths(rows):
                 ref = fp8_grouped_linear_ref if groups > 1 else fp8_linear_ref
                 if dry:  # the references stand in for the kernels
                     call = lambda c, s, a=act, r=ref, x=x: r(x, c, s, a)  # noqa: E731
@@ -161,10 +197,11 @@ def run(dry: bool, deadline_s: float, out: Path) -> list[dict]:
                 max_err, rel_err = _errors(y, exact)
                 pct = 100 * max(nbytes / (fp8_us * 1e-6) / PEAK_BYTES_PER_S,
                                 flops / (fp8_us * 1e-6) / PEAK_FLOPS)  # fmt: skip
-                cfg = {key: v for key, v in tune.items() if key not in ("GEMV", "W8A8")}
+                cfg = {key: v for key, v in tune.items() if key not in ("GEMV", "W8A8", "DEQUANT")}
                 records.append({
                     "name": "fp8_linear_vs_bf16", "linear": name, "rows": rows,
-                    "bf16_us": round(bf16_us, 3), "fp8_us": round(fp8_us, 3),
+                    "activations": act, "bf16_us": round(bf16_us, 3),
+                    "fp8_us": round(fp8_us, 3), "time_us": round(fp8_us, 3),
                     "speedup": round(bf16_us / fp8_us, 3), "pct_roofline": round(pct, 1),
                     "path": path, "config": cfg or "served", "max_abs_err": round(max_err, 5),
                     "rel_err": round(rel_err, 6), "copies": copies,
@@ -183,12 +220,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, references")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    parser.add_argument("--deadline-s", type=float, default=300.0, help="stop starting cases")
+    parser.add_argument("--deadline-s", type=float, default=360.0, help="stop starting cases")
     args = parser.parse_args(argv)
     if not args.dry_run and not torch.cuda.is_available():
         parser.error("needs a CUDA GPU (or --dry-run)")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     records = run(args.dry_run, args.deadline_s, args.out)
+    records += best_records(records)
     args.out.write_text(json.dumps(records, indent=1) + "\n")
     print(f"wrote {len(records)} records to {args.out}")
     return 0

@@ -18,7 +18,11 @@ FMA/byte balance at T = 8, so these are decode kernels (`GEMV_MAX_ROWS` in fp8_l
   accumulated elementwise, one scale block a step; the broadcast x of the 1-row kernel costs
   L1 bandwidth x rows (it ran at 0.55-0.95x of this one at 2-4 rows on the H200).
 K is split across programs when the row tiles alone leave SMs idle; partials [S, T, G, N] fp32
-add in split order in `_fp8_linear_reduce_kernel` (deterministic). The split start is written
+add in split order in `_fp8_linear_reduce_kernel` (deterministic), or with REDUCE "kernel" in
+the GEMV's own launch (kernels/fp8_splitk.py). Issue 21's candidate `gemv_rowtile_config`
+(`tune` STEP_BYTES) runs the 1-row kernel's layout at 1-4 rows with 1-16 weight rows a program
+and K whole, so V4-Flash's linears fill the SMs without a split (A/B:
+benchmarks/bench_fp8_linear_vs_bf16.py). The split start is written
 as a multiple of BLOCK_K: with `split_len` out of the compile key, a plain `pid * split_len`
 hid the alignment and every weight load went out a byte at a time.
 No host sync, no data-dependent allocation: CUDA-graph capturable.
@@ -33,21 +37,23 @@ import triton
 import triton.language as tl
 
 from kernels.fp8_dequant import scale_operand
-from kernels.jit_helpers import bf16_rne, block_scale, scales_at, store_tile, weight_rows
+from kernels.fp8_splitk import in_kernel_reduce, tile_counters
+from kernels.jit_helpers import bf16_rne, block_scale, scales_at, store_split, weight_rows
 from kernels.specialize import sizes_vary
 
 
 @triton.jit(**sizes_vary("T", "split_len"))
 def _fp8_gemv_kernel(
     # Pointers: x [T, G, K] (K contiguous), w [G*N, K] e4m3, scales [ceil(G*N/128), ceil(K/128)];
-    # out: y [T, G, N] in x's dtype (one split) or fp32 partials [S, T, G, N]
-    x_ptr, w_ptr, s_ptr, out_ptr,
+    # out: y [T, G, N] in x's dtype (one split) or fp32 partials [S, T, G, N]; y_ptr, count_ptr:
+    # y and the tile counters for IN_KERNEL_REDUCE (kernels/fp8_splitk.py)
+    x_ptr, w_ptr, s_ptr, out_ptr, y_ptr, count_ptr,
     T, N, K, split_len,
     stride_xt, stride_xg, stride_wn, stride_sn, stride_sk, stride_os, stride_ot, stride_og,
     # Meta-parameters
     SCALE_E8M0: tl.constexpr, PER_ELEMENT: tl.constexpr, ROUND_W: tl.constexpr,
-    ROUND_OUT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    VEC: tl.constexpr,
+    ROUND_OUT: tl.constexpr, IN_KERNEL_REDUCE: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
 ):  # fmt: skip
     pid_n, pid_s, g = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     t = tl.arange(0, BLOCK_T)
@@ -87,22 +93,22 @@ def _fp8_gemv_kernel(
         else:  # power-of-two scales: exact on the group's sum
             acc += tl.sum(x.to(tl.float32) * w.to(tl.float32), axis=3) * scale
     y = tl.sum(acc, axis=2)  # [BLOCK_T, BLOCK_N]
-    if ROUND_OUT:  # the interpreter truncates on the cast; the GPU rounds
-        y = bf16_rne(y)
-    store_tile(out_ptr, y, pid_s, t, t_ok, g, n, n_ok, stride_os, stride_ot,
-                stride_og, False)  # fmt: skip
+    store_split(out_ptr, y_ptr, count_ptr, y, t, t_ok, g, n, n_ok, stride_os, stride_ot,
+                stride_og, False, IN_KERNEL_REDUCE, ROUND_OUT)  # fmt: skip
 
 
 @triton.jit(**sizes_vary("T", "split_len"))
 def _fp8_gemv_rows_kernel(
     # Pointers (N = out_features): x [T, G, K] (K contiguous), w [G*N, K] e4m3, scales [ceil(G*N/128), ceil(K/128)];
-    # out: y [T, G, N] in x's dtype (one split) or fp32 partials [S, T, G, N]
-    x_ptr, w_ptr, s_ptr, out_ptr,
+    # out: y [T, G, N] in x's dtype (one split) or fp32 partials [S, T, G, N]; y_ptr, count_ptr:
+    # y and the tile counters for IN_KERNEL_REDUCE (kernels/fp8_splitk.py)
+    x_ptr, w_ptr, s_ptr, out_ptr, y_ptr, count_ptr,
     T, out_features, K, split_len,
     stride_xt, stride_xg, stride_wn, stride_sn, stride_sk, stride_os, stride_ot, stride_og,
     # Meta-parameters
-    SCALE_E8M0: tl.constexpr, ROUND_W: tl.constexpr,
-    ROUND_OUT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SCALE_E8M0: tl.constexpr, ROUND_W: tl.constexpr, ROUND_OUT: tl.constexpr,
+    IN_KERNEL_REDUCE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """2+ rows: the [BLOCK_T, BLOCK_N, BLOCK_K] products accumulate elementwise, one K step a
     scale block (the 1-row kernel's broadcast x loads cost L1 bandwidth x rows)."""
@@ -131,10 +137,8 @@ def _fp8_gemv_rows_kernel(
             w = bf16_rne(w)
         acc3 += x[:, None, :] * w[None, :, :]
     acc = tl.sum(acc3, axis=2)  # [BLOCK_T, BLOCK_N]
-    if ROUND_OUT:  # the interpreter truncates on the cast; the GPU rounds
-        acc = bf16_rne(acc)
-    store_tile(out_ptr, acc, pid_s, t, t_ok, g, n, n_ok, stride_os, stride_ot,
-                stride_og, False)  # fmt: skip
+    store_split(out_ptr, y_ptr, count_ptr, acc, t, t_ok, g, n, n_ok, stride_os, stride_ot,
+                stride_og, False, IN_KERNEL_REDUCE, ROUND_OUT)  # fmt: skip
 
 
 @triton.jit(**sizes_vary("total", "num_partials"))
@@ -214,6 +218,31 @@ def gemv_config(rows: int, n: int, k: int, groups: int, device: torch.device) ->
     return {**cfg, "splits": max(1, splits)}
 
 
+def gemv_rowtile_config(rows: int, n: int, k: int, groups: int, device: torch.device,
+                        step_bytes: int) -> dict:  # fmt: skip
+    """Issue 21's GEMV candidate (`tune` {"GEMV": True, "STEP_BYTES": b}): `_fp8_gemv_kernel` at
+    every row count to GEMV_ROWS_LIMIT, with few weight rows a program and K whole where the
+    row tiles fill the GPU (V4-Flash's linears all do at 1-2 rows a program: wkv's 512 rows at 2
+    a program are 256 programs), so most shapes need no split and no second launch. A step is
+    ~b / T weight bytes ([T, BLOCK_N, BLOCK_K / 16, 16] x products in registers: 16 KB at 4
+    warps is 8 16-byte loads a thread); BLOCK_N shrinks (to 1) until the grid has 2 programs an
+    SM, then K splits, its partials added in the same launch (REDUCE "kernel")."""
+    block_t = triton.next_power_of_2(max(rows, 1))
+    if device.type != "cuda":  # interpreter: few, large programs
+        cfg = dict(BLOCK_T=block_t, BLOCK_N=8, BLOCK_K=64, VEC=16, num_warps=4, num_stages=1)
+        return {**cfg, "splits": 1, "REDUCE": "kernel"}
+    per_row = max(16, step_bytes // block_t)  # weight bytes a step, per token row
+    block_k = min(4096, per_row, max(16, triton.next_power_of_2(k)))
+    block_n = 1 << (max(1, per_row // block_k).bit_length() - 1)  # a power of two
+    sms = num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    while block_n > 1 and triton.cdiv(n, block_n) * groups < 2 * sms:
+        block_n //= 2
+    tiles = triton.cdiv(n, block_n) * groups
+    splits = min(triton.cdiv(2 * sms, tiles), triton.cdiv(k, block_k)) if tiles < sms else 1
+    return dict(BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=block_k, VEC=16, num_warps=4,
+                num_stages=2, splits=max(1, splits), REDUCE="kernel")  # fmt: skip
+
+
 def launch_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, y: torch.Tensor,
                 cfg: dict) -> None:  # fmt: skip
     """y [T, G, N] = x [T, G, K] @ W^T per group; `cfg` from `gemv_config` (plus overrides)."""
@@ -227,18 +256,21 @@ def launch_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, y: t
     else:
         assert 128 % cfg["BLOCK_K"] == 0, "a K step must sit in one scale block"
     split_len, splits = split_k(k, cfg["BLOCK_K"], cfg.pop("splits"))
+    tiles = triton.cdiv(n, cfg["BLOCK_N"])
+    fused = in_kernel_reduce(cfg, splits, tiles * groups)
     s, e8m0 = scale_operand(scale)
     out = split_output(y, splits)
     round_bf16 = x.dtype == torch.bfloat16
     on_gpu = x.is_cuda
-    grid = (triton.cdiv(n, cfg["BLOCK_N"]), splits, groups)
-    args = (x, weight, s, out, rows, n, k, split_len,
+    grid = (tiles, splits, groups)
+    args = (x, weight, s, out, y, tile_counters(x.device) if fused else y, rows, n, k, split_len,
             x.stride(0), x.stride(1), weight.stride(0), s.stride(0), s.stride(1),
             out.stride(0) if splits > 1 else 0, out.stride(-3), out.stride(-2))  # fmt: skip
-    flags = dict(SCALE_E8M0=e8m0, ROUND_W=round_bf16 and not e8m0,
-                 ROUND_OUT=round_bf16 and splits == 1 and not on_gpu)  # fmt: skip
+    flags = dict(SCALE_E8M0=e8m0, ROUND_W=round_bf16 and not e8m0, IN_KERNEL_REDUCE=fused,
+                 ROUND_OUT=round_bf16 and (splits == 1 or fused) and not on_gpu)  # fmt: skip
     if vec:
         _fp8_gemv_kernel[grid](*args, PER_ELEMENT=not e8m0, VEC=vec, **flags, **cfg)
     else:
         _fp8_gemv_rows_kernel[grid](*args, **flags, **cfg)
-    reduce_splits(out, y, round_bf16 and not on_gpu)
+    if not fused:
+        reduce_splits(out, y, round_bf16 and not on_gpu)

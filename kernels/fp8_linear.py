@@ -43,9 +43,18 @@ import triton.language as tl
 from dsv4.ops import fp8 as ref_fp8
 from dsv4.ops.limits import FP8_GEMV_MAX_ROWS
 from kernels.fp8_dequant import fp8_dequantize, scale_operand
-from kernels.fp8_gemv import gemv_config, launch_gemv, num_sms, reduce_splits, split_k, split_output
+from kernels.fp8_gemv import (
+    gemv_config,
+    gemv_rowtile_config,
+    launch_gemv,
+    num_sms,
+    reduce_splits,
+    split_k,
+    split_output,
+)
+from kernels.fp8_splitk import in_kernel_reduce, tile_counters
 from kernels.fp8_w8a8 import launch_w8a8, w8a8_config
-from kernels.jit_helpers import bf16_rne, block_scale, store_tile, tile_ids, weight_rows
+from kernels.jit_helpers import bf16_rne, block_scale, store_split, tile_ids, weight_rows
 from kernels.registry import register_op
 from kernels.specialize import sizes_vary
 
@@ -77,14 +86,15 @@ W8A8_MAX_ROWS = 64
 @triton.jit(**sizes_vary("T", "split_len"))
 def _fp8_linear_kernel(
     # Pointers: x [T, G, K] (K contiguous), w [G*N, K] e4m3, scales [ceil(G*N/128), ceil(K/128)];
-    # out: y [T, G, N] in x's dtype (one split) or fp32 partials [S, T, G, N]
-    x_ptr, w_ptr, s_ptr, out_ptr,
+    # out: y [T, G, N] in x's dtype (one split) or fp32 partials [S, T, G, N]; y_ptr, count_ptr:
+    # y and the tile counters for IN_KERNEL_REDUCE (kernels/fp8_splitk.py)
+    x_ptr, w_ptr, s_ptr, out_ptr, y_ptr, count_ptr,
     # Sizes (T rows per step; N, K fixed by the layer), strides (elements)
     T, N, K, split_len,
     stride_xt, stride_xg, stride_wn, stride_sn, stride_sk, stride_os, stride_ot, stride_og,
     # Meta-parameters
     SCALE_E8M0: tl.constexpr, ROUND_W: tl.constexpr, ROUND_OUT: tl.constexpr, UPCAST: tl.constexpr,
-    POST_SCALE: tl.constexpr, SWAP_AB: tl.constexpr,
+    POST_SCALE: tl.constexpr, SWAP_AB: tl.constexpr, IN_KERNEL_REDUCE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
@@ -133,10 +143,8 @@ def _fp8_linear_kernel(
                 acc = tl.dot(w, a, acc, input_precision=DOT_PRECISION)
             else:
                 acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
-    if ROUND_OUT:  # the interpreter truncates on the cast; the GPU rounds
-        acc = bf16_rne(acc)
-    store_tile(out_ptr, acc, pid_s, rows, row_ok, g, n, n_ok, stride_os, stride_ot, stride_og,
-                SWAP_AB)  # fmt: skip
+    store_split(out_ptr, y_ptr, count_ptr, acc, rows, row_ok, g, n, n_ok, stride_os, stride_ot,
+                stride_og, SWAP_AB, IN_KERNEL_REDUCE, ROUND_OUT)  # fmt: skip
 
 
 def _config(rows: int, n: int, k: int, groups: int, device: torch.device) -> dict:
@@ -173,7 +181,10 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, tune: di
         return y
     tune = dict(tune or {})
     if tune.pop("GEMV", rows <= GEMV_MAX_ROWS):  # decode rows: CUDA-core FMAs, no MMA
-        launch_gemv(x, weight, scale, y, {**gemv_config(rows, n, k, groups, x.device), **tune})
+        step_bytes = tune.pop("STEP_BYTES", 0)  # issue 21's row-tile candidate (fp8_gemv.py)
+        cfg = (gemv_rowtile_config(rows, n, k, groups, x.device, step_bytes) if step_bytes
+               else gemv_config(rows, n, k, groups, x.device))  # fmt: skip
+        launch_gemv(x, weight, scale, y, {**cfg, **tune})
         return y
     w8a8 = activations == "fp8" and rows <= W8A8_MAX_ROWS
     if tune.pop("W8A8", w8a8):  # x quantised per 1x128 group, FP8 x FP8 MMA
@@ -189,6 +200,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, tune: di
     swap_ab = bool(cfg.pop("SWAP_AB", SWAP_AB_DEFAULT))
     assert FP8_BLOCK % cfg["BLOCK_K"] == 0, "a K step must sit in one scale block"
     split_len, splits = split_k(k, cfg["BLOCK_K"], cfg.pop("splits"))
+    tiles = triton.cdiv(rows, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
+    fused = in_kernel_reduce(cfg, splits, tiles * groups)
     s, e8m0 = scale_operand(scale)
     # the scale on the dot's sums is exact only for power-of-two (UE8M0) scales
     post_scale = bool(cfg.pop("POST_SCALE", POST_SCALE_DEFAULT)) and e8m0
@@ -196,16 +209,17 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, tune: di
     os = out.stride(0) if splits > 1 else 0
     on_gpu = x.is_cuda
     round_bf16 = x.dtype == torch.bfloat16 and not on_gpu
-    grid = (triton.cdiv(rows, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]), splits, groups)
-    _fp8_linear_kernel[grid](
-        x, weight, s, out,
+    _fp8_linear_kernel[(tiles, splits, groups)](
+        x, weight, s, out, y, tile_counters(x.device) if fused else y,
         rows, n, k, split_len,
         x.stride(0), x.stride(1), weight.stride(0), s.stride(0), s.stride(1),
         os, out.stride(-3), out.stride(-2),
-        SCALE_E8M0=e8m0, ROUND_W=round_bf16, ROUND_OUT=round_bf16 and splits == 1, UPCAST=not on_gpu,
-        POST_SCALE=post_scale, SWAP_AB=swap_ab, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **cfg,
+        SCALE_E8M0=e8m0, ROUND_W=round_bf16, ROUND_OUT=round_bf16 and (splits == 1 or fused),
+        UPCAST=not on_gpu, POST_SCALE=post_scale, SWAP_AB=swap_ab, IN_KERNEL_REDUCE=fused,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **cfg,
     )  # fmt: skip
-    reduce_splits(out, y, round_bf16)
+    if not fused:
+        reduce_splits(out, y, round_bf16)
     return y
 
 
@@ -214,7 +228,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     """x [..., K] bf16 (or fp32) @ W^T -> [..., N] in x.dtype; W = weight [N, K] e4m3 x scale
     [ceil(N/128), ceil(K/128)] (UE8M0 or fp32). `activations` "fp8": W8A8 above GEMV_MAX_ROWS
     (kernels/fp8_w8a8.py). `tune`: config overrides (BLOCK_M/N/K, GROUP_M, num_warps,
-    num_stages, splits, POST_SCALE, SWAP_AB, GEMV, W8A8, FUSE_QUANT, DEQUANT)."""
+    num_stages, splits, POST_SCALE, SWAP_AB, GEMV, W8A8, FUSE_QUANT, DEQUANT; issue 21's
+    candidates: STEP_BYTES, the row-tile GEMV; REDUCE "kernel", split-K partials added in the
+    GEMM's own launch, kernels/fp8_splitk.py)."""
     lead, k = x.shape[:-1], x.shape[-1]
     flat = x.reshape(-1, 1, k)
     if flat.stride(2) != 1:

@@ -27,7 +27,8 @@ import triton.language as tl
 from dsv4.ops import fp8 as ref_fp8
 from kernels.fp8_dequant import scale_operand
 from kernels.fp8_gemv import num_sms, reduce_splits, split_k, split_output
-from kernels.jit_helpers import block_scale, store_tile, tile_ids, weight_rows
+from kernels.fp8_splitk import in_kernel_reduce, tile_counters
+from kernels.jit_helpers import block_scale, store_split, tile_ids, weight_rows
 from kernels.specialize import sizes_vary
 
 GROUP = ref_fp8.FP8_BLOCK  # activation columns per scale (= the weight's scale block)
@@ -74,14 +75,16 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, T, K, stride_xt, stride_qt, stride_st
 def _fp8_w8a8_kernel(
     # Pointers (N = out_features): x [T, G, K] (e4m3, or x's dtype with FUSE_QUANT), its scales xs [T, G, ceil(K/128)]
     # fp32 (unused with FUSE_QUANT); w [G*N, K] e4m3 and its scales [ceil(G*N/128), ceil(K/128)];
-    # out: y [T, G, N] (one split) or fp32 partials [S, T, G, N]
-    x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr,
+    # out: y [T, G, N] (one split) or fp32 partials [S, T, G, N]; y_ptr, count_ptr: y and the
+    # tile counters for IN_KERNEL_REDUCE (kernels/fp8_splitk.py)
+    x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, y_ptr, count_ptr,
     T, out_features, K, split_len,
     stride_xt, stride_xg, stride_xst, stride_xsg, stride_wn, stride_sn, stride_sk,
     stride_os, stride_ot, stride_og,
     # Meta-parameters
     SCALE_E8M0: tl.constexpr, FUSE_QUANT: tl.constexpr, UPCAST: tl.constexpr,
-    SWAP_AB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+    IN_KERNEL_REDUCE: tl.constexpr, SWAP_AB: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     pid_m, pid_n = tile_ids(tl.cdiv(T, BLOCK_M), tl.cdiv(out_features, BLOCK_N), GROUP_M)
     pid_s, g = tl.program_id(1), tl.program_id(2)
@@ -116,8 +119,8 @@ def _fp8_w8a8_kernel(
             acc += tl.dot(w, tl.trans(xq)) * (ws[:, None] * xs[None, :])
         else:
             acc += tl.dot(xq, tl.trans(w)) * (xs[:, None] * ws[None, :])
-    store_tile(out_ptr, acc, pid_s, rows, row_ok, g, n, n_ok, stride_os, stride_ot, stride_og,
-                SWAP_AB)  # fmt: skip
+    store_split(out_ptr, y_ptr, count_ptr, acc, rows, row_ok, g, n, n_ok, stride_os, stride_ot,
+                stride_og, SWAP_AB, IN_KERNEL_REDUCE, False)  # fmt: skip
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,17 +171,20 @@ def launch_w8a8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, y: t
     else:
         xq, xs = quantize_activations(x)
     split_len, splits = split_k(k, GROUP, cfg.pop("splits"))
+    tiles = triton.cdiv(rows, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
+    fused = in_kernel_reduce(cfg, splits, tiles * groups)
     s, e8m0 = scale_operand(scale)
     out = split_output(y, splits)
-    grid = (triton.cdiv(rows, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]), splits, groups)
-    _fp8_w8a8_kernel[grid](
-        xq, xs, weight, s, out, rows, n, k, split_len,
+    counters = tile_counters(x.device) if fused else y
+    _fp8_w8a8_kernel[(tiles, splits, groups)](
+        xq, xs, weight, s, out, y, counters, rows, n, k, split_len,
         xq.stride(0), xq.stride(1), xs.stride(0), xs.stride(1),
         weight.stride(0), s.stride(0), s.stride(1),
         out.stride(0) if splits > 1 else 0, out.stride(-3), out.stride(-2),
-        SCALE_E8M0=e8m0, FUSE_QUANT=fuse, UPCAST=not x.is_cuda, **cfg,
+        SCALE_E8M0=e8m0, FUSE_QUANT=fuse, UPCAST=not x.is_cuda, IN_KERNEL_REDUCE=fused, **cfg,
     )  # fmt: skip
-    reduce_splits(out, y, False)
+    if not fused:
+        reduce_splits(out, y, False)
 
 
 def w8a8_linear_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

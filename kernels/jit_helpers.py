@@ -1,6 +1,8 @@
 """`@triton.jit` helpers that more than one kernel module calls (one home, no kernel module
-imports another for them): bf16 / e4m3 / power-of-two bit tricks, the e2m1 decode and the
-grouped tile order of the GEMMs."""
+imports another for them): bf16 / e4m3 / power-of-two bit tricks, the e2m1 decode, the
+grouped tile order of the GEMMs and the FP8 linears' split-K epilogue (store_split: the
+partials stored for a reduce launch, or added in-launch by the tile's last program, whose
+counters and REDUCE knob are in kernels/fp8_splitk.py)."""
 
 from __future__ import annotations
 
@@ -104,3 +106,46 @@ def store_tile(out_ptr, acc, pid_s, rows, row_ok, g, n, n_ok, stride_os, stride_
     else:
         tl.store(out_rows[:, None] + n[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & n_ok[None, :])  # fmt: skip
+
+
+@triton.jit
+def last_split_adds(acc, part_ptrs, y_ptrs, mask, pid_s, num_splits, stride_os, count_ptr,
+                    ROUND_OUT: tl.constexpr):  # fmt: skip
+    """Store acc (any 2-D tile) as split pid_s's partial at part_ptrs + pid_s * stride_os; the
+    program of the tile that finishes last stores y = sum over s in order 0..S-1 at y_ptrs."""
+    tl.store(part_ptrs + pid_s.to(tl.int64) * stride_os, acc, mask=mask)
+    tl.debug_barrier()  # every thread's partial is written before the ticket is taken
+    ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
+    if ticket == num_splits - 1:
+        total = tl.zeros_like(acc)
+        for s in range(num_splits):  # .cg: from L2, where the other programs' partials are
+            total += tl.load(part_ptrs + s * stride_os, mask=mask, other=0.0, cache_modifier=".cg")
+        if ROUND_OUT:  # the interpreter truncates on the cast; the GPU rounds
+            total = bf16_rne(total)
+        tl.store(y_ptrs, total.to(y_ptrs.dtype.element_ty), mask=mask)
+        tl.atomic_xchg(count_ptr, 0)  # ready for the next launch (graph replays included)
+
+
+@triton.jit
+def store_split(out_ptr, y_ptr, count_ptr, acc, rows, row_ok, g, n, n_ok, stride_os, stride_ot,
+                stride_og, TRANSPOSED: tl.constexpr, IN_KERNEL_REDUCE: tl.constexpr,
+                ROUND_OUT: tl.constexpr):  # fmt: skip
+    """The linears' epilogue. acc [rows, n] (TRANSPOSED: [n, rows]) of program (tile, split,
+    group g) = (program_id 0, 1, 2): stored at out [split, row, g, n] (y itself for one split,
+    else fp32 partials [S, T, G, N] that a second launch adds), or IN_KERNEL_REDUCE: the
+    partial stored and, by the tile's last program, y [T, G, N] (strides of out's [T, G, N])."""
+    pid_s = tl.program_id(1)
+    if IN_KERNEL_REDUCE:
+        at = rows.to(tl.int64) * stride_ot + g * stride_og
+        if TRANSPOSED:
+            offs, mask = at[None, :] + n[:, None], n_ok[:, None] & row_ok[None, :]
+        else:
+            offs, mask = at[:, None] + n[None, :], row_ok[:, None] & n_ok[None, :]
+        tile = g * tl.num_programs(0) + tl.program_id(0)
+        last_split_adds(acc, out_ptr + offs, y_ptr + offs, mask, pid_s, tl.num_programs(1),
+                        stride_os, count_ptr + tile, ROUND_OUT)  # fmt: skip
+    else:
+        if ROUND_OUT:  # the interpreter truncates on the cast; the GPU rounds
+            acc = bf16_rne(acc)
+        store_tile(out_ptr, acc, pid_s, rows, row_ok, g, n, n_ok, stride_os, stride_ot,
+                   stride_og, TRANSPOSED)  # fmt: skip

@@ -35,6 +35,7 @@ if not torch.cuda.is_available():
                 "kernels.moe_gemm",  # before moe_dequant and moe, which launch its GEMMs
                 "kernels.moe_dequant",  # before kernels.moe, which imports it
                 "kernels.moe",
+                "kernels.fp8_splitk",  # before the fp8 linears, which take its counters
                 "kernels.fp8_gemv",
                 "kernels.fp8_w8a8",  # after fp8_gemv, whose launch helpers it calls
                 "kernels.fp8_linear",

@@ -21,6 +21,7 @@ from kernels.fp8_linear import (
     fp8_linear,
     fp8_linear_ref,
 )
+from kernels.fp8_splitk import tile_counters
 from tests.kernels.bench_dry_run import dry_run_records
 from tests.kernels.tolerances import assert_close
 
@@ -107,6 +108,75 @@ def test_fp8_gemv_matches_ref(rows, splits, x_dtype, scale_dtype):
     wg, sg = _weight(2 * 40, 260, scale_dtype, rows + 53)
     assert_close(fp8_grouped_linear(g, wg, sg, tune={"GEMV": True, "splits": splits}),
                  fp8_grouped_linear_ref(g, wg, sg), "activation")  # fmt: skip
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.float8_e8m0fnu, torch.float32], ids=["e8m0", "f32"])
+@pytest.mark.parametrize("rows,splits", [(1, 1), (2, 3), (4, 2)])
+def test_gemv_rowtile_matches_ref(rows, splits, scale_dtype):
+    """Issue 21's GEMV candidate (STEP_BYTES: few weight rows a program, K whole) at 1-4 rows,
+    and K split with the partials added in the same launch (REDUCE "kernel"): the counters are
+    back at zero after the launch and a second run gives the same bits."""
+    w, s = _weight(130, 300, scale_dtype, rows + 60)
+    x = _x((rows, 300), torch.bfloat16, rows + 61)
+    tune = {"GEMV": True, "STEP_BYTES": 16384, "splits": splits}
+    y = fp8_linear(x, w, s, tune=tune)
+    assert_close(y, fp8_linear_ref(x, w, s), "activation")
+    assert torch.equal(y, fp8_linear(x, w, s, tune=tune))
+    assert not tile_counters(x.device).any()
+    g = _x((1, rows, 2, 260), torch.bfloat16, rows + 62)
+    wg, sg = _weight(2 * 40, 260, scale_dtype, rows + 63)
+    assert_close(fp8_grouped_linear(g, wg, sg, tune=tune), fp8_grouped_linear_ref(g, wg, sg),
+                 "activation")  # fmt: skip
+
+
+@pytest.mark.parametrize("tune", [{"GEMV": True, "BLOCK_N": 32}, {**TILED, "BLOCK_N": 64},
+                                  {**TILED, "SWAP_AB": True, "POST_SCALE": True, "BLOCK_N": 64}],
+                         ids=["gemv_rows", "tiled", "tiled_swap"])  # fmt: skip
+def test_in_kernel_split_reduce_matches_ref(tune):
+    """REDUCE "kernel" in the 2+ row GEMV and the tiled kernel (plain and SWAP_AB: the
+    transposed tile): the tile's last program adds the partials in split order."""
+    w, s = _weight(130, 300, torch.float8_e8m0fnu, 70)
+    x = _x((3, 300), torch.bfloat16, 71)
+    tune = {**tune, "splits": 3, "REDUCE": "kernel"}
+    y = fp8_linear(x, w, s, tune=tune)
+    assert_close(y, fp8_linear_ref(x, w, s), "activation")
+    assert torch.equal(y, fp8_linear(x, w, s, tune={**tune, "REDUCE": "pass"}))  # same order
+    assert not tile_counters(x.device).any()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the kernels compile as they run")
+def test_in_kernel_reduce_compiles_for_sm90(monkeypatch):
+    """The in-launch split-K reduction (atomics, a data-dependent branch) of every FP8 linear
+    kernel compiles for sm_90: recorded here on their own, since the directory-wide check keeps
+    only each kernel's first variants."""
+    sm90 = importlib.import_module("tests.kernels.sm90_build")
+    monkeypatch.setattr(sm90, "RECORDED", {})
+    w, s = _weight(130, 256, torch.float8_e8m0fnu, 80)
+    for rows, tune, acts in (
+        (1, {"GEMV": True, "STEP_BYTES": 16384, "splits": 2}, "bf16"),
+        (3, {"GEMV": True, "splits": 2, "REDUCE": "kernel"}, "bf16"),
+        (3, {**TILED, "SWAP_AB": True, "POST_SCALE": True, "splits": 2, "REDUCE": "kernel"}, "bf16"),
+        (3, {"GEMV": False, "W8A8": True, "splits": 2, "REDUCE": "kernel"}, "fp8"),
+    ):  # fmt: skip
+        fp8_linear(_x((rows, 256), torch.bfloat16, 81), w, s, acts, tune=tune)
+    launches = [launch for kept in sm90.RECORDED.values() for launch in kept]
+    reduce = [dict(launch.constexprs).get("IN_KERNEL_REDUCE") for launch in launches]
+    assert reduce.count(True) == 4, reduce
+    failures = sm90.compile_recorded([la for la, r in zip(launches, reduce, strict=True) if r])
+    assert not failures, "\n".join(failures)
+
+
+def test_gemv_rowtile_config_fills_the_gpu_without_splitting(monkeypatch):
+    """On a 132-SM GPU the row-tile GEMV gives every V4-Flash linear >= 2 programs an SM at 1-4
+    rows with K whole (one launch), shrinking the weight rows a program to do so."""
+    fp8_gemv = importlib.import_module("kernels.fp8_gemv")
+    monkeypatch.setattr(fp8_gemv, "num_sms", lambda index: 132)
+    for rows in (1, 2, 4):
+        for n, k, groups in ((512, 4096, 1), (1024, 4096, 1), (32768, 1024, 1), (4096, 8192, 1),
+                             (2048, 4096, 1), (4096, 2048, 1), (1024, 4096, 8)):  # fmt: skip
+            cfg = fp8_gemv.gemv_rowtile_config(rows, n, k, groups, torch.device("cuda", 0), 16384)
+            assert cfg["splits"] == 1 and -(-n // cfg["BLOCK_N"]) * groups >= 2 * 132
+            assert cfg["BLOCK_T"] * cfg["BLOCK_N"] * cfg["BLOCK_K"] <= 16384
 
 
 def test_row_count_picks_the_path(monkeypatch):
@@ -197,9 +267,10 @@ def test_fp8_linear_production_shapes_gpu(rows):
         y = fp8_linear(x, w, s)
         assert_close(y, fp8_linear_ref(x, w, s), "activation")
         assert torch.equal(y, fp8_linear(x, w, s))  # deterministic: no atomics
-        gemv = ({"GEMV": True},) if rows <= 16 else ()  # a decode kernel
+        gemv = ({"GEMV": True}, {"GEMV": True, "STEP_BYTES": 16384}) if rows <= 16 else ()
         for tune in (TILED, {**TILED, "POST_SCALE": True}, {**TILED, "SWAP_AB": True},
-                     {"GEMV": False, "DEQUANT": True}, *gemv):  # fmt: skip
+                     {"GEMV": False, "DEQUANT": True}, {**TILED, "splits": 2, "REDUCE": "kernel"},
+                     *gemv):  # fmt: skip
             assert_close(fp8_linear(x, w, s, tune=tune), fp8_linear_ref(x, w, s), "activation")
     w, s = _weight(8 * 1024, 4096, torch.float32, 8)
     x = _x((rows, 8, 4096), torch.bfloat16, 9)

@@ -57,11 +57,13 @@ def test_quantizer_matches_reference_bit_for_bit():
 
 @pytest.mark.parametrize("scale_dtype", [torch.float8_e8m0fnu, torch.float32], ids=["e8m0", "f32"])
 @pytest.mark.parametrize("fuse", [False, True], ids=["quant_kernel", "fused"])
+@pytest.mark.parametrize("reduce", ["pass", "kernel"])
 @pytest.mark.parametrize("rows,splits,swap", [(3, 2, True), (17, 1, True), (40, 3, False)])
-def test_w8a8_matches_ref(rows, splits, swap, fuse, scale_dtype):
+def test_w8a8_matches_ref(rows, splits, swap, fuse, scale_dtype, reduce):
+    """REDUCE "kernel": split-K partials added by the tile's last program (kernels/fp8_splitk.py)."""
     w, s = _weight(130, 300, rows, scale_dtype)
     x = _x((rows, 300), rows + 1)
-    tune = {**W8A8, "splits": splits, "SWAP_AB": swap, "FUSE_QUANT": fuse}
+    tune = {**W8A8, "splits": splits, "SWAP_AB": swap, "FUSE_QUANT": fuse, "REDUCE": reduce}
     y = fp8_linear(x, w, s, "fp8", tune=tune)
     assert_close(y, fp8_linear_ref(x, w, s, "fp8"), "activation")
     g = _x((2, 3, 2, 260), rows + 2)
@@ -155,11 +157,20 @@ def test_benchmark_dry_run(tmp_path):
     out = tmp_path / "records.json"
     assert bench.main(["--dry-run", "--out", str(out)]) == 0
     records = json.loads(out.read_text())
-    keys = {"name", "linear", "rows", "bf16_us", "fp8_us", "speedup", "pct_roofline", "path"}
+    best = [r for r in records if r["name"] == "fp8_linear_best"]
+    records = [r for r in records if r["name"] != "fp8_linear_best"]
+    keys = {"name", "linear", "rows", "bf16_us", "time_us", "speedup", "pct_roofline", "path"}
     assert all(keys <= set(r) and r["name"] == "fp8_linear_vs_bf16" for r in records)
-    assert {(r["linear"], r["rows"]) for r in records} == {
-        (name, rows) for name in ("wq_a", "wo_a") for rows in (1, 16)
-    }
+    cases = {(name, rows) for name in ("wq_a", "wo_a") for rows in (1, 16)}
+    assert {(r["linear"], r["rows"]) for r in records} == cases
+    # the dispatch table's input: per case the fastest exact path and the fastest of all
+    assert sorted((r["linear"], r["rows"], r["activations"]) for r in best) == sorted(
+        (*case, acts) for case in cases for acts in ("bf16", "fp8")
+    )
+    for r in best:
+        rivals = [o["time_us"] for o in records if (o["linear"], o["rows"]) == (r["linear"], r["rows"])
+                  and (r["activations"] == "fp8" or o["activations"] == "bf16")]  # fmt: skip
+        assert r["time_us"] == min(rivals)
     exact = [r for r in records if r["path"] == "exact"]
     assert exact and all(r["rel_err"] == 0 for r in exact)
     assert all(0.01 < r["rel_err"] < 0.05 for r in records if r["path"] == "w8a8")
