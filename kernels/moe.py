@@ -50,14 +50,17 @@ import triton.language as tl
 
 from dsv4.model.moe import swiglu
 from dsv4.model.quant import dequantize
-from kernels import moe_gemv
+from kernels import moe_gemv, moe_mxfp4
 from kernels.compressor import _bf16_rne
 from kernels.fp8_dequant import scale_operand
 from kernels.moe_align import moe_align, moe_align_ref
 from kernels.registry import register_op
 from kernels.specialize import sizes_vary
 
-FORMATS = ("bf16", "fp8", "mxfp4")
+FORMATS = ("bf16", "fp8", "mxfp4", *moe_mxfp4.HALVES_FORMATS)
+# FMT codes past FORMATS' first three (kernels/moe_mxfp4.py): "mxfp4" through tl.dot_scaled
+# (tune DOT_SCALED), and the "halves" layouts
+FMT_DOT_SCALED, FMT_HALVES = 3, 4
 # SWAP_AB: compute each tile transposed, W_tile @ a^T, so the weight dequantised in registers is
 # the MMA's A operand (Hopper's wgmma reads B from shared memory only) and a decode step's few
 # rows per expert sit on the MMA's N side. `_config` turns it on for quantised experts at
@@ -66,7 +69,13 @@ SWAP_AB_DEFAULT = False
 # MXFP4 at decode sizes through kernels/moe_gemv.py (moe_gemv.use_gemv); False: the in-register
 # MMA kernel below at every size (tune GEMV overrides either way).
 GEMV_DEFAULT = True
-_MMA_KEYS = {"SWAP_AB", "BLOCK_K", "GROUP_M", "num_stages"}  # a tune of the MMA kernel: no GEMV
+_MMA_KEYS = {
+    "SWAP_AB",
+    "BLOCK_K",
+    "GROUP_M",
+    "num_stages",
+    "DOT_SCALED",
+}  # a tune of the MMA kernel: no GEMV
 
 
 @triton.jit
@@ -83,11 +92,15 @@ def _load_a(a_rows, k0, row_ok, K, FMT: tl.constexpr, BLOCK_K: tl.constexpr,
             UPCAST: tl.constexpr):  # fmt: skip
     """The [BLOCK_M, BLOCK_K] activation tile at columns k0.. of rows `a_rows` (pointers);
     for MXFP4 its even and odd columns as two [BLOCK_M, BLOCK_K/2] tiles."""
-    kk = k0 + tl.arange(0, BLOCK_K)
+    kk = k0 + tl.arange(0, BLOCK_K // 2 if FMT == 4 else BLOCK_K)
     a = tl.load(a_rows[:, None] + kk[None, :], mask=row_ok[:, None] & (kk < K)[None, :], other=0.0)
-    if UPCAST:  # the interpreter computes on raw bf16 bits otherwise
+    if UPCAST and FMT != 3:  # the interpreter computes on raw bf16 bits otherwise
         a = a.to(tl.float32)
-    if FMT == 2:  # one contiguous load, split into even/odd columns in registers
+    if FMT == 4:  # "halves": x columns k0.. and k0 + BLOCK_K/2.., each its own load
+        a1 = tl.load(a_rows[:, None] + (kk + BLOCK_K // 2)[None, :], mask=row_ok[:, None],
+                     other=0.0)  # fmt: skip
+        a0, a1 = a, a1.to(a.dtype)
+    elif FMT == 2:  # one contiguous load, split into even/odd columns in registers
         a0, a1 = tl.split(tl.reshape(a, [a.shape[0], BLOCK_K // 2, 2]))
     else:
         a0, a1 = a, a
@@ -122,7 +135,10 @@ def _dot_w(acc, a0, a1, w_ptr, s_ptr, n, n_ok, k0, K, stride_wn, stride_sn, stri
         wn, wn_ok = n.to(tl.int64)[None, :], n_ok[None, :]
         kh, ks, kk = kh[:, None], ks[:, None], kk[:, None]
     w_rows = w_ptr + wn * stride_wn
-    if FMT == 2:  # MXFP4: packed bytes, scales per 32 columns
+    if FMT >= 3:  # kernels/moe_mxfp4.py's candidates
+        acc = moe_mxfp4.dot_mx(acc, a0, a1, w_rows, s_ptr + wn * stride_sn, wn_ok, k0, K,
+                               stride_sk, FMT, BLOCK_K, BLOCK_N, SWAP_AB)  # fmt: skip
+    elif FMT == 2:  # MXFP4: packed bytes, scales per 32 columns
         # NOTE: masked per 32-column scale group (K and k0 are multiples of 32), not per byte:
         # compiled for sm_90, a per-byte mask (2*kh strides by 2) split them into 1-byte loads
         # that were not pipelined
@@ -301,7 +317,7 @@ def moe_experts(
     """Routed experts: x [T, D] bf16, expert_ids [T, K] int, weights [T, K] fp32, w13/w2 (and
     scales) in `format` (see the module doc) -> y [T, D] fp32 = sum_k w * expert(x). `tune`:
     config overrides (BLOCK_M/N/K, GROUP_M, num_warps, num_stages, SWAP_AB, DEQUANT,
-    CHUNK_EXPERTS; GEMV and moe_gemv.gemv_config's keys)."""
+    CHUNK_EXPERTS, DOT_SCALED; GEMV and moe_gemv.gemv_config's keys)."""
     assert format in FORMATS, format
     assert x.dim() == 2 and x.dtype == torch.bfloat16 and x.stride(1) == 1
     num_tokens, dim = x.shape
@@ -315,8 +331,14 @@ def moe_experts(
     if num_pairs == 0:
         return y
     tune = dict(tune or {})
+    # candidates (kernels/moe_mxfp4.py): "mxfp4" through tl.dot_scaled; the "halves" layouts
+    dot_scaled, halves = tune.pop("DOT_SCALED", False), moe_mxfp4.halves_block(format)
+    assert not dot_scaled or format == "mxfp4", format
+    fmt = FMT_DOT_SCALED if dot_scaled else FMT_HALVES if halves else FORMATS.index(format)
     # prefill-sized MXFP4: the experts through a bf16 scratch, chunk by chunk (kernels/moe_dequant)
-    dequant = tune.pop("DEQUANT", _use_dequant(num_pairs, num_experts, format, x.is_cuda))
+    dequant = tune.pop(
+        "DEQUANT", fmt == 2 and _use_dequant(num_pairs, num_experts, format, x.is_cuda)
+    )
     chunk_experts = tune.pop("CHUNK_EXPERTS", None)  # the scratch's experts (default: 1 GiB)
     # decode-sized MXFP4: a batched GEMV on the CUDA cores (kernels/moe_gemv.py)
     gemv = tune.pop("GEMV", GEMV_DEFAULT and not dequant and not tune.keys() & _MMA_KEYS
@@ -325,13 +347,18 @@ def moe_experts(
         assert format == "mxfp4" and not dequant, format
         cfg = {**moe_gemv.gemv_config(num_pairs, num_experts, x.is_cuda), **tune}
         return _via_gemv(x, expert_ids, weights, w13, w2, (w13_scale, w2_scale), limit, cfg, y)
-    cfg = {**_config(num_pairs, num_experts, x.is_cuda, "bf16" if dequant else format), **tune}
+    if fmt >= FMT_DOT_SCALED:
+        cfg = moe_mxfp4.mx_config(num_pairs, num_experts, x.is_cuda, halves)
+    else:
+        cfg = _config(num_pairs, num_experts, x.is_cuda, "bf16" if dequant else format)
+    cfg.update(tune)
     swap_ab = bool(cfg.pop("SWAP_AB", SWAP_AB_DEFAULT))
     if not dequant:
         bk = cfg["BLOCK_K"]
         assert format != "fp8" or 128 % bk == 0, "an FP8 K step must sit in one scale block"
         # MXFP4 K steps and masks work in whole scale groups of 32 columns
-        assert format != "mxfp4" or bk % 32 == dim % 32 == inter % 32 == 0, (bk, dim, inter)
+        assert fmt not in (2, 3) or bk % 32 == dim % 32 == inter % 32 == 0, (bk, dim, inter)
+        assert not halves or (bk == halves and dim % bk == inter % bk == 0), (bk, dim, inter)
     # NOTE: the one-launch align on CUDA; under the CPU interpreter its in-register sort costs
     # ~0.2 s a call (its own tests cover it), so the engine's interpreted runs use the torch ops
     align = moe_align if x.is_cuda else moe_align_ref
@@ -342,7 +369,7 @@ def moe_experts(
     if dequant:
         _gemms_through_scratch(*gemms, format, cfg, chunk_experts)
     else:
-        grouped_gemms(*gemms, FORMATS.index(format), cfg, swap_ab)
+        grouped_gemms(*gemms, fmt, cfg, swap_ab)
     return _combine(rows, weights, y, topk)
 
 
@@ -408,7 +435,9 @@ def _gemms_through_scratch(*args) -> None:
 def dequantize_expert(w: torch.Tensor, scale: torch.Tensor | None, format: str,
                       dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:  # fmt: skip
     """One expert's weight [rows, cols(/2)] in `format` -> [rows, cols] in `dtype` (bf16: as
-    stored)."""
+    stored; a "halves" layout: unpacked first)."""
+    if moe_mxfp4.halves_block(format):
+        w, format = moe_mxfp4.unpack_halves(w, moe_mxfp4.halves_block(format)), "mxfp4"
     return w if format == "bf16" else dequantize(w, scale, format, dtype)
 
 
