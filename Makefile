@@ -35,6 +35,7 @@ soak: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports  # the import rules of pyproject.toml (docs/architecture.md#import-rules)
 	$(BIN)/python tools/line_budget.py
 
 fmt: $(STAMP)
@@ -48,4 +49,4 @@ bench-gpu:
 	bash benchmarks/run_h200.sh
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache .import_linter_cache

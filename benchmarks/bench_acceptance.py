@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 
 from dsv4.commands.train_tiny import HELDOUT_MODULE, stdlib_tokens
+from dsv4.engine.acceptance import measure_acceptance
 from dsv4.model.weights import load_model
-from dsv4.runner.sampler import SamplingSpec
-from dsv4.speculative.measure import measure_acceptance
+from dsv4.types import SamplingParams
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,8 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     stride = (len(text) - args.prompt_len) // args.num_prompts
     prompts = [text[i * stride : i * stride + args.prompt_len] for i in range(args.num_prompts)]
     records = []
-    for label, sampling in (("greedy", None), ("T=1", SamplingSpec(1.0, seed=7)),
-                            ("T=0.7", SamplingSpec(0.7, seed=7))):  # fmt: skip
+    for label, sampling in (("greedy", None), ("T=1", SamplingParams(temperature=1.0, seed=7)),
+                            ("T=0.7", SamplingParams(temperature=0.7, seed=7))):  # fmt: skip
         started = time.monotonic()
         metrics, _ = measure_acceptance(model, prompts, args.k, args.new_tokens, sampling,
                                         paged=True)  # fmt: skip

@@ -85,8 +85,8 @@ def run_plain(args, model, kernels) -> None:
     runner = core.runner
     variants = [n for n in GRAPH_VARIANTS[1:] if n in args.variant_list]
     forwards = {name: es.variant(core, name) for name in (*variants, "all_off")}
-    forwards["all_on"] = runner.paged
-    graphs = {"all_on": runner.graphs} if runner.graphs is not None else {}
+    forwards["all_on"] = runner.forward.paged
+    graphs = {"all_on": runner.forward.graphs} if runner.forward.graphs is not None else {}
     options = _options(batches, buckets, dev.type == "cuda")
     for name in variants:
         model.fuse_first_hc = es.fused_first(name)
@@ -111,7 +111,7 @@ def run_plain(args, model, kernels) -> None:
             runs += [(f"graph:{n}", forwards[n], graphs[n], es.fused_first(n)) for n in graphs]
             times, tokens = {}, {}
             for name, fwd, g, fused in runs:
-                runner.paged, runner.graphs, model.fuse_first_hc = fwd, g, fused
+                runner.forward.paged, runner.forward.graphs, model.fuse_first_hc = fwd, g, fused
                 tokens[name] = runner.execute(batch).outputs
                 times[name] = es.timed(lambda bt=batch: runner.execute(bt), dev, args.repeats, 3)
                 if g is not None:
@@ -119,13 +119,17 @@ def run_plain(args, model, kernels) -> None:
             floor = es.decode_floor_ms(model, b, ctx, runner.cache.layout.kv_entry_bytes)
             if ctx == contexts[0] and b in (min(batches), max(batches)):
                 for name, g in (("graph", graphs.get("all_on")), ("eager", None)):
-                    runner.paged, runner.graphs = forwards["all_on"], g
+                    runner.forward.paged, runner.forward.graphs = forwards["all_on"], g
                     found = attribute(lambda bt=batch: runner.execute(bt), dev)
                     if found:
                         found.update(step=name, batch=b, context=ctx, floor_us=floor * 1e3)
                         args.attribution.append(found)
                         print(f"  attribution {name} B={b}: {found}", flush=True)
-            runner.paged, runner.graphs, model.fuse_first_hc = forwards["all_on"], None, True
+            runner.forward.paged, runner.forward.graphs, model.fuse_first_hc = (
+                forwards["all_on"],
+                None,
+                True,
+            )
             shape = f"B={b},ctx={ctx},layers={args.layers},E={model.cfg.n_routed_experts}"
             shape += _format_tags(args)
             on = times.get("graph:all_on", times["eager:all_on"])
@@ -146,7 +150,7 @@ def run_mtp(args, model, kernels) -> None:
     for k in (1, 2, 3):
         core = _core(args, model, kernels, k, _bucket_contexts(contexts, k))
         runner = core.runner
-        graphs = runner.graphs
+        graphs = runner.forward.graphs
         gen = torch.Generator().manual_seed(k)
         expected = 1 + sum(rates[:k])
         for ctx in contexts:
@@ -158,10 +162,14 @@ def run_mtp(args, model, kernels) -> None:
                 )
                 times = {}
                 for name, g in (("graph", graphs), ("eager", None)):
-                    runner.graphs = runner.spec.graphs = runner.spec.mtp.graphs = g
+                    runner.forward.graphs = runner.forward.spec.graphs = (
+                        runner.forward.spec.mtp.graphs
+                    ) = g
                     times[name] = es.timed(lambda bt=batch, rn=runner: rn.execute(bt), dev,
                                            args.repeats, 3)  # fmt: skip
-                runner.graphs = runner.spec.graphs = runner.spec.mtp.graphs = graphs
+                runner.forward.graphs = runner.forward.spec.graphs = (
+                    runner.forward.spec.mtp.graphs
+                ) = graphs
                 floor = es.decode_floor_ms(model, b, ctx, runner.cache.layout.kv_entry_bytes)
                 shape = f"B={b},ctx={ctx},k={k},tokens_per_step={expected:.2f}"
                 shape += _format_tags(args)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from benchmarks.engine_setup import model_config
 from dsv4.commands.cluster import AUTO_PORTS, ClusterSpec, LocalCluster, free_port
-from dsv4.model.config import ModelConfig
+from dsv4.config.model import ModelConfig
 from dsv4.model.tiny import write_model_spec
 from dsv4.serving.metrics import scrape
 

@@ -28,7 +28,8 @@ from pathlib import Path
 import torch
 
 from benchmarks import engine_setup as es
-from dsv4.model.index_cache import IndexPattern
+from dsv4.config.index_pattern import IndexPattern
+from dsv4.runner.reference.forward import ReferenceForward
 from dsv4.scheduler.request import Request
 
 
@@ -62,17 +63,18 @@ def run_decode(args) -> list[dict]:
             assert len(batch.decodes) == b and not batch.prefills
             times, tokens = {}, {}
             for name, fwd in variants.items():
-                runner.paged, model.fuse_first_hc = fwd, es.fused_first(name)
+                runner.forward.paged, model.fuse_first_hc = fwd, es.fused_first(name)
                 tokens[name] = runner.execute(batch).outputs
                 times[name] = es.timed(lambda b=batch: runner.execute(b), dev, args.repeats, 3)
-            runner.paged, model.fuse_first_hc = variants["all_on"], True
+            runner.forward.paged, model.fuse_first_hc = variants["all_on"], True
             ref_reps = max(3, args.repeats // 10)
-            runner.paged = None
+            paged_forward = runner.forward
+            runner.forward = ReferenceForward(model, runner.cache, runner.sampler)
             tokens["reference_forward"] = runner.execute(batch).outputs
             times["reference_forward"] = es.timed(
                 lambda b=batch: runner.execute(b), dev, ref_reps, 1
             )
-            runner.paged = variants["all_on"]
+            runner.forward = paged_forward
             floor = es.decode_floor_ms(model, b, ctx, core.runner.cache.layout.kv_entry_bytes)
             shape = f"B={b},ctx={ctx},layers={args.layers},E={cfg.n_routed_experts}"
             on = times["all_on"]
@@ -123,7 +125,7 @@ def run_prefill(args) -> list[dict]:
                                  budget=args.budget, num_blocks=blocks,
                                  index_pattern=pattern.roles)  # fmt: skip
             switch = name if name in es.VARIANTS else "all_on"
-            core.runner.paged = es.variant(core, switch)
+            core.runner.forward.paged = es.variant(core, switch)
             model.fuse_first_hc = es.fused_first(switch)
             if not times:  # one warm-up per length: autotuning and JIT stay out of the numbers
                 _ttft(core, gen, cfg.vocab_size, length, "warm", dev)

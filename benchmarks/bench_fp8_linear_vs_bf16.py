@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from benchmarks.bench_kernels_linear import GPU_SIZES
 from benchmarks.harness import PEAK_BYTES_PER_S, PEAK_FLOPS, warm_up_clocks
-from dsv4.model.quant import fp8_block_dequantize, fp8_block_quantize
+from dsv4.ops.quant import fp8_block_dequantize, fp8_block_quantize
 from kernels.fp8_linear import (
     fp8_grouped_linear,
     fp8_grouped_linear_ref,

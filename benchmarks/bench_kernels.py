@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.harness import Case, bench_main, measure, start_run
-from dsv4.runner.kv_codec import encode_rows
+from dsv4.ops.kv_codec import encode_rows
 from kernels import metadata, mhc, routing
 from kernels.kv_store import kv_store, kv_store_ref, min_entry_bytes
 from kernels.norm_rope import norm_rope, norm_rope_ref, rope_ref

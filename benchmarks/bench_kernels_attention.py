@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.harness import Case, bench_main, measure, start_run
-from dsv4.runner.kv_codec import encode_rows
+from dsv4.ops.kv_codec import encode_rows
 from kernels import indexer, indexer_select, sparse_attention
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.harness import Case, bench_main, measure, start_run
-from dsv4.model.quant import fp8_block_quantize, mxfp4_quantize
+from dsv4.ops.quant import fp8_block_quantize, mxfp4_quantize
 from kernels import compressor, moe, sampling
 from kernels.moe_align import moe_align, moe_align_ref
 

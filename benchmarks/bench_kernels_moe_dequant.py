@@ -8,7 +8,7 @@ and FLOP/s / 790 TFLOP/s over compulsory traffic and work), timed with do_bench 
 prefill runs; the scratch is up to 1 GiB). V4-Flash experts (D 4096, I 2048, E 256, K 6),
 random routing as benchmarks/bench_kernels_moe.py draws it, T = 64 / 256 / 1024 / 4096 / 8192
 tokens, for MXFP4 and FP8 weights quantised from the same bf16 experts:
-- moe_experts_dequant: kernels/moe_dequant.py's `moe_experts_dequant` against `moe_experts`
+- moe_experts_dequant: kernels/moe.py's `moe_experts_dequant` against `moe_experts`
   dequantising in registers on the same weights: the two sides of `use_dequant`, whose
   DEQUANT_MIN_PAIRS_PER_EXPERT this sweep sets (pairs per expert = 6 T / 256);
 - moe_experts_dequant_bf16: the same against `moe_experts` on the bf16 experts, the floor: the
@@ -24,7 +24,6 @@ from pathlib import Path
 from benchmarks.bench_kernels_moe import bf16_experts, moe_step, quantize_experts
 from benchmarks.harness import Case, bench_main, measure, start_run
 from kernels import moe
-from kernels.moe_dequant import moe_experts_dequant
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -38,7 +37,7 @@ DRY_SIZES = {"dim": 64, "inter": 32, "experts": 4, "k": 2, "tokens": [5],
 def _cases(dev, sizes, dry) -> Iterator[Case]:
     w13, w2 = bf16_experts(sizes, dev)
     # a dry run times the reference on both sides: the Triton kernels need a GPU
-    fast = moe.moe_experts_ref if dry else moe_experts_dequant
+    fast = moe.moe_experts_ref if dry else moe.moe_experts_dequant
 
     def slow(*args):  # the in-register GEMMs, whatever moe_experts' own dispatch would pick
         return (

@@ -31,7 +31,7 @@ import torch
 
 from benchmarks.bench_kernels_moe import bf16_experts, moe_step, quantize_experts
 from benchmarks.harness import PEAK_BYTES_PER_S, warm_up_clocks
-from kernels import moe, moe_gemv
+from kernels import moe, moe_dequant, moe_gemv
 
 GPU = dict(dim=4096, inter=2048, experts=256, k=6, decode=[1, 16, 64], prefill=[1024, 8192],
            between=[128, 256])  # fmt: skip
@@ -142,7 +142,7 @@ def run(dry: bool, limit_s: float) -> list[dict]:
             continue
         else:
             us = _time_us(call(None), fp4_steps, dry)
-            path = "dequant" if moe._use_dequant(pairs, e, "mxfp4", not dry) else "mma"
+            path = "dequant" if moe_dequant.use_dequant(pairs, e, "mxfp4", not dry) else "mma"
             rec.update(mxfp4_us=round(us, 2), path=path)
         rec["speedup"] = round(bf16_us / rec["mxfp4_us"], 3)
         rec["pct_roofline"] = round(

@@ -25,10 +25,10 @@ from pathlib import Path
 
 import torch
 
-from dsv4.model.config import ModelConfig, tiny_config
+from dsv4.config.model import ModelConfig, tiny_config
 from dsv4.model.deepseek_v4 import DeepseekV4
 from dsv4.model.inventory import model_tensors
-from dsv4.model.moe import MoE, swiglu
+from dsv4.model.moe import MoE
 from dsv4.model.offload import (
     ExpertFormat,
     OffloadedExperts,
@@ -36,8 +36,9 @@ from dsv4.model.offload import (
     offload_model,
     offload_stats,
 )
-from dsv4.model.quant import mxfp4_dequantize
 from dsv4.model.tiny import random_model, random_tensor
+from dsv4.ops.moe import swiglu
+from dsv4.ops.quant import mxfp4_dequantize
 from dsv4.plan import PlanRequest, WeightFormats, full_flash_config, plan_memory
 
 ROOT = Path(__file__).resolve().parents[1]

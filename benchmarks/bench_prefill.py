@@ -42,11 +42,11 @@ from benchmarks.harness import PEAK_FLOPS
 from dsv4.cache.layout import KVLayout
 from dsv4.cache.manager import KVCacheManager
 from dsv4.cache.packing import CacheOptions
-from dsv4.model.config import ModelConfig, flash_config, tiny_config
-from dsv4.model.index_cache import IndexPattern
+from dsv4.config.index_pattern import IndexPattern
+from dsv4.config.model import ModelConfig, flash_config, tiny_config
 from dsv4.model.tiny import random_model
-from dsv4.runner.paged_cache import PagedKVCache
-from dsv4.runner.paged_state import load_states, store_state
+from dsv4.runner.kv_cache import PagedKVCache
+from dsv4.runner.reference.cache_state import load_states, store_state
 from dsv4.scheduler.batch import ScheduledRequest
 
 ROOT = Path(__file__).resolve().parents[1]

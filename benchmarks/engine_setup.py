@@ -13,11 +13,11 @@ import time
 import torch
 
 from dsv4.cache.packing import CacheOptions
-from dsv4.engine.core import build_engine_core
-from dsv4.model.config import ModelConfig, flash_config, tiny_config
-from dsv4.model.kernel_bridge import install_kernels
+from dsv4.config.model import ModelConfig, flash_config, tiny_config
+from dsv4.engine.core import EngineOptions, build_engine_core
 from dsv4.model.tiny import random_model
-from dsv4.runner.paged import MetadataSwitches, PagedForward, PagedSwitches
+from dsv4.runner.kernel_bridge import hot_ops
+from dsv4.runner.paged import MetadataSwitches, PagedForward, PagedOptions, PagedSwitches
 from dsv4.scheduler.config import SchedulerConfig
 from dsv4.scheduler.request import Request
 from kernels.backend import KernelBackendConfig
@@ -79,7 +79,7 @@ def build_model(cfg: ModelConfig, dry_run: bool, seed: int = 0, expert_weights: 
     model = random_model(cfg, seed=seed, dtype=dtype, device=device, draw_on_device=not dry_run,
                          expert_weights=expert_weights, linear_weights=linear_weights)  # fmt: skip
     kernels = KernelBackendConfig(default="ref" if dry_run else "triton")
-    install_kernels(kernels, device)  # the reference forward's hot ops, too
+    model.use_hot_ops(hot_ops(kernels, device))  # the reference forward's hot ops, too
     return model, kernels
 
 
@@ -95,16 +95,18 @@ def build_core(model, kernels, *, max_model_len: int, max_seqs: int, budget: int
     sched = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs,
                             max_model_len=max_model_len, prefill_chunk_plan=plan,
                             num_speculative_tokens=spec_tokens)  # fmt: skip
-    return build_engine_core(model, options, sched, num_blocks=num_blocks, device=str(dev),
-                             kernels=kernels, paged={}, graphs=graphs)  # fmt: skip
+    return build_engine_core(model, EngineOptions(options, sched, num_blocks, str(dev), kernels,
+                                                  PagedOptions(graphs=graphs)))  # fmt: skip
 
 
 def variant(core, name: str) -> PagedForward:
     """A paged forward over `core`'s cache with switch `name` at its baseline."""
     metadata, switches, overrides, _ = VARIANTS[name]
-    base = core.runner.paged.kernels
+    base = core.runner.forward.paged.kernels
     kernels = dataclasses.replace(base, overrides={**base.overrides, **overrides})
-    return PagedForward(core.runner.paged.model, core.runner.cache, kernels, metadata, switches)
+    return PagedForward(
+        core.runner.forward.paged.model, core.runner.cache, kernels, metadata, switches
+    )
 
 
 def fused_first(name: str) -> bool:

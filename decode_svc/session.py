@@ -35,7 +35,6 @@ from dsv4.errors import (
     Unavailable,
 )
 from dsv4.scheduler.batch import RequestOutput
-from dsv4.scheduler.request import FinishReason as EngineFinish
 from dsv4.serving.metrics import DecodeMetrics
 from dsv4.serving.tasks import TaskOwner
 from dsv4.transfer import ExportedBlocks, PullState, PullStatus, TransportEndpoint
@@ -55,13 +54,6 @@ logger = logging.getLogger(__name__)
 PULL_POLL_INTERVAL_S = 0.001
 ADOPT_RETRY_INTERVAL_S = 0.02
 ADOPT_WAIT_S = 0.5  # a full decode worker refuses within a second (the router tries another)
-FINISH_REASONS = {
-    EngineFinish.EOS: FinishReason.STOP,
-    EngineFinish.STOP_TOKEN: FinishReason.STOP,
-    EngineFinish.STOP_STRING: FinishReason.STOP,
-    EngineFinish.LENGTH: FinishReason.LENGTH,
-    EngineFinish.ABORTED: FinishReason.ABORT,
-}
 
 
 @dataclass
@@ -289,7 +281,7 @@ class DecodeSession:
                 live.num_tokens_left = max(0, self._request.sampling.max_new_tokens - num_sent)
                 delta = text.add(out.new_token_ids)
                 if out.finish_reason is not None:
-                    yield self._last(out, FINISH_REASONS[out.finish_reason], num_sent, delta)
+                    yield self._last(out, out.finish_reason.reason, num_sent, delta)
                     return
                 if out.new_token_ids or delta:
                     yield StreamChunk(token_ids=out.new_token_ids, text=delta)

@@ -67,6 +67,11 @@ class Unavailable(Dsv4Error):
     grpc_code = "UNAVAILABLE"
 
 
+class RankFailed(Unavailable):
+    """A rank process of this worker's model replica exited or stopped answering: the worker
+    cannot step any more and goes down (health NOT_SERVING, then exit)."""
+
+
 class TransferError(Unavailable):
     """A KV transfer failed or its peer vanished."""
 

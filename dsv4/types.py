@@ -41,14 +41,6 @@ class PullFailurePolicy(enum.Enum):
     FAIL = "fail"  # end the stream with UNAVAILABLE
 
 
-# The smallest sampling values that still yield a token: below MIN_TEMPERATURE logits /
-# temperature leave fp32's range (the sampler clamps to it), below MIN_TOP_P (fp32's smallest
-# normal) top_p is 0 or subnormal in fp32 (flushed to 0 on GPUs), so the nucleus filter would
-# drop every token. Validation refuses smaller values.
-MIN_TEMPERATURE = 1e-6
-MIN_TOP_P = 2.0**-126
-
-
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """Sampling and stopping controls with every default filled in (validated by dsv4.wire)."""

@@ -1,7 +1,9 @@
 """Triton kernels for the DeepSeek-V4 hot path, each beside its torch reference.
 
-Importing the package registers every op (`kernels.registry`); call them through the backend
-switch (`kernels.backend.dispatch` / `resolve`) with a frozen `KernelBackendConfig`. Under
+Importing the package registers every op (`kernels.registry`); choose an op's implementation
+with `kernels.backend.resolve` and a frozen `KernelBackendConfig` (once, then call it;
+`dispatch` resolves per call, for tests). From dsv4 the kernels import only `dsv4.ops` and
+`dsv4.errors` (docs/architecture.md#import-rules). Under
 `TRITON_INTERPRET=1` (set before this import) the Triton versions run on CPU for tests.
 """
 

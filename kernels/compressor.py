@@ -8,7 +8,7 @@ completes window i = (p+1)/r - 1, whose entry is the per-channel softmax over it
   window 0: weight 0) and channels [d', 2d') of this window's r tokens.
 The entry is then cast to bf16, RMS-normed with `norm_weight`, roped (interleaved pairs of the
 last `rope_dim` channels, cos/sin at position r*i) and quantised into the cache entry format of
-`dsv4.runner.kv_codec`: "fp8_ue8m0" (main compressor, 584 B for d' = 512), "mxfp4" (68 B) or
+`dsv4.ops.kv_codec`: "fp8_ue8m0" (main compressor, 584 B for d' = 512), "mxfp4" (68 B) or
 "fp8_fp32scale" (132 B) for the indexer's 128-d keys.
 
 Two launches per step:
@@ -36,10 +36,11 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4.model.compressor import compress_windows
-from dsv4.model.layers import rms_norm
-from dsv4.model.rope import apply_rope
-from dsv4.runner.kv_codec import encode_rows
+from dsv4.ops.compressor import compress_windows
+from dsv4.ops.kv_codec import encode_rows
+from dsv4.ops.norm import rms_norm
+from dsv4.ops.rope import apply_rope
+from kernels.jit_helpers import bf16_rne, e4m3_bits, pow2, pow2_ceil_exp
 from kernels.registry import register_op
 from kernels.specialize import sizes_vary
 
@@ -58,43 +59,6 @@ def entry_bytes(fmt: str, dim: int, rope_dim: int) -> int:
     if fmt in ("bf16", "fp32"):
         return dim * (2 if fmt == "bf16" else 4)
     raise ValueError(f"unknown compressor entry format {fmt!r}; use one of {FORMATS}")
-
-
-@triton.jit
-def _bf16_rne(x):
-    """fp32 -> the nearest bf16 value (ties to even), kept in fp32."""
-    bits = x.to(tl.int32, bitcast=True)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _pow2_ceil_exp(ratio):
-    """ceil(log2(ratio)) for positive normal fp32 values, from the exponent bits."""
-    bits = ratio.to(tl.int32, bitcast=True)
-    e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
-    return tl.minimum(tl.maximum(e, -126), 127)
-
-
-@triton.jit
-def _pow2(e):
-    return ((e + 127) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _e4m3_bits(v):
-    """fp32 -> float8_e4m3fn byte (RNE, saturating at 448) as int32."""
-    bits = v.to(tl.int32, bitcast=True)
-    a = tl.minimum(tl.abs(v), 448.0)
-    t = a * 512.0  # subnormals: steps of 2^-9
-    r = tl.floor(t)
-    frac = t - r
-    ri = r.to(tl.int32)
-    sub = ri + ((frac > 0.5) | ((frac == 0.5) & ((ri & 1) == 1))).to(tl.int32)
-    ab = a.to(tl.int32, bitcast=True)
-    normal = ((ab + 0x7FFFF + ((ab >> 20) & 1)) >> 20) - 960
-    code = tl.where(a < 0.015625, sub, tl.minimum(normal, 126))
-    return code | (((bits >> 31) & 1) << 7)
 
 
 @triton.jit
@@ -168,11 +132,11 @@ def _compress_kernel(
             den = den * alpha + tl.sum(p, axis=0)
             acc = acc * alpha + tl.sum(p * a, axis=0)
             m = m_new
-        x = _bf16_rne(tl.where(ch_ok, acc / tl.where(ch_ok, den, 1.0), 0.0))
+        x = bf16_rne(tl.where(ch_ok, acc / tl.where(ch_ok, den, 1.0), 0.0))
         # ---- RMSNorm (bf16 in and out, fp32 math) ----------------------------------------
         w = tl.load(w_ptr + ch, mask=ch_ok, other=0.0).to(tl.float32)
         inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
-        y = _bf16_rne(x * inv * w)
+        y = bf16_rne(x * inv * w)
         # ---- RoPE on the last ROPE channels (pairs 2i, 2i+1) -----------------------------
         HALF: tl.constexpr = BLOCK_D // 2
         even, odd = tl.split(tl.reshape(y, [HALF, 2]))
@@ -182,8 +146,8 @@ def _compress_kernel(
         cs_off = b.to(tl.int64) * stride_cs + tl.maximum(ci, 0)
         cos = tl.load(cos_ptr + cs_off, mask=is_rope, other=1.0)
         sin = tl.load(sin_ptr + cs_off, mask=is_rope, other=0.0)
-        new_even = _bf16_rne(even * cos - odd * sin)
-        new_odd = _bf16_rne(even * sin + odd * cos)
+        new_even = bf16_rne(even * cos - odd * sin)
+        new_odd = bf16_rne(even * sin + odd * cos)
         y = tl.reshape(tl.join(new_even, new_odd), [BLOCK_D])
         # ---- quantise into the entry bytes ---------------------------------------------
         out = cache_ptr + tl.load(slot_ptr + b).to(tl.int64) * stride_cache
@@ -192,9 +156,9 @@ def _compress_kernel(
             NBLK: tl.constexpr = (NOPE + 63) // 64
             is_nope = ch < NOPE
             amax = tl.max(tl.reshape(tl.where(is_nope, tl.abs(y), 0.0), [BLOCK_D // 64, 64]), 1)
-            e = _pow2_ceil_exp(tl.math.div_rn(tl.maximum(amax, 1e-4), 448.0))
-            inv_s = tl.reshape(tl.broadcast_to(_pow2(-e)[:, None], [BLOCK_D // 64, 64]), [BLOCK_D])
-            codes = _e4m3_bits(y * inv_s)
+            e = pow2_ceil_exp(tl.math.div_rn(tl.maximum(amax, 1e-4), 448.0))
+            inv_s = tl.reshape(tl.broadcast_to(pow2(-e)[:, None], [BLOCK_D // 64, 64]), [BLOCK_D])
+            codes = e4m3_bits(y * inv_s)
             tl.store(out + ch, codes.to(tl.uint8), mask=is_nope)
             hb = (y.to(tl.int32, bitcast=True) >> 16) & 0xFFFF
             rope_at = out + NOPE + 2 * (ch - NOPE)
@@ -208,8 +172,8 @@ def _compress_kernel(
                      mask=pad < (NBLK + 7) // 8 * 8)  # fmt: skip
         elif FMT == 1:  # [D/2 packed e2m1, low nibble = even dim | D/32 UE8M0]
             amax = tl.max(tl.reshape(tl.where(ch_ok, tl.abs(y), 0.0), [BLOCK_D // 32, 32]), 1)
-            e = _pow2_ceil_exp(tl.math.div_rn(tl.maximum(amax, 1e-12), 6.0))
-            inv_s = tl.reshape(tl.broadcast_to(_pow2(-e)[:, None], [BLOCK_D // 32, 32]), [BLOCK_D])
+            e = pow2_ceil_exp(tl.math.div_rn(tl.maximum(amax, 1e-12), 6.0))
+            inv_s = tl.reshape(tl.broadcast_to(pow2(-e)[:, None], [BLOCK_D // 32, 32]), [BLOCK_D])
             lo, hi = tl.split(tl.reshape(_e2m1_bits(y * inv_s), [HALF, 2]))
             tl.store(out + pair, (lo | (hi << 4)).to(tl.uint8), mask=pair < D // 2)
             g = tl.arange(0, BLOCK_D // 32)
@@ -225,7 +189,7 @@ def _compress_kernel(
         else:  # [D e4m3 | fp32 scale = amax / 448]
             amax = tl.max(tl.where(ch_ok, tl.abs(y), 0.0), axis=0)
             scale = tl.maximum(tl.math.div_rn(amax, 448.0), 1e-12)
-            codes = _e4m3_bits(tl.math.div_rn(y, scale))
+            codes = e4m3_bits(tl.math.div_rn(y, scale))
             tl.store(out + ch, codes.to(tl.uint8), mask=ch_ok)
             k = tl.arange(0, 4)
             sb = (scale.to(tl.int32, bitcast=True) >> (8 * k)) & 0xFF
@@ -378,7 +342,7 @@ def compressor_step_ref(
         missing = (~in_step & (row < 0))[..., None]
         cand_kv = cand_kv.masked_fill(missing, 0.0)
         cand_gate = cand_gate.masked_fill(missing, float("-inf"))
-        windows = compress_windows.reference  # the model's math, never a swapped kernel
+        windows = compress_windows  # the model's math, never a swapped kernel
         if overlap:  # [prev_b, cur_b] pairs; the odd outputs are the boundary entries
             n = boundary.numel()
             kv_w = cand_kv.view(n * 2, ratio, width)

@@ -32,8 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.compressor import _bf16_rne
-from kernels.fp8_dequant import _block_scale, _scales_at, _store_tile, _weight_rows, scale_operand
+from kernels.fp8_dequant import scale_operand
+from kernels.jit_helpers import bf16_rne, block_scale, scales_at, store_tile, weight_rows
 from kernels.specialize import sizes_vary
 
 
@@ -54,7 +54,7 @@ def _fp8_gemv_kernel(
     t_ok = t < T
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
-    w_rows, s_rows = _weight_rows(w_ptr, s_ptr, g, N, n, stride_wn, stride_sn)
+    w_rows, s_rows = weight_rows(w_ptr, s_ptr, g, N, n, stride_wn, stride_sn)
     x_rows = x_ptr + t.to(tl.int64) * stride_xt + g * stride_xg
     # a K step is [BLOCK_K // VEC, VEC]: VEC contiguous bytes a thread (one 16-byte load), one
     # scale column per VEC group, so BLOCK_K may span several 128-column scale blocks
@@ -78,18 +78,18 @@ def _fp8_gemv_kernel(
         x = tl.load(x_ptrs, mask=t_ok[:, None, None, None] & k_ok[None, None, :, :], other=0.0)
         # [BN, J] scales: column (k0 + j * VEC) // 128 of each row's scale row
         s_ptrs = s_rows[:, None] + ((k0 + group_k) // 128)[None, :] * stride_sk
-        scale = _scales_at(s_ptrs, n_ok[:, None], SCALE_E8M0)[None, :, :]
+        scale = scales_at(s_ptrs, n_ok[:, None], SCALE_E8M0)[None, :, :]
         if PER_ELEMENT:  # fp32 scales: the dequantised weight, rounded as the reference's
             wd = w.to(tl.float32) * scale[:, :, :, None]
             if ROUND_W:
-                wd = _bf16_rne(wd)
+                wd = bf16_rne(wd)
             acc += tl.sum(x.to(tl.float32) * wd, axis=3)
         else:  # power-of-two scales: exact on the group's sum
             acc += tl.sum(x.to(tl.float32) * w.to(tl.float32), axis=3) * scale
     y = tl.sum(acc, axis=2)  # [BLOCK_T, BLOCK_N]
     if ROUND_OUT:  # the interpreter truncates on the cast; the GPU rounds
-        y = _bf16_rne(y)
-    _store_tile(out_ptr, y, pid_s, t, t_ok, g, n, n_ok, stride_os, stride_ot,
+        y = bf16_rne(y)
+    store_tile(out_ptr, y, pid_s, t, t_ok, g, n, n_ok, stride_os, stride_ot,
                 stride_og, False)  # fmt: skip
 
 
@@ -111,7 +111,7 @@ def _fp8_gemv_rows_kernel(
     t_ok = t < T
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < out_features
-    w_rows, s_rows = _weight_rows(w_ptr, s_ptr, g, out_features, n, stride_wn, stride_sn)
+    w_rows, s_rows = weight_rows(w_ptr, s_ptr, g, out_features, n, stride_wn, stride_sn)
     x_rows = x_ptr + t.to(tl.int64) * stride_xt + g * stride_xg
     # products accumulate elementwise across K steps; the one cross-thread reduction over K is
     # after the loop (a tl.sum per step put a shuffle tree on every step: 0.4-0.7x of cuBLAS)
@@ -126,14 +126,14 @@ def _fp8_gemv_rows_kernel(
                     other=0.0).to(tl.float32)  # [BLOCK_T, BLOCK_K]  # fmt: skip
         # the dequantised weight (exact for UE8M0; fp32 scales round it to bf16 as the
         # reference's weight is)
-        w = w * _block_scale(s_rows, n_ok, k0, stride_sk, SCALE_E8M0)[:, None]
+        w = w * block_scale(s_rows, n_ok, k0, stride_sk, SCALE_E8M0)[:, None]
         if ROUND_W:
-            w = _bf16_rne(w)
+            w = bf16_rne(w)
         acc3 += x[:, None, :] * w[None, :, :]
     acc = tl.sum(acc3, axis=2)  # [BLOCK_T, BLOCK_N]
     if ROUND_OUT:  # the interpreter truncates on the cast; the GPU rounds
-        acc = _bf16_rne(acc)
-    _store_tile(out_ptr, acc, pid_s, t, t_ok, g, n, n_ok, stride_os, stride_ot,
+        acc = bf16_rne(acc)
+    store_tile(out_ptr, acc, pid_s, t, t_ok, g, n, n_ok, stride_os, stride_ot,
                 stride_og, False)  # fmt: skip
 
 
@@ -149,7 +149,7 @@ def _fp8_linear_reduce_kernel(part_ptr, y_ptr, total, num_partials, ROUND_BF16: 
         acc += tl.load(parts, mask=ok, other=0.0)
         parts += total  # a pointer step: no int32 product s * total
     if ROUND_BF16:
-        acc = _bf16_rne(acc)
+        acc = bf16_rne(acc)
     tl.store(y_ptr + i, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 

@@ -40,22 +40,16 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from dsv4.model import fp8 as model_fp8
-from kernels.compressor import _bf16_rne
-from kernels.fp8_dequant import (
-    _block_scale,
-    _store_tile,
-    _weight_rows,
-    fp8_dequantize,
-    scale_operand,
-)
+from dsv4.ops import fp8 as ref_fp8
+from dsv4.ops.limits import FP8_GEMV_MAX_ROWS
+from kernels.fp8_dequant import fp8_dequantize, scale_operand
 from kernels.fp8_gemv import gemv_config, launch_gemv, num_sms, reduce_splits, split_k, split_output
 from kernels.fp8_w8a8 import launch_w8a8, w8a8_config
-from kernels.moe import _tile_ids  # grouped tile order: row tiles sweep W's columns together
+from kernels.jit_helpers import bf16_rne, block_scale, store_tile, tile_ids, weight_rows
 from kernels.registry import register_op
 from kernels.specialize import sizes_vary
 
-FP8_BLOCK = model_fp8.FP8_BLOCK
+FP8_BLOCK = ref_fp8.FP8_BLOCK
 # POST_SCALE: cast the e4m3 tile straight to bf16 and multiply the dot's [BLOCK_M, BLOCK_N] sums
 # by the block scale, instead of scaling every [BLOCK_K, BLOCK_N] weight element in fp32 before
 # the cast (BLOCK_K / BLOCK_M times fewer ALU ops in front of the MMA at decode sizes; the same
@@ -73,7 +67,7 @@ DEQUANT_MIN_ROWS = 1
 # Up to this many rows the GEMV (kernels/fp8_gemv.py) runs instead (`tune`: "GEMV"). On the
 # H200 it ran at 0.79-1.02x of cuBLAS on the bf16 weight at 1 row (wq_a, wq_b, wo_b) and
 # 0.77-0.79x at 2, where dequantise + cuBLAS ran at 0.39-0.65x; at 4 rows they tie.
-GEMV_MAX_ROWS = 2
+GEMV_MAX_ROWS = FP8_GEMV_MAX_ROWS  # 2 (dsv4.ops.limits: the planner counts the bf16 copy above)
 # With `activations="fp8"` (W8A8, its own switch: x rounded to e4m3 per 1x128 group) the rows
 # above GEMV_MAX_ROWS up to this many run kernels/fp8_w8a8.py; above it, dequantise + cuBLAS,
 # which ran ahead of the W8A8 GEMM at 1024 and 8192 rows on the H200 (and is exact).
@@ -94,14 +88,14 @@ def _fp8_linear_kernel(
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
-    pid_m, pid_n = _tile_ids(tl.cdiv(T, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    pid_m, pid_n = tile_ids(tl.cdiv(T, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     pid_s, g = tl.program_id(1), tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < T
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     x_rows = x_ptr + rows.to(tl.int64) * stride_xt + g * stride_xg
-    w_rows, s_rows = _weight_rows(w_ptr, s_ptr, g, N, n, stride_wn, stride_sn)
+    w_rows, s_rows = weight_rows(w_ptr, s_ptr, g, N, n, stride_wn, stride_sn)
     # SWAP_AB: accT [BLOCK_N, BLOCK_M] = W_tile @ x_tile^T, the dequantised weight as the LHS
     acc = tl.zeros([BLOCK_N, BLOCK_M] if SWAP_AB else [BLOCK_M, BLOCK_N], tl.float32)
     # split_len is a multiple of the K step: written so, k0 is known to be one (vector loads)
@@ -119,7 +113,7 @@ def _fp8_linear_kernel(
                         other=0.0)  # fmt: skip
             b = tl.load(w_rows[None, :] + kk[:, None], mask=k_ok[:, None] & n_ok[None, :],
                         other=0.0)  # fmt: skip
-        scale = _block_scale(s_rows, n_ok, k0, stride_sk, SCALE_E8M0)  # [BLOCK_N]
+        scale = block_scale(s_rows, n_ok, k0, stride_sk, SCALE_E8M0)  # [BLOCK_N]
         scale = scale[:, None] if SWAP_AB else scale[None, :]
         if UPCAST:  # the interpreter computes on raw bf16 bits otherwise
             a = a.to(tl.float32)
@@ -132,7 +126,7 @@ def _fp8_linear_kernel(
         else:
             w = b.to(tl.float32) * scale
             if UPCAST and ROUND_W:  # the reference's dequantised bf16 weight (rounds fp32 scales)
-                w = _bf16_rne(w)
+                w = bf16_rne(w)
             elif not UPCAST:
                 w = w.to(x_ptr.dtype.element_ty)
             if SWAP_AB:
@@ -140,8 +134,8 @@ def _fp8_linear_kernel(
             else:
                 acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
     if ROUND_OUT:  # the interpreter truncates on the cast; the GPU rounds
-        acc = _bf16_rne(acc)
-    _store_tile(out_ptr, acc, pid_s, rows, row_ok, g, n, n_ok, stride_os, stride_ot, stride_og,
+        acc = bf16_rne(acc)
+    store_tile(out_ptr, acc, pid_s, rows, row_ok, g, n, n_ok, stride_os, stride_ot, stride_og,
                 SWAP_AB)  # fmt: skip
 
 
@@ -243,13 +237,13 @@ def fp8_grouped_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
 def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                    activations: str = "bf16") -> torch.Tensor:  # fmt: skip
     """Reference (and slow path): the model's op, dequantise the whole weight then F.linear."""
-    return model_fp8.fp8_linear.reference(x, weight, scale, activations)
+    return ref_fp8.fp8_linear(x, weight, scale, activations)
 
 
 def fp8_grouped_linear_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                            activations: str = "bf16") -> torch.Tensor:  # fmt: skip
     """Reference: the model's op, dequantise the whole weight then one einsum over groups."""
-    return model_fp8.fp8_grouped_linear.reference(x, weight, scale, activations)
+    return ref_fp8.fp8_grouped_linear(x, weight, scale, activations)
 
 
 register_op("fp8_linear", fp8_linear, fp8_linear_ref, family="fp8_linear")

@@ -24,13 +24,13 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4.model import fp8 as model_fp8
-from kernels.fp8_dequant import _block_scale, _store_tile, _weight_rows, scale_operand
+from dsv4.ops import fp8 as ref_fp8
+from kernels.fp8_dequant import scale_operand
 from kernels.fp8_gemv import num_sms, reduce_splits, split_k, split_output
-from kernels.moe import _tile_ids
+from kernels.jit_helpers import block_scale, store_tile, tile_ids, weight_rows
 from kernels.specialize import sizes_vary
 
-GROUP = model_fp8.FP8_BLOCK  # activation columns per scale (= the weight's scale block)
+GROUP = ref_fp8.FP8_BLOCK  # activation columns per scale (= the weight's scale block)
 SWAP_AB_MAX_ROWS = 64
 
 
@@ -83,13 +83,13 @@ def _fp8_w8a8_kernel(
     SCALE_E8M0: tl.constexpr, FUSE_QUANT: tl.constexpr, UPCAST: tl.constexpr,
     SWAP_AB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
-    pid_m, pid_n = _tile_ids(tl.cdiv(T, BLOCK_M), tl.cdiv(out_features, BLOCK_N), GROUP_M)
+    pid_m, pid_n = tile_ids(tl.cdiv(T, BLOCK_M), tl.cdiv(out_features, BLOCK_N), GROUP_M)
     pid_s, g = tl.program_id(1), tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < T
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < out_features
-    w_rows, s_rows = _weight_rows(w_ptr, s_ptr, g, out_features, n, stride_wn, stride_sn)
+    w_rows, s_rows = weight_rows(w_ptr, s_ptr, g, out_features, n, stride_wn, stride_sn)
     x_rows = x_ptr + rows.to(tl.int64) * stride_xt + g * stride_xg
     xs_rows = xs_ptr + rows.to(tl.int64) * stride_xst + g * stride_xsg
     # SWAP_AB: accT [BLOCK_N, BLOCK_M] = W_tile @ xq_tile^T (the weight rows on the MMA's M side)
@@ -109,14 +109,14 @@ def _fp8_w8a8_kernel(
         else:
             xq = tl.load(x_rows[:, None] + kk[None, :], mask=x_ok, other=0.0)  # [BLOCK_M, 128]
             xs = tl.load(xs_rows + k0 // 128, mask=row_ok, other=0.0)  # [BLOCK_M]
-        ws = _block_scale(s_rows, n_ok, k0, stride_sk, SCALE_E8M0)  # [BLOCK_N]
+        ws = block_scale(s_rows, n_ok, k0, stride_sk, SCALE_E8M0)  # [BLOCK_N]
         if UPCAST:  # the interpreter has no e4m3 MMA: exact fp32 products of the same values
             w, xq = w.to(tl.float32), xq.to(tl.float32)
         if SWAP_AB:
             acc += tl.dot(w, tl.trans(xq)) * (ws[:, None] * xs[None, :])
         else:
             acc += tl.dot(xq, tl.trans(w)) * (xs[:, None] * ws[None, :])
-    _store_tile(out_ptr, acc, pid_s, rows, row_ok, g, n, n_ok, stride_os, stride_ot, stride_og,
+    store_tile(out_ptr, acc, pid_s, rows, row_ok, g, n, n_ok, stride_os, stride_ot, stride_og,
                 SWAP_AB)  # fmt: skip
 
 
@@ -183,10 +183,10 @@ def launch_w8a8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, y: t
 
 def w8a8_linear_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """Reference: the model's W8A8 op (x quantised per 1x128 group, dequantised; fp32 product)."""
-    return model_fp8.fp8_linear.reference(x, weight, scale, activations="fp8")
+    return ref_fp8.fp8_linear(x, weight, scale, activations="fp8")
 
 
 def w8a8_grouped_linear_ref(x: torch.Tensor, weight: torch.Tensor,
                             scale: torch.Tensor) -> torch.Tensor:  # fmt: skip
     """Reference: the model's grouped W8A8 op."""
-    return model_fp8.fp8_grouped_linear.reference(x, weight, scale, activations="fp8")
+    return ref_fp8.fp8_grouped_linear(x, weight, scale, activations="fp8")

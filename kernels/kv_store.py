@@ -14,7 +14,7 @@ Kernels: one program per block of BLOCK_T tokens (store) or BLOCK_N slots (gathe
 row in registers. An fp8 row is a [BLOCK_C, 64] tile of nope blocks (amax per block, then the
 codes) plus its rope bytes; a bf16/fp32 row is a byte vector whose byte k comes from element
 k // W (W bytes per element), so every store is one contiguous byte run per record. All
-roundings are integer ops (`kernels.compressor`'s `_bf16_rne`, `_pow2_ceil_exp`, `_e4m3_bits`)
+roundings are integer ops (kernels/jit_helpers.py: `bf16_rne`, `pow2_ceil_exp`, `e4m3_bits`)
 and bf16 inputs/outputs travel as int16 bits, so the bytes equal the torch codec's on the GPU
 and under the interpreter alike (which truncates float -> bf16 casts).
 """
@@ -25,8 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4.runner.kv_codec import decode_rows, encode_rows
-from kernels.compressor import _bf16_rne, _e4m3_bits, _pow2, _pow2_ceil_exp
+from dsv4.ops.kv_codec import decode_rows, encode_rows
+from kernels.jit_helpers import bf16_rne, e4m3_bits, pow2, pow2_ceil_exp
 from kernels.registry import register_op
 from kernels.specialize import sizes_vary
 
@@ -93,12 +93,12 @@ def _store_kernel(
         mk = ok[:, None, None] & (col < NOPE)[None, :, :]
         x = _load_f32(src[:, None, None] + col[None, :, :], mk, IN_BF16)  # [BLOCK_T, BLOCK_C, 64]
         amax = tl.max(tl.abs(x), axis=2)  # [BLOCK_T, BLOCK_C]
-        e = _pow2_ceil_exp(tl.math.div_rn(tl.maximum(amax, 1e-4), 448.0))
-        codes = _e4m3_bits(x * _pow2(-e)[:, :, None])
+        e = pow2_ceil_exp(tl.math.div_rn(tl.maximum(amax, 1e-4), 448.0))
+        codes = e4m3_bits(x * pow2(-e)[:, :, None])
         tl.store(dst[:, None, None] + col[None, :, :], codes.to(tl.uint8), mask=mk)
         # rope byte k = low (k even) or high byte of the bf16 of element NOPE + k // 2
         mk_r = ok[:, None] & (k < 2 * ROPE)[None, :]
-        r = _bf16_rne(_load_f32(src[:, None] + NOPE + k[None, :] // 2, mk_r, IN_BF16))
+        r = bf16_rne(_load_f32(src[:, None] + NOPE + k[None, :] // 2, mk_r, IN_BF16))
         rb = (r.to(tl.int32, bitcast=True) >> (16 + 8 * (k[None, :] % 2))) & 0xFF
         tl.store(dst[:, None] + NOPE + k[None, :], rb.to(tl.uint8), mask=mk_r)
         c = tl.arange(0, BLOCK_C)
@@ -109,7 +109,7 @@ def _store_kernel(
         mk = ok[:, None] & (k < D * W)[None, :]
         x = _load_f32(src[:, None] + k[None, :] // W, mk, IN_BF16)  # [BLOCK_T, BLOCK_B]
         if FMT == 1:
-            bits = _bf16_rne(x).to(tl.int32, bitcast=True) >> 16
+            bits = bf16_rne(x).to(tl.int32, bitcast=True) >> 16
         else:
             bits = x.to(tl.int32, bitcast=True)
         byte = (bits >> (8 * (k[None, :] % W))) & 0xFF
@@ -124,7 +124,7 @@ def _store_kernel(
 def _store_out(ptr, x, mask, OUT_BF16: tl.constexpr):
     """fp32 values into the output row (bf16 output as int16 bits, rounded to nearest even)."""
     if OUT_BF16:
-        bits = _bf16_rne(x).to(tl.int32, bitcast=True) >> 16
+        bits = bf16_rne(x).to(tl.int32, bitcast=True) >> 16
         tl.store(ptr, bits.to(tl.int16), mask=mask)
     else:
         tl.store(ptr, x.to(ptr.dtype.element_ty), mask=mask)

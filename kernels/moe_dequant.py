@@ -7,7 +7,7 @@ H200, at V4-Flash shapes (E 256, D 4096, I 2048, K 6), the in-register kernel ta
 4096 tokens and 47.6 ms at 8192 against 4.9 and 7.9 ms on bf16 experts. A prefill-sized batch
 reads every expert's weights many times, so decoding each weight element once is cheaper: this
 module writes a chunk of experts to a bf16 scratch (0.5 B read + 2 B written per MXFP4 element,
-1 + 2 B for FP8) and runs moe.py's kernels with FMT=0 on it. All 256 experts are 6.4 G
+1 + 2 B for FP8) and runs the grouped GEMMs (kernels/moe_gemm.py) with FMT=0 on it. All 256 experts are 6.4 G
 elements; the pass takes ~7.5 ms on the H200 (half the copy bandwidth), so the whole call is
 12.8 / 15.9 ms at 4096 / 8192 tokens (benchmarks/results/kernels-moe-dequant-h200.json). The
 values are identical (e2m1 x 2^k and e4m3 x 2^k are exact in bf16; an fp32 FP8 scale rounds to
@@ -18,7 +18,7 @@ takes this path (`use_dequant`).
 `moe.moe_experts` takes this path (`use_dequant`, or tune DEQUANT) around its own align and
 combine: per chunk of experts [e0, e1), `gemms_through_scratch` dequantises w13 and w2 into one
 reused scratch (allocated once per call, at most SCRATCH_BYTES), remaps tile_e to the chunk
-(tile_e - e0 inside it, else -1: those tiles exit at once) and runs `moe.grouped_gemms` in bf16.
+(tile_e - e0 inside it, else -1: those tiles exit at once) and runs `moe_gemm.grouped_gemms` in bf16.
 No host sync.
 """
 
@@ -28,21 +28,21 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import moe
-from kernels.compressor import _bf16_rne
-from kernels.moe import _e2m1_value, _scale_args, dequantize_expert
+from dsv4.ops.limits import MOE_DEQUANT_MIN_PAIRS_PER_EXPERT, MOE_DEQUANT_SCRATCH_BYTES
+from kernels.jit_helpers import bf16_rne, e2m1_value
+from kernels.moe_gemm import FORMATS, dequantize_expert, grouped_gemms, scale_args
 from kernels.specialize import sizes_vary
 
 DEQUANT_FORMATS = ("fp8", "mxfp4")
 # Bound of the bf16 scratch of one chunk. A V4-Flash expert is 3 * 4096 * 2048 bf16 elements =
 # 48 MiB, so a chunk is 21 experts (1008 MiB) and 256 experts take 13 chunks.
-SCRATCH_BYTES = 1 << 30
+SCRATCH_BYTES = MOE_DEQUANT_SCRATCH_BYTES  # 1 GiB (dsv4.ops.limits: the planner counts it)
 # Average (token, slot) pairs per expert from which `moe_experts` takes this path. On the H200
 # (V4-Flash experts, benchmarks/results/kernels-moe-dequant-h200.json) MXFP4 in registers took
 # 6.1 ms at 24 pairs an expert (1024 tokens) against 10.9 ms here, and 27.8 / 47.6 ms at 96 / 192
 # against 12.8 / 15.9 ms: the crossover is near 40. FP8 in registers won at every size (9.7 ms
 # against 13.9 ms at 8192 tokens), so FP8 never takes it.
-DEQUANT_MIN_PAIRS_PER_EXPERT = 48
+DEQUANT_MIN_PAIRS_PER_EXPERT = MOE_DEQUANT_MIN_PAIRS_PER_EXPERT  # 48 (dsv4.ops.limits)
 # Dequantise tiles: BLOCK_R and BLOCK_C divide 128, so an FP8 tile sits in one scale block.
 _BLOCK_R, _BLOCK_C = 32, 128
 
@@ -75,8 +75,8 @@ def _experts_dequant_kernel(
         scale = ((sb.to(tl.int32) & 0xFF) << 23).to(tl.float32, bitcast=True)  # 2^(byte - 127)
         scale = tl.reshape(tl.broadcast_to(scale[:, :, None], [BLOCK_R, BLOCK_C // 32, 16]),
                            [BLOCK_R, BLOCK_C // 2])  # fmt: skip
-        lo = _e2m1_value(packed & 15) * scale  # even columns
-        hi = _e2m1_value(packed >> 4) * scale  # odd columns
+        lo = e2m1_value(packed & 15) * scale  # even columns
+        hi = e2m1_value(packed >> 4) * scale  # odd columns
         w = tl.reshape(tl.join(lo, hi), [BLOCK_R, BLOCK_C])
     else:  # FP8 e4m3, the tile's one 128x128 block scale
         mk = r_ok[:, None] & (c < cols)[None, :]
@@ -90,7 +90,7 @@ def _experts_dequant_kernel(
     out_at = out_ptr + pid_e.to(tl.int64) * stride_oe + r.to(tl.int64)[:, None] * stride_or
     # NOTE: rounded in fp32 first: the interpreter truncates fp32 -> bf16 (exact values only
     # reach the store: a no-op there, and for UE8M0 scales everywhere)
-    tl.store(out_at + c[None, :], _bf16_rne(w).to(out_ptr.dtype.element_ty),
+    tl.store(out_at + c[None, :], bf16_rne(w).to(out_ptr.dtype.element_ty),
              mask=r_ok[:, None] & (c < cols)[None, :])  # fmt: skip
 
 
@@ -115,11 +115,11 @@ def dequantize_experts(
     assert tuple(out.shape[1:]) == (rows, cols), (tuple(out.shape), rows, cols)
     if e1 == e0:
         return out[:0]
-    s, e8m0, st = _scale_args(scale, w)
+    s, e8m0, st = scale_args(scale, w)
     grid = (triton.cdiv(cols, _BLOCK_C), triton.cdiv(rows, _BLOCK_R), e1 - e0)
     _experts_dequant_kernel[grid](
         w, s, out, e0, rows, cols, w.stride(0), w.stride(1), *st, out.stride(0), out.stride(1),
-        FMT=moe.FORMATS.index(format), SCALE_E8M0=e8m0, BLOCK_R=_BLOCK_R, BLOCK_C=_BLOCK_C,
+        FMT=FORMATS.index(format), SCALE_E8M0=e8m0, BLOCK_R=_BLOCK_R, BLOCK_C=_BLOCK_C,
         num_warps=4,
     )  # fmt: skip
     return out[: e1 - e0]
@@ -132,7 +132,7 @@ def dequantize_experts_ref(
     e0: int = 0,
     e1: int | None = None,
 ) -> torch.Tensor:
-    """Reference: `moe.dequantize_expert` of each expert in [e0, e1), stacked."""
+    """Reference: `moe_gemm.dequantize_expert` of each expert in [e0, e1), stacked."""
     e1 = w.shape[0] if e1 is None else e1
     if e1 == e0:
         cols = w.shape[2] * (2 if format == "mxfp4" else 1)
@@ -150,9 +150,9 @@ def use_dequant(num_pairs: int, num_experts: int, format: str, on_gpu: bool) -> 
 
 def gemms_through_scratch(x, sorted_ids, tile_e, w13, w2, scales, h, rows, topk, limit,
                           format: str, cfg: dict, chunk_experts: int | None = None) -> None:  # fmt: skip
-    """`moe.grouped_gemms` on `format` experts by way of a bf16 scratch: per chunk of experts
+    """`moe_gemm.grouped_gemms` on `format` experts by way of a bf16 scratch: per chunk of experts
     [e0, e1), both weights dequantised, tile_e remapped to the chunk (others -1), the bf16 GEMMs
-    (cfg: moe._config's bf16 tiles). `chunk_experts`: experts a chunk (default: as many as fit
+    (cfg: kernels.moe._config's bf16 tiles). `chunk_experts`: experts a chunk (default: as many as fit
     in SCRATCH_BYTES)."""
     assert format in DEQUANT_FORMATS and None not in scales, format
     num_experts, inter, dim = w13.shape[0], h.shape[1], rows.shape[1]
@@ -166,24 +166,5 @@ def gemms_through_scratch(x, sorted_ids, tile_e, w13, w2, scales, h, rows, topk,
         dequantize_experts(w13, scales[0], format, e0, e1, out=w13_bf16)
         dequantize_experts(w2, scales[1], format, e0, e1, out=w2_bf16)
         chunk_tile_e = torch.where((tile_e >= e0) & (tile_e < e1), tile_e - e0, -1)
-        moe.grouped_gemms(x, sorted_ids, chunk_tile_e, w13_bf16, w2_bf16, (None, None), h, rows,
-                          topk, limit, 0, cfg)  # fmt: skip
-
-
-def moe_experts_dequant(
-    x: torch.Tensor,
-    expert_ids: torch.Tensor,
-    weights: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    format: str,
-    w13_scale: torch.Tensor,
-    w2_scale: torch.Tensor,
-    limit: float | None = None,
-    chunk_experts: int | None = None,
-) -> torch.Tensor:
-    """`moe.moe_experts` made to take this path whatever the batch (module doc): x [T, D] bf16,
-    expert_ids [T, K], weights [T, K] -> y [T, D] fp32."""
-    tune = {"DEQUANT": True, "CHUNK_EXPERTS": chunk_experts}
-    return moe.moe_experts(x, expert_ids, weights, w13, w2, format, w13_scale, w2_scale, limit,
-                           tune=tune)  # fmt: skip
+        grouped_gemms(x, sorted_ids, chunk_tile_e, w13_bf16, w2_bf16, (None, None), h, rows,
+                      topk, limit, 0, cfg)  # fmt: skip

@@ -20,7 +20,7 @@ bits, m at the mantissa's top), so each lane is the bf16 pattern of e2m1 * 2^-12
 field e: code e = 0 is the subnormal m/2 * 2^-126, which is why no select is needed). Each lane
 becomes fp32 by one more operation (p << 16, p & 0xFFFF0000). The UE8M0 byte s enters as a
 power of two, 2^126 * 2^(s - 127), either on each weight (then the same value
-`dsv4.model.quant.mxfp4_dequantize` returns) or, POST_SCALE (the default), on the sum of a
+`dsv4.ops.quant.mxfp4_dequantize` returns) or, POST_SCALE (the default), on the sum of a
 word's eight products with x carried times 2^64: 2^(s - 65) on the sum. Either way the products
 are exact in fp32 and the outputs differ from the dequantise-then-GEMM reference only in
 summation order (the powers of two fit fp32 for s <= 128, resp. 192: weights up to |12|, resp.
@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.compressor import _bf16_rne
+from kernels.jit_helpers import bf16_rne
 from kernels.specialize import sizes_vary
 
 # Average (token, slot) pairs an expert up to which `kernels.moe.moe_experts` takes this path
@@ -175,12 +175,12 @@ def _row_ok(p0, p1, num_pairs, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
 @triton.jit
 def _swiglu_store(acc_g, acc_u, h_row, n, mask, stride_hc, limit, HAS_LIMIT: tl.constexpr,
                   POST_SCALE: tl.constexpr):  # fmt: skip
-    g = _bf16_rne(tl.sum(acc_g, axis=1))  # [BLOCK_N]: F.linear's bf16 outputs
-    u = _bf16_rne(tl.sum(acc_u, axis=1))
+    g = bf16_rne(tl.sum(acc_g, axis=1))  # [BLOCK_N]: F.linear's bf16 outputs
+    u = bf16_rne(tl.sum(acc_u, axis=1))
     if HAS_LIMIT:
         g = tl.minimum(g, limit)
         u = tl.minimum(tl.maximum(u, -limit), limit)
-    h = _bf16_rne(g / (1.0 + tl.exp(-g)) * u)
+    h = bf16_rne(g / (1.0 + tl.exp(-g)) * u)
     if POST_SCALE:  # the second GEMV's activation, times 2^64 (exact)
         h = h * 18446744073709551616.0
     # column n of h sits at [c = n % 8, n // 8] of the row's permuted [8, I/8]
@@ -215,11 +215,11 @@ def _gemv2_kernel(
             acc0, acc1 = _gemv_step(acc0, acc1, w_rows, s_rows, h0, h1, ok0, ok1, n_ok, k0, INTER,
                                     stride_hc, BLOCK_N, BLOCK_W, BLOCK_M == 2,
                                     POST_SCALE)  # fmt: skip
-        out0 = _bf16_rne(tl.sum(acc0, axis=1))
+        out0 = bf16_rne(tl.sum(acc0, axis=1))
         tl.store(out_ptr + p0.to(tl.int64) * stride_out + n, out0.to(out_ptr.dtype.element_ty),
                  mask=n_ok & (n * 0 + p0 < num_pairs))  # fmt: skip
         if BLOCK_M == 2:
-            out1 = _bf16_rne(tl.sum(acc1, axis=1))
+            out1 = bf16_rne(tl.sum(acc1, axis=1))
             tl.store(out_ptr + p1.to(tl.int64) * stride_out + n,
                      out1.to(out_ptr.dtype.element_ty),
                      mask=n_ok & (n * 0 + p1 < num_pairs))  # fmt: skip

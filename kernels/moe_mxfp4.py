@@ -1,5 +1,5 @@
 """MXFP4 experts on the tensor cores without the per-element nibble decode: two candidates for
-`kernels.moe`'s in-register kernel (FMT 2), each its own switch, the baseline unchanged.
+`kernels.moe_gemm`'s in-register kernel (FMT 2), each its own switch, the baseline unchanged.
 
 Why: at 1024 tokens (24 pairs an expert, so one row tile an expert and each weight upcast once)
 the FMT 2 kernel takes 6.1 ms against 3.2 ms for bf16 experts, while reading the 3.4 GB of MXFP4
@@ -96,7 +96,7 @@ def _scales(s_rows, g0, stride_sk, mk, BLOCK_N: tl.constexpr, HALF: tl.constexpr
 @triton.jit
 def dot_mx(acc, a0, a1, w_rows, s_rows, wn_ok, k0, K, stride_sk, FMT: tl.constexpr,
            BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr):  # fmt: skip
-    """One K step of `kernels.moe._dot_w` for FMT 3 ("dot_scaled": a0 is the [BLOCK_M, BLOCK_K]
+    """One K step of `kernels.moe_gemm._dot_w` for FMT 3 ("dot_scaled": a0 is the [BLOCK_M, BLOCK_K]
     x tile) and FMT 4 ("halves": a0 / a1 the x columns k0.. / k0 + BLOCK_K/2.., [BLOCK_M,
     BLOCK_K/2] each). w_rows / s_rows: the expert's weight rows / scale rows (pointers, [BLOCK_N,
     1] with SWAP_AB, else [1, BLOCK_N]); acc [BLOCK_M, BLOCK_N], SWAP_AB [BLOCK_N, BLOCK_M]."""
@@ -135,7 +135,7 @@ def dot_mx(acc, a0, a1, w_rows, s_rows, wn_ok, k0, K, stride_sk, FMT: tl.constex
 
 
 def mx_config(num_pairs: int, num_experts: int, on_gpu: bool, halves: int | None) -> dict:
-    """`kernels.moe` tile config of the candidates (`halves`: the layout's K block, which is the
+    """`moe_experts` tile config of the candidates (`halves`: the layout's K block, which is the
     K step; None for dot_scaled). The weight is the MMA's register operand (SWAP_AB: wgmma's A,
     its rows the M side), the expert's pairs the N side, so a row tile about as wide as an
     expert's pairs upcasts each weight about once: 16 at decode sizes, 32 at 1024 tokens (24

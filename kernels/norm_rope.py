@@ -21,8 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4.model.layers import rms_norm
-from dsv4.model.rope import apply_rope
+from dsv4.ops.norm import rms_norm
+from dsv4.ops.rope import apply_rope
 from kernels.registry import register_op
 
 

@@ -27,8 +27,8 @@ from collections.abc import Sequence
 
 import torch
 
-from dsv4.runner.sampler import SamplingSpec, filtered_probs, or_argmax
-from dsv4.types import MIN_TEMPERATURE, MIN_TOP_P
+from dsv4.ops.limits import MIN_TEMPERATURE, MIN_TOP_P
+from dsv4.ops.sampling import SamplingSpec, filtered_probs, or_argmax
 from kernels.registry import register_op
 
 Generators = torch.Generator | Sequence[torch.Generator | None] | None

@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4.runner.kv_codec import decode_rows
+from dsv4.ops.kv_codec import decode_rows
 from kernels.registry import register_op
 from kernels.specialize import sizes_vary
 

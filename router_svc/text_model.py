@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 # DeepSeek-V4 (and the tiny model) put BOS and EOS at ids 0 and 1.
 DEFAULT_BOS_TOKEN_ID = 0
 DEFAULT_EOS_TOKEN_ID = 1
-TINY_VOCAB_SIZE = 1024  # dsv4.model.config.tiny_config().vocab_size
+TINY_VOCAB_SIZE = 1024  # dsv4.config.model.tiny_config().vocab_size
 
 
 @dataclass(frozen=True)

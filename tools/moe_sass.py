@@ -3,7 +3,7 @@ instruction mix of the K loop a weight byte, so candidates can be compared befor
 
     TRITON_INTERPRET=0 python tools/moe_sass.py [--only SUBSTRING] [--dump DIR]
 
-Each case is one kernel of kernels/moe.py or kernels/moe_gemv.py at a served V4-Flash config.
+Each case is one kernel of kernels/moe_gemm.py or kernels/moe_gemv.py at a served V4-Flash config.
 The K loop is the SASS block between the last backward branch and its target; its instruction
 counts are divided by the weight bytes one iteration reads (gate + up rows for w13).
 """
@@ -24,7 +24,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels import moe, moe_gemv
+from kernels import moe_gemm, moe_gemv
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 MMA_PTRS = {"x_ptr": "*bf16", "ids_ptr": "*i32", "tile_e_ptr": "*i32", "w_ptr": "*i8",
@@ -42,7 +42,7 @@ def _mma_case(name, fmt, bm, bn, bk, warps, swap, stages=3):
     # bytes an iteration: gate and up tiles, BLOCK_N rows of BLOCK_K/2 bytes each
     return (
         name,
-        moe._w13_kernel,
+        moe_gemm._w13_kernel,
         MMA_PTRS,
         consts,
         dict(num_warps=warps, num_stages=stages),

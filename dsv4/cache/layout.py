@@ -66,8 +66,8 @@ from dsv4.cache.packing import (
     state_slot_bytes,
     validate_options,
 )
-from dsv4.model.config import ModelConfig
-from dsv4.model.index_cache import IndexPattern
+from dsv4.config.index_pattern import IndexPattern
+from dsv4.config.model import ModelConfig
 
 LAYOUT_VERSION = 1
 LAYER_KIND_BY_RATIO = {0: "swa", 4: "c4", 128: "c128"}

@@ -11,9 +11,9 @@ import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from dsv4.config.index_pattern import IndexPattern
+from dsv4.config.model import ModelConfig
 from dsv4.errors import ConfigError
-from dsv4.model.config import ModelConfig
-from dsv4.model.index_cache import IndexPattern
 
 ALIGN_BYTES = 16
 

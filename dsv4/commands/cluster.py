@@ -24,7 +24,6 @@ import logging
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -35,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dsv4.errors import Unavailable
+from dsv4.serving.ports import free_port
 
 if TYPE_CHECKING:
     from dsv4.config import ServeConfig
@@ -58,6 +58,8 @@ class ClusterSpec:
     num_decode: int = 1
     redis_url: str = ""
     service_args: tuple[str, ...] = ()  # passed to every service
+    prefill_args: tuple[str, ...] = ()  # then to prefill workers only (--tensor-parallel-size 2)
+    decode_args: tuple[str, ...] = ()  # then to decode workers only
     log_dir: str = ""  # empty: a temporary directory
     grace_s: float = 10.0
     with_router: bool = True  # False: workers only (worker tests call them directly)
@@ -156,6 +158,7 @@ class LocalCluster:
                     port = free_port(spec.host)
                     args = [*common, "--worker-host", spec.host, "--worker-port", str(port)]
                     args += ["--worker-id", f"{role}-{i}", *service_args]
+                    args += spec.prefill_args if role == "prefill" else spec.decode_args
                     self._spawn(f"{role}-{i}", role, f"{spec.host}:{port}", args, log_dir)
             if not spec.with_router:
                 self.wait_ready(ready_timeout_s)
@@ -266,22 +269,6 @@ def terminate(process: subprocess.Popen[bytes], sig: int) -> None:
     if process.poll() is None:
         with contextlib.suppress(ProcessLookupError):
             process.send_signal(sig)
-
-
-_HANDED_OUT: set[int] = set()
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port free now and never handed out before by this process: two services started
-    back to back must not both get a port that neither has bound yet."""
-    for _ in range(100):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind((host, 0))
-            port = sock.getsockname()[1]
-        if port not in _HANDED_OUT:
-            _HANDED_OUT.add(port)
-            return port
-    raise Unavailable("no fresh free port after 100 tries")
 
 
 def is_serving(

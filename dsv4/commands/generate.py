@@ -41,10 +41,10 @@ def _as_flags(message: str) -> str:
 def run_generate(args: argparse.Namespace) -> int:
     import torch
 
+    from dsv4.config.model import ModelConfig
     from dsv4.engine.offline import checked_params, generate_batch
-    from dsv4.model.config import ModelConfig
     from dsv4.model.weights import load_model
-    from dsv4.runner.sampler import SamplingSpec
+    from dsv4.ops.sampling import SamplingSpec
     from dsv4.text.tokenizer import TextCodec
 
     # Everything is checked against config.json before the weights load.

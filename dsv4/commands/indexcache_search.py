@@ -22,8 +22,9 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dsv4.config.index_pattern import SHARED, IndexPattern
 from dsv4.errors import UsageError
-from dsv4.model.index_cache import SHARED, IndexPattern, TopkRelay
+from dsv4.model.index_cache import TopkRelay
 
 if TYPE_CHECKING:  # torch is imported where it is used: `dsv4 --help` stays light
     import torch

@@ -15,8 +15,8 @@ from dataclasses import asdict
 from typing import Any
 
 from dsv4.cache.packing import CacheOptions
+from dsv4.config.model import ModelConfig
 from dsv4.errors import ConfigError, UsageError
-from dsv4.model.config import ModelConfig
 from dsv4.plan import MemoryPlan, PlanRequest, WeightFormats, plan_memory, shape_config
 from dsv4.plan.verdict import gib
 

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from dsv4.model.config import ModelConfig, tiny_config
+from dsv4.config.model import ModelConfig, tiny_config
 from dsv4.model.deepseek_v4 import DeepseekV4
 from dsv4.model.inventory import model_tensors
 from dsv4.model.tiny import encode_tensor, output_dir, random_model

@@ -43,6 +43,12 @@ def add_up_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--http-port", type=int, default=0, help="router's OpenAI-compatible HTTP port (0: off)"
     )
+    for role in ("prefill", "decode"):
+        parser.add_argument(
+            f"--{role}-ranks", type=int, default=0,
+            help=f"rank processes per {role} worker (its --tensor-parallel-size; 0: as the "
+            "other flags say)",
+        )  # fmt: skip
     parser.set_defaults(handler=cmd_up, accepts_extra_args=True)
 
 
@@ -69,6 +75,10 @@ def _check_up_args(args: argparse.Namespace) -> None:
     for flag, count in (("--num-prefill", args.num_prefill), ("--num-decode", args.num_decode)):
         if count < 1:
             raise UsageError(f"{flag} {count}: give at least 1 (each pool needs a worker)")
+    for flag, ranks in (("--prefill-ranks", args.prefill_ranks),
+                        ("--decode-ranks", args.decode_ranks)):  # fmt: skip
+        if ranks < 0:
+            raise UsageError(f"{flag} {ranks}: give 1 or more ranks (0: as the flags say)")
     if not 0 < args.port < 65536:
         raise UsageError(f"--port {args.port}: give a TCP port in 1..65535")
     if not 0 <= args.http_port < 65536:
@@ -91,7 +101,12 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
         num_decode=args.num_decode, redis_url=args.redis, log_dir=args.log_dir,
         service_args=tuple(getattr(args, "extra_args", ())), grace_s=args.grace_s,
         metrics_base_port=args.metrics_base_port, http_port=args.http_port,
+        prefill_args=_ranks_args(args.prefill_ranks), decode_args=_ranks_args(args.decode_ranks),
     )  # fmt: skip
+
+
+def _ranks_args(ranks: int) -> tuple[str, ...]:
+    return ("--tensor-parallel-size", str(ranks)) if ranks else ()
 
 
 def cmd_up(args: argparse.Namespace) -> int:

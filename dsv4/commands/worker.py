@@ -5,7 +5,8 @@ auth) -> start engine, service and server -> health SERVING -> heartbeat (with R
 SIGTERM / SIGINT: drain (take nothing new, health NOT_SERVING; wait up to
 `worker.drain_timeout_s` for running requests and leases to finish) -> withdraw from discovery
 -> stop the server -> stop the service (ends leases, cancels owned tasks) -> stop the engine ->
-close the transport. Returns the exit status.
+stop the follower ranks -> close the transport. Returns the exit status: 1 when a follower
+rank exited first (`watch_ranks`: the worker cannot step without it).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ logger = logging.getLogger(__name__)
 
 DRAIN_POLL_INTERVAL_S = 0.1
 SERVER_STOP_GRACE_S = 1.0
+RANK_POLL_INTERVAL_S = 0.2
 
 
 def run_worker(config: ServeConfig) -> int:
@@ -81,9 +83,13 @@ async def _serve(config: ServeConfig) -> int:
     await service.start()
     await server.start()
     await set_serving(health, (service_name,), True)
+    ranks = runtime.ranks  # a RankGroup with tensor_parallel_size > 1, else None
     health_task = asyncio.create_task(
-        follow_engine_health(health, (service_name,), lambda: runtime.engine.can_step)
-    )
+        follow_engine_health(
+            health, (service_name,),
+            lambda: runtime.engine.can_step and (ranks is None or ranks.all_alive),
+        )
+    )  # fmt: skip
     beating = start_heartbeat(config, runtime, service.info)
     logger.info("%s %s serving on %s", w.role, w.worker_id, identity.address)
 
@@ -91,13 +97,19 @@ async def _serve(config: ServeConfig) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    rank_lost = asyncio.Event()
+    watch_task = None
+    if ranks is not None:
+        watch_task = asyncio.create_task(watch_ranks(ranks, service, stop, rank_lost))
     await stop.wait()
 
     logger.info("%s %s: draining", w.role, w.worker_id)
     service.is_stopping = True  # before is_draining: an Undrain now is refused
     service.is_draining = True
-    health_task.cancel()
-    await asyncio.gather(health_task, return_exceptions=True)
+    for task in (health_task, watch_task):
+        if task is not None:
+            task.cancel()
+    await asyncio.gather(*(t for t in (health_task, watch_task) if t), return_exceptions=True)
     await set_serving(health, (service_name,), False)
     give_up_s = time.monotonic() + w.drain_timeout_s
     while not service.drain_status().is_idle and time.monotonic() < give_up_s:
@@ -109,8 +121,21 @@ async def _serve(config: ServeConfig) -> int:
     await server.stop(SERVER_STOP_GRACE_S)
     await service.stop()
     await runtime.engine.stop()
+    if ranks is not None:
+        await asyncio.to_thread(ranks.close)
     if runtime.transport is not None:
         runtime.transport.close()
     exporter.stop()
     logger.info("%s %s: stopped", w.role, w.worker_id)
-    return 0
+    return 1 if rank_lost.is_set() else 0
+
+
+async def watch_ranks(ranks, service, stop: asyncio.Event, rank_lost: asyncio.Event) -> None:
+    """A follower rank that exits takes the worker down: Info says draining at once (the
+    router stops routing here), health turns NOT_SERVING, and the worker stops (exit 1)."""
+    while not (dead := ranks.dead_ranks()):
+        await asyncio.sleep(RANK_POLL_INTERVAL_S)
+    logger.error("rank(s) %s of this worker exited (rank, status): stopping the worker", dead)
+    service.is_draining = True
+    rank_lost.set()
+    stop.set()

@@ -14,7 +14,7 @@ from dsv4.config.sections import ServeConfig
 from dsv4.types import RequestLimits
 
 if TYPE_CHECKING:
-    from dsv4.model.config import ModelConfig
+    from dsv4.config.model import ModelConfig
 
 _LOOPBACK = {"localhost", "127.0.0.1", "::1", "[::1]", ""}
 
@@ -36,7 +36,7 @@ def resolve_auto(
     - transport auto: cuda_ipc on cuda when every static peer is on this host and no Redis is
       configured, else nixl (NIXL also runs on CPU memory). Set it explicitly in production.
     - worker_id empty: "<role>-<hostname>-<pid>".
-    - features.forward auto: the paged forward on cuda, else the reference.
+    - features.forward auto: the paged forward on cuda with one rank, else the reference.
     """
     m, c, t, w = config.model, config.cache, config.transfer, config.worker
     device = m.device if m.device != "auto" else ("cuda" if has_cuda else "cpu")
@@ -59,7 +59,8 @@ def resolve_auto(
     f = config.features
     forward = f.forward
     if forward == "auto":
-        forward = "paged" if on_cuda else "reference"
+        # the paged forward is not sharded yet: a replica of several ranks runs the reference
+        forward = "paged" if on_cuda and m.tensor_parallel_size == 1 else "reference"
     return dataclasses.replace(
         config,
         model=model_section,

@@ -36,7 +36,23 @@ class ModelSection(Section):
         (), "per-op backend, op=ref|triton|flashinfer (repeatable)", flag="--kernel-override"
     )
     max_model_len: int = setting(0, "prompt + output token limit; 0: the model's", min=0)
-    tensor_parallel_size: int = setting(1, "GPUs per model replica", min=1)
+    tensor_parallel_size: int = setting(
+        1, "rank processes per model replica (attention heads split over them; one GPU each "
+        "on CUDA: cuda:0..T-1)", min=1, max=64,
+    )  # fmt: skip
+    expert_parallel: bool = setting(
+        False, "with tensor_parallel_size > 1: routed experts live whole on one rank each "
+        "(e mod T); off: every expert's intermediate dim is split over the ranks",
+    )  # fmt: skip
+    distributed_backend: str = setting(
+        "auto", "collectives between the ranks; auto: nccl on CUDA, gloo on CPU (gloo on CUDA: "
+        "several ranks may share one GPU, for correctness checks)",
+        choices=("auto", "gloo", "nccl"),
+    )  # fmt: skip
+    collective_timeout_s: float = setting(
+        60.0, "ranks of a replica: start-up rendezvous and every collective give up after this",
+        min=1.0,
+    )  # fmt: skip
     seed: int = setting(0, "seed of model init ('tiny') and default sampling", min=0)
 
     def check(self) -> None:

@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 from dsv4.engine.core import EngineCore, EngineLoad, HeldBlocks
 from dsv4.errors import Cancelled, Dsv4Error, StepFailed, Unavailable
 from dsv4.scheduler.batch import RequestOutput
-from dsv4.scheduler.request import FinishReason, Request
+from dsv4.scheduler.request import FinishCause, Request
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -42,7 +42,7 @@ class PrefillOutcome:
     finished with it, the blocks held for the decode worker's pull."""
 
     first_token: int
-    finish_reason: FinishReason | None
+    finish_reason: FinishCause | None
     held: HeldBlocks | None
 
 

@@ -20,11 +20,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dsv4.cache.manager import KVCacheManager
+from dsv4.cache.packing import CacheOptions
 from dsv4.errors import ConfigError, InvalidRequest, OutOfBlocks, StepFailed
+from dsv4.model.deepseek_v4 import DeepseekV4
 from dsv4.runner.model_runner import ModelRunner
+from dsv4.runner.paged.step_forward import PagedOptions
+from dsv4.runner.reference.forward import DEFAULT_REFERENCE, ReferenceOptions
+from dsv4.runner.reference.slot_tables import DEFAULT_KERNELS
+from dsv4.runner.step_forward import StepForward
 from dsv4.scheduler.batch import RequestOutput, ScheduledBatch
-from dsv4.scheduler.request import Request
+from dsv4.scheduler.config import SchedulerConfig
+from dsv4.scheduler.request import Request, StopChecker
 from dsv4.scheduler.scheduler import Scheduler
+from dsv4.types import SamplingParams
+from kernels.backend import KernelBackendConfig
 
 log = logging.getLogger(__name__)
 
@@ -196,9 +205,7 @@ class EngineCore:
         request decodes, so the mixed prefill + decode steps of chunked prefill compile here as
         well (on the H200 e2e run, the first colocated prompts that joined a decoding batch
         took 2.2 s to their first token, 0.07 s later). Leaves nothing behind (checked)."""
-        from dsv4.runner.sampler import SamplingSpec
-
-        sampled = SamplingSpec(temperature=1.0, top_p=0.9, top_k=50)
+        sampled = SamplingParams(temperature=1.0, top_p=0.9, top_k=50)
         for n, length in enumerate(prompt_lengths):
             self._add_warm_up(
                 f"__warm_up_{n}__", length, num_new_tokens, sampled if n == 0 else None
@@ -213,9 +220,7 @@ class EngineCore:
         assert not leaks, leaks
 
     def _add_warm_up(self, request_id: str, length: int, num_new_tokens: int,
-                     sampling: object = None) -> None:  # fmt: skip
-        from dsv4.scheduler.request import Request
-
+                     sampling: SamplingParams | None = None) -> None:  # fmt: skip
         prompt = tuple(2 + i % 97 for i in range(max(1, length)))
         self.add_request(Request(request_id, prompt, max_new_tokens=num_new_tokens,
                                  eos_token_id=None, sampling_params=sampling))  # fmt: skip
@@ -252,39 +257,46 @@ class EngineCore:
         return leaks
 
 
+@dataclass(frozen=True)
+class EngineOptions:
+    """What one model replica's engine is built with (`build_engine_core`)."""
+
+    cache: CacheOptions
+    scheduler: SchedulerConfig
+    num_blocks: int
+    device: str = "cpu"
+    kernels: KernelBackendConfig = DEFAULT_KERNELS
+    # None: the reference forward (the oracle), with `reference`'s state loading; else the
+    # paged forward with these switches (and decode graphs when `paged.graphs` is set)
+    paged: PagedOptions | None = None
+    reference: ReferenceOptions = DEFAULT_REFERENCE
+    # False keeps every row on the row-by-row CPU sampler (the slow path of
+    # `features.batched_sampling`); True batches unseeded rows on CUDA (`Sampler`)
+    batched_sampling: bool = True
+
+
 def build_engine_core(
-    model: object,
-    cache_options: object,
-    scheduler_config: object,
-    *,
-    num_blocks: int,
-    device: str = "cpu",
-    stop_checker: object = None,
-    shared_metadata: bool | None = None,
-    kernels: object = None,
-    metadata_options: object = None,
-    paged: object = None,
-    graphs: object = None,
-    batched_sampling: bool = True,
+    model: DeepseekV4, options: EngineOptions, stop_checker: StopChecker | None = None
 ) -> EngineCore:
-    """Layout -> paged cache -> runner + KV manager -> scheduler, for one model replica.
-
-    `batched_sampling` False keeps every row on the row-by-row CPU sampler (the slow path of
-    `features.batched_sampling`); True batches unseeded rows on CUDA (`Sampler`).
-
-    `graphs` (a `dsv4.runner.paged.decode_graphs.GraphOptions`, with `paged`): capture the
-    decode step's passes (or run them as static eager steps) before the core is returned."""
+    """Layout -> paged cache -> forward + sampler -> runner, KV manager -> scheduler, for one
+    model replica. With `options.paged.graphs` the decode step's passes are captured (or run
+    as static eager steps) before the core is returned."""
     from dsv4.cache.layout import KVLayout
-    from dsv4.runner.paged.decode_graphs import num_scratch_blocks
-    from dsv4.runner.paged_cache import PagedKVCache
-    from kernels.backend import KernelBackendConfig
+    from dsv4.runner.kv_cache import PagedKVCache
+    from dsv4.runner.paged.decode_graphs import DecodeGraphs, num_scratch_blocks
+    from dsv4.runner.paged.forward import PagedForward
+    from dsv4.runner.paged.step_forward import PagedStepForward
+    from dsv4.runner.reference.forward import ReferenceForward
+    from dsv4.runner.sampler import Sampler
 
+    cache_options, scheduler_config = options.cache, options.scheduler
     layout = KVLayout.build(model.cfg, cache_options)
-    if graphs is not None and paged is None:
-        raise ConfigError("features.cuda_graphs", True, "graphs capture the paged forward")
-    scratch = num_scratch_blocks(layout) if graphs is not None else 0
-    cache = PagedKVCache(layout, num_blocks, device=device, num_scratch_blocks=scratch)
-    kv = KVCacheManager(layout, num_blocks)
+    paged = options.paged
+    graph_options = None if paged is None else paged.graphs
+    scratch = num_scratch_blocks(layout) if graph_options is not None else 0
+    cache = PagedKVCache(layout, options.num_blocks, device=options.device,
+                         num_scratch_blocks=scratch)  # fmt: skip
+    kv = KVCacheManager(layout, options.num_blocks)
     scheduler = Scheduler(scheduler_config, kv, stop_checker=stop_checker)
     if cache_options.num_speculative_tokens != scheduler_config.num_speculative_tokens:
         raise ConfigError(
@@ -292,21 +304,15 @@ def build_engine_core(
             scheduler_config.num_speculative_tokens,
             f"the cache reserves {cache_options.num_speculative_tokens} draft slots: use the same k",
         )
-    extra: dict[str, object] = {} if kernels is None else {"kernels": kernels}
-    if metadata_options is not None:
-        extra["metadata_options"] = metadata_options
-    if paged is not None:  # a `dsv4.runner.paged.PagedOptions`: the flat paged forward
-        from dsv4.runner.paged import PagedForward
-
-        extra["paged"] = PagedForward(model, cache, kernels or KernelBackendConfig(), **paged)
-    if graphs is not None:
-        from dsv4.runner.paged.decode_graphs import DecodeGraphs
-
-        extra["graphs"] = DecodeGraphs(extra["paged"], cache, graphs,
-                                       cache_options.num_speculative_tokens)  # fmt: skip
-        extra["graphs"].capture()
-    from dsv4.runner.sampler import Sampler
-
-    sampler = Sampler(batched=None if batched_sampling else False)
-    runner = ModelRunner(model, cache, sampler, shared_metadata=shared_metadata, **extra)
-    return EngineCore(scheduler, runner)
+    sampler = Sampler(batched=None if options.batched_sampling else False)
+    forward: StepForward
+    if paged is None:
+        forward = ReferenceForward(model, cache, sampler, options.reference)
+    else:
+        flat = PagedForward(model, cache, options.kernels, paged.metadata, paged.switches)
+        graphs = None
+        if graph_options is not None:
+            graphs = DecodeGraphs(flat, cache, graph_options, cache_options.num_speculative_tokens)
+            graphs.capture()
+        forward = PagedStepForward(flat, sampler, graphs)
+    return EngineCore(scheduler, ModelRunner(forward, sampler, cache))

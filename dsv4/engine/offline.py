@@ -9,10 +9,10 @@ import torch
 
 from dsv4.cache.layout import KVLayout
 from dsv4.cache.packing import CacheOptions
-from dsv4.engine.core import build_engine_core
-from dsv4.model.config import ModelConfig
+from dsv4.config.model import ModelConfig
+from dsv4.engine.core import EngineOptions, build_engine_core
 from dsv4.model.deepseek_v4 import DeepseekV4
-from dsv4.runner.sampler import SamplingSpec
+from dsv4.ops.sampling import SamplingSpec
 from dsv4.runner.stop import TextStopChecker
 from dsv4.scheduler.config import SchedulerConfig
 from dsv4.scheduler.request import Request
@@ -109,7 +109,7 @@ def generate_batch(
         raise ValueError("stop strings need the tokenizer (codec) to detokenize outputs")
     checker = TextStopChecker(codec) if stop_strings else None
     core = build_engine_core(
-        model, options, sched, num_blocks=num_blocks, device=str(device), stop_checker=checker
+        model, EngineOptions(options, sched, num_blocks, str(device)), stop_checker=checker
     )
     eos = model.cfg.eos_token_id if model.cfg.eos_token_id in stop_token_ids else None
     for i, (prompt, spec, budget) in enumerate(zip(prompts, specs, budgets)):

@@ -15,34 +15,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dsv4.config.model import ModelConfig
 from dsv4.model.compressor import Compressor
-from dsv4.model.config import ModelConfig
 from dsv4.model.fp8 import grouped_linear
+from dsv4.model.hot_ops import REFERENCE_OPS, HotOps
 from dsv4.model.index_cache import TopkRelay
 from dsv4.model.indexer import Indexer
-from dsv4.model.layers import RMSNorm, hot_op, linear, rms_norm
-from dsv4.model.rope import apply_rope, inv_freq, rope_cos_sin
+from dsv4.model.layers import RMSNorm, linear
+from dsv4.model.rope import inv_freq
 from dsv4.model.state import LayerState
-
-
-@hot_op("sparse_attention")
-def sparse_attention(
-    q: torch.Tensor,
-    kv: torch.Tensor,
-    visible: torch.Tensor,
-    sink: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """q [S, H, d], kv [L, d] (key = value), visible [S, L] bool, sink [H] -> o [S, H, d] fp32.
-
-    o_h = sum_j e^{l_j} kv_j / (sum_j e^{l_j} + e^{sink_h}), l_j = scale * q_h . kv_j over the
-    visible j (docs/model.md#attention-with-sink).
-    """
-    logits = torch.einsum("shd,ld->hsl", q.float(), kv.float()) * scale  # [H, S, L]
-    logits = logits.masked_fill(~visible, float("-inf"))
-    sinks = sink.float().view(-1, 1, 1).expand(-1, q.shape[0], 1)  # [H, S, 1]
-    probs = torch.cat((logits, sinks), dim=-1).softmax(dim=-1)[..., :-1]
-    return torch.einsum("hsl,ld->shd", probs, kv.float())
+from dsv4.ops.norm import rms_norm
+from dsv4.ops.rope import apply_rope, rope_cos_sin
 
 
 class Attention(nn.Module):
@@ -62,6 +45,7 @@ class Attention(nn.Module):
         self.attn_sink = nn.Parameter(torch.zeros(h))
         self.compressor = Compressor(cfg, self.ratio, hd) if self.ratio else None
         self.indexer = Indexer(cfg) if self.ratio == 4 else None
+        self.ops: HotOps = REFERENCE_OPS  # sparse_attention (DeepseekV4.use_hot_ops)
 
     def forward(
         self,
@@ -127,7 +111,7 @@ class Attention(nn.Module):
             entries, entry_visible = self._compressed(x, qr, positions, state, cos, sin, relay)
             keys = torch.cat((keys, entries))
             visible = torch.cat((visible, entry_visible), dim=-1)
-        return sparse_attention(q, keys, visible, self.attn_sink, self.cfg.head_dim**-0.5)
+        return self.ops.sparse_attention(q, keys, visible, self.attn_sink, self.cfg.head_dim**-0.5)
 
     def _compressed(
         self,

@@ -6,16 +6,22 @@ u, post, comb = hc_pre(X; hc_ffn_*);   X = hc_post(moe(ffn_norm(u)), X, post, co
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
+from dsv4.config.model import ModelConfig
 from dsv4.model.attention import Attention
-from dsv4.model.config import ModelConfig
-from dsv4.model.hyper import hc_post, hc_post_first, hc_pre, hc_pre_first
+from dsv4.model.hot_ops import REFERENCE_OPS, HotOps
 from dsv4.model.index_cache import TopkRelay
 from dsv4.model.layers import RMSNorm
 from dsv4.model.moe import MoE
 from dsv4.model.state import LayerState
+from dsv4.ops.hyper import hc_post_first, hc_pre_first
+
+HcMix = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (u, post, comb)
+HcPre = Callable[..., HcMix]  # (x, fn, scale, base, iters, eps, norm_eps) -> HcMix
 
 
 class Block(nn.Module):
@@ -35,6 +41,7 @@ class Block(nn.Module):
         self.hc_ffn_scale = nn.Parameter(torch.ones(3))
         self.attn = Attention(cfg, layer_id)
         self.ffn = MoE(cfg, layer_id)
+        self.ops: HotOps = REFERENCE_OPS  # hc_pre, hc_post (DeepseekV4.use_hot_ops)
 
     def forward(
         self,
@@ -48,17 +55,36 @@ class Block(nn.Module):
         """x [B, S, M, D] streams, or the embedding [B, S, D] when `is_embedding` (first block:
         the M streams are identical copies, never materialised) -> [B, S, M, D].
         `topk_relay`: the forward's IndexCache top-k hand-off (dsv4.model.index_cache)."""
-        cfg = self.cfg
-        hc = (cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
-        attn_params = (self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base)
         if is_embedding:
-            u, post, comb = hc_pre_first(x, *attn_params, cfg.hc_mult, *hc)
+            cfg = self.cfg
+            attn_params = (self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base)
+            u, post, comb = hc_pre_first(x, *attn_params, cfg.hc_mult, *self._hc_args)
             y = self.attn(self.attn_norm(u), positions, states, topk_relay)
             x = hc_post_first(y, x, post, comb)
         else:
-            u, post, comb = hc_pre(x, *attn_params, *hc)
+            u, post, comb = self.hc_attn(x)
             y = self.attn(self.attn_norm(u), positions, states, topk_relay)
-            x = hc_post(y, x, post, comb)
-        u, post, comb = hc_pre(x, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, *hc)
+            x = self.ops.hc_post(y, x, post, comb)
+        u, post, comb = self.hc_ffn(x)
         y = self.ffn(self.ffn_norm(u), token_ids)
-        return hc_post(y, x, post, comb)
+        return self.ops.hc_post(y, x, post, comb)
+
+    # The mHC pre-mixes, as functions of the block's own parameters. `pre` is the block's
+    # `ops.hc_pre` (None) or a kernel of its signature (the paged forward passes its resolved op; for the first block
+    # `kernels.mhc`'s `hc_pre_first_layer`, which takes the embedding [..., D] instead).
+    def hc_attn(self, x: torch.Tensor, pre: HcPre | None = None) -> HcMix:
+        """Streams x [..., M, D] -> (u [..., D], post [..., M], comb [..., M, M]) around
+        attention."""
+        pre = pre or self.ops.hc_pre
+        return pre(x, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base, *self._hc_args)
+
+    def hc_ffn(self, x: torch.Tensor, pre: HcPre | None = None) -> HcMix:
+        """Streams x [..., M, D] -> (u [..., D], post [..., M], comb [..., M, M]) around the
+        MoE."""
+        pre = pre or self.ops.hc_pre
+        return pre(x, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, *self._hc_args)
+
+    @property
+    def _hc_args(self) -> tuple[int, float, float]:
+        cfg = self.cfg
+        return cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps

@@ -15,37 +15,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dsv4.model.config import ModelConfig
-from dsv4.model.layers import RMSNorm, hot_op, linear, linear_fp32
-from dsv4.model.rope import apply_rope, inv_freq, rope_cos_sin
+from dsv4.config.model import ModelConfig
+from dsv4.model.hot_ops import REFERENCE_OPS, HotOps
+from dsv4.model.layers import RMSNorm, linear, linear_fp32
+from dsv4.model.rope import inv_freq
 from dsv4.model.state import CompressorState
-
-
-@hot_op("compress_windows")
-def compress_windows(
-    kv: torch.Tensor,
-    gate: torch.Tensor,
-    overlap_kv: torch.Tensor | None,
-    overlap_gate: torch.Tensor | None,
-    overlapping: bool,
-) -> torch.Tensor:
-    """kv, gate [n, r, c*d'] fp32 (gate includes ape) -> entries [n, d'] fp32.
-
-    `overlapping` (ratio 4): window 0 also softmaxes over `overlap_*` [r, d'] (the first halves
-    of the window before this batch of windows), or over nothing when they are None.
-    """
-    if not overlapping:
-        return (gate.softmax(dim=1) * kv).sum(dim=1)
-    _, r, width = kv.shape
-    d = width // 2
-    if overlap_kv is None:
-        overlap_kv = kv.new_zeros(1, r, d)
-        overlap_gate = gate.new_full((1, r, d), float("-inf"))
-    prev_kv = torch.cat((overlap_kv.view(1, r, d), kv[:-1, :, :d]), dim=0)  # [n, r, d]
-    prev_gate = torch.cat((overlap_gate.view(1, r, d), gate[:-1, :, :d]), dim=0)
-    cand_kv = torch.cat((prev_kv, kv[..., d:]), dim=1)  # [n, 2r, d]
-    cand_gate = torch.cat((prev_gate, gate[..., d:]), dim=1)
-    return (cand_gate.softmax(dim=1) * cand_kv).sum(dim=1)
+from dsv4.ops.rope import apply_rope, rope_cos_sin
 
 
 class Compressor(nn.Module):
@@ -59,6 +34,7 @@ class Compressor(nn.Module):
         self.wgate = linear(cfg.hidden_size, width)
         self.ape = nn.Parameter(torch.zeros(ratio, width))
         self.norm = RMSNorm(dim, cfg.rms_norm_eps)
+        self.ops: HotOps = REFERENCE_OPS  # compress_windows (DeepseekV4.use_hot_ops)
 
     def forward(
         self, x: torch.Tensor, start_pos: int, state: CompressorState | None
@@ -92,7 +68,7 @@ class Compressor(nn.Module):
             overlap_kv = overlap_gate = None
             if state is not None:
                 overlap_kv, overlap_gate = state.overlap_kv, state.overlap_gate
-            new = compress_windows(kv_w, gate_w, overlap_kv, overlap_gate, r == 4)
+            new = self.ops.compress_windows(kv_w, gate_w, overlap_kv, overlap_gate, r == 4)
             new = self.norm(new.to(x.dtype))  # [n, d']
             entry_pos = (num_done + torch.arange(n, device=x.device)) * r
             cos, sin = rope_cos_sin(entry_pos, inv_freq(self.cfg, r, x.device))

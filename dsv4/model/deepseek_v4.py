@@ -14,13 +14,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from dsv4.config.index_pattern import IndexPattern
+from dsv4.config.model import ModelConfig
 from dsv4.model.block import Block
-from dsv4.model.config import ModelConfig
-from dsv4.model.hyper import hc_head
-from dsv4.model.index_cache import IndexPattern, TopkRelay
+from dsv4.model.hot_ops import REFERENCE_OPS, HotOps
+from dsv4.model.index_cache import TopkRelay
 from dsv4.model.layers import RMSNorm, linear
 from dsv4.model.mtp import MTPLayer
 from dsv4.model.state import SequenceState
+from dsv4.ops.hyper import hc_head
 
 # Parameters kept in fp32 whatever the model dtype (they are fp32 in the checkpoint,
 # docs/model.md#forward).
@@ -52,6 +54,7 @@ class DeepseekV4(nn.Module):
         # First block: hc_pre/hc_post straight from the embedding (#48137); False materialises
         # the M identical streams first (the baseline). Same outputs either way.
         self.fuse_first_hc = True
+        self.ops: HotOps = REFERENCE_OPS  # see use_hot_ops
 
     def cast_(self, dtype: torch.dtype) -> DeepseekV4:
         """Cast floating parameters to `dtype`, keeping the fp32 ones (`FP32_PARAM_SUFFIXES`) in
@@ -69,6 +72,16 @@ class DeepseekV4(nn.Module):
         if pattern.layer_ids != self.index_pattern.layer_ids:
             raise ValueError(f"pattern for layers {pattern.layer_ids}, model has a different set")
         self.index_pattern = pattern
+        return self
+
+    def use_hot_ops(self, ops: HotOps) -> DeepseekV4:
+        """Serve with these hot-op implementations (`dsv4.model.hot_ops`; whoever builds the
+        model resolves them once from the kernel config, `dsv4.runner.kernel_bridge`): every
+        module that calls a hot op holds them as `.ops`. Default: the torch references."""
+        self.ops = ops
+        for module in self.modules():
+            if isinstance(getattr(module, "ops", None), HotOps):
+                module.ops = ops
         return self
 
     def new_state(self) -> SequenceState:

@@ -6,8 +6,8 @@ fp32 in -Base checkpoints; docs/model.md#fp8-linears). By default the loader deq
 the model dtype. With the switch, `quantized_linears_` swaps those `nn.Linear` modules for
 `FP8Linear` before the load and the loader copies weight and scale as stored (about half the bf16
 bytes). Every call dequantises: the torch reference the whole weight, then `F.linear` (the very
-values a dequantising load holds, so the outputs are the same); the Triton kernel
-(kernels/fp8_linear.py) tile by tile in registers.
+values a dequantising load holds, so the outputs are the same; `dsv4.ops.fp8`); the Triton
+kernel (kernels/fp8_linear.py, when the model's hot ops say so) tile by tile in registers.
 
 The one use of such a weight other than `linear(x)`, attn.wo_a's grouped output projection,
 goes through `grouped_linear` (either format). Tensor parallelism (it slices weights) refuses
@@ -17,65 +17,15 @@ FP8 linears with a ConfigError; the fused shared expert is refused at config val
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dsv4.errors import ConfigError
+from dsv4.model.hot_ops import REFERENCE_OPS, HotOps
 from dsv4.model.inventory import FP8_LINEAR_SUFFIXES
-from dsv4.model.layers import hot_op
-from dsv4.model.quant import fp8_block_dequantize
+from dsv4.ops.fp8 import FP8_BLOCK
 
-FP8_BLOCK = 128  # the served scale block (the kernel's BLOCK_K divides it)
 LINEAR_WEIGHTS = ("bf16", "checkpoint")
-
-
 ACTIVATIONS = ("bf16", "fp8")  # exact (x as is), or W8A8 (x quantised per 1x128 group)
-FP8_MAX = 448.0  # the largest finite e4m3 value
-AMAX_FLOOR = 1e-4  # an all-zero group still gets a finite scale (DeepGEMM's clamp)
-
-
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., K] -> (e4m3 [..., K], fp32 scales [..., ceil(K/128)]): one scale per 1x128 group,
-    max(amax, 1e-4) / 448 (DeepGEMM's `per_token_cast_to_fp8`)."""
-    k = x.shape[-1]
-    xf = F.pad(x.float(), (0, (-k) % FP8_BLOCK)).unflatten(-1, (-1, FP8_BLOCK))
-    s = xf.abs().amax(-1).clamp_min(AMAX_FLOOR) / FP8_MAX
-    q = (xf / s[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q.flatten(-2)[..., :k], s
-
-
-def w8a8_activations(x: torch.Tensor) -> torch.Tensor:
-    """x [..., K] -> the values a W8A8 product multiplies, in fp32: e4m3 codes x group scale."""
-    q, s = quantize_activations(x)
-    k = x.shape[-1]
-    xd = F.pad(q.float(), (0, (-k) % FP8_BLOCK)).unflatten(-1, (-1, FP8_BLOCK))
-    return (xd * s[..., None]).flatten(-2)[..., :k]
-
-
-@hot_op("fp8_linear")
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-               activations: str = "bf16") -> torch.Tensor:  # fmt: skip
-    """x [..., K] @ W^T -> [..., N] in x.dtype; W = weight [N, K] e4m3 x scale [ceil(N/128),
-    ceil(K/128)] (UE8M0 or fp32), dequantised to x.dtype first (exact for UE8M0 in bf16).
-    `activations` "fp8" (W8A8): x rounded per 1x128 group to e4m3 first, the product in fp32."""
-    if activations == "fp8":
-        w = fp8_block_dequantize(weight, scale, FP8_BLOCK, torch.float32)
-        return F.linear(w8a8_activations(x), w).to(x.dtype)
-    return F.linear(x, fp8_block_dequantize(weight, scale, FP8_BLOCK, x.dtype))
-
-
-@hot_op("fp8_grouped_linear")
-def fp8_grouped_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-                       activations: str = "bf16") -> torch.Tensor:  # fmt: skip
-    """x [..., G, K] -> [..., G, N]: group g through rows [g*N, (g+1)*N) of W = weight [G*N, K]
-    e4m3 x scale (the grouped output projection, docs/model.md#grouped-output-projection);
-    `activations` as above."""
-    groups, k = x.shape[-2:]
-    if activations == "fp8":
-        w = fp8_block_dequantize(weight, scale, FP8_BLOCK, torch.float32).view(groups, -1, k)
-        return torch.einsum("...gk,gok->...go", w8a8_activations(x), w).to(x.dtype)
-    w = fp8_block_dequantize(weight, scale, FP8_BLOCK, x.dtype).view(groups, -1, k)  # [G, N, K]
-    return torch.einsum("...gk,gok->...go", x, w)
 
 
 class FP8Linear(nn.Module):
@@ -96,11 +46,12 @@ class FP8Linear(nn.Module):
         self.weight = nn.Parameter(weight, requires_grad=False)  # [N, K]
         scale = torch.empty(blocks, dtype=scale_dtype, device=device)
         self.scale = nn.Parameter(scale, requires_grad=False)  # [ceil(N/128), ceil(K/128)]
+        self.ops: HotOps = REFERENCE_OPS  # fp8_(grouped_)linear (DeepseekV4.use_hot_ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.activations == "fp8":
-            return fp8_linear(x, self.weight, self.scale, activations="fp8")
-        return fp8_linear(x, self.weight, self.scale)
+            return self.ops.fp8_linear(x, self.weight, self.scale, activations="fp8")
+        return self.ops.fp8_linear(x, self.weight, self.scale)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, " \
@@ -111,9 +62,9 @@ def grouped_linear(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """x [B, S, G, K] through `linear`'s weight [G*N, K] split into G row groups -> [B, S, G, N]
     (attn.wo_a), whether it is a dense `nn.Linear` or an `FP8Linear`."""
     if isinstance(linear, FP8Linear) and linear.activations == "fp8":
-        return fp8_grouped_linear(x, linear.weight, linear.scale, activations="fp8")
+        return linear.ops.fp8_grouped_linear(x, linear.weight, linear.scale, activations="fp8")
     if isinstance(linear, FP8Linear):
-        return fp8_grouped_linear(x, linear.weight, linear.scale)
+        return linear.ops.fp8_grouped_linear(x, linear.weight, linear.scale)
     w = linear.weight.view(x.shape[-2], -1, x.shape[-1])  # [G, N, K]
     return torch.einsum("bsgk,gok->bsgo", x, w)
 
@@ -156,6 +107,7 @@ def quantized_linears_(model: nn.Module, device: torch.device | str,
             parent, _, attr = name.rpartition(".")
             fp8 = FP8Linear(module.in_features, module.out_features,
                             scale_dtype or torch.float8_e8m0fnu, device)  # fmt: skip
+            fp8.ops = getattr(model, "ops", REFERENCE_OPS)  # the model's, if already given
             setattr(model.get_submodule(parent), attr, fp8)
             swapped.append(name)
     return swapped

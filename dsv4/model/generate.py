@@ -13,7 +13,7 @@ import torch
 
 from dsv4.errors import InvalidRequest
 from dsv4.model.deepseek_v4 import DeepseekV4
-from dsv4.runner.sampler import SamplingSpec, filtered_probs
+from dsv4.ops.sampling import SamplingSpec, filtered_probs
 
 
 def sample_next(

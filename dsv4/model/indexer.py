@@ -18,11 +18,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dsv4.config.model import ModelConfig
 from dsv4.model.compressor import Compressor
-from dsv4.model.config import ModelConfig
-from dsv4.model.layers import hot_op, linear
-from dsv4.model.rope import apply_rope
+from dsv4.model.hot_ops import REFERENCE_OPS, HotOps
+from dsv4.model.layers import linear
 from dsv4.model.state import CompressorState
+from dsv4.ops.rope import apply_rope
 
 # #49486: when every query's available entries fit in top-k, the top-k is "all of them": skip
 # the q projection, scores and top-k (the compressor still runs: it fills the keys).
@@ -42,30 +43,6 @@ def all_available(positions: torch.Tensor, num_entries: int, ratio: int) -> torc
     return torch.where(idx < ((positions + 1) // ratio).unsqueeze(-1), idx, -1)
 
 
-@hot_op("indexer_scores")
-def indexer_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """q [S, H_I, d_I], keys [N, d_I], weights [S, H_I] (already scaled) -> [S, N] fp32."""
-    dots = torch.einsum("shd,nd->shn", q.float(), keys.float()).relu()  # [S, H_I, N]
-    return (dots * weights.float().unsqueeze(-1)).sum(dim=1)
-
-
-@hot_op("indexer_topk")
-def indexer_topk(
-    scores: torch.Tensor, positions: torch.Tensor, ratio: int, topk: int
-) -> torch.Tensor:
-    """scores [S, N], positions [S] -> indices [S, min(topk, N)] int64, -1 = no entry.
-
-    Entry i is available to the query at p iff i < (p + 1) // ratio.
-    """
-    n = scores.shape[-1]
-    k = min(topk, n)
-    available = torch.arange(n, device=scores.device) < ((positions + 1) // ratio).unsqueeze(-1)
-    masked = scores.masked_fill(~available, float("-inf"))
-    order = torch.sort(masked, dim=-1, descending=True, stable=True).indices[:, :k]  # [S, k]
-    chosen_ok = available.gather(-1, order)
-    return torch.where(chosen_ok, order, torch.full_like(order, -1))
-
-
 class Indexer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -75,6 +52,7 @@ class Indexer(nn.Module):
         self.wq_b = linear(cfg.q_lora_rank, self.num_heads * self.head_dim)
         self.weights_proj = linear(cfg.hidden_size, self.num_heads)
         self.compressor = Compressor(cfg, 4, self.head_dim)
+        self.ops: HotOps = REFERENCE_OPS  # indexer_scores / _topk (DeepseekV4.use_hot_ops)
 
     def forward(
         self,
@@ -94,5 +72,5 @@ class Indexer(nn.Module):
         q = apply_rope(q, cos, sin)  # [S, H_I, d_I]
         scale = (self.head_dim * self.num_heads) ** -0.5
         weights = self.weights_proj(x).float() * scale  # [S, H_I]
-        scores = indexer_scores(q, keys, weights)
-        return indexer_topk(scores, positions, 4, self.cfg.index_topk)
+        scores = self.ops.indexer_scores(q, keys, weights)
+        return self.ops.indexer_topk(scores, positions, 4, self.cfg.index_topk)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dsv4.model.config import ModelConfig
+from dsv4.config.model import ModelConfig
 
 FP8_LINEAR_SUFFIXES = (
     "attn.wq_a",

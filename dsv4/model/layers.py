@@ -1,74 +1,14 @@
-"""Small building blocks shared by the model files, and the kernel switch.
+"""Small building blocks shared by the model files.
 
-Norms follow docs/model.md#norms: statistics in fp32, the weight applied in fp32, one cast back.
-
-Kernel switch: the hot ops (routing, hc_pre/hc_post, sparse attention with sink, compressor,
-indexer scores/top-k) are plain-torch functions decorated with `@hot_op("name")`. A kernel
-module registers a replacement with `register_kernel("name", fn)` (same signature), and
-`set_kernel_backend("triton")` routes every decorated call to its registered replacement.
-The default backend "torch" always runs the reference function.
+Norms follow docs/model.md#norms (the math is `dsv4.ops.norm.rms_norm`).
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
-from typing import Any, TypeVar
-
 import torch
 from torch import nn
 
-F = TypeVar("F", bound=Callable[..., Any])
-
-_KERNELS: dict[str, dict[str, Callable[..., Any]]] = {}
-_BACKEND = "torch"
-
-
-def set_kernel_backend(backend: str) -> None:
-    """Select which implementation of the hot ops runs ("torch" = the reference)."""
-    global _BACKEND
-    _BACKEND = backend
-
-
-def kernel_backend() -> str:
-    return _BACKEND
-
-
-def register_kernel(name: str, fn: Callable[..., Any], backend: str = "triton") -> None:
-    """Register `fn` as the `backend` implementation of hot op `name` (same signature)."""
-    _KERNELS.setdefault(backend, {})[name] = fn
-
-
-def set_kernels(backend: str, impls: dict[str, Callable[..., Any]]) -> None:
-    """Replace every `backend` implementation at once (start-up from the frozen config)."""
-    _KERNELS[backend] = dict(impls)
-
-
-def hot_op(name: str) -> Callable[[F], F]:
-    """Mark a reference function as swappable by the kernel switch."""
-
-    def wrap(ref: F) -> F:
-        @functools.wraps(ref)
-        def dispatch(*args: Any, **kwargs: Any) -> Any:
-            if _BACKEND != "torch":
-                impl = _KERNELS.get(_BACKEND, {}).get(name)
-                if impl is not None:
-                    return impl(*args, **kwargs)
-            return ref(*args, **kwargs)
-
-        dispatch.reference = ref  # type: ignore[attr-defined]
-        return dispatch  # type: ignore[return-value]
-
-    return wrap
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """x / sqrt(mean(x^2) + eps) * weight over the last dim; fp32 math, output in x.dtype."""
-    xf = x.float()
-    out = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
-    if weight is not None:
-        out = out * weight.float()
-    return out.to(x.dtype)
+from dsv4.ops.norm import rms_norm
 
 
 class RMSNorm(nn.Module):

@@ -11,7 +11,8 @@ Routed experts are held either as modules in the model dtype (`experts`, stacked
 GEMM by `stack_experts_`) or, served in the checkpoint's own MXFP4 / FP8 format, only as one
 quantised stacked storage (`quantized_experts_`): the paged forward hands it to the kernel as
 is, and this module's reference forward dequantises each selected expert per call (exact: the
-values a dequantising load would hold).
+values a dequantising load would hold). The router and expert math are `dsv4.ops.moe`; the
+router runs through the model's hot ops (`dsv4.model.hot_ops`).
 """
 
 from __future__ import annotations
@@ -21,41 +22,18 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from dsv4.config.model import ModelConfig
 from dsv4.errors import ConfigError
-from dsv4.model.config import ModelConfig
-from dsv4.model.layers import hot_op, linear, linear_fp32
-from dsv4.model.quant import MXFP4_BLOCK, dequantize
+from dsv4.model.hot_ops import REFERENCE_OPS, HotOps
+from dsv4.model.layers import linear, linear_fp32
+from dsv4.ops.moe import gated_silu, swiglu
+from dsv4.ops.quant import MXFP4_BLOCK, dequantize
 
 # ModelConfig.expert_dtype of a checkpoint -> the `kernels.moe` format its experts are served in
 SERVED_FORMATS = {"fp4": "mxfp4", "fp8": "fp8"}
 FP8_BLOCK = 128  # the grouped GEMM's FP8 scale block
-
-
-@hot_op("route")
-def route(
-    logits: torch.Tensor,
-    bias: torch.Tensor | None,
-    token_ids: torch.Tensor,
-    tid2eid: torch.Tensor | None,
-    top_k: int,
-    routed_scaling_factor: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [T, E] fp32 -> (weights [T, K] fp32, expert ids [T, K] int64).
-
-    `tid2eid` [V, K] given: hash routing by token id; else top-k of scores + `bias`.
-    """
-    scores = F.softplus(logits).sqrt()  # [T, E]
-    if tid2eid is not None:
-        ids = tid2eid[token_ids].long()
-    else:
-        biased = scores if bias is None else scores + bias.float()
-        ids = biased.topk(top_k, dim=-1).indices
-    weights = scores.gather(-1, ids)
-    weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights * routed_scaling_factor, ids
 
 
 class Gate(nn.Module):
@@ -65,6 +43,7 @@ class Gate(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.is_hash = is_hash
+        self.ops: HotOps = REFERENCE_OPS  # route (DeepseekV4.use_hot_ops)
         self.weight = nn.Parameter(torch.zeros(cfg.n_routed_experts, cfg.hidden_size))
         if is_hash:
             table = torch.zeros(cfg.vocab_size, cfg.num_experts_per_tok, dtype=torch.int64)
@@ -80,25 +59,9 @@ class Gate(nn.Module):
         logits = linear_fp32(u, self.weight)
         table = self.tid2eid if self.is_hash else None
         cfg = self.cfg
-        return route(
+        return self.ops.route(
             logits, self.bias, token_ids, table, cfg.num_experts_per_tok, cfg.routed_scaling_factor
         )
-
-
-def swiglu(
-    u: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, limit: float | None
-) -> torch.Tensor:
-    """w2(silu(min(w1 u, limit)) * clamp(w3 u, -limit, limit)); limit None = no clamp."""
-    return F.linear(_gated(F.linear(u, w1), F.linear(u, w3), limit).to(u.dtype), w2)
-
-
-def _gated(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
-    """silu(min(gate, limit)) * clamp(up, -limit, limit) in fp32."""
-    gate, up = gate.float(), up.float()
-    if limit is not None:
-        gate = gate.clamp(max=limit)
-        up = up.clamp(-limit, limit)
-    return F.silu(gate) * up
 
 
 class ExpertStore(Protocol):
@@ -127,7 +90,15 @@ class Expert(nn.Module):
     def forward(self, u: torch.Tensor) -> torch.Tensor:
         # through the modules (`swiglu`'s math): dense, or `FP8Linear` for a shared expert
         # held as stored (features.linear_weights)
-        return self.w2(_gated(self.w1(u), self.w3(u), self.limit).to(u.dtype))
+        return self.w2(gated_silu(self.w1(u), self.w3(u), self.limit).to(u.dtype))
+
+
+# The routing kernels' signatures (`kernels.routing`): (logits [T, E], bias [E], top_k,
+# scaling) and (logits [T, E], token_ids [T], tid2eid [V, K], scaling) -> (weights, ids).
+ScoredRoute = Callable[[torch.Tensor, torch.Tensor, int, float], tuple[torch.Tensor, torch.Tensor]]
+HashRoute = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]
+]
 
 
 class MoE(nn.Module):
@@ -166,6 +137,24 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             out += self.shared_experts(flat).float()
         return out.to(u.dtype).view(shape)
+
+    def route(
+        self,
+        logits: torch.Tensor,
+        token_ids: torch.Tensor,
+        scored: ScoredRoute,
+        hashed: HashRoute,
+        bias: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The router's choice on gate logits [T, E] fp32 (g = W_g u) -> (weights [T, K] fp32,
+        expert ids [T, K]): by token id through `tid2eid` on a hash layer, else top-k of the
+        scores + bias. `scored` / `hashed`: `kernels.routing`'s `route` / `hash_route` (or
+        their references); `bias`: the gate bias as the caller holds it (an fp32 copy)."""
+        cfg, gate = self.cfg, self.gate
+        if gate.is_hash:
+            return hashed(logits, token_ids, gate.tid2eid, cfg.routed_scaling_factor)
+        bias = gate.bias if bias is None else bias
+        return scored(logits, bias, cfg.num_experts_per_tok, cfg.routed_scaling_factor)
 
     def _expert(self, e: int, num_tokens: int) -> Callable[[torch.Tensor], torch.Tensor]:
         if self.expert_store is not None:

@@ -15,11 +15,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dsv4.config.model import ModelConfig
 from dsv4.model.block import Block
-from dsv4.model.config import ModelConfig
-from dsv4.model.hyper import hc_head
 from dsv4.model.layers import RMSNorm, linear
 from dsv4.model.state import LayerState
+from dsv4.ops.hyper import hc_head
 
 
 class MTPLayer(Block):

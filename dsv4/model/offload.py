@@ -28,8 +28,9 @@ import torch
 from torch import nn
 
 from dsv4.errors import ConfigError
-from dsv4.model.moe import MoE, swiglu
-from dsv4.model.quant import E2M1_MAGNITUDES, MXFP4_BLOCK, mxfp4_quantize
+from dsv4.model.moe import MoE
+from dsv4.ops.moe import swiglu
+from dsv4.ops.quant import E2M1_MAGNITUDES, MXFP4_BLOCK, mxfp4_quantize
 
 ALIGN_BYTES = 256  # part offsets inside a blob: keep every view as aligned as a fresh tensor
 Part = tuple[str, tuple[int, ...], torch.dtype]
@@ -109,7 +110,7 @@ _LUT_CACHE: dict[torch.device, torch.Tensor] = {}
 def mxfp4_dequantize_lut(
     packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
-    """`dsv4.model.quant.mxfp4_dequantize` with one 256-entry table lookup per byte (same
+    """`dsv4.ops.quant.mxfp4_dequantize` with one 256-entry table lookup per byte (same
     values: every product of an e2m1 code and a power of two is exact)."""
     lut = _LUT_CACHE.get(packed.device)
     if lut is None:

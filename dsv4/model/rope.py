@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from dsv4.model.config import ModelConfig, YarnScaling
+from dsv4.config.model import ModelConfig, YarnScaling
 
 
 @functools.lru_cache(maxsize=16)
@@ -52,28 +52,3 @@ def inv_freq(cfg: ModelConfig, ratio: int, device: torch.device | str = "cpu") -
 @functools.lru_cache(maxsize=64)
 def _inv_freq_on(rope_dim: int, base: float, yarn: YarnScaling | None, device: str) -> torch.Tensor:
     return _inv_freq_cpu(rope_dim, base, yarn).to(device)
-
-
-def rope_cos_sin(positions: torch.Tensor, freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions [...] int -> (cos, sin) [..., rope_dim / 2] fp32."""
-    angles = positions.to(torch.float32).unsqueeze(-1) * freq
-    return angles.cos(), angles.sin()
-
-
-def apply_rope(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False
-) -> torch.Tensor:
-    """Rotate the last 2*cos.shape[-1] channels of x [T, ..., D] by (cos, sin) [T, D_r/2].
-
-    Middle dims of x (heads) broadcast. `inverse=True` rotates by the negative angle.
-    """
-    half = cos.shape[-1]
-    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (half,)
-    cos, sin = cos.reshape(shape), sin.reshape(shape)
-    if inverse:
-        sin = -sin
-    nope, rope = x[..., : -2 * half], x[..., -2 * half :]
-    pairs = rope.float().unflatten(-1, (half, 2))  # [..., half, 2]
-    even, odd = pairs[..., 0], pairs[..., 1]
-    rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
-    return torch.cat((nope, rotated.to(x.dtype)), dim=-1)

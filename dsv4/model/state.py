@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dsv4.model.config import ModelConfig
+from dsv4.config.model import ModelConfig
 
 RoundTrip = Callable[[torch.Tensor], torch.Tensor]  # rows [n, d] -> as read back, same dtype
 

@@ -17,12 +17,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from dsv4.config.model import ModelConfig, flash_config, tiny_config
 from dsv4.errors import CheckpointError
-from dsv4.model.config import ModelConfig, flash_config, tiny_config
 from dsv4.model.fp8 import quantized_linears_, served_linear_format
 from dsv4.model.inventory import TensorSpec, checkpoint_tensors, model_tensors, quantized_kind
 from dsv4.model.moe import MoE, quantized_experts_, served_expert_format, stack_experts_
-from dsv4.model.quant import fp8_block_quantize, mxfp4_quantize
+from dsv4.ops.quant import fp8_block_quantize, mxfp4_quantize
 from dsv4.text.tokenizer import build_tokenizer
 
 DEFAULT_SHARD_BYTES = 4 * 1024 * 1024

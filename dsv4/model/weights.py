@@ -34,13 +34,13 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from dsv4.config.model import ModelConfig
 from dsv4.errors import CheckpointError
-from dsv4.model.config import ModelConfig
 from dsv4.model.deepseek_v4 import DeepseekV4
 from dsv4.model.fp8 import FP8Linear, quantized_linears_, served_linear_format
 from dsv4.model.inventory import quantized_kind
 from dsv4.model.moe import MoE, quantized_experts_, served_expert_format
-from dsv4.model.quant import fp8_block_dequantize, mxfp4_dequantize
+from dsv4.ops.quant import fp8_block_dequantize, mxfp4_dequantize
 
 __all__ = ["checkpoint_files", "load_into", "load_model", "official_name", "quantized_kind"]
 

@@ -24,7 +24,7 @@ def local_expert_ids(num_experts: int, group: ParallelGroup) -> list[int]:
 
 
 def sharded_shared_expert(shared: Expert, group: ParallelGroup) -> Expert:
-    """The rank's slice of the shared expert: w1/w3 rows and w2 columns of its share of the
+    """The rank's slice of an expert (the shared one, or a routed one without EP): w1/w3 rows and w2 columns of its share of the
     intermediate dimension. SwiGLU is elementwise there, so the slices' outputs sum exactly to
     the full expert's output (up to fp rounding)."""
     inter, dim = shared.w1.weight.shape
@@ -40,12 +40,17 @@ def sharded_shared_expert(shared: Expert, group: ParallelGroup) -> Expert:
 class ExpertParallelMoE(MoE):
     """`MoE` holding this rank's experts; its output is all-reduced (fp32) across the group.
 
+    `expert_parallel` False (tensor-parallel experts): every routed expert is kept, sliced
+    like the shared expert (w1/w3 rows, w2 columns of the rank's 1/W of the intermediate dim).
+
     `experts` is an `nn.ModuleDict` keyed by the global expert id, so state-dict names stay the
     checkpoint's (`ffn.experts.{e}.w1.weight`) for the experts this rank holds. The routed
     experts are the original modules (no copy); the others are dropped with the original MoE.
     """
 
-    def __init__(self, moe: MoE, layer_id: int, group: ParallelGroup) -> None:
+    def __init__(
+        self, moe: MoE, layer_id: int, group: ParallelGroup, *, expert_parallel: bool = True
+    ) -> None:
         if moe.expert_store is not None:
             raise ConfigError(
                 "expert offload", "on", "expert offload cannot be combined with expert "
@@ -59,9 +64,11 @@ class ExpertParallelMoE(MoE):
             super().__init__(moe.cfg, layer_id)
         self.group = group
         self.gate = moe.gate  # replicated: routing is identical on every rank
-        self.experts = nn.ModuleDict(
-            {str(e): moe.experts[e] for e in local_expert_ids(len(moe.experts), group)}
-        )
+        if expert_parallel:
+            held = {str(e): moe.experts[e] for e in local_expert_ids(len(moe.experts), group)}
+        else:  # tensor-parallel experts: every expert, each one's intermediate slice
+            held = {str(e): sharded_shared_expert(x, group) for e, x in enumerate(moe.experts)}
+        self.experts = nn.ModuleDict(held)
         self.shared_experts = None
         if moe.shared_experts is not None:
             self.shared_experts = sharded_shared_expert(moe.shared_experts, group)

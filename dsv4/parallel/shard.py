@@ -8,8 +8,8 @@ costs two all-reduces and the model 2 * (num_hidden_layers + 1 with MTP) per for
 
 from __future__ import annotations
 
+from dsv4.config.model import ModelConfig
 from dsv4.errors import ConfigError
-from dsv4.model.config import ModelConfig
 from dsv4.model.deepseek_v4 import DeepseekV4
 from dsv4.model.fp8 import FP8Linear
 from dsv4.parallel.attention import TensorParallelAttention
@@ -17,7 +17,7 @@ from dsv4.parallel.group import ParallelGroup
 from dsv4.parallel.moe import ExpertParallelMoE
 
 
-def check_shardable(cfg: ModelConfig, world_size: int) -> None:
+def check_shardable(cfg: ModelConfig, world_size: int, *, expert_parallel: bool = True) -> None:
     """Raise ConfigError (field, value, fix) when `cfg` cannot be split over `world_size`."""
     if cfg.o_groups % world_size:
         raise ConfigError(
@@ -31,19 +31,28 @@ def check_shardable(cfg: ModelConfig, world_size: int) -> None:
             f"the shared expert's width {shared_inter} must be divisible by the world size "
             f"{world_size}; use a world size that divides it",
         )  # fmt: skip
-    if cfg.n_routed_experts < world_size:
+    if not expert_parallel and cfg.moe_intermediate_size % world_size:
+        raise ConfigError(
+            "moe_intermediate_size", cfg.moe_intermediate_size,
+            f"tensor-parallel experts split it over {world_size} ranks: use a world size that "
+            "divides it, or expert parallelism",
+        )  # fmt: skip
+    if expert_parallel and cfg.n_routed_experts < world_size:
         raise ConfigError(
             "n_routed_experts", cfg.n_routed_experts,
             f"fewer experts than ranks ({world_size}): use a world size <= n_routed_experts",
         )  # fmt: skip
 
 
-def shard_model(model: DeepseekV4, group: ParallelGroup) -> DeepseekV4:
+def shard_model(
+    model: DeepseekV4, group: ParallelGroup, *, expert_parallel: bool = True
+) -> DeepseekV4:
     """Rewrite `model` in place into rank `group.rank`'s shard and return it. Every rank must
     shard an identical model (same weights) with the same world size; the sharded forward is a
-    collective (all ranks run it on the same inputs). Freed: the other ranks' heads and experts.
+    collective (all ranks run it on the same inputs). Freed: the other ranks' heads and experts
+    (with `expert_parallel` False: the other ranks' slices of every expert).
     Raises ConfigError, changing nothing, for a bad world size or an offloaded/sharded model."""
-    check_shardable(model.cfg, group.world_size)
+    check_shardable(model.cfg, group.world_size, expert_parallel=expert_parallel)
     blocks = (*model.layers, *model.mtp)
     # Refuse before rewriting anything, so a failed call leaves the model as it was.
     if any(isinstance(block.attn, TensorParallelAttention) for block in blocks):
@@ -57,7 +66,9 @@ def shard_model(model: DeepseekV4, group: ParallelGroup) -> DeepseekV4:
         )
     for block in blocks:
         block.attn = TensorParallelAttention(block.attn, group)
-        block.ffn = ExpertParallelMoE(block.ffn, block.layer_id, group)
+        block.ffn = ExpertParallelMoE(
+            block.ffn, block.layer_id, group, expert_parallel=expert_parallel
+        )
     left = [name for name, t in model.state_dict().items() if t.is_meta]
     assert not left, f"sharding left unallocated tensors: {left[:4]}"
     return model

@@ -13,17 +13,20 @@ from dataclasses import dataclass
 
 from dsv4.cache.layout import KVLayout
 from dsv4.cache.packing import CacheOptions
-from dsv4.model.config import ModelConfig
+from dsv4.config.model import ModelConfig
 from dsv4.model.inventory import model_tensors, quantized_kind
+
+# Transient bf16 copies that weights held as stored make in large steps: the kernels' thresholds,
+# from the torch-free module the kernels read them from.
+from dsv4.ops.limits import (
+    FP8_GEMV_MAX_ROWS,
+    MOE_DEQUANT_MIN_PAIRS_PER_EXPERT,
+    MOE_DEQUANT_SCRATCH_BYTES,
+)
 from dsv4.scheduler.policy import worst_case_width_rows
 
 BF16, FP32 = 2, 4
 GRAPH_NODE_BYTES = 2 * 1024**2  # per captured graph: kernel nodes and their parameters
-# Transient bf16 copies that weights held as stored make in large steps. The kernels' constants,
-# mirrored so the planner imports without torch (tests/unit/test_plan.py checks they agree):
-MOE_DEQUANT_SCRATCH_BYTES = 1 << 30  # kernels/moe_dequant.py SCRATCH_BYTES
-MOE_DEQUANT_MIN_PAIRS_PER_EXPERT = 48  # kernels/moe_dequant.py, MXFP4 experts only
-FP8_GEMV_MAX_ROWS = 2  # kernels/fp8_linear.py GEMV_MAX_ROWS: above, the weight goes to bf16
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from dsv4.cache.packing import CacheOptions
+from dsv4.config.model import ModelConfig
 from dsv4.errors import ConfigError, Dsv4Error
-from dsv4.model.config import ModelConfig
 from dsv4.plan.budget import (
     Buffer,
     KVPlan,

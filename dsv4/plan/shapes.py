@@ -1,13 +1,13 @@
 """Full-depth V4-Flash and V4-Pro configs for planning (docs/model.md#configurations), as served:
 FP8 linears with 128x128 UE8M0 block scales, MXFP4 routed experts.
 
-`dsv4.model.config.flash_config` is the few-layer benchmark slice; these are the real models.
+`dsv4.config.model.flash_config` is the few-layer benchmark slice; these are the real models.
 """
 
 from __future__ import annotations
 
+from dsv4.config.model import ModelConfig
 from dsv4.errors import ConfigError
-from dsv4.model.config import ModelConfig
 
 SHAPES = ("flash", "pro")
 

@@ -21,7 +21,7 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass
 
-from dsv4.model.config import ModelConfig
+from dsv4.config.model import ModelConfig
 from dsv4.model.inventory import TensorSpec, model_tensors, quantized_kind
 
 BYTES_PER_ELEMENT = {"bf16": 2, "fp32": 4, "int64": 8, "fp8": 1, "e8m0": 1}

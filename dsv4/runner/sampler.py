@@ -2,7 +2,8 @@
 
 Every request samples from its own `torch.Generator` when it carries a seed, so its output
 does not depend on which other requests share the batch. Temperature 0 is greedy (argmax, ties
-to the lowest id). This file is the reference the batched kernels must agree with.
+to the lowest id). The distribution of a row is `dsv4.ops.sampling.filtered_probs`, the
+reference the batched kernels must agree with.
 
 Batched sampling (`batched`, on by default where the logits live on CUDA): the unseeded
 non-greedy rows of a step are sampled together on the device — FlashInfer's sampling kernels
@@ -15,55 +16,10 @@ own CPU generators (batch independence).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from dsv4.types import MIN_TEMPERATURE
-
-
-@dataclass(frozen=True)
-class SamplingSpec:
-    """What the sampler needs of one request's sampling parameters."""
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = off
-    seed: int | None = None
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature <= 0.0
-
-
-def filtered_probs(logits: torch.Tensor, spec: SamplingSpec) -> torch.Tensor:
-    """[V] logits -> [V] fp32 probabilities after temperature, top-k and top-p."""
-    scaled = logits.float() / max(spec.temperature, MIN_TEMPERATURE)
-    vocab = scaled.shape[-1]
-    if 0 < spec.top_k < vocab:
-        kth = torch.topk(scaled, spec.top_k).values[-1]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    probs = torch.softmax(scaled, dim=-1)
-    if spec.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        cumulative = torch.cumsum(sorted_probs, dim=-1)
-        # Keep the smallest prefix whose mass reaches top_p; the first token always stays,
-        # also when top_p rounds to 0 in fp32 (the comparison's dtype).
-        drop_sorted = (cumulative - sorted_probs) >= spec.top_p
-        drop_sorted[0] = False
-        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
-        probs = probs.masked_fill(drop, 0.0)
-        probs = probs / probs.sum()
-    return or_argmax(probs, logits)
-
-
-def or_argmax(probs: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-    """[..., V] probabilities, except that a row without finite positive mass (NaN or inf
-    logits, everything filtered out) becomes one-hot on its logits' argmax: every row can
-    be sampled, and `torch.multinomial` never sees NaN."""
-    ok = torch.isfinite(probs).all(-1, keepdim=True) & (probs.sum(-1, keepdim=True) > 0)
-    best = torch.nan_to_num(logits.float(), nan=float("-inf")).argmax(-1, keepdim=True)
-    return torch.where(ok, probs, torch.zeros_like(probs).scatter(-1, best, 1.0))
+from dsv4.ops.sampling import SamplingSpec, filtered_probs
+from kernels import sampling as sampling_kernels
 
 
 class Sampler:
@@ -111,8 +67,6 @@ class Sampler:
 
     def _sample_rows(self, logits: torch.Tensor, specs: list[SamplingSpec]) -> torch.Tensor:
         """Unseeded non-greedy rows [R, V] on their device -> token ids [R] int64 (same device)."""
-        from kernels import sampling  # kernels.sampling imports this module
-
         dev = logits.device
         # one host -> device copy for the three per-row parameters (top_k is exact in fp32)
         params = torch.tensor([(s.temperature, s.top_p, s.top_k) for s in specs]).to(dev)
@@ -121,9 +75,9 @@ class Sampler:
         if gen is None:  # seeded from the default stream: reproducible per worker start
             seed = int(torch.randint(0, 2**62, (), generator=self._default))
             gen = self._device_generators[dev] = torch.Generator(dev).manual_seed(seed)
-        if logits.is_cuda and sampling.flashinfer_available():
-            return sampling.sample(logits, temperature, top_p, top_k, generator=gen)
-        return sampling.sample_torch(logits, temperature, top_p, top_k, generator=gen)
+        if logits.is_cuda and sampling_kernels.flashinfer_available():
+            return sampling_kernels.sample(logits, temperature, top_p, top_k, generator=gen)
+        return sampling_kernels.sample_torch(logits, temperature, top_p, top_k, generator=gen)
 
     def probs(self, logits: torch.Tensor, specs: list[SamplingSpec]) -> torch.Tensor:
         """[B, V] filtered probabilities (used by speculative rejection sampling)."""
@@ -148,3 +102,16 @@ class Sampler:
     @property
     def num_live_generators(self) -> int:
         return len(self._generators)
+
+
+class RequestRandom:
+    """A request's random stream, drawn from the sampler's per-request generator."""
+
+    def __init__(self, sampler: Sampler, request_id: str, spec: SamplingSpec) -> None:
+        self._sampler, self._request_id, self._spec = sampler, request_id, spec
+
+    def uniform(self) -> float:
+        return self._sampler.uniform(self._request_id, self._spec)
+
+    def categorical(self, probs: torch.Tensor) -> int:
+        return self._sampler.categorical(probs, self._request_id, self._spec)

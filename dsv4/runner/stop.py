@@ -1,6 +1,6 @@
 """Stop strings: the detokenizing `StopChecker` the scheduler calls after each new token.
 
-A request ends with FinishReason.STOP_STRING once the text of its output tokens contains one of
+A request ends with FinishCause.STOP_STRING once the text of its output tokens contains one of
 its stop strings. Only the tail that a new token can have completed is searched: the last
 `len(longest stop) + len(new text)` characters.
 """
@@ -12,13 +12,14 @@ from dsv4.text.tokenizer import TextCodec
 
 
 class TextStopChecker:
-    """Reads `request.sampling_params.stop_strings` (any object with that field)."""
+    """Reads `request.sampling_params.stop_strings` (none without sampling params)."""
 
     def __init__(self, codec: TextCodec) -> None:
         self._codec = codec
 
     def __call__(self, request: Request, new_token_ids: tuple[int, ...]) -> bool:
-        stops = tuple(getattr(request.sampling_params, "stop_strings", ()) or ())
+        params = request.sampling_params
+        stops = params.stop_strings if params is not None else ()
         if not stops:
             return False
         outputs = request.output_token_ids

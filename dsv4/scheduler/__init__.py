@@ -15,12 +15,12 @@ from dsv4.scheduler.batch import (
 )
 from dsv4.scheduler.config import SchedulerConfig
 from dsv4.scheduler.policy import spec_token_reservation
-from dsv4.scheduler.request import FinishReason, Request, RequestStatus, StopChecker
+from dsv4.scheduler.request import FinishCause, Request, RequestStatus, StopChecker
 from dsv4.scheduler.scheduler import Scheduler
 
 __all__ = [
     "ChunkPlan",
-    "FinishReason",
+    "FinishCause",
     "PrefillChunk",
     "Request",
     "RequestOutput",

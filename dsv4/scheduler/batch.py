@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dsv4.scheduler.request import FinishReason
+from dsv4.scheduler.request import FinishCause
+from dsv4.types import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -23,7 +24,7 @@ class ScheduledRequest:
     samples_token: bool  # a token is sampled (decode, or the last chunk of a prefill)
     block_table: tuple[int, ...]  # token block ids (see dsv4.cache.layout)
     ring_block_ids: tuple[int, ...]
-    sampling_params: object = None
+    sampling_params: SamplingParams | None = None  # None: greedy
 
     @property
     def num_tokens(self) -> int:
@@ -121,7 +122,7 @@ class RequestOutput:
 
     request_id: str
     new_token_ids: tuple[int, ...]
-    finish_reason: FinishReason | None = None
+    finish_reason: FinishCause | None = None
 
     @property
     def is_finished(self) -> bool:

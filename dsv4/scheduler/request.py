@@ -12,6 +12,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from dsv4.types import FinishReason, SamplingParams
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -20,26 +22,43 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-class FinishReason(enum.Enum):
+class FinishCause(enum.Enum):
+    """Why the scheduler finished a request: finer than what a stream reports
+    (`dsv4.types.FinishReason`, which `reason` maps it to)."""
+
     EOS = "eos"
     STOP_TOKEN = "stop_token"
     STOP_STRING = "stop_string"  # decided by the caller's detokenizer (`StopChecker`)
     LENGTH = "length"
     ABORTED = "aborted"
 
+    @property
+    def reason(self) -> FinishReason:
+        """What the stream's last chunk says."""
+        return _STREAM_REASON[self]
+
+
+_STREAM_REASON = {
+    FinishCause.EOS: FinishReason.STOP,
+    FinishCause.STOP_TOKEN: FinishReason.STOP,
+    FinishCause.STOP_STRING: FinishReason.STOP,
+    FinishCause.LENGTH: FinishReason.LENGTH,
+    FinishCause.ABORTED: FinishReason.ABORT,
+}
+
 
 @dataclass(eq=False)
 class Request:
     """Created by the engine from a validated client request; owned by the `Scheduler`.
 
-    `sampling_params` is opaque here (the runner's sampler reads it); the scheduler reads only
-    the stop fields below.
+    `sampling_params` (None: greedy) is the runner's to read; the scheduler reads only the
+    stop fields below.
     """
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
     max_new_tokens: int
-    sampling_params: object = None
+    sampling_params: SamplingParams | None = None
     eos_token_id: int | None = None  # None: ignore EOS
     stop_token_ids: frozenset[int] = frozenset()
     arrival_time_s: float = 0.0
@@ -48,7 +67,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
-    finish_reason: FinishReason | None = None
+    finish_reason: FinishCause | None = None
     num_preemptions: int = 0
 
     def __post_init__(self) -> None:
@@ -86,7 +105,7 @@ class Request:
 
     def append_output_tokens(
         self, token_ids: tuple[int, ...]
-    ) -> tuple[tuple[int, ...], FinishReason | None]:
+    ) -> tuple[tuple[int, ...], FinishCause | None]:
         """Append sampled tokens up to and including the first that ends the request; returns
         the tokens kept and why the request ended (None: it goes on)."""
         for count, token_id in enumerate(token_ids, start=1):
@@ -96,19 +115,19 @@ class Request:
                 return token_ids[:count], reason
         return token_ids, None
 
-    def stop_reason(self, token_id: int) -> FinishReason | None:
+    def stop_reason(self, token_id: int) -> FinishCause | None:
         """Why `token_id`, just appended, ends the request (None: it does not)."""
         if self.eos_token_id is not None and token_id == self.eos_token_id:
-            return FinishReason.EOS
+            return FinishCause.EOS
         if token_id in self.stop_token_ids:
-            return FinishReason.STOP_TOKEN
+            return FinishCause.STOP_TOKEN
         if len(self.output_token_ids) >= self.max_new_tokens:
-            return FinishReason.LENGTH
+            return FinishCause.LENGTH
         return None
 
 
 class StopChecker(Protocol):
     def __call__(self, request: Request, new_token_ids: tuple[int, ...]) -> bool:
         """Called by `update` after appending tokens that hit no stop id: True ends the request
-        with `FinishReason.STOP_STRING` (the caller's detokenizer matched a stop string)."""
+        with `FinishCause.STOP_STRING` (the caller's detokenizer matched a stop string)."""
         ...

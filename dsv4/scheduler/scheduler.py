@@ -30,7 +30,7 @@ from dsv4.scheduler.batch import (
     StepOutput,
 )
 from dsv4.scheduler.config import SchedulerConfig
-from dsv4.scheduler.request import FinishReason, Request, RequestStatus, StopChecker
+from dsv4.scheduler.request import FinishCause, Request, RequestStatus, StopChecker
 
 
 @dataclass
@@ -108,7 +108,7 @@ class Scheduler:
         request = self._requests.get(request_id)
         if request is None:
             return False
-        self._finish(request, FinishReason.ABORTED)
+        self._finish(request, FinishCause.ABORTED)
         return True
 
     def add_adopted(self, request: Request) -> None:
@@ -303,14 +303,14 @@ class Scheduler:
         kept, reason = request.append_output_tokens(new_ids)
         checker = self._stop_checker
         if reason is None and kept and checker is not None and checker(request, kept):
-            reason = FinishReason.STOP_STRING
+            reason = FinishCause.STOP_STRING
         if reason is not None:
             self._finish(request, reason)
         if not kept and reason is None:
             return None
         return RequestOutput(request.request_id, kept, reason)
 
-    def _finish(self, request: Request, reason: FinishReason) -> None:
+    def _finish(self, request: Request, reason: FinishCause) -> None:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         self.kv.free(request.request_id)

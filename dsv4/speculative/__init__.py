@@ -1,27 +1,26 @@
-"""MTP speculative decoding: draft with the MTP layer, verify in one target forward, accept
-(greedy or rejection sampling), keep only the accepted positions in the paged cache.
+"""What both forwards' MTP speculation shares: the acceptance rules (greedy and rejection
+sampling), a `Draft` and the acceptance counters (the per-request random stream is
+`dsv4.runner.sampler.RequestRandom`; the acceptance measurement, `dsv4.engine.acceptance`).
 
-Reading path: `decoder.py` (the step), `drafter.py` + `context.py` (MTP drafting and its
-inputs), `acceptance.py` (the rules), `rollback.py` (exact cache state), `metrics.py`.
+Each forward owns its own speculative half: the reference forward's
+`dsv4.runner.reference.speculative` (draft at the start of a step over per-request states,
+verify, roll back to the accepted positions) and the paged forward's
+`dsv4.runner.paged.speculative` (verify the previous step's drafts, accept, propose on the
+cache).
 """
 
-from dsv4.speculative.acceptance import accept_greedy, accept_sampled, residual_probs
-from dsv4.speculative.context import DraftContext
-from dsv4.speculative.decoder import SpeculativeDecoder
-from dsv4.speculative.drafter import Draft, DraftJob, MTPDrafter
+from dsv4.speculative.acceptance import (
+    Draft,
+    accept_greedy,
+    accept_sampled,
+    residual_probs,
+)
 from dsv4.speculative.metrics import SpecMetrics
-from dsv4.speculative.rollback import can_truncate, truncate_state
 
 __all__ = [
     "Draft",
-    "DraftContext",
-    "DraftJob",
-    "MTPDrafter",
     "SpecMetrics",
-    "SpeculativeDecoder",
     "accept_greedy",
     "accept_sampled",
-    "can_truncate",
     "residual_probs",
-    "truncate_state",
 ]

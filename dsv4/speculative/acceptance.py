@@ -15,17 +15,26 @@ logits at position P+i, i.e. for the token at P+i+1).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 
 class RandomSource(Protocol):
-    """The request's own random stream (`Sampler.uniform` / `Sampler.categorical`)."""
+    """The request's own random stream (`dsv4.runner.sampler.RequestRandom`)."""
 
     def uniform(self) -> float: ...
 
     def categorical(self, probs: torch.Tensor) -> int: ...
+
+
+@dataclass(frozen=True)
+class Draft:
+    """What a drafter proposes for one request (both forwards' MTP halves draft these)."""
+
+    token_ids: tuple[int, ...]  # d_1..d_k
+    probs: torch.Tensor | None  # [k, V] fp32 q_1..q_k (sampled requests); None when greedy
 
 
 def accept_greedy(draft_ids: Sequence[int], target_ids: Sequence[int]) -> tuple[int, ...]:

@@ -12,7 +12,8 @@ import uuid
 from collections.abc import Sequence
 
 from dsv4.errors import InvalidRequest
-from dsv4.types import MIN_TEMPERATURE, MIN_TOP_P, RequestLimits, SamplingParams
+from dsv4.ops.limits import MIN_TEMPERATURE, MIN_TOP_P
+from dsv4.types import RequestLimits, SamplingParams
 
 _REQUEST_ID_CHARS = re.compile(r"[A-Za-z0-9._:/=+@-]+")
 

@@ -32,15 +32,17 @@ import torch
 from dsv4.cache.layout import KVLayout
 from dsv4.cache.packing import CacheOptions
 from dsv4.config import ServeConfig, request_limits, resolve_auto
+from dsv4.config.index_pattern import IndexPattern
+from dsv4.config.model import ModelConfig
 from dsv4.engine.async_engine import AsyncEngine
-from dsv4.engine.core import build_engine_core
+from dsv4.engine.core import EngineOptions, build_engine_core
 from dsv4.errors import CheckpointError, ConfigError
-from dsv4.model.config import ModelConfig
 from dsv4.model.fp8 import set_linear_activations_
-from dsv4.model.index_cache import IndexPattern
 from dsv4.model.indexer import set_skip_topk
-from dsv4.model.kernel_bridge import install_kernels
-from dsv4.runner.metadata import MetadataOptions
+from dsv4.runner.kernel_bridge import hot_ops, kernel_choices
+from dsv4.runner.paged import MetadataSwitches, PagedOptions, PagedSwitches
+from dsv4.runner.reference import ReferenceOptions
+from dsv4.runner.reference.slot_tables import SlotTableOptions
 from dsv4.scheduler.config import SchedulerConfig
 from dsv4.scheduler.request import Request
 from dsv4.text.tokenizer import TextCodec
@@ -66,6 +68,8 @@ class WorkerRuntime:
     transport: KVTransport | None  # None when built without one (single-engine baseline)
     codec: TextCodec | None
     limits: RequestLimits
+    # rank 0's handle on the follower ranks (a dsv4.parallel.ranks.RankGroup); None: one rank
+    ranks: object = None
 
     @property
     def layout_info(self) -> KVLayoutInfo:
@@ -97,7 +101,7 @@ class WorkerRuntime:
 def planned_model_config(config: ServeConfig) -> ModelConfig:
     """The model's config, read before any weight is loaded."""
     if config.model.path == "tiny":
-        from dsv4.model.config import tiny_config
+        from dsv4.config.model import tiny_config
 
         return tiny_config()
     return ModelConfig.from_file(config.model.model_dir)
@@ -110,7 +114,7 @@ def load_weights(config: ServeConfig) -> tuple[torch.nn.Module, ModelConfig, Tex
     experts = config.features.expert_weights  # "checkpoint": MXFP4 / FP8 experts as stored
     linears = config.features.linear_weights  # "checkpoint": FP8 linears as stored
     if m.path == "tiny":
-        from dsv4.model.config import tiny_config
+        from dsv4.config.model import tiny_config
         from dsv4.model.tiny import random_model
         from dsv4.text.tokenizer import build_tokenizer
 
@@ -152,8 +156,37 @@ def build_worker_runtime(
         device = torch.device(config.model.device)
         total_bytes = torch.cuda.get_device_properties(device).total_memory
         startup_plan(config, planned_model_config(config), total_bytes)  # raises PlanDoesNotFit
+    ranks = start_ranks(config)  # None for one rank; else followers load alongside
+    try:
+        return _build(config, ranks, with_transport=with_transport, name=name)
+    except BaseException:
+        if ranks is not None:
+            ranks.close("start-up failed")
+        raise
+
+
+def start_ranks(config: ServeConfig):
+    """The follower ranks of a replica of `model.tensor_parallel_size` > 1 (a `RankGroup`,
+    spawned and joined), or None for one rank."""
+    if config.model.tensor_parallel_size == 1:
+        return None
+    from dsv4.parallel import check_shardable
+    from dsv4.parallel.ranks import RankGroup
+    from dsv4.serving.ports import free_port
+
+    m = config.model  # refuse a world size the model cannot split before spawning anything
+    check_shardable(planned_model_config(config), m.tensor_parallel_size,
+                    expert_parallel=m.expert_parallel)  # fmt: skip
+    return RankGroup.start(config, free_port())
+
+
+def _build(config: ServeConfig, ranks, *, with_transport: bool, name: str) -> WorkerRuntime:
     model, model_cfg, codec = load_weights(config)
     set_linear_activations_(model, config.features.linear_activations)  # W8A8 switch
+    if ranks is not None:
+        from dsv4.parallel import shard_model
+
+        shard_model(model, ranks.group, expert_parallel=config.model.expert_parallel)
     config = dataclasses.replace(
         config,
         model=dataclasses.replace(
@@ -163,17 +196,9 @@ def build_worker_runtime(
             ),
         ),
     )
-    spec_tokens = (
-        config.speculative.num_speculative_tokens if config.speculative.method == "mtp" else 0
-    )
+    spec_tokens = options_spec_tokens(config)
     pattern = apply_features(model, model_cfg, config)
-    options = CacheOptions(
-        block_size=config.cache.block_size,
-        kv_dtype=config.cache.kv_dtype,
-        index_dtype=config.cache.indexer_key_dtype,
-        num_speculative_tokens=spec_tokens,
-        index_pattern=pattern.roles,
-    )
+    options = cache_options(config, pattern)
     layout = KVLayout.build(model_cfg, options)
     num_blocks = _num_blocks(config, layout)
     s = config.scheduler
@@ -188,22 +213,29 @@ def build_worker_runtime(
         chunk_area_budget=s.chunk_area_budget,
     )
     f = config.features
-    core = build_engine_core(
-        model,
-        options,
-        scheduler_config,
-        num_blocks=num_blocks,
-        device=config.model.device,
-        shared_metadata=f.shared_sparse_metadata,
+    reference = ReferenceOptions(
+        shared_slot_tables=f.shared_sparse_metadata,
         kernels=kernel_config(config),
-        metadata_options=MetadataOptions(
+        slot_tables=SlotTableOptions(
             cached_token_to_req=f.cached_token_to_req_indices,
             skip_redundant_fill=f.skip_redundant_fill,
         ),
+    )
+    engine_options = EngineOptions(
+        options,
+        scheduler_config,
+        num_blocks,
+        device=config.model.device,
+        kernels=kernel_config(config),
         paged=paged_options(config),
-        graphs=graph_options(config),
+        reference=reference,
         batched_sampling=f.batched_sampling,
     )
+    core = build_engine_core(model, engine_options)
+    if ranks is not None:  # before the warm-up: its steps run on every rank
+        from dsv4.parallel.ranks import rank_zero_core
+
+        core = rank_zero_core(core, ranks, num_blocks)
     if config.model.device.startswith("cuda"):
         s = config.scheduler
         lengths = warm_up_lengths(s.max_num_batched_tokens, config.model.max_model_len)
@@ -229,7 +261,25 @@ def build_worker_runtime(
         layout.compat_hash[:12], transport.kind if transport else "none",
     )  # fmt: skip
     return WorkerRuntime(
-        config, model_cfg, AsyncEngine(core, name), layout, transport, codec, limits
+        config, model_cfg, AsyncEngine(core, name), layout, transport, codec, limits, ranks
+    )
+
+
+def options_spec_tokens(config: ServeConfig) -> int:
+    """Draft slots the cache reserves: MTP's draft tokens, 0 without speculation."""
+    s = config.speculative
+    return s.num_speculative_tokens if s.method == "mtp" else 0
+
+
+def cache_options(config: ServeConfig, pattern: IndexPattern) -> CacheOptions:
+    """The KV cache's options (block size, formats, draft slots, IndexCache roles): the same
+    on every rank of a replica and on both sides of a hand-off."""
+    return CacheOptions(
+        block_size=config.cache.block_size,
+        kv_dtype=config.cache.kv_dtype,
+        index_dtype=config.cache.indexer_key_dtype,
+        num_speculative_tokens=options_spec_tokens(config),
+        index_pattern=pattern.roles,
     )
 
 
@@ -249,13 +299,11 @@ def transport_options(config: ServeConfig) -> dict:
     return options
 
 
-def paged_options(config: ServeConfig) -> dict | None:
-    """The paged forward's switches (`build_engine_core(paged=...)`), None for the reference."""
+def paged_options(config: ServeConfig) -> PagedOptions | None:
+    """The paged forward's switches and decode graphs, None for the reference forward."""
     f = config.features
     if f.forward != "paged":
         return None
-    from dsv4.runner.paged import MetadataSwitches, PagedSwitches
-
     metadata = MetadataSwitches(
         shared=f.shared_sparse_metadata,
         cached_token_to_req=f.cached_token_to_req_indices,
@@ -263,7 +311,7 @@ def paged_options(config: ServeConfig) -> dict | None:
     )
     switches = PagedSwitches(compressor_boundary_only=f.compressor_boundary_only,
                              skip_topk=f.skip_topk, fuse_shared_expert=f.fuse_shared_expert)  # fmt: skip
-    return {"metadata": metadata, "switches": switches}
+    return PagedOptions(metadata, switches, graph_options(config))
 
 
 def warm_up_lengths(budget: int, max_model_len: int) -> tuple[int, ...]:
@@ -319,7 +367,9 @@ def apply_features(model: torch.nn.Module, model_cfg: ModelConfig, config: Serve
     model.set_index_pattern(pattern)
     model.fuse_first_hc = f.fused_mhc
     set_skip_topk(f.skip_topk)
-    chosen = install_kernels(kernel_config(config), config.model.device)
+    kernels, device = kernel_config(config), config.model.device
+    model.use_hot_ops(hot_ops(kernels, device))
+    chosen = kernel_choices(kernels, device)
     logger.info("kernels: %s; index pattern %s", chosen, pattern.roles or "off")
     return pattern
 

@@ -6,14 +6,15 @@ from __future__ import annotations
 
 from dsv4.cache.packing import CacheOptions
 from dsv4.config import ServeConfig
-from dsv4.model.config import ModelConfig
+from dsv4.config.model import ModelConfig
 from dsv4.plan import MemoryPlan, PlanRequest, WeightFormats, check_fits, plan_memory
 
 GIB = 1 << 30
 
 
 def startup_plan(config: ServeConfig, model_cfg: ModelConfig, gpu_total_bytes: int) -> MemoryPlan:
-    """The plan for one worker on one GPU of `gpu_total_bytes`; raises `PlanDoesNotFit`.
+    """The plan for one GPU of `gpu_total_bytes` of a worker of `model.tensor_parallel_size`
+    ranks (`dsv4 plan --gpus T --tp T --ep T|1`'s per-GPU plan); raises `PlanDoesNotFit`.
 
     The model holds the FP8 linears as `features.linear_weights` says (bf16, or the
     checkpoint's FP8 with block scales) and the routed experts as `features.expert_weights`
@@ -22,9 +23,13 @@ def startup_plan(config: ServeConfig, model_cfg: ModelConfig, gpu_total_bytes: i
     for. KV is sized for one maximum-length request: the worker sizes the rest from what
     remains."""
     spec = config.speculative
+    ranks = config.model.tensor_parallel_size  # one GPU per rank: the plan of one of them
     request = PlanRequest(
         model=model_cfg,
-        num_gpus=1,
+        num_gpus=ranks,
+        gpus_per_node=ranks,
+        tp=ranks,
+        ep=ranks if config.model.expert_parallel else 1,
         gpu_mem_gib=gpu_total_bytes / GIB,
         host_mem_gib=0.0,
         max_model_len=config.model.max_model_len or model_cfg.max_position_embeddings,

@@ -143,9 +143,9 @@ def worker_metrics(
 
 
 def index_cache_hit_ratio(runtime: WorkerRuntime) -> float:
-    """The model runner's `index_cache_hit_ratio` (a float in [0, 1] that the IndexCache path
-    maintains) when it has one, else 0."""
-    return float(getattr(runtime.engine.core.runner, "index_cache_hit_ratio", 0.0) or 0.0)
+    """The model runner's `index_cache_hit_ratio`: the share of ratio-4 layers whose top-k
+    comes from the IndexCache, in [0, 1]."""
+    return runtime.engine.core.runner.index_cache_hit_ratio
 
 
 def mtp_counts(runtime: WorkerRuntime) -> tuple[int, int]:

@@ -33,6 +33,7 @@ OVERLAYS = {
     "dev-single-node": K8S / "overlays" / "dev-single-node",
     "prod-multi-node": K8S / "overlays" / "prod-multi-node",
     "prod-multi-node-lws": K8S / "overlays" / "prod-multi-node-lws",
+    "prod-single-host-lws": K8S / "overlays" / "prod-single-host-lws",
 }
 WORKER_ROLES = ("prefill", "decode")
 WORKLOAD_KINDS = ("Deployment", "LeaderWorkerSet")

@@ -236,3 +236,23 @@ def test_lws_groups_run_the_prod_pods_with_the_rank_environment(rendered):
             assert key not in worker["spec"]["containers"][0]
             del leader["spec"]["containers"][0][key]
         assert worker == leader
+
+
+def test_single_host_rank_groups_are_one_pod_that_starts_its_ranks(rendered):
+    """prod-single-host-lws: one pod per group (the worker spawns its 8 ranks); its env makes
+    the worker's config a replica of 8 ranks, experts whole per rank, without MTP."""
+    from dsv4.config.load import load_config
+
+    objs = rendered["prod-single-host-lws"]
+    for role in WORKER_ROLES:
+        group = find(objs, "LeaderWorkerSet", f"dsv4-{role}")
+        assert group["spec"]["leaderWorkerTemplate"]["size"] == 1
+        leader, _ = pod_templates(group)
+        injected = {**LWS_INJECTED_ENV, "LWS_WORKER_INDEX": "0", "LWS_GROUP_SIZE": "1"}
+        env = container_env(leader["spec"]["containers"][0], injected)
+        assert env["NCCL_NVLS_ENABLE"] == "0"
+        dsv4_env = {k: v for k, v in env.items() if k in ("DSV4_TENSOR_PARALLEL_SIZE",
+                    "DSV4_EXPERT_PARALLEL", "DSV4_SPEC_METHOD")}  # fmt: skip
+        config = load_config({}, None, dsv4_env)
+        assert config.model.tensor_parallel_size == 8 and config.model.expert_parallel
+        assert config.speculative.method == "none"

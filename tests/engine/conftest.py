@@ -6,11 +6,14 @@ import pytest
 import torch
 
 from dsv4.cache.packing import CacheOptions
-from dsv4.engine.core import EngineCore, build_engine_core
-from dsv4.model.config import tiny_config
+from dsv4.config.model import tiny_config
+from dsv4.engine.core import EngineCore, EngineOptions, build_engine_core
 from dsv4.model.tiny import random_model
+from dsv4.runner.paged import PagedOptions
+from dsv4.runner.reference import ReferenceOptions
 from dsv4.scheduler.config import SchedulerConfig
 from dsv4.scheduler.request import Request
+from kernels.backend import KernelBackendConfig
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -31,19 +34,24 @@ def make_core(
     paged=None, kernels=None, index_pattern="", graphs=None, spec_tokens=0,
     batched_sampling=True, **sched,
 ) -> EngineCore:  # fmt: skip
-    """`paged`: None = the reference forward, else `build_engine_core(paged=...)`'s options;
-    `graphs`: a `GraphOptions` (static decode passes); `spec_tokens`: MTP drafts k."""
+    """`paged`: None = the reference forward, else the paged forward's `PagedOptions` fields
+    (a dict); `graphs`: a `GraphOptions` (static decode passes of the paged forward: graphs
+    are `PagedOptions.graphs`); `spec_tokens`: MTP drafts k."""
     options = CacheOptions(block_size=128, kv_dtype=kv, index_dtype=index,
                            index_pattern=index_pattern, num_speculative_tokens=spec_tokens)  # fmt: skip
     cfg = SchedulerConfig(
         max_num_batched_tokens=budget, max_num_seqs=sched.pop("max_num_seqs", 16),
         max_model_len=2048, num_speculative_tokens=spec_tokens, **sched,
     )  # fmt: skip
-    return build_engine_core(
-        model, options, cfg, num_blocks=num_blocks, shared_metadata=shared_metadata,
-        paged=paged, kernels=kernels, device=str(model.embed.weight.device), graphs=graphs,
+    if graphs is not None and paged is None:
+        raise ValueError("graphs capture the paged forward: pass paged={} too")
+    kernels = kernels or KernelBackendConfig()
+    return build_engine_core(model, EngineOptions(
+        options, cfg, num_blocks, device=str(model.embed.weight.device), kernels=kernels,
+        paged=None if paged is None else PagedOptions(**paged, graphs=graphs),
+        reference=ReferenceOptions(shared_slot_tables=shared_metadata, kernels=kernels),
         batched_sampling=batched_sampling,
-    )  # fmt: skip
+    ))  # fmt: skip
 
 
 def run_to_completion(core: EngineCore, max_steps: int = 2000) -> dict[str, list[int]]:

@@ -9,7 +9,7 @@ import pytest
 from dsv4.engine.async_engine import AsyncEngine
 from dsv4.errors import Cancelled
 from dsv4.model.generate import generate
-from dsv4.scheduler.request import FinishReason
+from dsv4.scheduler.request import FinishCause
 from tests.engine.conftest import greedy_request, make_core
 from tests.leak import assert_no_leaks
 
@@ -38,7 +38,7 @@ def test_generate_streams_reference_tokens(tiny) -> None:
 
     got, reasons = run(main())
     assert got == expected
-    assert reasons[-1] is FinishReason.LENGTH and all(r is None for r in reasons[:-1])
+    assert reasons[-1] is FinishCause.LENGTH and all(r is None for r in reasons[:-1])
 
 
 def test_prefill_hold_then_adopt_on_another_engine(tiny) -> None:
@@ -51,7 +51,7 @@ def test_prefill_hold_then_adopt_on_another_engine(tiny) -> None:
         decode.start()
         try:
             outcome = await prefill.prefill(greedy_request("a", PROMPT, 5))
-            assert outcome.held is not None and outcome.finish_reason is FinishReason.LENGTH
+            assert outcome.held is not None and outcome.finish_reason is FinishCause.LENGTH
             request = greedy_request("a", PROMPT, 5)
             request.output_token_ids.append(outcome.first_token)
             dst = await decode.adopt(request)

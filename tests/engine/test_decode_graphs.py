@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4.model.config import tiny_config
+from dsv4.config.model import tiny_config
 from dsv4.model.tiny import random_model
 from dsv4.runner.paged.decode_graphs import GraphOptions
 from dsv4.runner.paged.graphs import batch_buckets, bucket_of, context_buckets
@@ -34,7 +34,7 @@ def test_static_decode_steps_give_the_reference_tokens(tiny, reference) -> None:
     """Five requests (1..300-token prompts) with max batch 4: decode-only steps of 1..4
     requests run as static passes (padding rows in bucket 4 for 3), steps of 5 eagerly."""
     core = make_core(tiny, budget=64, paged={}, graphs=STATIC)
-    target = core.runner.graphs.passes["target"]
+    target = core.runner.forward.graphs.passes["target"]
     assert _run(core, tiny) == reference
     assert target.num_runs >= NEW_TOKENS // 2
 
@@ -47,14 +47,14 @@ def test_static_steps_with_switches_at_baseline(tiny, reference, switch) -> None
              else {"metadata": MetadataSwitches(shared=False)})  # fmt: skip
     core = make_core(tiny, budget=64, paged=paged, graphs=STATIC)
     assert _run(core, tiny) == reference
-    assert core.runner.graphs.passes["target"].num_runs > 0
+    assert core.runner.forward.graphs.passes["target"].num_runs > 0
 
 
 def test_padding_rows_write_only_scratch_blocks(tiny) -> None:
     """A step of padding rows only (what every capture runs) at a full context leaves every
     block a request can own untouched."""
     core = make_core(tiny, budget=64, paged={}, graphs=STATIC)
-    cache, graphs = core.runner.cache, core.runner.graphs
+    cache, graphs = core.runner.cache, core.runner.forward.graphs
     cache.backing.random_(0, 256, generator=torch.Generator().manual_seed(0))
     before = cache.backing.clone()
     target = graphs.passes["target"]
@@ -103,13 +103,6 @@ def test_colocated_warm_up_runs_mixed_prefill_and_decode_steps(tiny) -> None:
     assert_no_leaks(core)
 
 
-def test_graphs_need_the_paged_forward(tiny) -> None:
-    from dsv4.errors import ConfigError
-
-    with pytest.raises(ConfigError, match="paged forward"):
-        make_core(tiny, graphs=STATIC)
-
-
 @pytest.mark.gpu
 def test_captured_decode_graphs_match_eager_on_the_gpu() -> None:
     """CUDA graphs for real: the served formats (fp8 KV, MXFP4 keys), Triton kernels; the
@@ -129,8 +122,8 @@ def test_captured_decode_graphs_match_eager_on_the_gpu() -> None:
             core.add_request(greedy_request(f"r{i}", p, 8))
         outs.append(run_to_completion(core))
         if graphs is not None:
-            assert core.runner.graphs.num_graphs > 0
-            assert core.runner.graphs.passes["target"].num_runs >= 6
+            assert core.runner.forward.graphs.num_graphs > 0
+            assert core.runner.forward.graphs.passes["target"].num_runs >= 6
         assert_no_leaks(core)
     assert outs[0] == outs[1]
 

@@ -53,7 +53,7 @@ class FaultyRunner(ModelRunner):
 
 def faulty_core(model, **options: object) -> tuple[EngineCore, FaultyRunner]:
     built = make_core(model, **options)
-    runner = FaultyRunner(model, built.runner.cache, built.runner.sampler)
+    runner = FaultyRunner(built.runner.forward, built.runner.sampler, built.runner.cache)
     return EngineCore(built.scheduler, runner), runner
 
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from dsv4.cache import INDEXER, CacheOptions
-from dsv4.engine.core import build_engine_core
+from dsv4.config.index_pattern import IndexPattern
+from dsv4.engine.core import EngineOptions, build_engine_core
 from dsv4.errors import StepFailed
 from dsv4.model.generate import generate
-from dsv4.model.index_cache import IndexPattern
 from dsv4.scheduler.config import SchedulerConfig
 from tests.engine.conftest import greedy_request, run_to_completion
 from tests.leak import assert_no_leaks
@@ -24,7 +24,7 @@ def core_with(model, pattern: str, budget: int):
     options = CacheOptions(block_size=128, kv_dtype="fp32", index_dtype="fp32",
                            index_pattern=pattern)  # fmt: skip
     sched = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=8, max_model_len=2048)
-    return build_engine_core(model, options, sched, num_blocks=48)
+    return build_engine_core(model, EngineOptions(options, sched, 48))
 
 
 def prompts(vocab: int) -> dict[str, list[int]]:

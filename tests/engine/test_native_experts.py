@@ -16,12 +16,12 @@ import json
 import pytest
 import torch
 
+from dsv4.config.model import tiny_config
 from dsv4.errors import CheckpointError, ConfigError
-from dsv4.model.config import tiny_config
 from dsv4.model.offload import offload_model
-from dsv4.model.quant import dequantize, fp8_block_quantize, mxfp4_quantize
 from dsv4.model.tiny import random_model, write_checkpoint
 from dsv4.model.weights import load_model
+from dsv4.ops.quant import dequantize, fp8_block_quantize, mxfp4_quantize
 from dsv4.plan import WeightFormats, expert_bytes
 from dsv4.runner.paged import PagedSwitches
 from tests.engine.conftest import greedy_request, make_core

@@ -16,13 +16,13 @@ import json
 import pytest
 import torch
 
+from dsv4.config.model import tiny_config
 from dsv4.errors import CheckpointError, ConfigError
-from dsv4.model.config import tiny_config
 from dsv4.model.fp8 import FP8Linear
-from dsv4.model.kernel_bridge import install_kernels
-from dsv4.model.quant import fp8_block_dequantize, fp8_block_quantize
 from dsv4.model.tiny import random_model, write_checkpoint
 from dsv4.model.weights import load_model
+from dsv4.ops.quant import fp8_block_dequantize, fp8_block_quantize
+from dsv4.runner.kernel_bridge import hot_ops, kernel_choices
 from dsv4.runner.paged import PagedSwitches
 from kernels.backend import KernelBackendConfig
 from tests.engine.conftest import greedy_request, make_core
@@ -100,14 +100,17 @@ def test_triton_kernel_backend_in_the_model(models, checkpoint) -> None:
     dense16 = load_model(checkpoint, dtype=torch.bfloat16)[0]
     ids = torch.arange(2, 14)[None]
     only_fp8 = KernelBackendConfig("ref", {"fp8_linear": "triton", "fp8_grouped_linear": "triton"})
+    chosen = kernel_choices(only_fp8, "cpu")
+    assert chosen["fp8_linear"] == chosen["fp8_grouped_linear"] == "triton"
+    assert chosen["route"] == chosen["hc_pre"] == chosen["hc_post"] == "ref"
     with torch.no_grad():
         want, want16 = dense(ids).logits, dense16(ids).logits
+        native16.use_hot_ops(hot_ops(only_fp8, "cpu"))  # loaded here: no other test sees it
+        got16 = native16(ids).logits
         try:
-            chosen = install_kernels(only_fp8, "cpu")
-            assert chosen["fp8_linear"] == chosen["fp8_grouped_linear"] == "triton"
-            got, got16 = native(ids).logits, native16(ids).logits
+            got = native.use_hot_ops(hot_ops(only_fp8, "cpu"))(ids).logits
         finally:
-            install_kernels(KernelBackendConfig("ref"), "cpu")
+            native.use_hot_ops(hot_ops(KernelBackendConfig("ref"), "cpu"))  # module fixture
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(got16, want16, atol=5e-2, rtol=2e-2)
 

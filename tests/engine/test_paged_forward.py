@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4.model.config import tiny_config
+from dsv4.config.index_pattern import IndexPattern
+from dsv4.config.model import tiny_config
 from dsv4.model.generate import generate
-from dsv4.model.index_cache import IndexPattern
 from dsv4.model.tiny import random_model
 from dsv4.runner.paged import MetadataSwitches, PagedSwitches
 from dsv4.scheduler.batch import RequestStepOutput, StepOutput
@@ -94,7 +94,7 @@ def _lockstep_logits(*cores) -> list[list[torch.Tensor]]:
     steps = []
     while cores[0].has_work():
         batches = [c.scheduler.schedule() for c in cores]
-        logits = [c.runner.paged(b).logits for c, b in zip(cores, batches)]
+        logits = [c.runner.forward.paged(b).logits for c, b in zip(cores, batches)]
         steps.append(logits)
         rows = [r.request_id for r in batches[0].requests if r.samples_token]
         given = dict(zip(rows, logits[0].argmax(-1).tolist()))

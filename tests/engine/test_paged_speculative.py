@@ -1,4 +1,4 @@
-"""MTP speculation on the paged forward (`dsv4.speculative.paged`): greedy output is token-identical to
+"""MTP speculation on the paged forward (`dsv4.runner.paged.speculative`): greedy output is token-identical to
 non-speculative decoding, the drafts are the reference drafter's (same acceptance counts), and
 forced acceptance (an oracle rewrites the drafts) exercises full, partial and zero acceptance —
 rejected positions leave rows in the cache that must never be read. fp32 caches; eager steps
@@ -11,8 +11,8 @@ import zlib
 import pytest
 
 from dsv4.runner.paged.decode_graphs import GraphOptions
-from dsv4.speculative.drafter import Draft
-from dsv4.speculative.paged import PagedSpeculator
+from dsv4.runner.paged.speculative import PagedSpeculator
+from dsv4.speculative.acceptance import Draft
 from tests.engine.conftest import greedy_request, make_core, run_to_completion
 from tests.engine.test_speculative import (  # noqa: F401  (fixtures)
     NEW_TOKENS,
@@ -60,12 +60,12 @@ class OracleSpeculator(PagedSpeculator):
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_paged_mtp_greedy_equals_reference(mtp_model, reference, k, graphs) -> None:  # noqa: F811
     core = paged_spec_core(mtp_model, k, graphs)
-    assert isinstance(core.runner.spec, PagedSpeculator)
+    assert isinstance(core.runner.forward.spec, PagedSpeculator)
     assert _run(core, mtp_model) == reference
     assert core.runner.spec_metrics.num_verify_steps > 0
     if graphs is not None:
-        assert core.runner.graphs.passes["target"].num_runs > 0
-        assert core.runner.graphs.passes["mtp"].num_runs > 0
+        assert core.runner.forward.graphs.passes["target"].num_runs > 0
+        assert core.runner.forward.graphs.passes["mtp"].num_runs > 0
     assert_no_leaks(core)
 
 
@@ -79,7 +79,7 @@ def test_paged_drafts_are_the_reference_drafters(mtp_model, k, graphs) -> None: 
     paged, ref = paged_spec_core(mtp_model, k, graphs), make_spec_core(mtp_model, k)
     seen_paged: dict[tuple[str, int], tuple[int, ...]] = {}
     seen_ref: dict[tuple[str, int], tuple[int, ...]] = {}
-    spec, drafter = paged.runner.spec, ref.runner.spec.drafter
+    spec, drafter = paged.runner.forward.spec, ref.runner.forward.spec.drafter
     propose_paged, propose_ref = spec._propose, drafter.propose
 
     def record_paged(*args):
@@ -107,7 +107,7 @@ def test_paged_drafts_are_the_reference_drafters(mtp_model, k, graphs) -> None: 
 def test_paged_forced_acceptance_equals_reference(mtp_model, reference, k, graphs) -> None:  # noqa: F811
     core = paged_spec_core(mtp_model, k, graphs)
     lens = {rid: len(p) for rid, p in prompts(mtp_model.cfg.vocab_size).items()}
-    core.runner.spec = OracleSpeculator(core.runner.spec, lens, reference)
+    core.runner.forward.spec = OracleSpeculator(core.runner.forward.spec, lens, reference)
     assert _run(core, mtp_model) == reference
     m = core.runner.spec_metrics
     assert 0 < m.num_accepted[0] < m.num_drafted[0]  # partial acceptance happened
@@ -127,7 +127,9 @@ def test_paged_preemption_keeps_outputs_exact(mtp_model) -> None:  # noqa: F811
     }
     ref = {rid: generate(mtp_model, p, NEW_TOKENS) for rid, p in long_prompts.items()}
     core = paged_spec_core(mtp_model, 2, budget=512, num_blocks=25)
-    core.runner.spec = OracleSpeculator(core.runner.spec, {r: 120 for r in long_prompts}, ref)
+    core.runner.forward.spec = OracleSpeculator(
+        core.runner.forward.spec, {r: 120 for r in long_prompts}, ref
+    )
     preempted = []
     execute = core.runner.execute
 
@@ -154,7 +156,7 @@ def test_speculator_forgets_finished_requests(mtp_model) -> None:  # noqa: F811
     _run(core, mtp_model)
     core.add_request(greedy_request("late", [3], 2))
     run_to_completion(core)
-    assert set(core.runner.spec.drafts) | set(core.runner.spec.carry) <= {"late"}
+    assert set(core.runner.forward.spec.drafts) | set(core.runner.forward.spec.carry) <= {"late"}
 
 
 @pytest.mark.gpu
@@ -165,7 +167,7 @@ def test_paged_mtp_with_captured_graphs_on_the_gpu() -> None:
     the CPU tests' job)."""
     import torch
 
-    from dsv4.model.config import tiny_config
+    from dsv4.config.model import tiny_config
     from dsv4.model.tiny import random_model
     from kernels.backend import KernelBackendConfig
 
@@ -181,7 +183,7 @@ def test_paged_mtp_with_captured_graphs_on_the_gpu() -> None:
         for i, p in enumerate(plist):
             core.add_request(greedy_request(f"r{i}", p, 12))
         outs.append(run_to_completion(core))
-        passes = core.runner.graphs.passes
+        passes = core.runner.forward.graphs.passes
         assert passes["target"].num_runs > 0
         if k:
             assert passes["mtp"].num_runs > 0 and passes["mtp_draft"].num_runs > 0

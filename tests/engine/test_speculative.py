@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from dsv4.cache.packing import CacheOptions
-from dsv4.engine.core import EngineCore, build_engine_core
-from dsv4.model.config import tiny_config
+from dsv4.config.model import tiny_config
+from dsv4.engine.core import EngineCore, EngineOptions, build_engine_core
 from dsv4.model.generate import generate
 from dsv4.model.tiny import random_model
 from dsv4.scheduler.config import SchedulerConfig
-from dsv4.speculative.drafter import Draft
+from dsv4.speculative.acceptance import Draft
 from tests.engine.conftest import greedy_request, run_to_completion
 from tests.leak import assert_no_leaks
 
@@ -52,7 +52,7 @@ def make_spec_core(model, k: int, budget: int = 64, num_blocks: int = 64) -> Eng
                            num_speculative_tokens=k)  # fmt: skip
     cfg = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=8, max_model_len=2048,
                           num_speculative_tokens=k)  # fmt: skip
-    return build_engine_core(model, options, cfg, num_blocks=num_blocks)
+    return build_engine_core(model, EngineOptions(options, cfg, num_blocks))
 
 
 class OracleDrafter:
@@ -94,7 +94,7 @@ def test_mtp_greedy_equals_reference(mtp_model, reference, k: int) -> None:
     # own context may be left.
     core.add_request(greedy_request("late", [3], 2))
     run_to_completion(core)
-    assert set(core.runner.spec.contexts) <= {"late"}
+    assert set(core.runner.forward.spec.contexts) <= {"late"}
     assert_no_leaks(core)
 
 
@@ -102,7 +102,7 @@ def test_mtp_greedy_equals_reference(mtp_model, reference, k: int) -> None:
 def test_forced_acceptance_equals_reference(mtp_model, reference, k: int) -> None:
     core = make_spec_core(mtp_model, k)
     lens = {rid: len(p) for rid, p in prompts(mtp_model.cfg.vocab_size).items()}
-    spec = core.runner.spec
+    spec = core.runner.forward.spec
     spec.drafter = OracleDrafter(spec.drafter, lens, reference)
     assert _run(core, mtp_model) == reference
     m = core.runner.spec_metrics
@@ -131,7 +131,7 @@ def test_lone_long_prompt_gets_the_prefill_budget_end_to_end(mtp_model, mode, fi
                            num_speculative_tokens=3)  # fmt: skip
     cfg = SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=8, max_model_len=2048,
                           num_speculative_tokens=3, spec_budget=mode)  # fmt: skip
-    core = build_engine_core(mtp_model, options, cfg, num_blocks=16)
+    core = build_engine_core(mtp_model, EngineOptions(options, cfg, 16))
     batches = _record_batches(core)
     prompt = prompts(mtp_model.cfg.vocab_size)["r2"] * 3  # 390 tokens
     core.add_request(greedy_request("long", prompt, 3))
@@ -143,11 +143,11 @@ def test_lone_long_prompt_gets_the_prefill_budget_end_to_end(mtp_model, mode, fi
 
 def sampled_outputs(core, model) -> dict[str, list[int]]:
     """Every prompt sampled (T 0.8, top-k 50, its own seed) to 6 tokens with speculation."""
-    from dsv4.runner.sampler import SamplingSpec
     from dsv4.scheduler.request import Request
+    from dsv4.types import SamplingParams
 
     for i, (rid, prompt) in enumerate(prompts(model.cfg.vocab_size).items()):
-        spec = SamplingSpec(temperature=0.8, top_k=50, seed=100 + i)
+        spec = SamplingParams(temperature=0.8, top_k=50, seed=100 + i)
         core.add_request(Request(rid, tuple(prompt), 6, spec, eos_token_id=None))
     outputs = run_to_completion(core)
     assert core.runner.spec_metrics.num_verify_steps > 0
@@ -172,7 +172,7 @@ def test_preemption_and_lost_contexts_keep_outputs_exact(mtp_model) -> None:
     }
     reference = {rid: generate(mtp_model, p, NEW_TOKENS) for rid, p in long_prompts.items()}
     core = make_spec_core(mtp_model, 2, budget=512, num_blocks=25)
-    spec = core.runner.spec
+    spec = core.runner.forward.spec
     spec.drafter = OracleDrafter(spec.drafter, {r: 120 for r in long_prompts}, reference)
     batches = _record_batches(core)
     for rid, prompt in long_prompts.items():

@@ -20,6 +20,7 @@ if not torch.cuda.is_available():
 
         if not isinstance(sys.modules["kernels.routing"]._route_kernel, InterpretedFunction):
             for name in (
+                "kernels.jit_helpers",  # first: every kernel module below calls its helpers
                 "kernels.routing",
                 "kernels.mhc",
                 "kernels.metadata",
@@ -31,16 +32,17 @@ if not torch.cuda.is_available():
                 "kernels.moe_align",  # before kernels.moe, which imports it
                 "kernels.fp8_dequant",  # before kernels.moe and the fp8 linears, which import it
                 "kernels.moe_gemv",  # before kernels.moe, which imports it
+                "kernels.moe_gemm",  # before moe_dequant and moe, which launch its GEMMs
+                "kernels.moe_dequant",  # before kernels.moe, which imports it
                 "kernels.moe",
-                "kernels.moe_dequant",  # after kernels.moe, whose kernels it launches
-                "kernels.fp8_gemv",  # after fp8_dequant, whose _block_scale it calls
-                "kernels.fp8_w8a8",  # after fp8_gemv and kernels.moe, whose helpers it calls
-                "kernels.fp8_linear",  # after kernels.moe, whose _tile_ids it calls
+                "kernels.fp8_gemv",
+                "kernels.fp8_w8a8",  # after fp8_gemv, whose launch helpers it calls
+                "kernels.fp8_linear",
                 "kernels.norm_rope",
                 "kernels.ring_offsets",
                 "kernels.sampling",
             ):
-                if name in sys.modules:  # kernels.moe_dequant loads on first use
+                if name in sys.modules:
                     importlib.reload(sys.modules[name])
             importlib.reload(sys.modules["kernels"])
 

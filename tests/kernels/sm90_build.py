@@ -34,7 +34,7 @@ _TORCH_TO_TRITON = {
 }  # fmt: skip
 _LAUNCH_OPTIONS = ("num_warps", "num_stages")
 MAX_VARIANTS = 8  # constexpr sets kept per kernel and value of its FMT constexpr (if any)
-MAX_KERNEL_VARIANTS = 32  # and per kernel: kernels.moe's GEMMs take five FMT values
+MAX_KERNEL_VARIANTS = 32  # and per kernel: kernels.moe_gemm's GEMMs take five FMT values
 
 
 @dataclass(frozen=True)

@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4.model.compressor import compress_windows
-from dsv4.model.layers import rms_norm
-from dsv4.model.rope import apply_rope
-from dsv4.runner.kv_codec import decode_rows, encode_rows
+from dsv4.ops.compressor import compress_windows
+from dsv4.ops.kv_codec import decode_rows, encode_rows
+from dsv4.ops.norm import rms_norm
+from dsv4.ops.rope import apply_rope
 from kernels.compressor import (
     compressor_step,
     compressor_step_always,
@@ -164,7 +164,7 @@ def test_chunked_steps_equal_whole_sequence(ratio, fmt):
                         meta["entry_slots"], ratio=ratio, fmt=fmt, rope_dim=rope)  # fmt: skip
         start += q
     usable = n_entries * ratio
-    new = compress_windows.reference(kv[:usable].view(n_entries, ratio, -1),
+    new = compress_windows(kv[:usable].view(n_entries, ratio, -1),
                                      gate[:usable].view(n_entries, ratio, -1), None, None,
                                      ratio == 4)  # fmt: skip
     new = rms_norm(new.to(torch.bfloat16), weight, 1e-6)

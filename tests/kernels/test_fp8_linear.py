@@ -14,7 +14,7 @@ import importlib
 import pytest
 import torch
 
-from dsv4.model.quant import fp8_block_dequantize, fp8_block_quantize
+from dsv4.ops.quant import fp8_block_dequantize, fp8_block_quantize
 from kernels.fp8_linear import (
     fp8_grouped_linear,
     fp8_grouped_linear_ref,

@@ -14,8 +14,8 @@ import torch
 from dsv4.config import load_config
 from dsv4.errors import ConfigError
 from dsv4.model.fp8 import FP8Linear, set_linear_activations_
-from dsv4.model.fp8 import quantize_activations as quantize_ref
-from dsv4.model.quant import fp8_block_quantize
+from dsv4.ops.fp8 import quantize_activations as quantize_ref
+from dsv4.ops.quant import fp8_block_quantize
 from kernels.fp8_linear import (
     fp8_grouped_linear,
     fp8_grouped_linear_ref,

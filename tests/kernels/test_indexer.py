@@ -11,9 +11,9 @@ import torch
 
 import kernels.indexer as ix
 import kernels.indexer_select as sel
-from dsv4.model.indexer import indexer_scores
-from dsv4.model.indexer import indexer_topk as model_indexer_topk
-from dsv4.runner.kv_codec import decode_rows, encode_rows
+from dsv4.ops.indexer import indexer_scores
+from dsv4.ops.indexer import indexer_topk as model_indexer_topk
+from dsv4.ops.kv_codec import decode_rows, encode_rows
 from tests.kernels.conftest import DEVICE
 from tests.kernels.tolerances import tol
 

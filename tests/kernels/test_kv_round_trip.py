@@ -9,11 +9,11 @@ import torch
 
 from dsv4.cache.layout import KVLayout
 from dsv4.cache.packing import CacheOptions
-from dsv4.model.config import tiny_config
-from dsv4.runner.kv_codec import round_trip
+from dsv4.config.model import tiny_config
+from dsv4.ops.kv_codec import round_trip
+from dsv4.runner.kv_cache import PagedKVCache
 from dsv4.runner.paged import kv_rows
 from dsv4.runner.paged.geometry import CacheGeometry
-from dsv4.runner.paged_cache import PagedKVCache
 from kernels.backend import KernelBackendConfig
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4.runner.kv_codec import decode_rows, encode_rows
+from dsv4.ops.kv_codec import decode_rows, encode_rows
 from kernels.kv_store import (
     FORMATS,
     kv_gather,

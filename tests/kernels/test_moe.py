@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4.model.quant import fp8_block_quantize, mxfp4_quantize
+from dsv4.ops.quant import fp8_block_quantize, mxfp4_quantize
 from kernels.moe import moe_align, moe_experts_ref, shared_expert
 from tests.kernels.bench_dry_run import dry_run_records
 from tests.kernels.moe_cases import DEVICE, check_step, routing

@@ -8,13 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4.model.quant import fp8_block_quantize, mxfp4_quantize
-from kernels.moe import moe_experts
+from dsv4.ops.quant import fp8_block_quantize, mxfp4_quantize
+from kernels.moe import moe_experts, moe_experts_dequant
 from kernels.moe_dequant import (
     DEQUANT_MIN_PAIRS_PER_EXPERT,
     dequantize_experts,
     dequantize_experts_ref,
-    moe_experts_dequant,
     use_dequant,
 )
 from tests.kernels.bench_dry_run import dry_run_records

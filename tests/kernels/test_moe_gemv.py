@@ -12,7 +12,7 @@ import functools
 import pytest
 import torch
 
-from dsv4.model.quant import mxfp4_quantize
+from dsv4.ops.quant import mxfp4_quantize
 from kernels import moe_gemv
 from kernels.moe import moe_experts, moe_experts_ref
 from tests.kernels.moe_cases import (

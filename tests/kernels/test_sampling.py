@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4.runner.sampler import Sampler, SamplingSpec, filtered_probs
+from dsv4.ops.sampling import SamplingSpec, filtered_probs
+from dsv4.runner.sampler import Sampler
 from kernels import registry
 from kernels.backend import KernelBackendConfig, dispatch
 from kernels.sampling import flashinfer_available, sample, sample_ref, sample_torch

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import kernels.sparse_attention as sa
-from dsv4.model.attention import sparse_attention
-from dsv4.runner.kv_codec import decode_rows, encode_rows
+from dsv4.ops.attention import sparse_attention
+from dsv4.ops.kv_codec import decode_rows, encode_rows
 from tests.kernels.bench_dry_run import dry_run_records
 from tests.kernels.conftest import DEVICE
 from tests.kernels.tolerances import assert_close, tol

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4.model.config import ModelConfig, tiny_config
+from dsv4.config.model import ModelConfig, tiny_config
 from dsv4.model.deepseek_v4 import DeepseekV4
 from dsv4.model.tiny import random_model
 

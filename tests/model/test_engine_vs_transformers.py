@@ -11,7 +11,7 @@ import torch
 
 from dsv4.engine.offline import generate_batch
 from dsv4.model.weights import load_model
-from dsv4.runner.sampler import SamplingSpec
+from dsv4.ops.sampling import SamplingSpec
 
 LENGTHS = (3, 64, 129, 257)
 NEW_TOKENS = 16

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from dsv4.model.hyper import hc_head, hc_post, hc_post_first, hc_pre, hc_pre_first, sinkhorn
+from dsv4.ops.hyper import hc_head, hc_post, hc_post_first, hc_pre, hc_pre_first, sinkhorn
 from tests.model.conftest import tiny_model
 
 M, D, ITERS, EPS, NORM_EPS = 4, 16, 20, 1e-6, 1e-6
@@ -109,7 +109,7 @@ def test_hc_head_matches_the_equation():
 
 def test_unfused_first_layer_gives_the_same_logits() -> None:
     """#48137: hc from the embedding directly equals repeating it into M streams first."""
-    from dsv4.model.config import tiny_config
+    from dsv4.config.model import tiny_config
     from dsv4.model.tiny import random_model
 
     cfg = tiny_config().with_overrides(num_hidden_layers=1, compress_ratios=(0,))

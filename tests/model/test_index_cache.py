@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4.model.config import tiny_config
-from dsv4.model.index_cache import IndexPattern, TopkRelay
+from dsv4.config.index_pattern import IndexPattern
+from dsv4.config.model import tiny_config
+from dsv4.model.index_cache import TopkRelay
 from tests.model.conftest import tiny_model
 
 # 6 layers with C4 at 1, 3, 4 (so frequency 2 is FSF and a Shared layer sits between Fulls).

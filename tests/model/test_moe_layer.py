@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dsv4.model.config import tiny_config
-from dsv4.model.moe import MoE, route
+from dsv4.config.model import tiny_config
+from dsv4.model.moe import MoE
+from dsv4.ops.moe import route
 from tests.model.conftest import tiny_model
 
 

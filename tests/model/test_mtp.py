@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from dsv4.model.config import tiny_config
+from dsv4.config.model import tiny_config
 from tests.model.conftest import hf_config, tiny_model
 
 ATOL = 5e-5

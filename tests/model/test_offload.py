@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dsv4.model.generate import generate
-from dsv4.model.moe import MoE, swiglu
+from dsv4.model.moe import MoE
 from dsv4.model.offload import (
     ExpertFormat,
     OffloadedExperts,
@@ -20,7 +20,8 @@ from dsv4.model.offload import (
     offload_model,
     offload_stats,
 )
-from dsv4.model.quant import mxfp4_dequantize, mxfp4_quantize
+from dsv4.ops.moe import swiglu
+from dsv4.ops.quant import mxfp4_dequantize, mxfp4_quantize
 from tests.model.conftest import tiny_model
 
 PROMPT = [5, 17, 300, 42, 42, 7, 999, 64, 3, 128, 511, 2, 77, 19, 640, 33]

@@ -15,12 +15,14 @@ that with ties present the two agree once our top-k uses torch.topk's rule.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from dsv4.model.config import tiny_config
+from dsv4.config.model import tiny_config
 from dsv4.model.generate import generate
-from dsv4.model.layers import register_kernel, set_kernel_backend
+from dsv4.model.hot_ops import REFERENCE_OPS
 from dsv4.model.rope import inv_freq
 from dsv4.model.weights import load_model
 from tests.model.conftest import hf_config, randomize_hf
@@ -81,7 +83,7 @@ def _topk_like_torch(scores, positions, ratio, topk):
 @torch.no_grad()
 def test_ties_are_the_only_indexer_difference(tmp_path):
     """Independent indexer heads: ReLU ties at 0 occur and pick different entries, but with
-    torch.topk's tie rule swapped in through the kernel switch, logits match again."""
+    torch.topk's tie rule swapped in through the model's hot ops, logits match again."""
     from transformers import DeepseekV4ForCausalLM
 
     torch.manual_seed(0)
@@ -98,10 +100,6 @@ def test_ties_are_the_only_indexer_difference(tmp_path):
     ids = _ids(300)
     expected = hf(ids).logits
     assert (ours(ids).logits - expected).abs().max() > 1e-3  # ties broken differently
-    register_kernel("indexer_topk", _topk_like_torch, backend="torch_topk_ties")
-    set_kernel_backend("torch_topk_ties")
-    try:
-        got = ours(ids).logits
-    finally:
-        set_kernel_backend("torch")
+    ours.use_hot_ops(dataclasses.replace(REFERENCE_OPS, indexer_topk=_topk_like_torch))
+    got = ours(ids).logits
     torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)

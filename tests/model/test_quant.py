@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4.model.quant import (
+from dsv4.ops.quant import (
     fp8_block_dequantize,
     fp8_block_quantize,
     mxfp4_dequantize,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from dsv4.config import load_config
-from dsv4.model.config import ModelConfig, tiny_config
+from dsv4.config.model import ModelConfig, tiny_config
 from dsv4.model.tiny import random_model, write_model_spec
 from dsv4.worker.build import load_weights, planned_model_config
 from router_svc.text_model import load_text_model

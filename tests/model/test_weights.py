@@ -11,13 +11,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from dsv4.config.model import tiny_config
 from dsv4.errors import CheckpointError
-from dsv4.model.config import tiny_config
 from dsv4.model.deepseek_v4 import DeepseekV4
 from dsv4.model.inventory import model_tensors
-from dsv4.model.quant import fp8_block_dequantize, mxfp4_dequantize
 from dsv4.model.tiny import write_checkpoint
 from dsv4.model.weights import load_into, load_model, official_name, quantized_kind
+from dsv4.ops.quant import fp8_block_dequantize, mxfp4_dequantize
 from tests.model.conftest import tiny_model
 
 

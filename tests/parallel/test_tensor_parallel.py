@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from dsv4.config.model import tiny_config
 from dsv4.errors import ConfigError
-from dsv4.model.config import tiny_config
 from dsv4.model.tiny import random_model
 from dsv4.parallel import ParallelGroup, check_shardable, launch_env, shard_model
 from tests.parallel.tp_worker import SEED, RankReport, Workload, run_workload

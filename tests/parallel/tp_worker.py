@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dsv4.model.config import tiny_config
+from dsv4.config.model import tiny_config
 from dsv4.model.deepseek_v4 import DeepseekV4
 from dsv4.model.generate import generate
 from dsv4.model.tiny import random_model

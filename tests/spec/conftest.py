@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4.model.config import tiny_config
+from dsv4.config.model import tiny_config
 from dsv4.model.tiny import random_model
 
 

@@ -8,9 +8,9 @@ from collections import Counter
 import pytest
 import torch
 
-from dsv4.runner.sampler import Sampler, SamplingSpec
+from dsv4.ops.sampling import SamplingSpec
+from dsv4.runner.sampler import RequestRandom, Sampler
 from dsv4.speculative.acceptance import accept_greedy, accept_sampled, residual_probs
-from dsv4.speculative.decoder import RequestRandom
 from dsv4.speculative.metrics import SpecMetrics
 
 # Hand-built target p_0, p_1, p_2 and draft q_1, q_2 over a 5-token vocabulary; q differs

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4.speculative.rollback import can_truncate, truncate_state
+from dsv4.runner.reference.rollback import can_truncate, truncate_state
 
 K = 3
 

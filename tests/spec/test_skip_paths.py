@@ -3,24 +3,29 @@ are skipped when every query's available ratio-4 entries fit in top-k."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from dsv4.model import indexer
-from dsv4.model.indexer import all_available, indexer_topk
+from dsv4.model.hot_ops import REFERENCE_OPS
+from dsv4.model.indexer import all_available
+from dsv4.ops.indexer import indexer_topk
 
 
 @pytest.fixture
-def count_scores(monkeypatch):
+def count_scores(mtp_model):
+    """Counts the indexer-score calls of `mtp_model` (a spy in its hot ops)."""
     calls = []
-    original = indexer.indexer_scores
 
     def spy(*args, **kwargs):
         calls.append(1)
-        return original(*args, **kwargs)
+        return REFERENCE_OPS.indexer_scores(*args, **kwargs)
 
-    monkeypatch.setattr(indexer, "indexer_scores", spy)
+    mtp_model.use_hot_ops(dataclasses.replace(REFERENCE_OPS, indexer_scores=spy))
     yield calls
+    mtp_model.use_hot_ops(REFERENCE_OPS)
     indexer.set_skip_topk(True)
 
 

@@ -19,8 +19,8 @@ from dsv4.cache import (
     CacheOptions,
     KVLayout,
 )
+from dsv4.config.model import ModelConfig, flash_config, tiny_config
 from dsv4.errors import ConfigError
-from dsv4.model.config import ModelConfig, flash_config, tiny_config
 
 
 def full_flash() -> ModelConfig:
@@ -239,7 +239,7 @@ def test_compat_hash_is_stable_and_sensitive() -> None:
     assert base.compat_hash not in hashes and len(hashes) == 5
     # Independent of the interpreter's hash seed (P and D are different processes).
     code = (
-        "from dsv4.cache import KVLayout; from dsv4.model.config import flash_config;"
+        "from dsv4.cache import KVLayout; from dsv4.config.model import flash_config;"
         "print(KVLayout.build(flash_config()).compat_hash)"
     )
     out = subprocess.run(

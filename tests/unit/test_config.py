@@ -20,8 +20,8 @@ from dsv4.config import (
 )
 from dsv4.config.fields import iter_specs
 from dsv4.config.load import SPECS
+from dsv4.config.model import flash_config, tiny_config
 from dsv4.errors import ConfigError
-from dsv4.model.config import flash_config, tiny_config
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:

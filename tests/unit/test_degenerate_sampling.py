@@ -11,9 +11,11 @@ import torch
 
 from dsv4 import wire
 from dsv4.errors import InvalidRequest
+from dsv4.ops.limits import MIN_TEMPERATURE, MIN_TOP_P
+from dsv4.ops.sampling import SamplingSpec, filtered_probs
 from dsv4.rpc.v1 import common_pb2, router_pb2
-from dsv4.runner.sampler import Sampler, SamplingSpec, filtered_probs
-from dsv4.types import MIN_TEMPERATURE, MIN_TOP_P, RequestLimits
+from dsv4.runner.sampler import Sampler
+from dsv4.types import RequestLimits
 from kernels.sampling import sample_ref, sample_torch
 
 LIMITS = RequestLimits(vocab_size=1000, max_model_len=64, default_max_new_tokens=16)

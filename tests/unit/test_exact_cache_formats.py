@@ -14,10 +14,10 @@ import torch
 from dsv4.cache.layout import KVLayout
 from dsv4.cache.packing import INDEX_DTYPES, KV_DTYPES, CacheOptions
 from dsv4.config import add_config_args, config_from_args, load_config, resolve_auto
+from dsv4.config.model import tiny_config
 from dsv4.errors import ConfigError
-from dsv4.model.config import tiny_config
-from dsv4.runner.kv_codec import round_trip
-from dsv4.runner.paged_cache import PagedKVCache
+from dsv4.ops.kv_codec import round_trip
+from dsv4.runner.kv_cache import PagedKVCache
 
 
 def test_flags_env_and_yaml_set_the_exact_formats(tmp_path: Path) -> None:

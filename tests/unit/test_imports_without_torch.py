@@ -18,6 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 ALWAYS = (
     "dsv4.types",
     "dsv4.errors",
+    "dsv4.ops.limits",  # the planner and the request validation read it
     "dsv4.config",
     "dsv4.wire",
     "dsv4.rpc",

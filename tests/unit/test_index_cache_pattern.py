@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from dsv4.cache import INDEXER, INDEXER_STATE, CacheOptions, KVLayout
+from dsv4.config.index_pattern import IndexPattern, c4_layer_ids
+from dsv4.config.model import flash_config, tiny_config
 from dsv4.errors import ConfigError
-from dsv4.model.config import flash_config, tiny_config
-from dsv4.model.index_cache import IndexPattern, c4_layer_ids
 
 # 8 layers, C4 at 1, 3, 5, 7 (the benchmark shape).
 FLASH8 = flash_config(8, (0, 4, 128, 4, 128, 4, 128, 4))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4.runner.kv_codec import decode_rows, encode_rows
+from dsv4.ops.kv_codec import decode_rows, encode_rows
 
 
 def test_fp8_ue8m0_layout_for_flash_head() -> None:

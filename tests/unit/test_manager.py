@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from dsv4.cache import CacheOptions, KVCacheManager, KVLayout
+from dsv4.config.model import tiny_config
 from dsv4.errors import NotFound, OutOfBlocks
-from dsv4.model.config import tiny_config
 from tests.leak import assert_no_leaks
 
 LAYOUT = KVLayout.build(tiny_config(), CacheOptions(kv_dtype="bf16"))

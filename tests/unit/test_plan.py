@@ -238,7 +238,7 @@ def test_planner_imports_without_torch():
 
 def test_cli_reads_a_checkpoint_config(tmp_path, capsys):
     from dsv4.commands.cli import main
-    from dsv4.model.config import tiny_config
+    from dsv4.config.model import tiny_config
 
     (tmp_path / "config.json").write_text(json.dumps(tiny_config().to_hf_dict()))
     argv = ["plan", "--model", str(tmp_path), "--gpu-mem", "4", "--max-num-seqs", "4", "--json"]
@@ -267,14 +267,20 @@ def test_weights_held_as_stored_reserve_their_dequantise_workspace():
     assert not any("dequant" in b.name for b in tiny.buffers)
 
 
-def test_mirrored_kernel_thresholds_agree():
-    """The planner keeps copies of three kernel constants (it imports without torch)."""
+def test_kernel_thresholds_are_the_planners():
+    """The planner counts the kernels' transient copies with the thresholds the kernels use:
+    both read them from the torch-free dsv4.ops.limits."""
     import importlib
 
+    from dsv4.ops import limits
     from dsv4.plan import budget
 
     moe_dequant = importlib.import_module("kernels.moe_dequant")
     fp8_linear = importlib.import_module("kernels.fp8_linear")
-    assert budget.MOE_DEQUANT_SCRATCH_BYTES == moe_dequant.SCRATCH_BYTES
-    assert budget.MOE_DEQUANT_MIN_PAIRS_PER_EXPERT == moe_dequant.DEQUANT_MIN_PAIRS_PER_EXPERT
-    assert budget.FP8_GEMV_MAX_ROWS == fp8_linear.GEMV_MAX_ROWS
+    assert (
+        moe_dequant.SCRATCH_BYTES
+        == budget.MOE_DEQUANT_SCRATCH_BYTES
+        == limits.MOE_DEQUANT_SCRATCH_BYTES
+    )
+    assert moe_dequant.DEQUANT_MIN_PAIRS_PER_EXPERT == budget.MOE_DEQUANT_MIN_PAIRS_PER_EXPERT
+    assert fp8_linear.GEMV_MAX_ROWS == budget.FP8_GEMV_MAX_ROWS == limits.FP8_GEMV_MAX_ROWS

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4.runner.sampler import Sampler, SamplingSpec, filtered_probs
+from dsv4.ops.sampling import SamplingSpec, filtered_probs
+from dsv4.runner.sampler import Sampler
 
 
 def test_greedy_is_argmax_and_lowest_id_on_ties() -> None:

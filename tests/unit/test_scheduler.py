@@ -9,10 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dsv4.cache import CacheOptions, KVCacheManager, KVLayout
+from dsv4.config.model import tiny_config
 from dsv4.errors import InvalidRequest
-from dsv4.model.config import tiny_config
 from dsv4.scheduler import (
-    FinishReason,
+    FinishCause,
     Request,
     RequestOutput,
     RequestStatus,
@@ -22,6 +22,7 @@ from dsv4.scheduler import (
     SchedulerConfig,
     StepOutput,
 )
+from dsv4.types import FinishReason
 from tests.leak import assert_no_leaks
 
 LAYOUT = KVLayout.build(tiny_config(), CacheOptions(kv_dtype="bf16"))
@@ -43,7 +44,7 @@ class FakeRunner:
         self.accept = accept
         self.prompts: dict[str, tuple[int, ...]] = {}
         self.outputs: dict[str, list[int]] = {}
-        self.finished: dict[str, FinishReason] = {}
+        self.finished: dict[str, FinishCause] = {}
         self.batches: list[ScheduledBatch] = []
 
     def add(self, request: Request) -> None:
@@ -115,7 +116,7 @@ def test_requests_run_to_max_tokens_with_chunked_prefill() -> None:
     runner.add(Request("a", prompt(600), max_new_tokens=5))
     runner.add(Request("b", prompt(40, 1), max_new_tokens=3))
     runner.run()
-    assert runner.finished == {"a": FinishReason.LENGTH, "b": FinishReason.LENGTH}
+    assert runner.finished == {"a": FinishCause.LENGTH, "b": FinishCause.LENGTH}
     assert len(runner.outputs["a"]) == 5 and len(runner.outputs["b"]) == 3
     runner.assert_outputs_match_oracle()
     first = runner.batches[0].requests
@@ -193,7 +194,7 @@ def test_preemption_by_recompute_frees_blocks_and_resumes_identically() -> None:
         if r.request_id == "new" and r.start_position == 0
     ]  # fmt: skip
     assert recompute and recompute[0].num_tokens > 250
-    assert runner.finished == {"old": FinishReason.LENGTH, "new": FinishReason.LENGTH}
+    assert runner.finished == {"old": FinishCause.LENGTH, "new": FinishCause.LENGTH}
     runner.assert_outputs_match_oracle()
     assert_no_leaks(scheduler)
 
@@ -251,7 +252,7 @@ def test_abort_at_any_point_frees_everything(phase: str, abort_step: int) -> Non
         runner.step()
     assert not scheduler.abort("a")  # unknown now
     runner.run()
-    assert "a" not in runner.finished and runner.finished["b"] is FinishReason.LENGTH
+    assert "a" not in runner.finished and runner.finished["b"] is FinishCause.LENGTH
     assert_no_leaks(scheduler)
 
 
@@ -272,10 +273,10 @@ def test_eos_stop_ids_and_stop_string_hook_finish_requests() -> None:
     runner.add(Request("n", prompt(5), max_new_tokens=50, eos_token_id=None))
     runner.run()
     assert runner.finished == {
-        "e": FinishReason.EOS,
-        "t": FinishReason.STOP_TOKEN,
-        "s": FinishReason.STOP_STRING,
-        "n": FinishReason.LENGTH,
+        "e": FinishCause.EOS,
+        "t": FinishCause.STOP_TOKEN,
+        "s": FinishCause.STOP_STRING,
+        "n": FinishCause.LENGTH,
     }
     assert runner.outputs["e"][-1] == oracle_eos and len(runner.outputs["e"]) == 1
     assert len(runner.outputs["t"]) == 3 and len(runner.outputs["s"]) == 3
@@ -294,7 +295,7 @@ def test_speculative_decoding_outputs_match_the_oracle() -> None:
     for i in range(3):
         runner.add(Request(f"r{i}", prompt(100 + 90 * i, i), max_new_tokens=40, arrival_time_s=i))
     runner.run()
-    assert all(reason is FinishReason.LENGTH for reason in runner.finished.values())
+    assert all(reason is FinishCause.LENGTH for reason in runner.finished.values())
     assert all(len(tokens) == 40 for tokens in runner.outputs.values())
     assert all(b.num_tokens <= 64 for b in runner.batches)
     assert any(r.num_draft_tokens == 3 for b in runner.batches for r in b.requests)
@@ -359,3 +360,11 @@ def test_random_aborts_under_preemption_pressure_leave_nothing_behind(
     assert set(runner.finished) == set(runner.prompts) - aborted
     runner.assert_outputs_match_oracle()
     assert_no_leaks(scheduler)
+
+
+def test_finish_causes_map_onto_the_stream_reasons() -> None:
+    """The scheduler's causes are finer than a stream's reason: every stop is STOP."""
+    stops = (FinishCause.EOS, FinishCause.STOP_TOKEN, FinishCause.STOP_STRING)
+    assert all(c.reason is FinishReason.STOP for c in stops)
+    assert FinishCause.LENGTH.reason is FinishReason.LENGTH
+    assert FinishCause.ABORTED.reason is FinishReason.ABORT

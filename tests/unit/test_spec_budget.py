@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dsv4.cache import CacheOptions, KVCacheManager, KVLayout
-from dsv4.model.config import tiny_config
+from dsv4.config.model import tiny_config
 from dsv4.scheduler import (
     Request,
     RequestStepOutput,

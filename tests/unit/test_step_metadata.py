@@ -1,4 +1,4 @@
-"""Per-step sparse-index metadata (dsv4.runner.metadata): the tables against the builders'
+"""Per-step sparse-index metadata (dsv4.runner.reference.slot_tables): the tables against the builders'
 references, and the fast paged gather (`load_states`, tables shared by all layers or rebuilt
 per layer) against the per-request reference `load_state`: identical states."""
 
@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from dsv4.cache import CacheOptions, KVCacheManager, KVLayout
-from dsv4.model.config import tiny_config
-from dsv4.runner.metadata import build_step_metadata, c4_topk_slots
-from dsv4.runner.paged_cache import PagedKVCache
-from dsv4.runner.paged_state import load_state, load_states
+from dsv4.config.model import tiny_config
+from dsv4.runner.kv_cache import PagedKVCache
+from dsv4.runner.reference.cache_state import load_state, load_states
+from dsv4.runner.reference.slot_tables import build_slot_tables, c4_topk_slots
 from dsv4.scheduler.batch import ScheduledRequest
 from kernels.metadata import c4_global_topk_slots_ref
 
@@ -83,7 +83,7 @@ def test_fast_gather_equals_the_reference_load(pattern: str, shared: bool) -> No
 
 def test_tables_match_their_definitions() -> None:
     cache, requests = filled_cache()
-    meta = build_step_metadata(cache.layout, requests, "cpu")
+    meta = build_slot_tables(cache.layout, requests, "cpu")
     assert meta.first_tokens == (0, 5, 6, 70) and meta.positions.shape == (71,)
     assert meta.token_to_req.tolist() == [0] * 5 + [1] + [2] * 64 + [3]
     ring = cache.layout.region(0, "window").ring_slots
@@ -104,7 +104,7 @@ def test_tables_match_their_definitions() -> None:
 
 def test_c4_translation_is_the_kernel_reference() -> None:
     cache, requests = filled_cache()
-    meta = build_step_metadata(cache.layout, requests, "cpu")
+    meta = build_slot_tables(cache.layout, requests, "cpu")
     gen = torch.Generator().manual_seed(1)
     local = torch.randint(-1, 90, (71, CFG.index_topk), generator=gen, dtype=torch.int32)
     got = c4_topk_slots(meta, local, cache.layout)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dsv4.config import load_config
-from dsv4.model.config import tiny_config
+from dsv4.config.model import tiny_config
 from dsv4.plan import PlanDoesNotFit, full_flash_config
 from dsv4.worker.fit import GIB, startup_plan
 

@@ -18,9 +18,10 @@ from dataclasses import dataclass, field
 import torch
 
 from dsv4.model.compressor import Compressor
-from dsv4.model.rope import inv_freq, rope_cos_sin
+from dsv4.model.rope import inv_freq
+from dsv4.ops.rope import rope_cos_sin
 from dsv4.runner.paged.geometry import CompressorGeometry
-from dsv4.runner.paged.step import StepMetadata
+from dsv4.runner.paged.step_metadata import StepMetadata
 from dsv4.runner.paged.weights import CompressorWeights
 from kernels import compressor as compressor_kernels
 from kernels.backend import resolve

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dsv4.runner.kv_cache import PagedKVCache
 from dsv4.runner.paged.forward import PagedForward
 from dsv4.runner.paged.graphs import (
     StaticInputs,
@@ -27,8 +28,7 @@ from dsv4.runner.paged.graphs import (
     graph_max_end,
     max_blocks_for,
 )
-from dsv4.runner.paged.step import StepMetadata
-from dsv4.runner.paged_cache import PagedKVCache
+from dsv4.runner.paged.step_metadata import StepMetadata
 from dsv4.scheduler.batch import ScheduledRequest
 
 

@@ -4,7 +4,8 @@ Same math as `DeepseekV4.forward` over per-request states (docs/model.md#forward
 runs batched over all tokens of the step and reads/writes the packed cache in place through the
 kernels (sparse attention, indexer, compressor, grouped MoE, mHC, routing), selected per op by
 the kernel config ("auto": Triton on CUDA, the torch references on CPU). The reference path
-(`paged_state.load_states` + the model + `store_state`) stays the oracle it is tested against.
+(`dsv4.runner.reference`: `cache_state.load_states` + the model + `store_state`) stays the
+oracle it is tested against.
 
 Logits are computed only for the rows that sample (the last token of each sampling request).
 """
@@ -20,12 +21,12 @@ from dsv4.model.block import Block
 from dsv4.model.deepseek_v4 import DeepseekV4
 from dsv4.model.fp8 import FP8Linear
 from dsv4.model.moe import MoE
+from dsv4.runner.kv_cache import PagedKVCache
 from dsv4.runner.paged.attention import attention_layer
 from dsv4.runner.paged.forward_state import ForwardState, PagedSwitches
 from dsv4.runner.paged.geometry import CacheGeometry
-from dsv4.runner.paged.step import MetadataSwitches, StepMetadata, StepTokens, upload
+from dsv4.runner.paged.step_metadata import MetadataSwitches, StepMetadata, StepTokens, upload
 from dsv4.runner.paged.weights import LayerWeights, prepare_weights
-from dsv4.runner.paged_cache import PagedKVCache
 from dsv4.scheduler.batch import ScheduledBatch
 from kernels.backend import KernelBackendConfig, resolve
 
@@ -56,7 +57,7 @@ class PagedForward:
         metadata: MetadataSwitches = DEFAULT_METADATA,
         switches: PagedSwitches = DEFAULT_SWITCHES,
     ) -> None:
-        self.model = model
+        self.model, self.cache = model, cache
         self.cfg = model.cfg
         self.geo = CacheGeometry(cache.layout, cache.backing)
         self.kernels = kernels
@@ -134,18 +135,13 @@ class PagedForward:
 
     def _block(self, block: Block, lw: LayerWeights, fs: ForwardState, x, token_ids, first):
         """x [T, M, D] (or the embedding [T, D] for the fused first block) -> [T, M, D]."""
-        cfg = self.cfg
-        hc = (cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
-        params = (block.hc_attn_fn, block.hc_attn_scale, block.hc_attn_base)
-        pre = self._ops["hc_pre_first_layer" if first else "hc_pre"]
-        u, post, comb = pre(x, *params, *hc)
+        u, post, comb = block.hc_attn(x, self._ops["hc_pre_first_layer" if first else "hc_pre"])
         norm = self._ops["norm_rope"]  # rms_norm in one launch
         y = attention_layer(
             block.attn, lw, fs, norm(u, block.attn_norm.weight, block.attn_norm.eps)
         )
         x = self._ops["hc_post"](y.contiguous(), x, post, comb)
-        params = (block.hc_ffn_fn, block.hc_ffn_scale, block.hc_ffn_base)
-        u, post, comb = self._ops["hc_pre"](x, *params, *hc)
+        u, post, comb = block.hc_ffn(x, self._ops["hc_pre"])
         y = self._moe(block.ffn, lw, norm(u, block.ffn_norm.weight, block.ffn_norm.eps),
                       token_ids)  # fmt: skip
         return self._ops["hc_post"](y.contiguous(), x, post, comb)
@@ -155,13 +151,7 @@ class PagedForward:
         bf16, or the checkpoint's MXFP4 / FP8 dequantised in the kernel), the shared expert."""
         cfg, experts = self.cfg, lw.experts
         logits = torch.nn.functional.linear(u.float(), lw.gate_weight)  # [T, E] fp32
-        if moe.gate.is_hash:
-            w, ids = self._hash_route(
-                logits, token_ids, moe.gate.tid2eid, cfg.routed_scaling_factor
-            )
-        else:
-            w, ids = self._route(logits, lw.gate_bias, cfg.num_experts_per_tok,
-                                 cfg.routed_scaling_factor)  # fmt: skip
+        w, ids = moe.route(logits, token_ids, self._route, self._hash_route, lw.gate_bias)
         w13, w2, num_t = experts.w13, experts.w2, u.shape[0]
         fuse = (self.switches.fuse_shared_expert and experts.w13_all is not None
                 and num_t <= FUSE_SHARED_MAX_TOKENS)  # fmt: skip

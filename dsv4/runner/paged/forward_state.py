@@ -8,13 +8,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dsv4.model.index_cache import IndexPattern
-from dsv4.model.rope import inv_freq, rope_cos_sin
+from dsv4.config.index_pattern import IndexPattern
+from dsv4.model.rope import inv_freq
+from dsv4.ops.rope import rope_cos_sin
 from dsv4.runner.paged import kv_rows
 from dsv4.runner.paged.compress import CompressorTables, compressor_tables
 from dsv4.runner.paged.geometry import LayerGeometry
 from dsv4.runner.paged.prefill import ChunkTables, chunk_tables, chunks_of
-from dsv4.runner.paged.step import StepMetadata
+from dsv4.runner.paged.step_metadata import StepMetadata
 
 
 @dataclass(frozen=True)

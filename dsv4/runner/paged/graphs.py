@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dsv4.runner.paged.step import StepShape, StepTensors
+from dsv4.runner.paged.step_metadata import StepShape, StepTensors
 
 logger = logging.getLogger(__name__)
 

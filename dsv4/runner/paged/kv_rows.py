@@ -4,14 +4,14 @@
 slots into a bf16 (model dtype) workspace; `round_trip` gives fresh rows as a later `gather`
 will (a prefill chunk attends to its own rows through it: chunk-size invariance). All go
 through `kernels.kv_store` when that op is registered and selected (one launch each), else
-through the byte codecs of `dsv4.runner.kv_codec` (the reference).
+through the byte codecs of `dsv4.ops.kv_codec` (the reference).
 """
 
 from __future__ import annotations
 
 import torch
 
-from dsv4.runner.kv_codec import decode_rows, encode_rows
+from dsv4.ops.kv_codec import decode_rows, encode_rows
 from dsv4.runner.paged.geometry import CacheGeometry
 from kernels.backend import KernelBackendConfig, resolve
 from kernels.registry import op_names

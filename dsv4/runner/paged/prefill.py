@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dsv4.runner.paged.step import StepMetadata
+from dsv4.runner.paged.step_metadata import StepMetadata
 from dsv4.scheduler.batch import PrefillChunk
 
 

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from dsv4.cache.packing import CacheOptions
-from dsv4.engine.core import build_engine_core
+from dsv4.engine.core import EngineOptions, build_engine_core
 from dsv4.model.deepseek_v4 import DeepseekV4
-from dsv4.runner.sampler import SamplingSpec
 from dsv4.scheduler.config import SchedulerConfig
 from dsv4.scheduler.request import Request
 from dsv4.speculative.metrics import SpecMetrics
+from dsv4.types import SamplingParams
 
 
 def measure_acceptance(
@@ -16,14 +18,15 @@ def measure_acceptance(
     prompts: list[list[int]],
     num_speculative_tokens: int,
     max_new_tokens: int,
-    sampling: SamplingSpec | None = None,
+    sampling: SamplingParams | None = None,
     max_steps: int = 100_000,
     paged: bool = False,
 ) -> tuple[SpecMetrics, dict[str, list[int]]]:
     """Run every prompt to `max_new_tokens` with k drafts (greedy unless `sampling`; EOS
     ignored) on an exact fp32 cache -> (acceptance counters, output ids per request).
-    `paged`: the serving path (`dsv4.speculative.paged` on the paged forward, its decode steps as the
-    static passes CUDA graphs replay) instead of the reference speculator."""
+    `paged`: the serving path (the paged forward's speculative half, its decode steps as the
+    static passes CUDA graphs replay) instead of the reference forward's. A seeded `sampling`
+    gives request i the seed + i."""
     k = num_speculative_tokens
     options = CacheOptions(block_size=128, kv_dtype="fp32", index_dtype="fp32",
                            num_speculative_tokens=k)  # fmt: skip
@@ -35,22 +38,22 @@ def measure_acceptance(
         num_speculative_tokens=k,
     )
     blocks = len(prompts) * (2 + longest // 128) + 16 * len(prompts)
-    graphs = None
+    paged_options = None
     if paged:
         from dsv4.runner.paged.decode_graphs import GraphOptions
+        from dsv4.runner.paged.step_forward import PagedOptions
 
         graphs = GraphOptions(max_batch=len(prompts), max_model_len=config.max_model_len,
                               capture=model.embed.weight.is_cuda)  # fmt: skip
-    core = build_engine_core(model, options, config, num_blocks=blocks,
-                             device=str(model.embed.weight.device),
-                             paged={} if paged else None, graphs=graphs)  # fmt: skip
+        paged_options = PagedOptions(graphs=graphs)
+    device = str(model.embed.weight.device)
+    core = build_engine_core(model, EngineOptions(options, config, blocks, device,
+                                                  paged=paged_options))  # fmt: skip
     for i, prompt in enumerate(prompts):
         params = (
             sampling
             if sampling is None
-            else SamplingSpec(
-                sampling.temperature, sampling.top_p, sampling.top_k, (sampling.seed or 0) + i
-            )
+            else dataclasses.replace(sampling, seed=(sampling.seed or 0) + i)
         )
         core.add_request(Request(f"m{i}", tuple(prompt), max_new_tokens, params))
     outputs: dict[str, list[int]] = {}

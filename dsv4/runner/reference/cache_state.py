@@ -12,7 +12,7 @@ The paged cache is the source of truth between steps; this module is the exact m
 After the step, only new window rows, new entries and the live ring rows are written back.
 
 `load_states` is the step-level fast path: it gathers the window rows and the compressed
-entries through the step's shared slot tables (`dsv4.runner.metadata`) instead of building
+entries through the step's shared slot tables (`dsv4.runner.reference.slot_tables`) instead of building
 addresses per request and layer; `load_state` stays the reference it must equal. Layers whose
 layout has no indexer pages (IndexCache Shared layers) get no indexer state.
 
@@ -26,16 +26,16 @@ from __future__ import annotations
 import torch
 
 from dsv4.model.state import CompressorState, LayerState, SequenceState
-from dsv4.runner.metadata import (
+from dsv4.runner.kv_cache import PagedKVCache
+from dsv4.runner.reference.slot_tables import (
     DEFAULT_KERNELS,
-    DEFAULT_METADATA_OPTIONS,
-    MetadataOptions,
-    StepMetadata,
-    build_step_metadata,
+    DEFAULT_SLOT_TABLE_OPTIONS,
+    SlotTableOptions,
+    SlotTables,
+    build_slot_tables,
     gather_entries,
     gather_ring,
 )
-from dsv4.runner.paged_cache import PagedKVCache
 from dsv4.scheduler.batch import ScheduledRequest
 from kernels.backend import KernelBackendConfig
 
@@ -71,19 +71,19 @@ def load_states(
     *,
     shared_metadata: bool = True,
     kernels: KernelBackendConfig = DEFAULT_KERNELS,
-    options: MetadataOptions = DEFAULT_METADATA_OPTIONS,
+    options: SlotTableOptions = DEFAULT_SLOT_TABLE_OPTIONS,
 ) -> list[SequenceState]:
     """`load_state` of every request of a step, gathering window rows and compressed entries
     through the step's slot tables: built once for all layers (`shared_metadata`, #45863) or
     rebuilt for every layer (the baseline)."""
     layout, cfg = cache.layout, cache.layout.model
-    shared = build_step_metadata(layout, requests, cache.device, kernels, options)
+    shared = build_slot_tables(layout, requests, cache.device, kernels, options)
     states = [_empty_state(cache, r.start_position) for r in requests]
     for layer_id in range(cfg.num_hidden_layers):
         meta = (
             shared
             if shared_metadata
-            else build_step_metadata(layout, requests, cache.device, kernels, options)
+            else build_slot_tables(layout, requests, cache.device, kernels, options)
         )
         window = layout.region(layer_id, "window")
         ratio = cfg.layer_ratio(layer_id)
@@ -103,7 +103,7 @@ def load_states(
 
 
 def _gather_prefix_entries(
-    cache: PagedKVCache, meta: StepMetadata, b: int, layer_id: int, ratio: int, name: str
+    cache: PagedKVCache, meta: SlotTables, b: int, layer_id: int, ratio: int, name: str
 ) -> torch.Tensor:
     region = cache.layout.region(layer_id, _ENTRY_KIND[name][0])
     return gather_entries(cache, region, meta.prefix_entry_slots(b, ratio))

@@ -3,7 +3,7 @@
 `dsv4.cache.layout.KVLayout` says where every layer's pages sit inside a block's slab; this class
 owns the backing tensor and reads/writes entries by (block table, entry index) for token regions
 and by (ring blocks, position) for ring regions, encoding and decoding the byte formats of
-`dsv4.runner.kv_codec`. Transports register `backing` once and move whole blocks.
+`dsv4.ops.kv_codec`. Transports register `backing` once and move whole blocks.
 
 This is the reference access path (gather/scatter of byte records); GPU kernels read the same
 bytes directly.
@@ -18,7 +18,7 @@ import torch
 from dsv4.cache.layout import KVLayout
 from dsv4.cache.packing import CacheRegion
 from dsv4.model.state import RoundTrip
-from dsv4.runner.kv_codec import decode_rows, encode_rows, round_trip
+from dsv4.ops.kv_codec import decode_rows, encode_rows, round_trip
 
 
 class PagedKVCache:

@@ -26,7 +26,7 @@ import torch
 from dsv4.runner.paged.decode_graphs import DecodeGraphs
 from dsv4.runner.paged.forward import PagedForward
 from dsv4.runner.paged.graphs import StepRow
-from dsv4.runner.paged.step import StepMetadata, StepTokens, upload
+from dsv4.runner.paged.step_metadata import StepMetadata, StepTokens, upload
 from dsv4.scheduler.batch import ScheduledRequest
 
 

@@ -7,7 +7,7 @@ Per decode request at position P (cache holds [0, P), t_P = the token to compute
 2. verify: ONE target forward per row over [t_P, d_1..d_k] at positions P..P+k (rows of
    equal k share the forward), giving p_0..p_k;
 3. accept (greedy exact, or rejection sampling with the request's generator);
-4. store exactly the accepted positions P..P+a in the paged cache (`dsv4.speculative.rollback`:
+4. store exactly the accepted positions P..P+a in the paged cache (`dsv4.runner.reference.rollback`:
    truncate the state, or replay the accepted tokens when a compressed window completed
    at a rejected position), and hand the accepted positions' streams to the MTP context.
 Prefill chunks only feed the MTP context (`observe`).
@@ -20,30 +20,18 @@ from collections import defaultdict
 import torch
 
 from dsv4.model.deepseek_v4 import DeepseekV4
-from dsv4.runner.paged_cache import PagedKVCache
-from dsv4.runner.paged_state import load_state, store_state
-from dsv4.runner.sampler import Sampler, SamplingSpec
+from dsv4.ops.sampling import SamplingSpec
+from dsv4.runner.kv_cache import PagedKVCache
+from dsv4.runner.reference.cache_state import load_state, store_state
+from dsv4.runner.reference.draft_context import DraftContext
+from dsv4.runner.reference.mtp_drafter import DraftJob, MTPDrafter
+from dsv4.runner.reference.rollback import truncate_state
+from dsv4.runner.sampler import RequestRandom, Sampler
 from dsv4.scheduler.batch import ScheduledRequest
-from dsv4.speculative.acceptance import accept_greedy, accept_sampled
-from dsv4.speculative.context import DraftContext
-from dsv4.speculative.drafter import Draft, DraftJob, MTPDrafter
+from dsv4.speculative.acceptance import Draft, accept_greedy, accept_sampled
 from dsv4.speculative.metrics import SpecMetrics
-from dsv4.speculative.rollback import truncate_state
 
 NO_DRAFT = Draft((), None)
-
-
-class RequestRandom:
-    """A request's random stream, drawn from the sampler's per-request generator."""
-
-    def __init__(self, sampler: Sampler, request_id: str, spec: SamplingSpec) -> None:
-        self._sampler, self._request_id, self._spec = sampler, request_id, spec
-
-    def uniform(self) -> float:
-        return self._sampler.uniform(self._request_id, self._spec)
-
-    def categorical(self, probs: torch.Tensor) -> int:
-        return self._sampler.categorical(probs, self._request_id, self._spec)
 
 
 class SpeculativeDecoder:

@@ -5,7 +5,7 @@ next ones from what it just verified. Per step:
 1. target forward: each decode at P runs [t_P, d_1..d_k] (its stored drafts; missing ones are
    padding tokens, never accepted), prefill chunks run as usual;
 2. accept: greedy exact, or rejection sampling (`dsv4.speculative.acceptance`) -> 1 + a tokens;
-3. propose (`paged_mtp.MTPPasses`): the MTP layer over each decode's verified positions and
+3. propose (`mtp_passes.MTPPasses`): the MTP layer over each decode's verified positions and
    each prefill chunk's tail writes their MTP window rows and drafts d'_1; k - 1 draft steps on
    the MTP's own streams give d'_2..d'_k.
 No rollback: what a rejected position wrote (target window and compressor-state rows,
@@ -24,15 +24,14 @@ from dataclasses import dataclass
 
 import torch
 
+from dsv4.ops.sampling import SamplingSpec, filtered_probs
 from dsv4.runner.paged.decode_graphs import DecodeGraphs
 from dsv4.runner.paged.forward import PagedForward
-from dsv4.runner.sampler import Sampler, SamplingSpec, filtered_probs
+from dsv4.runner.paged.mtp_passes import CatchUp, MTPPasses
+from dsv4.runner.sampler import RequestRandom, Sampler
 from dsv4.scheduler.batch import ScheduledBatch, ScheduledRequest
-from dsv4.speculative.acceptance import accept_greedy, accept_sampled
-from dsv4.speculative.decoder import RequestRandom
-from dsv4.speculative.drafter import Draft
+from dsv4.speculative.acceptance import Draft, accept_greedy, accept_sampled
 from dsv4.speculative.metrics import SpecMetrics
-from dsv4.speculative.paged_mtp import CatchUp, MTPPasses
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,11 @@
-"""Route the model's hot ops to the Triton kernels, op by op, as the kernel config says.
+"""The model's hot ops on the Triton kernels, op by op, as the kernel config says.
 
-The model's reference ops (`@hot_op` in dsv4/model) and the kernels in kernels/ take the same
-mathematical arguments but different shapes: the model passes [B, S, ...] batches and int64
-expert ids, the kernels take flat [T, ...] rows and return int32 ids. The adapters here do that
-reshaping only. Called once per process by whoever builds the model from the serve config.
+The model calls its hot ops through a `HotOps` (dsv4/model/hot_ops.py) with the shapes of the
+torch references in dsv4/ops; the kernels in kernels/ take the same mathematical arguments but
+flat [T, ...] rows and return int32 expert ids. The adapters here do that reshaping only.
+`hot_ops` resolves them once per model from the `KernelBackendConfig` (each op's backend by the
+rule `kernels.backend.resolve` applies) and whoever builds the model hands the result over with
+`DeepseekV4.use_hot_ops`. Ops without an adapter here stay on their references.
 """
 
 from __future__ import annotations
@@ -13,12 +15,13 @@ from typing import Any
 
 import torch
 
-from dsv4.model.layers import set_kernel_backend, set_kernels
+from dsv4.model.hot_ops import HotOps
+from kernels import mhc, routing
+from kernels.backend import KernelBackendConfig
+from kernels.fp8_linear import fp8_grouped_linear, fp8_linear
 
 
 def _route(logits, bias, token_ids, tid2eid, top_k, routed_scaling_factor):
-    from kernels import routing
-
     flat = logits.reshape(-1, logits.shape[-1]).float()
     if tid2eid is not None:
         w, ids = routing.hash_route(flat, token_ids.reshape(-1), tid2eid, routed_scaling_factor)
@@ -29,8 +32,6 @@ def _route(logits, bias, token_ids, tid2eid, top_k, routed_scaling_factor):
 
 
 def _hc_pre(x, fn, scale, base, iters, eps, norm_eps):
-    from kernels import mhc
-
     lead, (m, d) = x.shape[:-2], x.shape[-2:]
     u, post, comb = mhc.hc_pre(
         x.reshape(-1, m, d).contiguous(), fn, scale, base, iters, eps, norm_eps
@@ -39,8 +40,6 @@ def _hc_pre(x, fn, scale, base, iters, eps, norm_eps):
 
 
 def _hc_post(y, x, post, comb):
-    from kernels import mhc
-
     lead, (m, d) = x.shape[:-2], x.shape[-2:]
     out = mhc.hc_post(
         y.reshape(-1, d).contiguous(),
@@ -52,14 +51,10 @@ def _hc_post(y, x, post, comb):
 
 
 def _fp8_linear(x, weight, scale, activations="bf16"):
-    from kernels.fp8_linear import fp8_linear
-
     return fp8_linear(x, weight, scale, activations)  # takes [..., K] as the model passes it
 
 
 def _fp8_grouped_linear(x, weight, scale, activations="bf16"):
-    from kernels.fp8_linear import fp8_grouped_linear
-
     return fp8_grouped_linear(x, weight, scale, activations)
 
 
@@ -73,11 +68,13 @@ BRIDGES: dict[str, tuple[str, Callable[..., Any]]] = {
 }
 
 
-def install_kernels(config: Any, device: torch.device | str) -> dict[str, str]:
-    """Select each bridged op's backend from a `kernels.backend.KernelBackendConfig`.
+def kernel_choices(config: KernelBackendConfig, device: torch.device | str) -> dict[str, str]:
+    """{bridged hot op: "triton" | "ref"} on `device` (for the start-up log and tests)."""
+    return {op: config.backend_for(kernel_op, device) for op, (kernel_op, _) in BRIDGES.items()}
 
-    Returns {model op: "triton" | "ref"} for the start-up log."""
-    chosen = {op: config.backend_for(kernel_op, device) for op, (kernel_op, _) in BRIDGES.items()}
-    set_kernels("triton", {op: BRIDGES[op][1] for op, b in chosen.items() if b == "triton"})
-    set_kernel_backend("triton" if "triton" in chosen.values() else "torch")
-    return chosen
+
+def hot_ops(config: KernelBackendConfig, device: torch.device | str) -> HotOps:
+    """The model's hot ops on `device`: the adapter of every bridged op whose kernel op the
+    config puts on Triton, the torch reference for the rest."""
+    chosen = kernel_choices(config, device)
+    return HotOps(**{op: BRIDGES[op][1] for op, backend in chosen.items() if backend == "triton"})

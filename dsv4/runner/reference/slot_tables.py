@@ -1,5 +1,7 @@
-"""Per-step sparse-index metadata, built once and shared by every layer of a kind (#45863,
-#47474; docs/model.md#per-step-metadata), and the paged gathers that consume it.
+"""The reference forward's per-step slot tables (sparse-index metadata), built once and shared
+by every layer of a kind (#45863, #47474; docs/model.md#per-step-metadata), and the gathers that
+consume them. (The paged forward's own per-step tensors are `dsv4.runner.paged.step_metadata`;
+the table builders themselves are the kernels of `kernels.metadata`.)
 
 For the T tokens of a step (requests in order, each at positions start..end-1):
 - `token_to_req` [T] int32: request index of every token, once per step (#47474);
@@ -18,7 +20,7 @@ The tables come from the builders in `kernels.metadata`, selected through `kerne
 The reference model attends per request from a `SequenceState`, so what it consumes is each
 request's cached prefix: the window rows before its first token (that token's window row minus
 itself) and the entries [0, start // r) (the first start // r columns of its first token's
-entry row). `dsv4.runner.paged_state.load_states` gathers those through these tables; with
+entry row). `dsv4.runner.reference.cache_state.load_states` gathers those through these tables; with
 sharing off it rebuilds the tables for every layer (the pre-#45863 baseline).
 The C4 layers' own per-layer metadata (their top-k as global slots, `c4_topk_slots`) is not
 needed by the reference attention, which reads entries by local index; it is built here for
@@ -36,7 +38,7 @@ import torch
 
 from dsv4.cache.layout import KVLayout
 from dsv4.cache.packing import CacheRegion
-from dsv4.runner.kv_codec import decode_rows
+from dsv4.ops.kv_codec import decode_rows
 from dsv4.scheduler.batch import ScheduledRequest
 from kernels import metadata as _builders  # importing registers the builders
 from kernels.backend import KernelBackendConfig, resolve
@@ -45,7 +47,7 @@ DEFAULT_KERNELS = KernelBackendConfig()
 
 
 @dataclass(frozen=True)
-class MetadataOptions:
+class SlotTableOptions:
     """The metadata speed switches; off selects each PR's baseline kernel (GPU backend only:
     on the reference backend there is one implementation)."""
 
@@ -53,11 +55,11 @@ class MetadataOptions:
     skip_redundant_fill: bool = True  # no torch.full(-1) pre-fill of the tables (#50298)
 
 
-DEFAULT_METADATA_OPTIONS = MetadataOptions()
+DEFAULT_SLOT_TABLE_OPTIONS = SlotTableOptions()
 
 
 @dataclass(frozen=True)
-class StepMetadata:
+class SlotTables:
     """Tables of one step (all int32 on the cache device; see the module docstring)."""
 
     starts: tuple[int, ...]  # host: first position of each request
@@ -86,13 +88,13 @@ class StepMetadata:
         return self.entry_slots[ratio][self.first_tokens[b], : self.starts[b] // ratio]
 
 
-def build_step_metadata(
+def build_slot_tables(
     layout: KVLayout,
     requests: Sequence[ScheduledRequest],
     device: torch.device | str,
     kernels: KernelBackendConfig = DEFAULT_KERNELS,
-    options: MetadataOptions = DEFAULT_METADATA_OPTIONS,
-) -> StepMetadata:
+    options: SlotTableOptions = DEFAULT_SLOT_TABLE_OPTIONS,
+) -> SlotTables:
     """Once per step: token->request, window ring slots and per-ratio entry slot tables."""
     on_triton = kernels.backend_for("window_slot_table", device) == "triton"
     cfg = layout.model
@@ -133,14 +135,14 @@ def build_step_metadata(
         entry_slots[ratio], entry_lens[ratio] = index_table(
             positions, t2r, tables, width, epb, ratio
         )
-    return StepMetadata(
+    return SlotTables(
         starts, tuple([0, *ends][:-1]), qsl, positions, t2r, tables, rings.to(device),
         win_slots, win_lens, entry_slots, entry_lens,
     )  # fmt: skip
 
 
 def c4_topk_slots(
-    meta: StepMetadata,
+    meta: SlotTables,
     local_idx: torch.Tensor,
     layout: KVLayout,
     kernels: KernelBackendConfig = DEFAULT_KERNELS,

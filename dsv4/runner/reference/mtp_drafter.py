@@ -23,12 +23,12 @@ import torch
 
 from dsv4.model.deepseek_v4 import DeepseekV4
 from dsv4.model.state import SequenceState
-from dsv4.runner.paged_cache import PagedKVCache
-from dsv4.runner.paged_state import load_mtp_window, store_mtp_window
-from dsv4.runner.sampler import SamplingSpec, filtered_probs
+from dsv4.ops.sampling import SamplingSpec, filtered_probs
+from dsv4.runner.kv_cache import PagedKVCache
+from dsv4.runner.reference.cache_state import load_mtp_window, store_mtp_window
+from dsv4.runner.reference.draft_context import DraftContext
 from dsv4.scheduler.batch import ScheduledRequest
-from dsv4.speculative.acceptance import RandomSource
-from dsv4.speculative.context import DraftContext
+from dsv4.speculative.acceptance import Draft, RandomSource
 
 
 @dataclass(frozen=True)
@@ -38,12 +38,6 @@ class DraftJob:
     num_drafts: int
     spec: SamplingSpec
     rng: RandomSource
-
-
-@dataclass(frozen=True)
-class Draft:
-    token_ids: tuple[int, ...]  # d_1..d_k
-    probs: torch.Tensor | None  # [k, V] fp32 q_1..q_k (sampled requests); None when greedy
 
 
 class MTPDrafter:

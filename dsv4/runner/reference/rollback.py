@@ -23,7 +23,7 @@ about (k - a) / 4 per rejection on ratio-4 layers.
 
 from __future__ import annotations
 
-from dsv4.model.config import ModelConfig
+from dsv4.config.model import ModelConfig
 from dsv4.model.state import SequenceState
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from dsv4.model.quant import FP8_E4M3_MAX, e2m1_decode, e2m1_encode, ue8m0_scale
+from dsv4.ops.quant import FP8_E4M3_MAX, e2m1_decode, e2m1_encode, ue8m0_scale
 
 _KV_BLOCK = 64
 _MIN_KV_AMAX = 1e-4

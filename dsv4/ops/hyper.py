@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import torch
 
-from dsv4.model.layers import hot_op
-
 
 def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     """[..., M, M] logits -> doubly stochastic comb, in the exact order of docs/model.md#hc_pre.
@@ -39,7 +37,6 @@ def _split_mixes(
     return pre, post, comb
 
 
-@hot_op("hc_pre")
 def hc_pre(
     x: torch.Tensor,
     fn: torch.Tensor,
@@ -83,7 +80,6 @@ def hc_pre_first(
     return u.to(e.dtype), post, comb
 
 
-@hot_op("hc_post")
 def hc_post(
     y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
 ) -> torch.Tensor:

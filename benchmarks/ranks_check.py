@@ -1,0 +1,106 @@
+"""Correctness on one GPU: a worker engine of T ranks (gloo, all on the one card) gives the same
+greedy tokens as one rank (issue 26). Not a benchmark: no timing, only token equality.
+
+    python -m benchmarks.ranks_check --out $OUT/ranks_check.json            # one H200
+    python -m benchmarks.ranks_check --device cpu --kernels ref             # CPU rehearsal
+
+For each kernel backend (`--kernels ref,triton`): build the engine exactly as a worker does
+(`build_worker_runtime`, reference forward, tiny model with o_groups 4, fp32 weights and KV so
+that the only difference is the order of the all-reduce's fp32 sums) with 1 rank and with
+`--ranks` ranks (`model.distributed_backend gloo`: NCCL refuses two ranks on one GPU), serve
+the same greedy prompts, and compare. Writes one record per backend; exit 1 on any mismatch
+or error (the record says which).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+
+PROMPTS = ([5, 9, 200, 17, 33, 41, 7, 300, 12, 99, 4, 8], list(range(2, 150)), [700, 3, 81])
+MAX_NEW_TOKENS = 8
+
+
+def tiny_ranked_checkpoint(directory: Path) -> Path:
+    """Two layers (ratios 0 and 4), o_groups 4: splits over 1, 2 and 4 ranks."""
+    from dsv4.model.tiny import shape_config, write_checkpoint
+
+    cfg = shape_config("tiny", "fp8", "fp4")
+    cfg = cfg.with_overrides(num_hidden_layers=2, compress_ratios=(0, 4), o_groups=4)
+    return write_checkpoint(directory / "tiny-ogroups4", cfg, seed=0)
+
+
+def greedy_tokens(model_dir: Path, device: str, kernels: str, ranks: int) -> list[list[int]]:
+    from dsv4.config import load_config
+    from dsv4.types import GenerateRequest, SamplingParams
+    from dsv4.worker.build import build_worker_runtime
+
+    config = load_config({
+        "model.path": str(model_dir), "model.device": device, "model.dtype": "fp32",
+        "model.kernels": kernels, "model.tensor_parallel_size": ranks,
+        "model.distributed_backend": "gloo", "features.forward": "reference",
+        "cache.kv_dtype": "fp32", "cache.indexer_key_dtype": "fp32", "cache.num_blocks": 64,
+        "cache.block_size": 128, "scheduler.max_num_batched_tokens": 512,
+        "model.max_model_len": 1024,
+    }, None, {})  # fmt: skip
+    runtime = build_worker_runtime(config, with_transport=False, name=f"ranks{ranks}")
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW_TOKENS, ignore_eos=True)
+
+    async def one(i: int, prompt: list[int]) -> list[int]:
+        request = runtime.engine_request(GenerateRequest(f"r{i}", tuple(prompt), sampling))
+        return [t async for out in runtime.engine.generate(request) for t in out.new_token_ids]
+
+    async def serve() -> list[list[int]]:
+        runtime.engine.start()
+        try:
+            return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS))))
+        finally:
+            await runtime.engine.stop()
+
+    try:
+        return asyncio.run(serve())
+    finally:
+        if runtime.ranks is not None:
+            runtime.ranks.close()
+
+
+def check(model_dir: Path, device: str, kernels: str, ranks: int) -> dict:
+    record: dict = {"device": device, "kernels": kernels, "ranks": ranks, "backend": "gloo"}
+    try:
+        one = greedy_tokens(model_dir, device, kernels, 1)
+        many = greedy_tokens(model_dir, device, kernels, ranks)
+        record |= {"equal": one == many, "tokens_1_rank": one, f"tokens_{ranks}_ranks": many}
+    except Exception as exc:  # recorded: the other backends still run
+        record |= {"equal": False, "error": f"{type(exc).__name__}: {exc}",
+                   "traceback": traceback.format_exc()[-3000:]}  # fmt: skip
+    return record
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda", help="cuda (one GPU) or cpu")
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--kernels", default="ref,triton", help="comma-separated backends")
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "."))
+                        / "ranks_check.json")  # fmt: skip
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="ranks-check-") as tmp:
+        model_dir = tiny_ranked_checkpoint(Path(tmp))
+        records = [check(model_dir, args.device, k, args.ranks) for k in args.kernels.split(",")]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(records, indent=1) + "\n")
+    for r in records:
+        print(f"{r['device']} kernels={r['kernels']} 1 vs {r['ranks']} ranks (gloo): "
+              f"{'EQUAL' if r['equal'] else 'DIFFERENT'} {r.get('error', '')}")  # fmt: skip
+    print(f"wrote {args.out}")
+    return 0 if all(r["equal"] for r in records) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""The sampling reference: one request's sampling parameters (`SamplingSpec`) and the
+distribution they leave of a logits row (temperature, top-k, top-p). The row-by-row sampler
+(dsv4/runner/sampler.py) samples from it and the batched kernels (kernels/sampling.py) must
+agree with it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dsv4.ops.limits import MIN_TEMPERATURE
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """What the sampler needs of one request's sampling parameters."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+def filtered_probs(logits: torch.Tensor, spec: SamplingSpec) -> torch.Tensor:
+    """[V] logits -> [V] fp32 probabilities after temperature, top-k and top-p."""
+    scaled = logits.float() / max(spec.temperature, MIN_TEMPERATURE)
+    vocab = scaled.shape[-1]
+    if 0 < spec.top_k < vocab:
+        kth = torch.topk(scaled, spec.top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    if spec.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        cumulative = torch.cumsum(sorted_probs, dim=-1)
+        # Keep the smallest prefix whose mass reaches top_p; the first token always stays,
+        # also when top_p rounds to 0 in fp32 (the comparison's dtype).
+        drop_sorted = (cumulative - sorted_probs) >= spec.top_p
+        drop_sorted[0] = False
+        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum()
+    return or_argmax(probs, logits)
+
+
+def or_argmax(probs: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """[..., V] probabilities, except that a row without finite positive mass (NaN or inf
+    logits, everything filtered out) becomes one-hot on its logits' argmax: every row can
+    be sampled, and `torch.multinomial` never sees NaN."""
+    ok = torch.isfinite(probs).all(-1, keepdim=True) & (probs.sum(-1, keepdim=True) > 0)
+    best = torch.nan_to_num(logits.float(), nan=float("-inf")).argmax(-1, keepdim=True)
+    return torch.where(ok, probs, torch.zeros_like(probs).scatter(-1, best, 1.0))

@@ -1,0 +1,72 @@
+"""The paged forward as a `StepForward`: one flat forward per step on the cache, through the kernels.
+
+Decode-only steps replay the captured passes of `DecodeGraphs` when given (and when the step
+fits a bucket), every other step runs `PagedForward` eagerly. With MTP speculation on, steps go
+to this forward's speculative half, `speculative.PagedSpeculator` (verify the drafts the
+previous step proposed, accept, propose the next ones with the MTP layer on the cache).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dsv4.runner.paged.decode_graphs import DecodeGraphs, GraphOptions
+from dsv4.runner.paged.forward import DEFAULT_METADATA, DEFAULT_SWITCHES, PagedForward
+from dsv4.runner.paged.forward_state import PagedSwitches
+from dsv4.runner.paged.speculative import PagedSpeculator
+from dsv4.runner.paged.step_metadata import MetadataSwitches
+from dsv4.runner.sampler import Sampler
+from dsv4.runner.step_forward import StepResult, check_speculation, sampling_spec
+from dsv4.scheduler.batch import ScheduledBatch
+from dsv4.speculative.metrics import SpecMetrics
+
+
+@dataclass(frozen=True)
+class PagedOptions:
+    """The paged forward's switches; `graphs`: capture the decode step's passes (or run them
+    as static eager steps: `GraphOptions.capture` False), None for eager decode steps."""
+
+    metadata: MetadataSwitches = DEFAULT_METADATA
+    switches: PagedSwitches = DEFAULT_SWITCHES
+    graphs: GraphOptions | None = None
+
+
+class PagedStepForward:
+    """A `StepForward`; owned by the `ModelRunner` (engine thread)."""
+
+    def __init__(
+        self,
+        paged: PagedForward,
+        sampler: Sampler,
+        graphs: DecodeGraphs | None = None,
+        *,
+        num_speculative_tokens: int | None = None,
+    ) -> None:
+        """`num_speculative_tokens` (default: the layout's draft slots) > 0 turns MTP on; the
+        speculative half samples with `sampler` (rejection sampling, draft choices)."""
+        self.paged, self.graphs = paged, graphs
+        k = check_speculation(paged.model, paged.cache, num_speculative_tokens)
+        self.spec = PagedSpeculator(paged, sampler, k, graphs) if k else None
+
+    @property
+    def spec_metrics(self) -> SpecMetrics | None:
+        return None if self.spec is None else self.spec.metrics
+
+    @property
+    def num_graph_replays(self) -> int:
+        return 0 if self.graphs is None else self.graphs.passes["target"].num_runs
+
+    def run(self, batch: ScheduledBatch) -> StepResult:
+        if self.spec is not None:
+            for request_id in (*batch.finished_request_ids, *batch.preempted_request_ids):
+                self.spec.release(request_id)
+        if not batch.requests:
+            return StepResult()
+        if self.spec is not None:
+            specs = {r.request_id: sampling_spec(r.sampling_params) for r in batch.requests}
+            return StepResult(chosen=self.spec.step(batch, specs))
+        out = None
+        if self.graphs is not None and not batch.prefills:
+            out = self.graphs.run_target(batch.requests, {})  # (logits [B, V], streams)
+        logits = out[0] if out is not None else self.paged(batch).logits  # [sampling, V]
+        return StepResult(logits, tuple(r.request_id for r in batch.requests if r.samples_token))

@@ -1,0 +1,106 @@
+"""`@triton.jit` helpers that more than one kernel module calls (one home, no kernel module
+imports another for them): bf16 / e4m3 / power-of-two bit tricks, the e2m1 decode and the
+grouped tile order of the GEMMs."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def bf16_rne(x):
+    """fp32 -> the nearest bf16 value (ties to even), kept in fp32."""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def pow2_ceil_exp(ratio):
+    """ceil(log2(ratio)) for positive normal fp32 values, from the exponent bits."""
+    bits = ratio.to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    return tl.minimum(tl.maximum(e, -126), 127)
+
+
+@triton.jit
+def pow2(e):
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e4m3_bits(v):
+    """fp32 -> float8_e4m3fn byte (RNE, saturating at 448) as int32."""
+    bits = v.to(tl.int32, bitcast=True)
+    a = tl.minimum(tl.abs(v), 448.0)
+    t = a * 512.0  # subnormals: steps of 2^-9
+    r = tl.floor(t)
+    frac = t - r
+    ri = r.to(tl.int32)
+    sub = ri + ((frac > 0.5) | ((frac == 0.5) & ((ri & 1) == 1))).to(tl.int32)
+    ab = a.to(tl.int32, bitcast=True)
+    normal = ((ab + 0x7FFFF + ((ab >> 20) & 1)) >> 20) - 960
+    code = tl.where(a < 0.015625, sub, tl.minimum(normal, 126))
+    return code | (((bits >> 31) & 1) << 7)
+
+
+@triton.jit
+def e2m1_value(nib):
+    """e2m1 nibble (int32 0..15) -> fp32 value, built from bits: exact."""
+    e = (nib >> 1) & 3
+    m = nib & 1
+    bits = tl.where(e == 0, m * 0x3F000000, ((e + 126) << 23) | (m << 22))
+    return (bits | ((nib & 8) << 28)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def tile_ids(num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Grouped order: GROUP_M row tiles (about one expert) sweep the column tiles together, so
+    an expert's weight tile and the x rows are reused from L2."""
+    pid = tl.program_id(0)
+    in_group = GROUP_M * num_pid_n
+    first_m = (pid // in_group) * GROUP_M
+    size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    return first_m + (pid % in_group) % size_m, (pid % in_group) // size_m
+
+
+@triton.jit
+def scales_at(ptrs, mask, SCALE_E8M0: tl.constexpr):
+    """fp32 block scales at `ptrs` (any shape): UE8M0 bytes as 2^(b - 127), else fp32 as stored."""
+    # one return: Triton 3.6 type-checks every return of a jit function, constexpr-dead or not
+    if SCALE_E8M0:
+        sb = tl.load(ptrs, mask=mask, other=127).to(tl.int32) & 0xFF
+        # byte 0 is 2^-127, an fp32 subnormal (0 << 23 would read as zero)
+        scale = tl.where(sb == 0, 5.877471754111438e-39, (sb << 23).to(tl.float32, bitcast=True))
+    else:
+        scale = tl.load(ptrs, mask=mask, other=1.0)
+    return scale
+
+
+@triton.jit
+def block_scale(s_rows, n_ok, k0, stride_sk, SCALE_E8M0: tl.constexpr):
+    """The [BLOCK_N] fp32 scales of weight rows `s_rows` (pointers) at K step k0."""
+    return scales_at(s_rows + (k0 // 128) * stride_sk, n_ok, SCALE_E8M0)
+
+
+@triton.jit
+def weight_rows(w_ptr, s_ptr, g, N, n, stride_wn, stride_sn):
+    """Pointers to the weight rows and scale rows of output features `n` [BLOCK_N] of group g
+    (the global weight row g * N + n; its scale row that // 128)."""
+    w_row = (g * N + n).to(tl.int64)
+    return w_ptr + w_row * stride_wn, s_ptr + (w_row // 128) * stride_sn
+
+
+@triton.jit
+def store_tile(out_ptr, acc, pid_s, rows, row_ok, g, n, n_ok, stride_os, stride_ot, stride_og,
+                TRANSPOSED: tl.constexpr):  # fmt: skip
+    """Store acc [rows, n] (TRANSPOSED: [n, rows]) at out [split pid_s, row, group g, n]."""
+    out_rows = (out_ptr + pid_s.to(tl.int64) * stride_os + rows.to(tl.int64) * stride_ot
+                + g * stride_og)  # fmt: skip
+    if TRANSPOSED:  # the transposed tile through transposed pointers
+        tl.store(out_rows[None, :] + n[:, None], acc.to(out_ptr.dtype.element_ty),
+                 mask=n_ok[:, None] & row_ok[None, :])  # fmt: skip
+    else:
+        tl.store(out_rows[:, None] + n[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & n_ok[None, :])  # fmt: skip
