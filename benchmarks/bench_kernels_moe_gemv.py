@@ -82,14 +82,20 @@ def _errors(y: torch.Tensor, ref: torch.Tensor) -> dict:
             "max_rel_to_max": (d.max() / ref.abs().max()).item()}  # fmt: skip
 
 
-def run(dry: bool, limit_s: float) -> list[dict]:
+def setup(dry: bool, gpu: dict, dry_sizes: dict):
+    """A MoE sweep's start: (start time, device, sizes, bf16 experts, their MXFP4 quantisation);
+    seed 0, and on the GPU the clocks brought up first."""
     t0, dev = time.monotonic(), "cpu" if dry else "cuda"
-    sizes = DRY if dry else GPU
+    sizes = dry_sizes if dry else gpu
     torch.manual_seed(0)
     if not dry:
         warm_up_clocks()
     w_bf16 = bf16_experts(sizes, dev)
-    w_fp4 = quantize_experts(*w_bf16, "mxfp4")
+    return t0, dev, sizes, w_bf16, quantize_experts(*w_bf16, "mxfp4")
+
+
+def run(dry: bool, limit_s: float) -> list[dict]:
+    t0, dev, sizes, w_bf16, w_fp4 = setup(dry, GPU, DRY)
     records = []
     call = lambda tune: lambda *a: moe.moe_experts(*a, tune=tune)  # noqa: E731
     for t in sizes["decode"] + sizes["prefill"] + sizes["between"]:
@@ -158,20 +164,26 @@ def table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def cli(argv, description: str, run_fn, table_fn, numerics: str, limit_s: float) -> int:
+    """The MoE sweeps' command line: --dry-run, --out, --limit-s; writes the records, prints the
+    `numerics` records and the table."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes")
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--limit-s", type=float, default=330.0, help="start no size after this")
+    parser.add_argument("--limit-s", type=float, default=limit_s, help="start no size after this")
     args = parser.parse_args(argv)
-    records = run(args.dry_run, args.limit_s)
+    records = run_fn(args.dry_run, args.limit_s)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(records, indent=1) + "\n")
     for r in records:
-        if r["name"] == "moe_gemv_numerics":
+        if r["name"] == numerics:
             print(json.dumps(r))
-    print(table(records))
+    print(table_fn(records))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return cli(argv, __doc__.split("\n")[0], run, table, "moe_gemv_numerics", 330.0)
 
 
 if __name__ == "__main__":

@@ -49,10 +49,10 @@ import triton
 import triton.language as tl
 
 from dsv4.ops.moe import swiglu
-from kernels import moe_gemv
+from kernels import moe_gemv, moe_mxfp4
 from kernels.moe_align import moe_align, moe_align_ref
 from kernels.moe_dequant import gemms_through_scratch, use_dequant
-from kernels.moe_gemm import FORMATS, dequantize_expert, grouped_gemms
+from kernels.moe_gemm import FMT_DOT_SCALED, FMT_HALVES, FORMATS, dequantize_expert, grouped_gemms
 from kernels.registry import register_op
 from kernels.specialize import sizes_vary
 
@@ -64,7 +64,8 @@ SWAP_AB_DEFAULT = False
 # MXFP4 at decode sizes through kernels/moe_gemv.py (moe_gemv.use_gemv); False: the in-register
 # MMA kernel below at every size (tune GEMV overrides either way).
 GEMV_DEFAULT = True
-_MMA_KEYS = {"SWAP_AB", "BLOCK_K", "GROUP_M", "num_stages"}  # a tune of the MMA kernel: no GEMV
+# a tune of the MMA kernel: no GEMV
+_MMA_KEYS = {"SWAP_AB", "BLOCK_K", "GROUP_M", "num_stages", "DOT_SCALED"}
 
 
 @triton.jit(**sizes_vary("T"))
@@ -111,7 +112,7 @@ def moe_experts(
     """Routed experts: x [T, D] bf16, expert_ids [T, K] int, weights [T, K] fp32, w13/w2 (and
     scales) in `format` (see the module doc) -> y [T, D] fp32 = sum_k w * expert(x). `tune`:
     config overrides (BLOCK_M/N/K, GROUP_M, num_warps, num_stages, SWAP_AB, DEQUANT,
-    CHUNK_EXPERTS; GEMV and moe_gemv.gemv_config's keys)."""
+    CHUNK_EXPERTS, DOT_SCALED; GEMV and moe_gemv.gemv_config's keys)."""
     assert format in FORMATS, format
     assert x.dim() == 2 and x.dtype == torch.bfloat16 and x.stride(1) == 1
     num_tokens, dim = x.shape
@@ -125,8 +126,14 @@ def moe_experts(
     if num_pairs == 0:
         return y
     tune = dict(tune or {})
+    # candidates (kernels/moe_mxfp4.py): "mxfp4" through tl.dot_scaled; the "halves" layouts
+    dot_scaled, halves = tune.pop("DOT_SCALED", False), moe_mxfp4.halves_block(format)
+    assert not dot_scaled or format == "mxfp4", format
+    fmt = FMT_DOT_SCALED if dot_scaled else FMT_HALVES if halves else FORMATS.index(format)
     # prefill-sized MXFP4: the experts through a bf16 scratch, chunk by chunk (kernels/moe_dequant)
-    dequant = tune.pop("DEQUANT", use_dequant(num_pairs, num_experts, format, x.is_cuda))
+    dequant = tune.pop(
+        "DEQUANT", fmt == 2 and use_dequant(num_pairs, num_experts, format, x.is_cuda)
+    )
     chunk_experts = tune.pop("CHUNK_EXPERTS", None)  # the scratch's experts (default: 1 GiB)
     # decode-sized MXFP4: a batched GEMV on the CUDA cores (kernels/moe_gemv.py)
     gemv = tune.pop("GEMV", GEMV_DEFAULT and not dequant and not tune.keys() & _MMA_KEYS
@@ -135,13 +142,18 @@ def moe_experts(
         assert format == "mxfp4" and not dequant, format
         cfg = {**moe_gemv.gemv_config(num_pairs, num_experts, x.is_cuda), **tune}
         return _via_gemv(x, expert_ids, weights, w13, w2, (w13_scale, w2_scale), limit, cfg, y)
-    cfg = {**_config(num_pairs, num_experts, x.is_cuda, "bf16" if dequant else format), **tune}
+    if fmt >= FMT_DOT_SCALED:
+        cfg = moe_mxfp4.mx_config(num_pairs, num_experts, x.is_cuda, halves)
+    else:
+        cfg = _config(num_pairs, num_experts, x.is_cuda, "bf16" if dequant else format)
+    cfg.update(tune)
     swap_ab = bool(cfg.pop("SWAP_AB", SWAP_AB_DEFAULT))
     if not dequant:
         bk = cfg["BLOCK_K"]
         assert format != "fp8" or 128 % bk == 0, "an FP8 K step must sit in one scale block"
         # MXFP4 K steps and masks work in whole scale groups of 32 columns
-        assert format != "mxfp4" or bk % 32 == dim % 32 == inter % 32 == 0, (bk, dim, inter)
+        assert fmt not in (2, 3) or bk % 32 == dim % 32 == inter % 32 == 0, (bk, dim, inter)
+        assert not halves or (bk == halves and dim % bk == inter % bk == 0), (bk, dim, inter)
     # NOTE: the one-launch align on CUDA; under the CPU interpreter its in-register sort costs
     # ~0.2 s a call (its own tests cover it), so the engine's interpreted runs use the torch ops
     align = moe_align if x.is_cuda else moe_align_ref
@@ -152,7 +164,7 @@ def moe_experts(
     if dequant:
         gemms_through_scratch(*gemms, format, cfg, chunk_experts)
     else:
-        grouped_gemms(*gemms, FORMATS.index(format), cfg, swap_ab)
+        grouped_gemms(*gemms, fmt, cfg, swap_ab)
     return _combine(rows, weights, y, topk)
 
 

@@ -14,11 +14,15 @@ import triton
 import triton.language as tl
 
 from dsv4.ops.quant import dequantize
+from kernels import moe_mxfp4
 from kernels.fp8_dequant import scale_operand
 from kernels.jit_helpers import bf16_rne, e2m1_value, tile_ids
 from kernels.specialize import sizes_vary
 
-FORMATS = ("bf16", "fp8", "mxfp4")
+FORMATS = ("bf16", "fp8", "mxfp4", *moe_mxfp4.HALVES_FORMATS)
+# FMT codes past FORMATS' first three (kernels/moe_mxfp4.py): "mxfp4" through tl.dot_scaled
+# (tune DOT_SCALED), and the "halves" layouts
+FMT_DOT_SCALED, FMT_HALVES = 3, 4
 
 
 @triton.jit
@@ -26,11 +30,15 @@ def _load_a(a_rows, k0, row_ok, K, FMT: tl.constexpr, BLOCK_K: tl.constexpr,
             UPCAST: tl.constexpr):  # fmt: skip
     """The [BLOCK_M, BLOCK_K] activation tile at columns k0.. of rows `a_rows` (pointers);
     for MXFP4 its even and odd columns as two [BLOCK_M, BLOCK_K/2] tiles."""
-    kk = k0 + tl.arange(0, BLOCK_K)
+    kk = k0 + tl.arange(0, BLOCK_K // 2 if FMT == 4 else BLOCK_K)
     a = tl.load(a_rows[:, None] + kk[None, :], mask=row_ok[:, None] & (kk < K)[None, :], other=0.0)
-    if UPCAST:  # the interpreter computes on raw bf16 bits otherwise
+    if UPCAST and FMT != 3:  # the interpreter computes on raw bf16 bits otherwise
         a = a.to(tl.float32)
-    if FMT == 2:  # one contiguous load, split into even/odd columns in registers
+    if FMT == 4:  # "halves": x columns k0.. and k0 + BLOCK_K/2.., each its own load
+        a1 = tl.load(a_rows[:, None] + (kk + BLOCK_K // 2)[None, :], mask=row_ok[:, None],
+                     other=0.0)  # fmt: skip
+        a0, a1 = a, a1.to(a.dtype)
+    elif FMT == 2:  # one contiguous load, split into even/odd columns in registers
         a0, a1 = tl.split(tl.reshape(a, [a.shape[0], BLOCK_K // 2, 2]))
     else:
         a0, a1 = a, a
@@ -65,7 +73,10 @@ def _dot_w(acc, a0, a1, w_ptr, s_ptr, n, n_ok, k0, K, stride_wn, stride_sn, stri
         wn, wn_ok = n.to(tl.int64)[None, :], n_ok[None, :]
         kh, ks, kk = kh[:, None], ks[:, None], kk[:, None]
     w_rows = w_ptr + wn * stride_wn
-    if FMT == 2:  # MXFP4: packed bytes, scales per 32 columns
+    if FMT >= 3:  # kernels/moe_mxfp4.py's candidates
+        acc = moe_mxfp4.dot_mx(acc, a0, a1, w_rows, s_ptr + wn * stride_sn, wn_ok, k0, K,
+                               stride_sk, FMT, BLOCK_K, BLOCK_N, SWAP_AB)  # fmt: skip
+    elif FMT == 2:  # MXFP4: packed bytes, scales per 32 columns
         # NOTE: masked per 32-column scale group (K and k0 are multiples of 32), not per byte:
         # compiled for sm_90, a per-byte mask (2*kh strides by 2) split them into 1-byte loads
         # that were not pipelined
@@ -218,5 +229,7 @@ def grouped_gemms(x, sorted_ids, tile_e, w13, w2, scales, h, rows, topk, limit, 
 def dequantize_expert(w: torch.Tensor, scale: torch.Tensor | None, format: str,
                       dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:  # fmt: skip
     """One expert's weight [rows, cols(/2)] in `format` -> [rows, cols] in `dtype` (bf16: as
-    stored)."""
+    stored; a "halves" layout: unpacked first)."""
+    if moe_mxfp4.halves_block(format):
+        w, format = moe_mxfp4.unpack_halves(w, moe_mxfp4.halves_block(format)), "mxfp4"
     return w if format == "bf16" else dequantize(w, scale, format, dtype)

@@ -42,3 +42,16 @@ def check_step(weights, num_tokens, dim, k, fmt, limit, seed, tune=None) -> torc
     assert y.shape == (num_tokens, dim)
     assert_moe_close(y, ref)
     return y
+
+
+def every_code_weights(dim: int, inter: int):
+    """One MXFP4 expert (w13, w2, s13, s2 as moe_experts takes them) whose bytes run through
+    all 256 values (all 16 x 16 low / high e2m1 codes) under UE8M0 scales 2^-127 (subnormal
+    weights), 2^-126, 2^-27, 1 and 2."""
+    w13 = (torch.arange(2 * inter * dim // 2) % 256).to(torch.uint8).view(1, 2 * inter, dim // 2)
+    w2 = (torch.arange(dim * inter // 2) * 7 % 256).to(torch.uint8).view(1, dim, inter // 2)
+    s = torch.tensor([0, 1, 100, 127, 128], dtype=torch.uint8)
+    s13 = s[torch.arange(2 * inter * dim // 32) % 5].view(1, 2 * inter, dim // 32)
+    s2 = s[(torch.arange(dim * inter // 32) + 2) % 5].view(1, dim, inter // 32)
+    codes = tuple(t.view(torch.int8).to(DEVICE) for t in (w13, w2))
+    return codes + tuple(t.view(torch.float8_e8m0fnu).to(DEVICE) for t in (s13, s2))

@@ -33,7 +33,8 @@ _TORCH_TO_TRITON = {
     torch.float8_e5m2: "fp8e5",
 }  # fmt: skip
 _LAUNCH_OPTIONS = ("num_warps", "num_stages")
-MAX_VARIANTS = 8  # constexpr sets kept per kernel
+MAX_VARIANTS = 8  # constexpr sets kept per kernel and value of its FMT constexpr (if any)
+MAX_KERNEL_VARIANTS = 32  # and per kernel: kernels.moe_gemm's GEMMs take five FMT values
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,12 @@ def launch_of(kernel, args: tuple, kwargs: dict) -> Launch | None:
 RECORDED: dict[tuple[str, str], list[Launch]] = {}
 
 
+def _fmt(launch: Launch):
+    """A launch's FMT constexpr (None without one): each weight format compiles its own code,
+    so one format's tests do not use up the variants another's would record."""
+    return dict(launch.constexprs).get("FMT")
+
+
 def record_launches() -> None:
     """Wrap the interpreter's launch so that every kernel launch fills RECORDED."""
     from triton.runtime.interpreter import InterpretedFunction
@@ -102,13 +109,15 @@ def record_launches() -> None:
     def recording_run(self, *args, grid, warmup, **kwargs):
         key = (self.fn.__module__, self.fn.__name__)
         # a kernel whose variants are all kept costs its launches nothing more
-        if key[0].startswith("kernels.") and len(RECORDED.get(key, ())) < MAX_VARIANTS:
+        if key[0].startswith("kernels.") and len(RECORDED.get(key, ())) < MAX_KERNEL_VARIANTS:
             try:
                 launch = launch_of(self, args, kwargs)
             except _Untyped:
                 launch = None
             kept = RECORDED.get(key, [])
-            if launch is not None and all(k.constexprs != launch.constexprs for k in kept):
+            fmt = None if launch is None else _fmt(launch)
+            if (launch is not None and all(k.constexprs != launch.constexprs for k in kept)
+                    and sum(_fmt(k) == fmt for k in kept) < MAX_VARIANTS):  # fmt: skip
                 RECORDED.setdefault(key, []).append(launch)
         return run(self, *args, grid=grid, warmup=warmup, **kwargs)
 

@@ -15,7 +15,13 @@ import torch
 from dsv4.ops.quant import mxfp4_quantize
 from kernels import moe_gemv
 from kernels.moe import moe_experts, moe_experts_ref
-from tests.kernels.moe_cases import DEVICE, assert_moe_close, check_step, routing
+from tests.kernels.moe_cases import (
+    DEVICE,
+    assert_moe_close,
+    check_step,
+    every_code_weights,
+    routing,
+)
 from tests.kernels.test_moe import _weights
 
 
@@ -32,13 +38,7 @@ def test_every_code_and_scale(post_scale):
     scales 2^-127 (subnormal weights), 2^-126, 2^-27, 1 and 2, through one-hot x columns: each
     gate / up output is one dequantised weight."""
     dim, inter = 64, 32
-    w13 = (torch.arange(2 * inter * dim // 2) % 256).to(torch.uint8).view(1, 2 * inter, dim // 2)
-    w2 = (torch.arange(dim * inter // 2) * 7 % 256).to(torch.uint8).view(1, dim, inter // 2)
-    s = torch.tensor([0, 1, 100, 127, 128], dtype=torch.uint8)
-    s13 = s[torch.arange(2 * inter * dim // 32) % 5].view(1, 2 * inter, dim // 32)
-    s2 = s[(torch.arange(dim * inter // 32) + 2) % 5].view(1, dim, inter // 32)
-    w13, w2 = (t.view(torch.int8).to(DEVICE) for t in (w13, w2))
-    s13, s2 = (t.view(torch.float8_e8m0fnu).to(DEVICE) for t in (s13, s2))
+    w13, w2, s13, s2 = every_code_weights(dim, inter)
     ids = torch.zeros(1, 1, dtype=torch.int32, device=DEVICE)
     one = torch.ones(1, 1, device=DEVICE)
     for col in (0, 1, 7, 8, 13, 63):

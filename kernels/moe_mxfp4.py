@@ -1,0 +1,151 @@
+"""MXFP4 experts on the tensor cores without the per-element nibble decode: two candidates for
+`kernels.moe_gemm`'s in-register kernel (FMT 2), each its own switch, the baseline unchanged.
+
+Why: at 1024 tokens (24 pairs an expert, so one row tile an expert and each weight upcast once)
+the FMT 2 kernel takes 6.1 ms against 3.2 ms for bf16 experts, while reading the 3.4 GB of MXFP4
+experts takes 0.8 ms: it is bound by the decode of each e2m1 code (shifts, a select, an fp32
+scale multiply built from a [BLOCK_K/32] -> [BLOCK_K/2] reshape, a cast) and by interleaving
+the even / odd columns back into the MMA operand.
+
+- "dot_scaled" (tune DOT_SCALED, the stored "mxfp4" layout, FMT 3): `tl.dot_scaled` with the
+  weight as an "e2m1" operand and its UE8M0 scales as stored ([rows, cols/32]: exactly the
+  layout the op takes). On sm_90 Triton's compiler upcasts the packed codes to bf16 itself,
+  in the MMA operand's register layout (no shuffle), and runs the bf16 MMA.
+- "halves" (format "mxfp4_halves64" / "mxfp4_halves128", FMT 4): the codes re-packed once at
+  load (`repack_halves`) so that within each BLOCK_K-column block byte j holds column k0 + j
+  (low nibble) and column k0 + BLOCK_K/2 + j (high nibble). The low nibbles of a K step are then
+  one [BLOCK_K/2]-column tile and the high nibbles the next, each met by a contiguous slice of
+  x in its own tl.dot: no interleave on either side. A code c = s e1 e0 m becomes fp32 by two
+  shifts and one 3-input logic op, (c & 8) << 28 | (c & 7) << 22: sign, exponent field e1 e0
+  and mantissa top bit where fp32 keeps them, the value e2m1 * 2^-126 (e = 0, the codes 0 and
+  0.5, is the subnormal m/2 * 2^-126: no select). One fp32 multiply by 2^(s-1) (the UE8M0 byte
+  s shifted into an exponent) gives e2m1 * 2^(s-127), exactly `mxfp4_dequantize`'s value, then
+  one conversion to bf16 (exact: a 2-bit mantissa).
+Both compute on the dequantised values in bf16 with fp32 accumulation: outputs equal the
+dequantise-then-GEMM reference up to fp32 summation order.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# K blocks a "halves" layout may be packed in (one format name each: a kernel's K step is the
+# layout's block, so the two must agree)
+HALVES_BLOCKS = (64, 128)
+HALVES_FORMATS = tuple(f"mxfp4_halves{b}" for b in HALVES_BLOCKS)
+
+
+def halves_block(format: str) -> int | None:
+    """The K block of a "halves" format name; None for any other format."""
+    return int(format.removeprefix("mxfp4_halves")) if format in HALVES_FORMATS else None
+
+
+def repack_halves(packed: torch.Tensor, block_k: int) -> torch.Tensor:
+    """Stored MXFP4 codes [..., cols/2] int8 (low nibble = even column) -> the "halves" layout
+    of the same shape: in each block of block_k columns, byte j = column j | column block_k/2 + j
+    << 4. Done once at load; cols must be a multiple of block_k."""
+    assert block_k in HALVES_BLOCKS and packed.shape[-1] % (block_k // 2) == 0, packed.shape
+    raw = packed.view(torch.uint8)
+    codes = torch.stack((raw & 15, raw >> 4), dim=-1).flatten(-2)  # [..., cols], column order
+    blocks = codes.unflatten(-1, (-1, 2, block_k // 2))  # [..., cols / block_k, 2, block_k / 2]
+    out = blocks[..., 0, :] | (blocks[..., 1, :] << 4)
+    return out.flatten(-2).view(torch.int8)
+
+
+def unpack_halves(packed: torch.Tensor, block_k: int) -> torch.Tensor:
+    """Inverse of `repack_halves`: the "halves" layout -> the stored MXFP4 layout."""
+    raw = packed.view(torch.uint8).unflatten(-1, (-1, block_k // 2))
+    codes = torch.stack((raw & 15, raw >> 4), dim=-2).flatten(-2)  # [..., cols], column order
+    out = codes[..., 0::2] | (codes[..., 1::2] << 4)  # [..., cols / block_k, block_k / 2]
+    return out.flatten(-2).view(torch.int8)
+
+
+@triton.jit
+def _e2m1_bits(code):
+    """e2m1 codes (int32, bits 3..0 = s e1 e0 m) -> fp32 e2m1 * 2^-126 (module doc)."""
+    return (((code & 8) << 28) | ((code & 7) << 22)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _scales(s_rows, g0, stride_sk, mk, BLOCK_N: tl.constexpr, HALF: tl.constexpr,
+            SWAP_AB: tl.constexpr):  # fmt: skip
+    """The UE8M0 bytes of the HALF/32 scale groups from g0 as 2^(s-1) in fp32, broadcast to
+    their columns: [BLOCK_N, HALF] (SWAP_AB) or [HALF, BLOCK_N]. s_rows: scale row pointers
+    ([BLOCK_N, 1] or [1, BLOCK_N]); mk: the rows' mask."""
+    if SWAP_AB:
+        g = g0 + tl.arange(0, HALF // 32)[None, :]
+    else:
+        g = g0 + tl.arange(0, HALF // 32)[:, None]
+    sb = tl.load(s_rows + g * stride_sk, mask=mk, other=127).to(tl.int32) & 0xFF
+    scale = ((sb + 126) << 23).to(tl.float32, bitcast=True)  # 2^126 * 2^(s - 127)
+    # NOTE: one return at the end: compiled (not interpreted), code after a return in a
+    # constexpr branch was still traced
+    if HALF == 32:  # one group a half (BLOCK_K 64): the [BLOCK_N, 1] column broadcasts as it is
+        out = scale
+    elif SWAP_AB:
+        out = tl.reshape(tl.broadcast_to(scale[:, :, None], [BLOCK_N, HALF // 32, 32]),
+                         [BLOCK_N, HALF])  # fmt: skip
+    else:
+        out = tl.reshape(tl.broadcast_to(scale[:, None, :], [HALF // 32, 32, BLOCK_N]),
+                         [HALF, BLOCK_N])  # fmt: skip
+    return out
+
+
+@triton.jit
+def dot_mx(acc, a0, a1, w_rows, s_rows, wn_ok, k0, K, stride_sk, FMT: tl.constexpr,
+           BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr):  # fmt: skip
+    """One K step of `kernels.moe_gemm._dot_w` for FMT 3 ("dot_scaled": a0 is the [BLOCK_M, BLOCK_K]
+    x tile) and FMT 4 ("halves": a0 / a1 the x columns k0.. / k0 + BLOCK_K/2.., [BLOCK_M,
+    BLOCK_K/2] each). w_rows / s_rows: the expert's weight rows / scale rows (pointers, [BLOCK_N,
+    1] with SWAP_AB, else [1, BLOCK_N]); acc [BLOCK_M, BLOCK_N], SWAP_AB [BLOCK_N, BLOCK_M]."""
+    if SWAP_AB:  # weight tiles [BLOCK_N, BLOCK_K/2]: the rows as stored
+        kh = tl.arange(0, BLOCK_K // 2)[None, :]
+        ks = k0 // 32 + tl.arange(0, BLOCK_K // 32)[None, :]
+    else:  # weight tiles [BLOCK_K/2, BLOCK_N]
+        kh = tl.arange(0, BLOCK_K // 2)[:, None]
+        ks = k0 // 32 + tl.arange(0, BLOCK_K // 32)[:, None]
+    # NOTE: masked per 32-column scale group (K is a multiple of 32), not per byte: per byte,
+    # compiled for sm_90, the load split into 1-byte loads
+    packed = tl.load(w_rows + (k0 // 2 + kh), mask=(k0 + 32 * (kh // 16) < K) & wn_ok, other=0)
+    packed = packed.to(tl.int32) & 0xFF
+    s_mask = (ks * 32 < K) & wn_ok
+    if FMT == 3:
+        sb = tl.load(s_rows + ks * stride_sk, mask=s_mask, other=127).to(tl.uint8)
+        if SWAP_AB:  # [BLOCK_N, BLOCK_M] += W [BLOCK_N, K] @ a^T: the weight as the lhs
+            acc = tl.dot_scaled(packed.to(tl.uint8), sb, "e2m1", tl.trans(a0), None, "bf16", acc)
+        else:  # [BLOCK_M, BLOCK_N] += a @ W^T: rhs [K/2, BLOCK_N], scales [BLOCK_N, K/32]
+            acc = tl.dot_scaled(a0, None, "bf16", packed.to(tl.uint8), tl.trans(sb), "e2m1", acc)
+    else:
+        # the low nibbles' columns k0 + [0, BLOCK_K/2), the high nibbles' the next BLOCK_K/2
+        g_lo = k0 // 32
+        s_lo = _scales(s_rows, g_lo, stride_sk, wn_ok, BLOCK_N, BLOCK_K // 2, SWAP_AB)
+        s_hi = _scales(s_rows, g_lo + BLOCK_K // 64, stride_sk, wn_ok, BLOCK_N, BLOCK_K // 2,
+                       SWAP_AB)  # fmt: skip
+        lo = (_e2m1_bits(packed) * s_lo).to(a0.dtype)
+        hi = (_e2m1_bits(packed >> 4) * s_hi).to(a0.dtype)
+        if SWAP_AB:
+            acc = tl.dot(lo, tl.trans(a0), acc)
+            acc = tl.dot(hi, tl.trans(a1), acc)
+        else:
+            acc = tl.dot(a0, lo, acc)
+            acc = tl.dot(a1, hi, acc)
+    return acc
+
+
+def mx_config(num_pairs: int, num_experts: int, on_gpu: bool, halves: int | None) -> dict:
+    """`moe_experts` tile config of the candidates (`halves`: the layout's K block, which is the
+    K step; None for dot_scaled). The weight is the MMA's register operand (SWAP_AB: wgmma's A,
+    its rows the M side), the expert's pairs the N side, so a row tile about as wide as an
+    expert's pairs upcasts each weight about once: 16 at decode sizes, 32 at 1024 tokens (24
+    pairs an expert), 64 at 8192 (192 pairs). Compiled for sm_90 (tools/moe_sass.py) dot_scaled
+    with BLOCK_K 64 and BLOCK_M <= 32 keeps its accumulators in registers (no spill, 0.60 warp
+    instructions a weight byte against 1.19 for FMT 2); BLOCK_M 64 spills (376 B of stack)."""
+    if not on_gpu:  # interpreter: few, large programs
+        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=halves or 64, GROUP_M=4, num_warps=4,
+                    num_stages=1, SWAP_AB=True)  # fmt: skip
+    per_expert = num_pairs / num_experts
+    block_m = 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64
+    return dict(BLOCK_M=block_m, BLOCK_N=64 if block_m == 16 else 128, BLOCK_K=halves or 64,
+                GROUP_M=4, num_warps=4 if block_m == 16 else 8, num_stages=3, SWAP_AB=True)  # fmt: skip

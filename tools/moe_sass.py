@@ -1,0 +1,157 @@
+"""The MXFP4 MoE kernels compiled for sm_90 on the CPU: registers, spills, shared memory and the
+instruction mix of the K loop a weight byte, so candidates can be compared before device time.
+
+    TRITON_INTERPRET=0 python tools/moe_sass.py [--only SUBSTRING] [--dump DIR]
+
+Each case is one kernel of kernels/moe_gemm.py or kernels/moe_gemv.py at a served V4-Flash config.
+The K loop is the SASS block between the last backward branch and its target; its instruction
+counts are divided by the weight bytes one iteration reads (gate + up rows for w13).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+os.environ["TRITON_INTERPRET"] = "0"
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from kernels import moe_gemm, moe_gemv
+
+BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+MMA_PTRS = {"x_ptr": "*bf16", "ids_ptr": "*i32", "tile_e_ptr": "*i32", "w_ptr": "*i8",
+            "s_ptr": "*u8", "h_ptr": "*bf16", "limit": "fp32"}  # fmt: skip
+GEMV_PTRS = {"xp_ptr": "*fp32", "ids_ptr": "*i32", "tile_e_ptr": "*i32", "w_ptr": "*i32",
+             "s_ptr": "*u8", "hp_ptr": "*fp32", "limit": "fp32"}  # fmt: skip
+# instruction classes counted in the loop (SASS opcode prefixes)
+CLASSES = ("LDG", "LDS", "STS", "BAR", "HGMMA", "HMMA", "FFMA", "FMUL", "F2FP", "LOP3", "SHF",
+           "IMAD", "PRMT", "SEL", "ISETP", "LDL", "STL")  # fmt: skip
+
+
+def _mma_case(name, fmt, bm, bn, bk, warps, swap, stages=3):
+    consts = dict(TOPK=6, FMT=fmt, SCALE_E8M0=True, HAS_LIMIT=True, BLOCK_M=bm, BLOCK_N=bn,
+                  BLOCK_K=bk, GROUP_M=4, UPCAST=False, SWAP_AB=swap)  # fmt: skip
+    # bytes an iteration: gate and up tiles, BLOCK_N rows of BLOCK_K/2 bytes each
+    return (
+        name,
+        moe_gemm._w13_kernel,
+        MMA_PTRS,
+        consts,
+        dict(num_warps=warps, num_stages=stages),
+        (2 * bn * bk // 2),
+    )
+
+
+def cases():
+    out = []
+    for tag, bm, bn, warps in (("decode", 16, 64, 4), ("1024", 32, 128, 8), ("8192", 128, 128, 8)):
+        out.append(_mma_case(f"mma fmt2 {tag}", 2, bm, bn, 64, warps, True))
+        for bk in (64, 128):
+            out.append(_mma_case(f"dot_scaled bk{bk} {tag}", 3, bm, bn, bk, warps, True))
+            out.append(_mma_case(f"halves{bk} {tag}", 4, bm, bn, bk, warps, True))
+            out.append(_mma_case(f"halves{bk} smem {tag}", 4, bm, bn, bk, warps, False))
+    for bm in (1, 2):
+        consts = dict(TOPK=6, HAS_LIMIT=True, BLOCK_M=bm, BLOCK_N=8, BLOCK_W=64, POST_SCALE=True)
+        out.append((f"gemv13 m{bm}", moe_gemv._gemv13_kernel, GEMV_PTRS, consts,
+                    dict(num_warps=4), 2 * 8 * 64 * 4))  # fmt: skip
+    return out
+
+
+def _signature(fn, ptrs, consts):
+    import inspect
+
+    params = inspect.signature(fn.fn).parameters
+    return {p: "constexpr" if p in consts else ptrs.get(p, "i32") for p in params}
+
+
+def _loop_counts(sass: str) -> tuple[Counter, int]:
+    """Opcode classes of the innermost-last K loop: the body of the last backward branch."""
+    lines = [ln for ln in sass.splitlines() if re.search(r"/\*[0-9a-f]{4,}\*/", ln)]
+    addr = [int(re.search(r"/\*([0-9a-f]{4,})\*/", ln).group(1), 16) for ln in lines]
+    best = None
+    for i, ln in enumerate(lines):
+        m = re.search(r"BRA\s+(?:`\(\.L_x_\d+\)|0x([0-9a-f]+))", ln)
+        target = re.search(r"\.L_x_(\d+)", ln)
+        if not m:
+            continue
+        if target:  # resolve the label to its address
+            lbl = f".L_x_{target.group(1)}:"
+            idx = sass.find(lbl)
+            nxt = re.search(r"/\*([0-9a-f]{4,})\*/", sass[idx:]) if idx >= 0 else None
+            to = int(nxt.group(1), 16) if nxt else None
+        else:
+            to = int(m.group(1), 16)
+        if to is not None and to < addr[i]:
+            size = addr[i] - to
+            if best is None or size > best[1] - best[0]:
+                best = (to, addr[i])
+    counts = Counter()
+    if best is None:
+        return counts, 0
+    body = [ln for ln, a in zip(lines, addr, strict=True) if best[0] <= a <= best[1]]
+    for ln in body:
+        op = re.search(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", ln)
+        if op:
+            head = op.group(1)
+            for cls in CLASSES:
+                if head.startswith(cls):
+                    counts[cls] += 1
+                    break
+            else:
+                counts["other"] += 1
+    return counts, len(body)
+
+
+def report(case, dump: Path | None) -> str:
+    name, fn, ptrs, consts, opts, loop_bytes = case
+    k = triton.compile(ASTSource(fn, _signature(fn, ptrs, consts), consts),
+                       target=GPUTarget("cuda", 90, 32), options=opts)  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "k.cubin"
+        cubin.write_bytes(k.asm["cubin"])
+        res = subprocess.run([BIN / "cuobjdump", "-res-usage", cubin], capture_output=True,
+                             text=True, check=True).stdout  # fmt: skip
+        sass = subprocess.run([BIN / "nvdisasm", "-c", cubin], capture_output=True, text=True,
+                              check=True).stdout  # fmt: skip
+    if dump:
+        dump.mkdir(parents=True, exist_ok=True)
+        slug = re.sub(r"\W+", "_", name)
+        (dump / f"{slug}.sass").write_text(sass)
+        (dump / f"{slug}.ttgir").write_text(k.asm["ttgir"])
+    regs = re.search(r"REG:(\d+)", res)
+    stack = re.search(r"STACK:(\d+)", res)
+    counts, total = _loop_counts(sass)
+    mix = " ".join(f"{c}:{counts[c]}" for c in (*CLASSES, "other") if counts[c])
+    # warp instructions a weight byte: every warp runs the loop body once an iteration
+    per_byte = total * opts.get("num_warps", 4) / loop_bytes
+    return (
+        f"{name:24s} regs {regs.group(1) if regs else '?':>3s} stack "
+        f"{stack.group(1) if stack else '?':>4s} smem {k.metadata.shared:6d} loop {total:4d} "
+        f"instr ({per_byte:5.3f} warp instr a weight byte) {mix}"
+    )
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--only", default="")
+    parser.add_argument("--dump", type=Path, default=None)
+    args = parser.parse_args(argv)
+    for case in cases():
+        if args.only in case[0]:
+            try:
+                print(report(case, args.dump), flush=True)
+            except Exception as exc:  # report every case
+                print(f"{case[0]:24s} FAILED {type(exc).__name__}: {str(exc)[-300:]}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
