@@ -213,14 +213,7 @@ def _build(config: ServeConfig, ranks, *, with_transport: bool, name: str) -> Wo
         chunk_area_budget=s.chunk_area_budget,
     )
     f = config.features
-    reference = ReferenceOptions(
-        shared_slot_tables=f.shared_sparse_metadata,
-        kernels=kernel_config(config),
-        slot_tables=SlotTableOptions(
-            cached_token_to_req=f.cached_token_to_req_indices,
-            skip_redundant_fill=f.skip_redundant_fill,
-        ),
-    )
+    reference = reference_options(config)
     engine_options = EngineOptions(
         options,
         scheduler_config,
@@ -297,6 +290,19 @@ def transport_options(config: ServeConfig) -> dict:
             devices = ucx_net_devices(config.worker.host) if devices == "auto" else ""
         options["net_devices"] = devices
     return options
+
+
+def reference_options(config: ServeConfig) -> ReferenceOptions:
+    """How the reference forward loads states (rank 0's engine and every follower rank)."""
+    f = config.features
+    return ReferenceOptions(
+        shared_slot_tables=f.shared_sparse_metadata,
+        kernels=kernel_config(config),
+        slot_tables=SlotTableOptions(
+            cached_token_to_req=f.cached_token_to_req_indices,
+            skip_redundant_fill=f.skip_redundant_fill,
+        ),
+    )
 
 
 def paged_options(config: ServeConfig) -> PagedOptions | None:

@@ -37,10 +37,9 @@ from dsv4.parallel.step_broadcast import (
 )
 from dsv4.runner.kv_cache import PagedKVCache
 from dsv4.runner.model_runner import ModelRunner
-from dsv4.runner.reference import ReferenceForward, ReferenceOptions
-from dsv4.runner.reference.slot_tables import SlotTableOptions
+from dsv4.runner.reference import ReferenceForward
 from dsv4.runner.sampler import Sampler
-from dsv4.worker.build import apply_features, cache_options, kernel_config, load_weights
+from dsv4.worker.build import apply_features, cache_options, load_weights, reference_options
 
 logger = logging.getLogger("dsv4.follower")
 
@@ -59,16 +58,8 @@ def build_follower_runner(config: ServeConfig, group, pipe) -> ModelRunner:
         raise SystemExit(EXIT_ORPHANED)  # rank 0 failed before sizing its pool
     layout = KVLayout.build(model_cfg, options)
     cache = PagedKVCache(layout, setup.num_blocks, device=config.model.device)
-    f = config.features
-    options = ReferenceOptions(
-        shared_slot_tables=f.shared_sparse_metadata,
-        kernels=kernel_config(config),
-        slot_tables=SlotTableOptions(
-            cached_token_to_req=f.cached_token_to_req_indices,
-            skip_redundant_fill=f.skip_redundant_fill,
-        ),
-    )
-    sampler = Sampler(batched=None if f.batched_sampling else False)
+    options = reference_options(config)
+    sampler = Sampler(batched=None if config.features.batched_sampling else False)
     return ModelRunner(ReferenceForward(model, cache, sampler, options), sampler, cache)
 
 
