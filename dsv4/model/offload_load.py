@@ -32,6 +32,14 @@ class ExpertOffload:
     num_offloaded: int  # K cold experts per MoE layer
     cache_slots: int  # device slots per layer through which cold experts are fetched
     hot: tuple[tuple[int, ...], ...] = ()
+    # MoE layers the plan counted; later ones (the MTP layer when speculative decoding is off,
+    # so it never runs) keep every expert in host memory. 0: every layer has K.
+    planned_layers: int = 0
+
+    def offloaded(self, layer_index: int, num_experts: int) -> int:
+        """Cold experts of MoE layer `layer_index`."""
+        unplanned = self.planned_layers and layer_index >= self.planned_layers
+        return num_experts if unplanned else self.num_offloaded
 
     def order(self, layer_index: int, num_experts: int) -> list[int]:
         """MoE layer `layer_index`'s experts, most used first (completed in index order)."""
@@ -39,7 +47,8 @@ class ExpertOffload:
         return [*given, *(e for e in range(num_experts) if e not in set(given))]
 
     def resident_ids(self, layer_index: int, num_experts: int) -> list[int]:
-        return sorted(self.order(layer_index, num_experts)[: num_experts - self.num_offloaded])
+        kept = num_experts - self.offloaded(layer_index, num_experts)
+        return sorted(self.order(layer_index, num_experts)[:kept])
 
 
 def expert_format(served_format: str, hidden: int, inter: int, dtype: torch.dtype) -> ExpertFormat:

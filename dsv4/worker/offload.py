@@ -95,13 +95,15 @@ def available_host_bytes() -> int | None:
     return None
 
 
-def check_host_memory(needed: int, available: int | None, k: int, e: int, layers: int) -> None:
-    """Refuse (one line) an offload whose cold experts exceed the host's available memory."""
+def check_host_memory(needed: int, budget: int, available: int | None, what: str) -> None:
+    """Refuse (one line) an offload whose cold experts (`what`) exceed the pinned budget
+    (`model.host_memory_gib`) or the host's available memory."""
+    if needed > budget:
+        raise PlanDoesNotFit(f"needs {size_text(needed)} of pinned host memory for {what};"
+                             f" --host-memory-gib gives {budget / GIB:g}")  # fmt: skip
     if available is not None and needed > available:
-        raise PlanDoesNotFit(
-            f"needs {size_text(needed)} of pinned host memory for {k} of {e} experts x"
-            f" {layers} layers; this host has {size_text(available)} available"
-        )
+        raise PlanDoesNotFit(f"needs {size_text(needed)} of pinned host memory for {what};"
+                             f" this host has {size_text(available)} available")  # fmt: skip
 
 
 def startup_offload(
@@ -138,12 +140,18 @@ def expert_offload(
         raise ConfigError("features.forward", "paged", PAGED_REFUSAL)
     served = served_expert_format(model_cfg, config.features.expert_weights)
     fmt = expert_format(served, model_cfg.hidden_size, model_cfg.moe_intermediate_size, dtype)
-    layers, e = num_moe_layers(model_cfg), model_cfg.n_routed_experts
-    check_host_memory(layers * k * fmt.nbytes, available_host_bytes(), k, e, layers)
+    e, planned = model_cfg.n_routed_experts, plan.num_moe_layers
+    unplanned = num_moe_layers(model_cfg) - planned  # an MTP layer that never runs: all cold
+    what = f"{k} of {e} experts x {planned} layers"
+    if unplanned > 0:
+        what += f" + all {e} of the unused MTP layer"
+    cold = planned * k + max(0, unplanned) * e
+    budget = int(config.model.host_memory_gib * GIB)
+    check_host_memory(cold * fmt.nbytes, budget, available_host_bytes(), what)
     path = config.model.expert_residency
     hot = read_residency(path) if path else ()
     check_residency(hot, path, model_cfg)
-    return ExpertOffload(num_offloaded=k, cache_slots=plan.cache_slots, hot=hot)
+    return ExpertOffload(k, plan.cache_slots, hot, planned_layers=planned)
 
 
 def apply_offload(
@@ -161,7 +169,8 @@ def apply_offload(
         if moe.expert_store is None:  # loaded whole: move its experts now
             stacked = moe.stacked_experts
             fmt = "mxfp4" if stacked is not None and stacked.format == "mxfp4" else "dense"
-            offload_moe(moe, offload.num_offloaded, offload.cache_slots, fmt=fmt,
+            cold = offload.offloaded(i, moe.cfg.n_routed_experts)
+            offload_moe(moe, cold, offload.cache_slots, fmt=fmt,
                         hot=offload.order(i, moe.cfg.n_routed_experts))  # fmt: skip
         stores.append(moe.expert_store)
     return WorkerOffload(offload, tuple(stores))

@@ -82,14 +82,15 @@ def test_offloaded_worker_serves_the_same_greedy_tokens_with_the_plans_k_and_slo
     plan = startup_plan(runtime.config, cfg, int(FP4_DEVICE_GIB * GIB))
     assert plan.verdict == "fits_with_offload"
     k, slots, e = plan.offloaded_per_layer, plan.cache_slots, cfg.n_routed_experts
-    assert (runtime.offload.offload.num_offloaded, runtime.offload.offload.cache_slots) == (
-        k,
-        slots,
-    )
-    assert 0 < k < e and len(runtime.offload.stores) == cfg.num_hidden_layers + 1  # + MTP
-    for store in runtime.offload.stores:  # the device holds E - K resident + the slots
+    used = runtime.offload.offload
+    assert (used.num_offloaded, used.cache_slots) == (k, slots) and 0 < k < e
+    *layers, mtp = runtime.offload.stores
+    assert len(layers) == cfg.num_hidden_layers == plan.num_moe_layers
+    for store in layers:  # the device holds E - K resident + the slots
         assert store.resident.shape == (e - k, plan.expert_bytes)  # MXFP4 blobs, no padding
         assert store.slots.blobs.shape == (slots, plan.expert_bytes) and len(store.host) == k
+    # speculative decoding is off: the MTP layer never runs, its experts all wait in host memory
+    assert mtp.resident.shape[0] == 0 and len(mtp.host) == e
     device_expert_bytes = sum(s.resident.nbytes + s.slots.blobs.nbytes
                               for s in runtime.offload.stores[: cfg.num_hidden_layers])  # fmt: skip
     assert device_expert_bytes == plan.device_expert_bytes
@@ -142,12 +143,15 @@ def test_worker_cli_refusal_is_one_line_without_traceback() -> None:
     assert lines[0].endswith("--host-memory-gib gives 0.001")
 
 
-def test_host_memory_check_refuses_more_than_the_host_has() -> None:
-    check_host_memory(10 * GIB, 11 * GIB, 64, 256, 43)
-    check_host_memory(10 * GIB, None, 64, 256, 43)  # no /proc/meminfo: the plan's word only
-    with pytest.raises(PlanDoesNotFit, match=r"needs 10\.0 GiB .* 64 of 256 experts x 43 layers; "
-                       r"this host has 4\.0 GiB available"):  # fmt: skip
-        check_host_memory(10 * GIB, 4 * GIB, 64, 256, 43)
+def test_host_memory_check_refuses_more_than_the_budget_or_the_host_has() -> None:
+    what = "64 of 256 experts x 43 layers"
+    check_host_memory(10 * GIB, 12 * GIB, 11 * GIB, what)
+    check_host_memory(10 * GIB, 12 * GIB, None, what)  # no /proc/meminfo: the budget only
+    with pytest.raises(PlanDoesNotFit, match=r"^needs 10\.0 GiB of pinned host memory for 64 of "
+                       r"256 experts x 43 layers; this host has 4\.0 GiB available$"):  # fmt: skip
+        check_host_memory(10 * GIB, 12 * GIB, 4 * GIB, what)
+    with pytest.raises(PlanDoesNotFit, match=r"; --host-memory-gib gives 8$"):
+        check_host_memory(10 * GIB, 8 * GIB, 11 * GIB, what)
 
 
 def test_paged_forward_with_offload_is_refused_and_auto_takes_the_reference() -> None:
