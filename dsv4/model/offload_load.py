@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from dsv4.errors import ConfigError
+from dsv4.errors import ConfigError, ResourceExhausted
 from dsv4.model.moe import MoE
 from dsv4.model.offload import ExpertFormat, OffloadedExperts
 
@@ -72,8 +72,10 @@ def host_blobs(rows: int, nbytes: int, pin: bool) -> torch.Tensor:
         cudart = torch.cuda.cudart()
         ptr = blobs.data_ptr()
         status = cudart.cudaHostRegister(ptr, blobs.numel(), 0)
-        if int(status) != 0:
-            raise MemoryError(f"cudaHostRegister of {blobs.numel()} B failed ({status})")
+        if int(status) != 0:  # e.g. the locked-memory limit (ulimit -l) is below the budget
+            raise ResourceExhausted(f"cannot pin {blobs.numel() / (1 << 30):.2f} GiB of host "
+                                    f"memory for offloaded experts (cudaHostRegister: {status}): "
+                                    "raise the locked-memory limit (ulimit -l)")  # fmt: skip
         weakref.finalize(blobs, cudart.cudaHostUnregister, ptr)
     return blobs
 

@@ -18,6 +18,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from benchmarks.runtime_tokens import runtime_greedy_tokens
 from dsv4.config import load_config
 from dsv4.config.model import tiny_config
 from dsv4.errors import ConfigError
@@ -28,7 +29,6 @@ from dsv4.worker import build
 from dsv4.worker.build import build_worker_runtime
 from dsv4.worker.fit import GIB, startup_plan
 from dsv4.worker.offload import check_host_memory, read_residency
-from tests.runtime_tokens import runtime_greedy_tokens
 
 BUDGET = {
     "model.device": "cpu", "model.max_model_len": 512, "scheduler.max_num_batched_tokens": 256,

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
+from benchmarks.runtime_tokens import runtime_greedy_tokens
 from dsv4.config import load_config
 from dsv4.worker.build import build_worker_runtime
-from tests.runtime_tokens import runtime_greedy_tokens
 
 LENGTHS = (3, 64, 129, 257)
 NEW_TOKENS = 16

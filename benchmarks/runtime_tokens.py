@@ -1,5 +1,6 @@
 """Greedy continuations from a `WorkerRuntime` (the engine a worker serves with), run
-in-process through its `AsyncEngine`, ending with the scheduler's leak check."""
+in-process through its `AsyncEngine`, ending with the scheduler's leak check. Tests and the GPU
+checks share it."""
 
 from __future__ import annotations
 
