@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +33,7 @@ from dsv4.plan import MemoryPlan, PlanDoesNotFit
 from dsv4.worker.fit import GIB, size_text, startup_plan
 
 RESIDENCY_EXAMPLE = '{"layers": [[e0, e1, ...], ...]}'  # the interim format (read_residency)
+logger = logging.getLogger(__name__)
 PAGED_REFUSAL = (
     "expert offload runs on the reference forward for now (the paged forward's expert pool is "
     "not wired in): use --forward reference or auto, or --host-memory-gib 0"
@@ -123,6 +125,7 @@ def startup_offload(
         torch.device(m.device)).total_memory  # fmt: skip
     plan = startup_plan(config, model_cfg, total)
     if plan.offloaded_per_layer and config.features.forward == "paged" and asked_forward == "auto":
+        logger.info("expert offload: features.forward auto -> reference (%s)", PAGED_REFUSAL)
         features = dataclasses.replace(config.features, forward="reference")
         config = dataclasses.replace(config, features=features)
         plan = startup_plan(config, model_cfg, total)  # no CUDA graph pool on this path
@@ -136,8 +139,7 @@ def expert_offload(
     k = plan.offloaded_per_layer
     if not k:
         return None
-    if config.features.forward == "paged":
-        raise ConfigError("features.forward", "paged", PAGED_REFUSAL)
+    check_forward(config.features.forward)
     served = served_expert_format(model_cfg, config.features.expert_weights)
     fmt = expert_format(served, model_cfg.hidden_size, model_cfg.moe_intermediate_size, dtype)
     e, planned = model_cfg.n_routed_experts, plan.num_moe_layers
@@ -154,6 +156,12 @@ def expert_offload(
     return ExpertOffload(k, plan.cache_slots, hot, planned_layers=planned)
 
 
+def check_forward(forward_kind: str) -> None:
+    """The forwards that serve offloaded experts: the reference one, for now."""
+    if forward_kind == "paged":
+        raise ConfigError("features.forward", "paged", PAGED_REFUSAL)
+
+
 def apply_offload(
     model: torch.nn.Module, offload: ExpertOffload | None, forward_kind: str
 ) -> WorkerOffload | None:
@@ -162,8 +170,7 @@ def apply_offload(
     offloaded here). Paged: refused until the paged expert pool is wired in here."""
     if offload is None:
         return None
-    if forward_kind == "paged":
-        raise ConfigError("features.forward", "paged", PAGED_REFUSAL)
+    check_forward(forward_kind)  # the paged forward: pool_experts(model, PoolOptions(...)) here
     stores = []
     for i, moe in enumerate(m for m in model.modules() if isinstance(m, MoE)):
         if moe.expert_store is None:  # loaded whole: move its experts now

@@ -23,12 +23,13 @@ from dsv4.config import load_config
 from dsv4.config.model import tiny_config
 from dsv4.errors import ConfigError
 from dsv4.model.offload import ExpertStats
-from dsv4.model.tiny import write_checkpoint, write_model_spec
+from dsv4.model.offload_load import ExpertOffload
+from dsv4.model.tiny import random_model, write_checkpoint, write_model_spec
 from dsv4.plan import PlanDoesNotFit
 from dsv4.worker import build
 from dsv4.worker.build import build_worker_runtime
 from dsv4.worker.fit import GIB, startup_plan
-from dsv4.worker.offload import check_host_memory, read_residency
+from dsv4.worker.offload import apply_offload, check_host_memory, read_residency
 
 BUDGET = {
     "model.device": "cpu", "model.max_model_len": 512, "scheduler.max_num_batched_tokens": 256,
@@ -194,3 +195,22 @@ def test_offload_metrics_are_exported() -> None:
     assert registry.get_sample_value("dsv4_expert_bytes_fetched_total") == 3000
     assert registry.get_sample_value("dsv4_expert_fetches_total") == 3
     assert registry.get_sample_value("dsv4_expert_cpu_computes_total") == 0
+
+
+def test_apply_offload_moves_a_model_loaded_whole_like_the_split_load() -> None:
+    """`apply_offload` (the one call site of the expert path) on a model whose experts were
+    loaded whole gives the stores the split load builds: same residents, same logits."""
+    cfg = tiny_config().with_overrides(expert_dtype="fp4")
+    offload = ExpertOffload(5, 2, ((7, 6, 5),), planned_layers=cfg.num_hidden_layers)
+    whole = random_model(cfg, seed=4, expert_weights="checkpoint")
+    with pytest.raises(ConfigError, match="reference forward"):
+        apply_offload(whole, offload, "paged")
+    moved = apply_offload(whole, offload, "reference")
+    split = random_model(cfg, seed=4, expert_weights="checkpoint", offload=offload)
+    assert [sorted(s.resident_row) for s in moved.stores][:2] == [[5, 6, 7], [0, 1, 2]]
+    assert len(moved.stores[-1].host) == cfg.n_routed_experts  # the MTP layer: all cold
+    ids = torch.randint(0, cfg.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a = whole(ids, states=[whole.new_state()]).logits
+        b = split(ids, states=[split.new_state()]).logits
+    assert torch.equal(a, b) and moved.stats().misses > 0
