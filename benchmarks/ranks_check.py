@@ -15,7 +15,6 @@ or error (the record says which).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import sys
@@ -37,8 +36,8 @@ def tiny_ranked_checkpoint(directory: Path) -> Path:
 
 
 def greedy_tokens(model_dir: Path, device: str, kernels: str, ranks: int) -> list[list[int]]:
+    from benchmarks.runtime_tokens import runtime_greedy_tokens
     from dsv4.config import load_config
-    from dsv4.types import GenerateRequest, SamplingParams
     from dsv4.worker.build import build_worker_runtime
 
     config = load_config({
@@ -50,21 +49,8 @@ def greedy_tokens(model_dir: Path, device: str, kernels: str, ranks: int) -> lis
         "model.max_model_len": 1024,
     }, None, {})  # fmt: skip
     runtime = build_worker_runtime(config, with_transport=False, name=f"ranks{ranks}")
-    sampling = SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW_TOKENS, ignore_eos=True)
-
-    async def one(i: int, prompt: list[int]) -> list[int]:
-        request = runtime.engine_request(GenerateRequest(f"r{i}", tuple(prompt), sampling))
-        return [t async for out in runtime.engine.generate(request) for t in out.new_token_ids]
-
-    async def serve() -> list[list[int]]:
-        runtime.engine.start()
-        try:
-            return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS))))
-        finally:
-            await runtime.engine.stop()
-
     try:
-        return asyncio.run(serve())
+        return runtime_greedy_tokens(runtime, PROMPTS, MAX_NEW_TOKENS)
     finally:
         if runtime.ranks is not None:
             runtime.ranks.close()

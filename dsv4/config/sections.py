@@ -54,10 +54,27 @@ class ModelSection(Section):
         min=1.0,
     )  # fmt: skip
     seed: int = setting(0, "seed of model init ('tiny') and default sampling", min=0)
+    host_memory_gib: float = setting(
+        0.0, "pinned host memory (GiB) for routed experts the device cannot hold: the start-up "
+        "plan offloads the fewest experts per layer that fit; 0: never offload", min=0,
+    )  # fmt: skip
+    device_memory_gib: float = setting(
+        0.0, "device memory (GiB) the start-up plan may use; 0: the GPU's total (on CPU: no "
+        "plan, unless set)", min=0,
+    )  # fmt: skip
+    expert_residency: str = setting(
+        "", "with offload: per-layer expert order file (most used first; the first stay on the "
+        "device); empty: experts 0..E-1 in order",
+    )  # fmt: skip
 
     def check(self) -> None:
         if not _DEVICE.fullmatch(self.device):
             self.fail("device", "use auto, cpu, cuda or cuda:N")
+        if self.host_memory_gib and self.tensor_parallel_size > 1:
+            self.fail("host_memory_gib", "expert offload serves one rank: give 0 with "
+                      "tensor_parallel_size > 1")  # fmt: skip
+        if self.expert_residency and not Path(self.expert_residency).is_file():
+            self.fail("expert_residency", "no such file: give a residency file or leave empty")
         for item in self.kernel_overrides:
             op, _, backend = item.partition("=")
             if not op or backend not in KERNEL_BACKENDS:

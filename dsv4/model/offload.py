@@ -262,6 +262,13 @@ class OffloadedExperts:
             torch.cuda.current_stream(self.device).wait_event(ready)
         return self._runner(self.slots.blobs[slot])
 
+    def parts(self, e: int) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+        """Expert e's w1, w2, w3 as (weight, scale or None) views of its blob (on the device
+        when resident, else the host copy): what a loader fills (`dsv4.model.offload_load`)."""
+        blob = self.resident[self.resident_row[e]] if e in self.resident_row else self.host[e]
+        views = self.fmt.views(blob)
+        return {n: (views[n], views.get(f"{n}_scale")) for n in ("w1", "w2", "w3")}
+
     # ---- internals -------------------------------------------------------------------------
     def _runner(self, blob: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
         def run(u: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ from dsv4.errors import CheckpointError
 from dsv4.model.fp8 import quantized_linears_, served_linear_format
 from dsv4.model.inventory import TensorSpec, checkpoint_tensors, model_tensors, quantized_kind
 from dsv4.model.moe import MoE, quantized_experts_, served_expert_format, stack_experts_
+from dsv4.model.offload_load import ExpertOffload, offload_experts_empty_
 from dsv4.ops.quant import fp8_block_quantize, mxfp4_quantize
 from dsv4.text.tokenizer import build_tokenizer
 
@@ -167,6 +168,7 @@ def random_model(
     draw_on_device: bool = False,
     expert_weights: str = "bf16",
     linear_weights: str = "bf16",
+    offload: ExpertOffload | None = None,
 ):
     """A model filled in memory from the same initialisers as the checkpoint writer (no I/O).
 
@@ -178,7 +180,9 @@ def random_model(
     they equal a written checkpoint's experts (other weights stay unrounded) and no dense copy
     exists. `linear_weights` "checkpoint" (`features.linear_weights`) likewise holds the FP8
     linears of an FP8 config as `FP8Linear` (each draw quantised as the writer stores it).
-    Every other value is the same draw as with "bf16".
+    Every other value is the same draw as with "bf16". `offload` splits the routed experts at
+    load time (`dsv4.model.offload_load`): each draw goes straight into its resident device
+    blob or its host blob, with the values the stacked storage would hold.
     """
     from dsv4.model.deepseek_v4 import DeepseekV4
 
@@ -188,7 +192,10 @@ def random_model(
     fmt = served_expert_format(cfg, expert_weights)
     if served_linear_format(cfg, linear_weights) == "fp8":
         quantized_linears_(model, device)
-    for block in (*model.layers, *model.mtp):  # routed experts straight into stacked storage:
+    if offload is not None:  # routed experts straight into device / host blobs
+        offload_experts_empty_(model, offload, fmt, dtype, device)
+    blocks = (*model.layers, *model.mtp) if offload is None else ()
+    for block in blocks:  # routed experts straight into stacked storage:
         if fmt == "bf16":  # stacking them later would hold them twice at once
             stack_experts_(block.ffn, device)
         else:
@@ -212,7 +219,12 @@ def random_model(
                 continue
             prefix, _, rest = spec.name.partition(".experts.")  # a quantised routed expert
             e, part, _ = rest.split(".")
-            weight, scale = moes[prefix].stacked_experts.parts(int(e))[part]
+            moe = moes[prefix]
+            held = moe.stacked_experts if moe.expert_store is None else moe.expert_store
+            weight, scale = held.parts(int(e))[part]
+            if scale is None:  # a dense offloaded blob: rounds as .to(dtype), as modules do
+                weight.copy_(value)
+                continue
             stored = encode_tensor(spec.name, value, "bf16", cfg)  # as the writer stores it
             weight.copy_(stored[spec.name])
             scale.copy_(stored[spec.name.removesuffix("weight") + "scale"])

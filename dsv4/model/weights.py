@@ -28,6 +28,7 @@ import re
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,7 @@ from dsv4.model.deepseek_v4 import DeepseekV4
 from dsv4.model.fp8 import FP8Linear, quantized_linears_, served_linear_format
 from dsv4.model.inventory import quantized_kind
 from dsv4.model.moe import MoE, quantized_experts_, served_expert_format
+from dsv4.model.offload_load import ExpertOffload, offload_experts_empty_
 from dsv4.ops.quant import fp8_block_dequantize, mxfp4_dequantize
 
 __all__ = ["checkpoint_files", "load_into", "load_model", "official_name", "quantized_kind"]
@@ -194,6 +196,28 @@ def _plan_quantized_experts(model: DeepseekV4, stored: dict[str, _Stored]):
                                                              _SCALE_DTYPES, stored)  # fmt: skip
 
 
+def _plan_offloaded_experts(model: DeepseekV4, stored: dict[str, _Stored]):
+    """(target, names, decode) for every routed expert tensor of the layers whose experts were
+    split at load time (`dsv4.model.offload_load`): views of device or host blobs, filled as
+    stored (MXFP4 blobs) or dequantised to the blob's dtype (dense blobs)."""
+    block = model.cfg.fp8_block_size
+    for prefix, moe in model.named_modules():
+        store = moe.expert_store if isinstance(moe, MoE) else None
+        if store is None:
+            continue
+        for e in range(moe.cfg.n_routed_experts):
+            for part, (weight, scale) in store.parts(e).items():
+                stem = f"{prefix}.experts.{e}.{part}"
+                if scale is None:
+                    names, decode = _plan_one(f"{stem}.weight", weight, stored, block)
+                    yield weight, names, decode
+                    continue
+                yield weight, [f"{stem}.weight"], _plan_stored(f"{stem}.weight", weight,
+                                                               _QUANTIZED_DTYPES["mxfp4"], stored)  # fmt: skip
+                yield scale, [f"{stem}.scale"], _plan_stored(f"{stem}.scale", scale,
+                                                             _SCALE_DTYPES, stored)  # fmt: skip
+
+
 def _stored_linear_dtypes(model: DeepseekV4) -> dict[str, tuple[str, ...]]:
     """The state_dict names of the `FP8Linear` modules (held as stored) -> accepted dtypes."""
     out: dict[str, tuple[str, ...]] = {}
@@ -227,7 +251,8 @@ def load_into(model: DeepseekV4, path: str | Path) -> None:
         names, decode = _plan_one(name, target, stored, model.cfg.fp8_block_size)
         used.update(names)
         plan.append((target, names, decode))
-    for target, names, decode in _plan_quantized_experts(model, stored):
+    experts = chain(_plan_quantized_experts(model, stored), _plan_offloaded_experts(model, stored))
+    for target, names, decode in experts:
         used.update(names)
         plan.append((target, names, decode))
     unexpected = sorted(set(stored) - used)
@@ -255,6 +280,7 @@ def load_model(
     *,
     expert_weights: str = "bf16",
     linear_weights: str = "bf16",
+    offload: ExpertOffload | None = None,
 ) -> tuple[DeepseekV4, ModelConfig]:
     """Build a `DeepseekV4` for the checkpoint dir `path` and load its weights.
 
@@ -264,7 +290,9 @@ def load_model(
     for MXFP4, and no dense copy at any point of the load. `linear_weights`
     (`features.linear_weights`) likewise for the FP8 linears: "checkpoint" holds them as
     `FP8Linear` (e4m3 + block scales, about half the bf16 bytes). Either falls back to
-    `dtype` for a checkpoint whose config says those tensors are not quantised."""
+    `dtype` for a checkpoint whose config says those tensors are not quantised. `offload`
+    splits the routed experts at load time (`dsv4.model.offload_load`): resident ones are
+    copied to the device, cold ones into (pinned) host memory, one tensor at a time."""
     cfg = ModelConfig.from_file(path)
     stored = _read_headers(checkpoint_files(path))
     if cfg.has_mtp and not any(n.startswith("mtp.") for n in stored):
@@ -274,7 +302,9 @@ def load_model(
         model = DeepseekV4(cfg)
     model.cast_(dtype)
     fmt = served_expert_format(cfg, expert_weights)
-    if fmt != "bf16":
+    if offload is not None:
+        offload_experts_empty_(model, offload, fmt, dtype, device)
+    elif fmt != "bf16":
         scale_dtype = _stored_scale_dtype(stored, "layers.0.ffn.experts.0.w1.scale")
         for moe in model.modules():
             if isinstance(moe, MoE):

@@ -116,6 +116,25 @@ class EngineGauges(Collector):
             yield family
 
 
+class ExpertCollector(Collector):
+    """Expert offload (`dsv4.worker.offload`): the stores' `ExpertStats`, read at scrape time
+    from `stats()` (plain int counters; a worker without offload registers none of these)."""
+
+    def __init__(self, stats: Callable[[], object]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats()
+        yield GaugeMetricFamily("dsv4_expert_hit_rate", "Routed expert uses served from device memory (resident or cached), 0 to 1", value=s.hit_rate)  # type: ignore[attr-defined]  # fmt: skip
+        yield GaugeMetricFamily("dsv4_expert_cache_hit_rate", "Uses of offloaded experts the device cache slots served, 0 to 1", value=s.cache_hit_rate)  # type: ignore[attr-defined]  # fmt: skip
+        for name, documentation, value in (
+            ("dsv4_expert_bytes_fetched", "Bytes of offloaded experts copied host -> device", s.bytes_fetched),  # type: ignore[attr-defined]
+            ("dsv4_expert_fetches", "Offloaded experts copied into a device cache slot", s.misses),  # type: ignore[attr-defined]
+            ("dsv4_expert_cpu_computes", "Offloaded experts computed on the CPU instead (CPU fallbacks)", s.cpu_computes),  # type: ignore[attr-defined]
+        ):  # fmt: skip
+            yield CounterMetricFamily(name, documentation, value=value)
+
+
 def scrape(url: str, timeout_s: float = 5.0) -> dict[str, float]:
     """One /metrics scrape: {'name{label="v",...}': value} for every sample (labels sorted)."""
     import urllib.request
@@ -198,8 +217,10 @@ class WorkerMetrics:
         index_cache_hit_ratio: Callable[[], float],
         step_counters: object,
         model_name: str = "",
+        expert_stats: Callable[[], object] | None = None,
     ) -> WorkerMetrics:
-        """`load()` returns an `EngineLoad` (dsv4.engine.core); callbacks run at scrape time."""
+        """`load()` returns an `EngineLoad` (dsv4.engine.core); callbacks run at scrape time.
+        `expert_stats()`: the offloaded experts' `ExpertStats` (None: no expert offload)."""
         r = registry
         info = Gauge(
             "dsv4_worker_info",
@@ -224,6 +245,8 @@ class WorkerMetrics:
         hit.set_function(index_cache_hit_ratio)
         r.register(StepCollector(step_counters))  # an EngineCore's StepCounters
         r.register(EngineGauges(model_name, load))
+        if expert_stats is not None:
+            r.register(ExpertCollector(expert_stats))
         return cls(info=info, index_cache_hit_ratio=hit)
 
 

@@ -39,6 +39,7 @@ from dsv4.engine.core import EngineOptions, build_engine_core
 from dsv4.errors import CheckpointError, ConfigError
 from dsv4.model.fp8 import set_linear_activations_
 from dsv4.model.indexer import set_skip_topk
+from dsv4.model.offload_load import ExpertOffload
 from dsv4.runner.kernel_bridge import hot_ops, kernel_choices
 from dsv4.runner.paged import MetadataSwitches, PagedOptions, PagedSwitches
 from dsv4.runner.reference import ReferenceOptions
@@ -48,7 +49,7 @@ from dsv4.scheduler.request import Request
 from dsv4.text.tokenizer import TextCodec
 from dsv4.transfer import KVTransport, make_transport
 from dsv4.types import GenerateRequest, KVLayoutInfo, RequestLimits
-from dsv4.worker.fit import startup_plan
+from dsv4.worker.offload import WorkerOffload, apply_offload, startup_offload
 from kernels.backend import KernelBackendConfig
 
 logger = logging.getLogger(__name__)
@@ -70,6 +71,7 @@ class WorkerRuntime:
     limits: RequestLimits
     # rank 0's handle on the follower ranks (a dsv4.parallel.ranks.RankGroup); None: one rank
     ranks: object = None
+    offload: WorkerOffload | None = None  # routed experts partly in host memory (issue 22)
 
     @property
     def layout_info(self) -> KVLayoutInfo:
@@ -107,8 +109,11 @@ def planned_model_config(config: ServeConfig) -> ModelConfig:
     return ModelConfig.from_file(config.model.model_dir)
 
 
-def load_weights(config: ServeConfig) -> tuple[torch.nn.Module, ModelConfig, TextCodec | None]:
-    """The model (eval mode, on the configured device) and its tokenizer, if any."""
+def load_weights(
+    config: ServeConfig, offload: ExpertOffload | None = None
+) -> tuple[torch.nn.Module, ModelConfig, TextCodec | None]:
+    """The model (eval mode, on the configured device) and its tokenizer, if any; with
+    `offload`, cold routed experts are loaded straight into host memory."""
     m = config.model
     dtype = _DTYPES[m.dtype]
     experts = config.features.expert_weights  # "checkpoint": MXFP4 / FP8 experts as stored
@@ -120,7 +125,8 @@ def load_weights(config: ServeConfig) -> tuple[torch.nn.Module, ModelConfig, Tex
 
         cfg = tiny_config()
         model = random_model(cfg, seed=m.seed, dtype=dtype, device=m.device,
-                             expert_weights=experts, linear_weights=linears)  # fmt: skip
+                             expert_weights=experts, linear_weights=linears,
+                             offload=offload)  # fmt: skip
         return model, cfg, TextCodec(build_tokenizer(cfg.vocab_size, cfg.bos_token_id))
     from dsv4.model.weights import load_model
 
@@ -131,10 +137,10 @@ def load_weights(config: ServeConfig) -> tuple[torch.nn.Module, ModelConfig, Tex
         on_gpu = m.device.startswith("cuda")
         model = random_model(cfg, seed=m.seed, dtype=dtype, device=m.device,
                              draw_on_device=on_gpu, expert_weights=experts,
-                             linear_weights=linears)  # fmt: skip
+                             linear_weights=linears, offload=offload)  # fmt: skip
     else:
         model, cfg = load_model(m.path, dtype=dtype, device=m.device, expert_weights=experts,
-                                linear_weights=linears)  # fmt: skip
+                                linear_weights=linears, offload=offload)  # fmt: skip
     tokenizer_dir = m.tokenizer or m.model_dir
     try:
         codec = TextCodec.from_dir(tokenizer_dir)
@@ -149,16 +155,17 @@ def build_worker_runtime(
 ) -> WorkerRuntime:
     """Load the model, size the KV cache, build the engine and (optionally) the transport,
     registering the cache's backing tensor with it."""
+    asked_forward = config.features.forward
     config = resolve_auto(
         config, has_cuda=torch.cuda.is_available(), hostname=socket.gethostname(), pid=os.getpid()
     )
-    if config.model.device.startswith("cuda"):
-        device = torch.device(config.model.device)
-        total_bytes = torch.cuda.get_device_properties(device).total_memory
-        startup_plan(config, planned_model_config(config), total_bytes)  # raises PlanDoesNotFit
+    # the plan (GPU, or model.device_memory_gib) before any weight: raises PlanDoesNotFit
+    config, _, offload = startup_offload(
+        config, planned_model_config(config), asked_forward, _DTYPES[config.model.dtype]
+    )
     ranks = start_ranks(config)  # None for one rank; else followers load alongside
     try:
-        return _build(config, ranks, with_transport=with_transport, name=name)
+        return _build(config, ranks, offload, with_transport=with_transport, name=name)
     except BaseException:
         if ranks is not None:
             ranks.close("start-up failed")
@@ -180,9 +187,12 @@ def start_ranks(config: ServeConfig):
     return RankGroup.start(config, free_port())
 
 
-def _build(config: ServeConfig, ranks, *, with_transport: bool, name: str) -> WorkerRuntime:
-    model, model_cfg, codec = load_weights(config)
+def _build(
+    config: ServeConfig, ranks, offload: ExpertOffload | None, *, with_transport: bool, name: str
+) -> WorkerRuntime:
+    model, model_cfg, codec = load_weights(config, offload)
     set_linear_activations_(model, config.features.linear_activations)  # W8A8 switch
+    served_offload = apply_offload(model, offload, config.features.forward)
     if ranks is not None:
         from dsv4.parallel import shard_model
 
@@ -253,9 +263,12 @@ def _build(config: ServeConfig, ranks, *, with_transport: bool, name: str) -> Wo
         name, config.model.path, num_blocks, layout.block_stride_bytes, options.kv_dtype,
         layout.compat_hash[:12], transport.kind if transport else "none",
     )  # fmt: skip
-    return WorkerRuntime(
-        config, model_cfg, AsyncEngine(core, name), layout, transport, codec, limits, ranks
-    )
+    if offload is not None:
+        logger.info("%s: %d of %d routed experts per layer in host memory, %d cache slots",
+                    name, offload.num_offloaded, model_cfg.n_routed_experts,
+                    offload.cache_slots)  # fmt: skip
+    return WorkerRuntime(config, model_cfg, AsyncEngine(core, name), layout, transport, codec,
+                         limits, ranks, served_offload)  # fmt: skip
 
 
 def options_spec_tokens(config: ServeConfig) -> int:

@@ -1,13 +1,21 @@
 """Start-up memory check: the worker computes `dsv4 plan`'s plan before loading any weight and
 refuses to start with the plan's message when the model, KV cache and workspaces cannot fit,
-instead of running out of memory halfway through the load (issue 11)."""
+instead of running out of memory halfway through the load (issue 11). With a host budget
+(`model.host_memory_gib`) the plan may offload routed experts (`dsv4.worker.offload`)."""
 
 from __future__ import annotations
 
 from dsv4.cache.packing import CacheOptions
 from dsv4.config import ServeConfig
 from dsv4.config.model import ModelConfig
-from dsv4.plan import MemoryPlan, PlanRequest, WeightFormats, check_fits, plan_memory
+from dsv4.plan import (
+    MemoryPlan,
+    PlanDoesNotFit,
+    PlanRequest,
+    WeightFormats,
+    check_fits,
+    plan_memory,
+)
 
 GIB = 1 << 30
 
@@ -18,12 +26,16 @@ def startup_plan(config: ServeConfig, model_cfg: ModelConfig, gpu_total_bytes: i
 
     The model holds the FP8 linears as `features.linear_weights` says (bf16, or the
     checkpoint's FP8 with block scales) and the routed experts as `features.expert_weights`
-    says (bf16, or the checkpoint's MXFP4 / FP8), and workers keep
-    experts on the GPU (no host offload), so those are the formats and the host budget planned
-    for. KV is sized for one maximum-length request: the worker sizes the rest from what
-    remains."""
+    says (bf16, or the checkpoint's MXFP4 / FP8). `model.host_memory_gib` is the pinned host
+    budget for offloaded experts (all of it may be pinned: 0 plans without offload); on a CPU
+    device (`model.device_memory_gib` set) no CUDA runtime reserve is held back. KV is sized
+    for one maximum-length request: the worker sizes the rest from what remains.
+
+    When offloading would fit the device but not the host budget, the refusal is one line
+    with the shortfall; otherwise it is the plan's message."""
     spec = config.speculative
     ranks = config.model.tensor_parallel_size  # one GPU per rank: the plan of one of them
+    on_cuda = config.model.device.startswith("cuda")
     request = PlanRequest(
         model=model_cfg,
         num_gpus=ranks,
@@ -31,12 +43,16 @@ def startup_plan(config: ServeConfig, model_cfg: ModelConfig, gpu_total_bytes: i
         tp=ranks,
         ep=ranks if config.model.expert_parallel else 1,
         gpu_mem_gib=gpu_total_bytes / GIB,
-        host_mem_gib=0.0,
+        host_mem_gib=config.model.host_memory_gib,
+        host_mem_fraction=1.0,  # the flag is the pinned budget itself
+        runtime_reserve_gib=1.0 if on_cuda else 0.0,
         max_model_len=config.model.max_model_len or model_cfg.max_position_embeddings,
         max_num_seqs=1,
         max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
         num_speculative_tokens=spec.num_speculative_tokens if spec.method == "mtp" else 0,
-        cuda_graphs=config.features.cuda_graphs and config.features.forward == "paged",
+        cuda_graphs=config.features.cuda_graphs
+        and config.features.forward == "paged"
+        and on_cuda,  # as `graph_options` decides
         memory_fraction=config.cache.memory_fraction,
         formats=WeightFormats(config.features.linear_weights, config.features.expert_weights),
         cache=CacheOptions(
@@ -45,4 +61,24 @@ def startup_plan(config: ServeConfig, model_cfg: ModelConfig, gpu_total_bytes: i
             index_dtype=config.cache.indexer_key_dtype,
         ),
     )
-    return check_fits(plan_memory(request))
+    plan = plan_memory(request)
+    host_gib = config.model.host_memory_gib
+    if not plan.fits and plan.offloaded_per_layer and plan.needed_bytes <= plan.usable_bytes:
+        if host_gib:  # offload fits the device: the host budget alone is short
+            raise PlanDoesNotFit(host_shortfall(plan, host_gib))
+        raise PlanDoesNotFit(f"{plan.message} With expert offload it {host_shortfall(plan, 0)}.")
+    return check_fits(plan)
+
+
+def host_shortfall(plan: MemoryPlan, host_memory_gib: float) -> str:
+    """The refusal of a plan whose offload fits the device but not the pinned host budget."""
+    return (
+        f"needs {size_text(plan.host_bytes)} of pinned host memory for"
+        f" {plan.offloaded_per_layer} of {plan.experts_per_layer} experts x"
+        f" {plan.num_moe_layers} layers; --host-memory-gib gives {host_memory_gib:g}"
+    )
+
+
+def size_text(nbytes: int) -> str:
+    """GiB with one decimal (MiB below 0.1 GiB, where one decimal of GiB says nothing)."""
+    return f"{nbytes / GIB:.1f} GiB" if nbytes >= GIB // 10 else f"{nbytes / (1 << 20):.1f} MiB"

@@ -139,6 +139,7 @@ def worker_metrics(
         index_cache_hit_ratio=lambda: index_cache_hit_ratio(runtime),
         step_counters=runtime.engine.core.step_counters,
         model_name=runtime.config.model.path,
+        expert_stats=runtime.offload.stats if runtime.offload is not None else None,
     )
 
 

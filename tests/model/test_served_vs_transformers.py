@@ -8,12 +8,10 @@ requests through its `AsyncEngine`; every continuation must equal `DeepseekV4For
 
 from __future__ import annotations
 
-import asyncio
-
 import torch
 
+from benchmarks.runtime_tokens import runtime_greedy_tokens
 from dsv4.config import load_config
-from dsv4.types import GenerateRequest, SamplingParams
 from dsv4.worker.build import build_worker_runtime
 
 LENGTHS = (3, 64, 129, 257)
@@ -24,22 +22,7 @@ def served_tokens(model_dir: str, prompts: list[list[int]], **flags: object) -> 
     overrides = {"model.path": model_dir, "cache.num_blocks": 64, "cache.block_size": 128,
                  "scheduler.max_num_seqs": len(prompts), **flags}  # fmt: skip
     runtime = build_worker_runtime(load_config(overrides), with_transport=False)
-    greedy = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
-
-    async def one(i: int, prompt: list[int]) -> list[int]:
-        request = runtime.engine_request(GenerateRequest(f"r{i}", tuple(prompt), greedy))
-        return [t async for out in runtime.engine.generate(request) for t in out.new_token_ids]
-
-    async def run_all() -> list[list[int]]:
-        runtime.engine.start()
-        try:
-            return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
-        finally:
-            await runtime.engine.stop()
-
-    tokens = asyncio.run(run_all())
-    runtime.engine.core.scheduler.check_no_leaks()
-    return tokens
+    return runtime_greedy_tokens(runtime, prompts, NEW_TOKENS)
 
 
 def test_served_exact_formats_equal_transformers_generate(hf_checkpoint) -> None:

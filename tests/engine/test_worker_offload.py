@@ -1,0 +1,216 @@
+"""A worker serves a model whose routed experts do not fit its device budget with expert
+offload (issue 22): the start-up plan's K and cache slots, cold experts loaded straight into
+host memory, the same greedy tokens as without offload, and a one-line refusal (before any
+weight is loaded) when the host budget is too small.
+
+The tiny model's device budget is `model.device_memory_gib` (a CPU device has no GPU total):
+0.012 GiB with a 512-token context and 256-token steps leaves room for 2 or 3 of 8 bf16 experts
+per layer (the plan offloads the rest, with 2 cache slots)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from benchmarks.runtime_tokens import runtime_greedy_tokens
+from dsv4.config import load_config
+from dsv4.config.model import tiny_config
+from dsv4.errors import ConfigError
+from dsv4.model.offload import ExpertStats
+from dsv4.model.offload_load import ExpertOffload
+from dsv4.model.tiny import random_model, write_checkpoint, write_model_spec
+from dsv4.plan import PlanDoesNotFit
+from dsv4.worker import build
+from dsv4.worker.build import build_worker_runtime
+from dsv4.worker.fit import GIB, startup_plan
+from dsv4.worker.offload import apply_offload, check_host_memory, read_residency
+
+BUDGET = {
+    "model.device": "cpu", "model.max_model_len": 512, "scheduler.max_num_batched_tokens": 256,
+    "cache.kv_dtype": "fp32", "cache.indexer_key_dtype": "fp32", "cache.num_blocks": 16,
+    "cache.block_size": 128, "scheduler.max_num_seqs": 2,
+}  # fmt: skip
+OFFLOAD = {"model.device_memory_gib": 0.012, "model.host_memory_gib": 1.0}
+FP4_DEVICE_GIB = 0.0115  # MXFP4 experts (a quarter of the bytes): 4 of 8 offloaded
+PROMPTS = ([5, 17, 300, 2, 9, 44, 1000, 3] * 5, [7, 7, 8, 900, 12])
+
+
+def served_tokens(runtime) -> list[list[int]]:
+    return runtime_greedy_tokens(runtime, PROMPTS, 8)
+
+
+@pytest.fixture(scope="module")
+def flash_like_dir(tmp_path_factory):
+    """random:DIR of the tiny shape with MXFP4 experts (as V4-Flash stores them)."""
+    out = tmp_path_factory.mktemp("fp4-tiny")
+    write_model_spec(out, tiny_config().with_overrides(expert_dtype="fp4"))
+    return out
+
+
+class Allocations(TorchDispatchMode):
+    """Shapes of every tensor the dispatcher creates empty (torch.empty, to_empty, ...)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: list[tuple[int, ...]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.__name__.startswith(("empty", "new_empty")) and isinstance(out, torch.Tensor):
+            self.shapes.append(tuple(out.shape))
+        return out
+
+
+def test_offloaded_worker_serves_the_same_greedy_tokens_with_the_plans_k_and_slots(
+    flash_like_dir,
+) -> None:
+    common = {**BUDGET, "model.path": f"random:{flash_like_dir}",
+              "features.expert_weights": "checkpoint"}  # fmt: skip
+    resident = build_worker_runtime(load_config(common), with_transport=False)
+    assert resident.offload is None
+    expected = served_tokens(resident)
+
+    config = load_config({**common, **OFFLOAD, "model.device_memory_gib": FP4_DEVICE_GIB})
+    with Allocations() as allocations:
+        runtime = build_worker_runtime(config, with_transport=False)
+    cfg = runtime.model_config
+    plan = startup_plan(runtime.config, cfg, int(FP4_DEVICE_GIB * GIB))
+    assert plan.verdict == "fits_with_offload"
+    k, slots, e = plan.offloaded_per_layer, plan.cache_slots, cfg.n_routed_experts
+    used = runtime.offload.offload
+    assert (used.num_offloaded, used.cache_slots) == (k, slots) and 0 < k < e
+    *layers, mtp = runtime.offload.stores
+    assert len(layers) == cfg.num_hidden_layers == plan.num_moe_layers
+    for store in layers:  # the device holds E - K resident + the slots
+        assert store.resident.shape == (e - k, plan.expert_bytes)  # MXFP4 blobs, no padding
+        assert store.slots.blobs.shape == (slots, plan.expert_bytes) and len(store.host) == k
+    # speculative decoding is off: the MTP layer never runs, its experts all wait in host memory
+    assert mtp.resident.shape[0] == 0 and len(mtp.host) == e
+    device_expert_bytes = sum(s.resident.nbytes + s.slots.blobs.nbytes
+                              for s in runtime.offload.stores[: cfg.num_hidden_layers])  # fmt: skip
+    assert device_expert_bytes == plan.device_expert_bytes
+    # no stacked storage of a whole layer's experts ([E, ...] or [E + 1, ...]) was ever made
+    assert not [s for s in allocations.shapes if len(s) == 3 and s[0] in (e, e + 1)]
+
+    assert served_tokens(runtime) == expected
+    stats = runtime.offload.stats()
+    assert stats.misses > 0 and stats.bytes_fetched == stats.misses * plan.expert_bytes
+
+
+def test_checkpoint_dir_loads_split_with_dense_experts_and_serves_the_same_tokens(
+    tmp_path,
+) -> None:
+    """A real checkpoint (MXFP4 experts on disk) served with bf16 experts: each expert is
+    dequantised straight into its resident or host blob."""
+    write_checkpoint(tmp_path, tiny_config().with_overrides(expert_dtype="fp4"), seed=5)
+    common = {**BUDGET, "model.path": str(tmp_path)}
+    expected = served_tokens(build_worker_runtime(load_config(common), with_transport=False))
+    runtime = build_worker_runtime(load_config({**common, **OFFLOAD}), with_transport=False)
+    store = runtime.offload.stores[0]
+    assert not store.fmt.is_mxfp4 and len(store.host) == runtime.offload.offload.num_offloaded > 0
+    assert served_tokens(runtime) == expected
+
+
+def test_too_little_host_memory_refuses_in_one_line_before_loading(monkeypatch) -> None:
+    loads = []
+    monkeypatch.setattr(build, "load_weights", lambda *a, **k: loads.append(a))
+    config = load_config({**BUDGET, **OFFLOAD, "model.host_memory_gib": 0.001})
+    with pytest.raises(PlanDoesNotFit) as refusal:
+        build_worker_runtime(config, with_transport=False)
+    assert refusal.value.message == (
+        "needs 1.9 MiB of pinned host memory for 5 of 8 experts x 4 layers; "
+        "--host-memory-gib gives 0.001"
+    )
+    assert loads == []
+
+
+def test_worker_cli_refusal_is_one_line_without_traceback() -> None:
+    command = [sys.executable, "-m", "dsv4.commands.cli", "decode", "--model", "tiny",
+               "--device", "cpu", "--max-model-len", "512", "--max-num-batched-tokens", "256",
+               "--kv-dtype", "fp32", "--indexer-key-dtype", "fp32", "--device-memory-gib",
+               "0.012", "--host-memory-gib", "0.001", "--metrics-port", "0"]  # fmt: skip
+    env = {**os.environ, "DSV4_SHARED_SECRET": "offload-test-secret"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 2, done.stderr[-2000:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert "of pinned host memory for 6 of 8 experts x 4 layers" in lines[0]
+    assert lines[0].endswith("--host-memory-gib gives 0.001")
+
+
+def test_host_memory_check_refuses_more_than_the_budget_or_the_host_has() -> None:
+    what = "64 of 256 experts x 43 layers"
+    check_host_memory(10 * GIB, 12 * GIB, 11 * GIB, what)
+    check_host_memory(10 * GIB, 12 * GIB, None, what)  # no /proc/meminfo: the budget only
+    with pytest.raises(PlanDoesNotFit, match=r"^needs 10\.0 GiB of pinned host memory for 64 of "
+                       r"256 experts x 43 layers; this host has 4\.0 GiB available$"):  # fmt: skip
+        check_host_memory(10 * GIB, 12 * GIB, 4 * GIB, what)
+    with pytest.raises(PlanDoesNotFit, match=r"; --host-memory-gib gives 8$"):
+        check_host_memory(10 * GIB, 8 * GIB, 11 * GIB, what)
+
+
+def test_paged_forward_with_offload_is_refused_and_auto_takes_the_reference() -> None:
+    with pytest.raises(ConfigError, match="reference forward"):
+        build_worker_runtime(load_config({**BUDGET, **OFFLOAD, "features.forward": "paged"}),
+                             with_transport=False)  # fmt: skip
+    runtime = build_worker_runtime(load_config({**BUDGET, **OFFLOAD}), with_transport=False)
+    assert runtime.config.features.forward == "reference" and runtime.offload is not None
+
+
+def test_residency_order_picks_the_resident_experts(tmp_path) -> None:
+    path = tmp_path / "residency.json"
+    path.write_text(json.dumps({"layers": [[7, 6, 5, 4], [1, 3, 5]]}))
+    assert read_residency(str(path)) == ((7, 6, 5, 4), (1, 3, 5))
+    config = load_config({**BUDGET, **OFFLOAD, "model.expert_residency": str(path)})
+    stores = build_worker_runtime(config, with_transport=False).offload.stores  # 3 resident
+    assert sorted(stores[0].resident_row) == [5, 6, 7] and sorted(stores[1].resident_row) == [
+        1,
+        3,
+        5,
+    ]
+    assert sorted(stores[2].resident_row) == [0, 1, 2]  # no order given: experts 0..E-1
+    path.write_text(json.dumps({"layers": [[9]]}))
+    with pytest.raises(ConfigError, match="distinct expert ids"):
+        build_worker_runtime(load_config({**BUDGET, **OFFLOAD, "model.expert_residency": str(path)}),
+                             with_transport=False)  # fmt: skip
+    path.write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="not a residency file"):
+        read_residency(str(path))
+
+
+def test_offload_metrics_are_exported() -> None:
+    from prometheus_client import CollectorRegistry
+
+    from dsv4.serving.metrics import ExpertCollector
+
+    registry = CollectorRegistry()
+    registry.register(ExpertCollector(lambda: ExpertStats(6, 1, 3, 0, 3000)))
+    assert registry.get_sample_value("dsv4_expert_hit_rate") == 0.7
+    assert registry.get_sample_value("dsv4_expert_bytes_fetched_total") == 3000
+    assert registry.get_sample_value("dsv4_expert_fetches_total") == 3
+    assert registry.get_sample_value("dsv4_expert_cpu_computes_total") == 0
+
+
+def test_apply_offload_moves_a_model_loaded_whole_like_the_split_load() -> None:
+    """`apply_offload` (the one call site of the expert path) on a model whose experts were
+    loaded whole gives the stores the split load builds: same residents, same logits."""
+    cfg = tiny_config().with_overrides(expert_dtype="fp4")
+    offload = ExpertOffload(5, 2, ((7, 6, 5),), planned_layers=cfg.num_hidden_layers)
+    whole = random_model(cfg, seed=4, expert_weights="checkpoint")
+    with pytest.raises(ConfigError, match="reference forward"):
+        apply_offload(whole, offload, "paged")
+    moved = apply_offload(whole, offload, "reference")
+    split = random_model(cfg, seed=4, expert_weights="checkpoint", offload=offload)
+    assert [sorted(s.resident_row) for s in moved.stores][:2] == [[5, 6, 7], [0, 1, 2]]
+    assert len(moved.stores[-1].host) == cfg.n_routed_experts  # the MTP layer: all cold
+    ids = torch.randint(0, cfg.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a = whole(ids, states=[whole.new_state()]).logits
+        b = split(ids, states=[split.new_state()]).logits
+    assert torch.equal(a, b) and moved.stats().misses > 0
