@@ -167,6 +167,7 @@ def random_model(
     draw_on_device: bool = False,
     expert_weights: str = "bf16",
     linear_weights: str = "bf16",
+    routing: str = "uniform",
 ):
     """A model filled in memory from the same initialisers as the checkpoint writer (no I/O).
 
@@ -178,8 +179,12 @@ def random_model(
     they equal a written checkpoint's experts (other weights stay unrounded) and no dense copy
     exists. `linear_weights` "checkpoint" (`features.linear_weights`) likewise holds the FP8
     linears of an FP8 config as `FP8Linear` (each draw quantised as the writer stores it).
-    Every other value is the same draw as with "bf16".
+    Every other value is the same draw as with "bf16". `routing` "zipf1" then re-biases the
+    routers so expert popularity per layer falls as 1/rank (`dsv4.model.skew`); "uniform"
+    keeps the draws (near-uniform popularity).
     """
+    if routing not in ("uniform", "zipf1"):
+        raise ValueError(f"routing {routing!r}: use uniform or zipf1")
     from dsv4.model.deepseek_v4 import DeepseekV4
 
     gen = torch.Generator(device if draw_on_device else "cpu").manual_seed(seed)
@@ -216,4 +221,8 @@ def random_model(
             stored = encode_tensor(spec.name, value, "bf16", cfg)  # as the writer stores it
             weight.copy_(stored[spec.name])
             scale.copy_(stored[spec.name.removesuffix("weight") + "scale"])
+    if routing == "zipf1":
+        from dsv4.model.skew import zipf_routing_
+
+        zipf_routing_(model, seed)
     return model.eval()

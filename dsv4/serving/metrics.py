@@ -48,6 +48,7 @@ from prometheus_client.exposition import start_http_server
 from prometheus_client.registry import Collector
 
 from dsv4.errors import Unavailable
+from dsv4.serving.expert_metrics import OffloadMetrics
 
 logger = logging.getLogger(__name__)
 disable_created_metrics()  # no `*_created` series: every process of ours starts fresh anyway
@@ -184,6 +185,7 @@ class WorkerMetrics:
 
     info: Gauge
     index_cache_hit_ratio: Gauge
+    offload: OffloadMetrics  # filled by the expert offload pool (dsv4.serving.expert_metrics)
 
     @classmethod
     def create(
@@ -224,7 +226,7 @@ class WorkerMetrics:
         hit.set_function(index_cache_hit_ratio)
         r.register(StepCollector(step_counters))  # an EngineCore's StepCounters
         r.register(EngineGauges(model_name, load))
-        return cls(info=info, index_cache_hit_ratio=hit)
+        return cls(info=info, index_cache_hit_ratio=hit, offload=OffloadMetrics.create(r))
 
 
 def _used_blocks(load: object) -> int:

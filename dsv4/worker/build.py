@@ -120,7 +120,8 @@ def load_weights(config: ServeConfig) -> tuple[torch.nn.Module, ModelConfig, Tex
 
         cfg = tiny_config()
         model = random_model(cfg, seed=m.seed, dtype=dtype, device=m.device,
-                             expert_weights=experts, linear_weights=linears)  # fmt: skip
+                             expert_weights=experts, linear_weights=linears,
+                             routing=m.random_routing)  # fmt: skip
         return model, cfg, TextCodec(build_tokenizer(cfg.vocab_size, cfg.bos_token_id))
     from dsv4.model.weights import load_model
 
@@ -131,7 +132,7 @@ def load_weights(config: ServeConfig) -> tuple[torch.nn.Module, ModelConfig, Tex
         on_gpu = m.device.startswith("cuda")
         model = random_model(cfg, seed=m.seed, dtype=dtype, device=m.device,
                              draw_on_device=on_gpu, expert_weights=experts,
-                             linear_weights=linears)  # fmt: skip
+                             linear_weights=linears, routing=m.random_routing)  # fmt: skip
     else:
         model, cfg = load_model(m.path, dtype=dtype, device=m.device, expert_weights=experts,
                                 linear_weights=linears)  # fmt: skip
@@ -223,6 +224,7 @@ def _build(config: ServeConfig, ranks, *, with_transport: bool, name: str) -> Wo
         paged=paged_options(config),
         reference=reference,
         batched_sampling=f.batched_sampling,
+        routing_stats=config.metrics.routing_stats,
     )
     core = build_engine_core(model, engine_options)
     if ranks is not None:  # before the warm-up: its steps run on every rank
@@ -238,6 +240,8 @@ def _build(config: ServeConfig, ranks, *, with_transport: bool, name: str) -> Wo
         mixed = tuple(n for n in lengths if n & (n - 1) == 0 or n == lengths[-1])
         core.warm_up(lengths, num_new_tokens=1 if role == "prefill" else 4,
                      mixed_lengths=mixed if role == "colocated" else ())  # fmt: skip
+    if core.runner.routing_stats is not None:  # count served traffic only, not the warm-up
+        core.runner.routing_stats.reset()
     roles = pattern.roles
     # Share of ratio-4 layers whose top-k comes from the IndexCache instead of their indexer.
     core.runner.index_cache_hit_ratio = roles.count("S") / len(roles) if roles else 0.0
