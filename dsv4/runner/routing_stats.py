@@ -10,7 +10,9 @@ Where the counts come from:
   builds the step's per-token weight (1 real, 0 padding): a captured decode step pads its batch
   with rows on the cache's scratch blocks (`dsv4.runner.paged.graphs`), whose block ids start at
   the cache's `num_blocks`, so a token counts iff its request's first block is below that;
-- the reference forward has no padding: `observe(model)` installs `MoE.route_observer`.
+- the reference forward has no padding: `observe(model)` installs `MoE.route_observer` (a
+  tensor-parallel replica's sharded MoE does not report: count with the paged forward there,
+  where rank 0 counts for the replica).
 
 The host reads the counts only when asked (`snapshot`: a Prometheus scrape, a dump): one
 device->host copy of L x E int64. `reset()` zeroes them in place (graphs keep the address).

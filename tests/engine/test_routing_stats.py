@@ -4,6 +4,7 @@ passes with padding rows, which must not count) and the reference forward."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
@@ -135,3 +136,27 @@ def test_paged_mtp_passes_count_in_the_last_row() -> None:
     mtp = stats.counts[-1].sum().item()
     assert mtp > 0 and mtp % k == 0
     assert core.runner.forward.graphs.passes["mtp"].num_runs > 0
+
+
+@pytest.mark.gpu
+def test_captured_graphs_count_only_real_rows_on_the_gpu() -> None:
+    """CUDA graphs for real (Triton kernels): with replays, as eagerly, every layer counts
+    exactly the real tokens x top-k (three requests in batch bucket 4: one padding row per
+    replay, which must not count)."""
+    from kernels.backend import KernelBackendConfig
+
+    cfg = tiny_config().with_overrides(num_nextn_predict_layers=0)
+    model = random_model(cfg, seed=5, dtype=torch.bfloat16, device="cuda")
+    kernels = KernelBackendConfig(default="triton")
+    counts = []
+    for graphs in (None, GraphOptions(max_batch=4, max_model_len=1024)):
+        core = make_core(model, kv="fp8", index="mxfp4", budget=512, paged={}, kernels=kernels,
+                         graphs=graphs, max_num_seqs=4, routing_stats=True)  # fmt: skip
+        assert core.runner.routing_stats.counts.sum().item() == 0  # captures: padding only
+        serve(core, new_tokens=8)
+        if graphs is not None:
+            assert core.runner.forward.graphs.passes["target"].num_runs >= 6
+        counts.append(core.runner.routing_stats.snapshot())
+    tokens = sum(len(p) for p in PROMPTS.values()) + len(PROMPTS) * (8 - 1)
+    for run in counts:  # eager, graphs
+        assert [sum(row) for row in run] == [tokens * cfg.num_experts_per_tok] * len(run)
