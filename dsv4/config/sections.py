@@ -67,6 +67,9 @@ class ModelSection(Section):
             op, _, backend = item.partition("=")
             if not op or backend not in KERNEL_BACKENDS:
                 self.fail("kernel_overrides", f"write op=backend, backend in {KERNEL_BACKENDS}")
+        if self.random_routing != "uniform" and not self.is_random:
+            self.fail("random_routing", "skews only random weights ('tiny', 'random:DIR'): "
+                      "a checkpoint routes as trained, leave it uniform")  # fmt: skip
 
     @property
     def is_random(self) -> bool:

@@ -78,6 +78,8 @@ def test_the_owned_task_dumps_every_interval(tmp_path) -> None:
     assert sum(map(sum, read_residency(out).counts)) > 0
 
 
-def test_dumps_need_counting() -> None:
+def test_dumps_need_counting_and_skew_needs_random_weights() -> None:
     with pytest.raises(ConfigError, match="routing_stats_out"):
         load_config({"metrics.routing_stats_out": "/tmp/x.json"})
+    with pytest.raises(ConfigError, match="random_routing"):
+        load_config({"model.path": "/ckpt/flash", "model.random_routing": "zipf1"})
