@@ -64,8 +64,9 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cache-slots", type=int, default=0, help="cold-expert slots per layer")
     p.add_argument("--linear-format", choices=["checkpoint", "bf16"], default="checkpoint")
     p.add_argument("--expert-format", choices=["checkpoint", "bf16"], default="checkpoint")
-    p.add_argument("--routing-stats", help="a worker's routing stats dump (JSON): keep the "
-                   "most selected experts resident")  # fmt: skip
+    p.add_argument("--routing-stats", action="append", help="a worker's routing stats dump "
+                   "(JSON): keep the most selected experts resident; once per worker to sum "
+                   "several")  # fmt: skip
     p.add_argument("--residency-out", help="with --routing-stats: write the residency file here")
     p.add_argument("--json", action="store_true")
     p.set_defaults(handler=run_plan)
@@ -126,14 +127,22 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0 if plan.fits else 1
 
 
-def plan_residency(plan: MemoryPlan, stats_path: str) -> Residency:
-    """The stats file, checked against the planned model, keeping the plan's E - K experts."""
+def plan_residency(plan: MemoryPlan, stats_paths: list[str]) -> Residency:
+    """The stats files (their counts summed), checked against the planned model, keeping the
+    plan's E - K experts."""
     cfg = plan.request.model
     layers = cfg.num_hidden_layers + min(cfg.num_nextn_predict_layers, 1)  # the MTP layer last
-    try:
-        stats = read_residency(stats_path, layers, cfg.n_routed_experts)
-    except ResidencyError as exc:
-        raise UsageError(f"--routing-stats {exc.message}") from exc
+    e = cfg.n_routed_experts
+    counts = [[0] * e for _ in range(layers)]
+    for path in stats_paths:
+        try:
+            stats = read_residency(path, layers, e)
+        except ResidencyError as exc:
+            raise UsageError(f"--routing-stats {exc.message}") from exc
+        counts = [
+            [a + b for a, b in zip(mine, theirs)] for mine, theirs in zip(counts, stats.counts)
+        ]
+    stats = Residency.from_counts(counts)
     k = plan.offloaded_per_layer if plan.fits else 0
     if k and plan.experts_per_layer != cfg.n_routed_experts:
         raise UsageError(f"--routing-stats: expert offload holds whole layers of experts "

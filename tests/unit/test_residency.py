@@ -120,6 +120,22 @@ def test_cli_text_report_and_a_plan_without_offload_keeps_every_expert(tmp_path,
     assert read_residency(out).num_resident == 256
 
 
+def test_cli_sums_the_dumps_of_several_workers(tmp_path, capsys) -> None:
+    """Two workers' dumps: the first favours low expert ids, the second high ones; summed,
+    the second's larger counts decide."""
+    low = [[256 - x for x in range(256)] for _ in range(FLASH_LAYERS)]
+    high = [[3 * x for x in range(256)] for _ in range(FLASH_LAYERS)]
+    paths = []
+    for i, counts in enumerate((low, high)):
+        paths += ["--routing-stats", str(tmp_path / f"w{i}.json")]
+        write_residency(Residency.from_counts(counts), paths[-1])
+    out = tmp_path / "residency.json"
+    assert main([*PLAN, *paths, "--residency-out", str(out)]) == 0
+    residency = read_residency(out)
+    assert residency.counts[0][255] == 1 + 765 and residency.order[0][0] == 255
+    assert "residency:" in capsys.readouterr().out
+
+
 def test_cli_residency_out_needs_routing_stats(tmp_path, capsys) -> None:
     assert main([*PLAN, "--residency-out", str(tmp_path / "r.json")]) == 2
     assert "--residency-out: give --routing-stats" in capsys.readouterr().err
