@@ -35,7 +35,7 @@ from dsv4.runner.paged.decode_graphs import DecodeGraphs, GraphOptions
 # graphs make them moot, they are measured eagerly in benchmarks/bench_engine.py)
 GRAPH_VARIANTS = ("all_on", "shared_sparse_metadata_off", "skip_redundant_fill_off",
                   "skip_topk_off", "router_kernel_reference", "fused_mhc_off",
-                  "glue_kernels_reference", "fused_shared_expert_on")  # fmt: skip
+                  "glue_kernels_reference", "fused_shared_expert_on", "routing_stats_on")  # fmt: skip
 
 
 def _options(batches, contexts, capture: bool) -> GraphOptions:

@@ -18,6 +18,7 @@ from dsv4.engine.core import EngineOptions, build_engine_core
 from dsv4.model.tiny import random_model
 from dsv4.runner.kernel_bridge import hot_ops
 from dsv4.runner.paged import MetadataSwitches, PagedForward, PagedOptions, PagedSwitches
+from dsv4.runner.routing_stats import RoutingStats
 from dsv4.scheduler.config import SchedulerConfig
 from dsv4.scheduler.request import Request
 from kernels.backend import KernelBackendConfig
@@ -48,6 +49,8 @@ VARIANTS: dict[str, tuple[MetadataSwitches, PagedSwitches, dict[str, str], bool]
     ),
     # off by default until timed: this variant is the switch ON
     "fused_shared_expert_on": (MetadataSwitches(), PagedSwitches(fuse_shared_expert=True), {}, True),
+    # metrics.routing_stats: an index_add_ per MoE layer (what counting expert popularity costs)
+    "routing_stats_on": (MetadataSwitches(), PagedSwitches(), {}, True),
     "all_off": (
         MetadataSwitches(False, False, False), PagedSwitches(False, False),
         {"route": "ref", "hash_route": "ref"}, False,
@@ -104,9 +107,12 @@ def variant(core, name: str) -> PagedForward:
     metadata, switches, overrides, _ = VARIANTS[name]
     base = core.runner.forward.paged.kernels
     kernels = dataclasses.replace(base, overrides={**base.overrides, **overrides})
-    return PagedForward(
+    forward = PagedForward(
         core.runner.forward.paged.model, core.runner.cache, kernels, metadata, switches
     )
+    if name == "routing_stats_on":
+        forward.routing_stats = RoutingStats.for_model(forward.model, core.runner.cache.num_blocks)
+    return forward
 
 
 def fused_first(name: str) -> bool:

@@ -2,6 +2,12 @@
 
     dsv4 plan --shape flash --gpus 1 --gpu-mem 141 --host-mem 512 --max-num-seqs 16
     dsv4 plan --model /ckpt/DeepSeek-V4-Pro --gpus 8 --gpu-mem 141 --json
+    dsv4 plan --shape flash --gpu-mem 141 --host-mem 512 --routing-stats stats.json \
+        --residency-out residency.json
+
+With --routing-stats (a worker's `metrics.routing_stats_out` dump) the plan's E - K experts per
+layer that stay on the device are the most selected ones; --residency-out writes that
+residency file (dsv4.plan.residency) for the offload pool. A bad stats file is a one-line error.
 
 Exit status: 0 when the plan fits (with or without expert offload, also when the offload's fetch
 estimate is over --tpot-slo-ms: the verdict says so), 1 when it does not.
@@ -18,6 +24,7 @@ from dsv4.cache.packing import CacheOptions
 from dsv4.config.model import ModelConfig
 from dsv4.errors import ConfigError, UsageError
 from dsv4.plan import MemoryPlan, PlanRequest, WeightFormats, plan_memory, shape_config
+from dsv4.plan.residency import Residency, ResidencyError, read_residency, write_residency
 from dsv4.plan.verdict import gib
 
 
@@ -57,6 +64,10 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cache-slots", type=int, default=0, help="cold-expert slots per layer")
     p.add_argument("--linear-format", choices=["checkpoint", "bf16"], default="checkpoint")
     p.add_argument("--expert-format", choices=["checkpoint", "bf16"], default="checkpoint")
+    p.add_argument("--routing-stats", action="append", help="a worker's routing stats dump "
+                   "(JSON): keep the most selected experts resident; once per worker to sum "
+                   "several")  # fmt: skip
+    p.add_argument("--residency-out", help="with --routing-stats: write the residency file here")
     p.add_argument("--json", action="store_true")
     p.set_defaults(handler=run_plan)
 
@@ -98,14 +109,55 @@ _FLAGS = {
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    if args.residency_out and not args.routing_stats:
+        raise UsageError("--residency-out: give --routing-stats too (the counts it comes from)")
     try:
         plan = plan_memory(request_from_args(args))
     except ConfigError as exc:
         if exc.field_name not in _FLAGS:
             raise
         raise UsageError(f"{_FLAGS[exc.field_name]} {exc.value}: {exc.fix}") from exc
-    print(json.dumps(plan_to_dict(plan), indent=1) if args.json else render(plan))
+    residency = plan_residency(plan, args.routing_stats) if args.routing_stats else None
+    if residency is not None and args.residency_out and plan.fits:
+        write_residency(residency, args.residency_out)
+    out = plan_to_dict(plan)
+    if residency is not None:
+        out["residency"] = residency_summary(residency, args.residency_out if plan.fits else None)
+    print(json.dumps(out, indent=1) if args.json else render(plan, out.get("residency")))
     return 0 if plan.fits else 1
+
+
+def plan_residency(plan: MemoryPlan, stats_paths: list[str]) -> Residency:
+    """The stats files (their counts summed), checked against the planned model, keeping the
+    plan's E - K experts."""
+    cfg = plan.request.model
+    layers = cfg.num_hidden_layers + min(cfg.num_nextn_predict_layers, 1)  # the MTP layer last
+    e = cfg.n_routed_experts
+    counts = [[0] * e for _ in range(layers)]
+    for path in stats_paths:
+        try:
+            stats = read_residency(path, layers, e)
+        except ResidencyError as exc:
+            raise UsageError(f"--routing-stats {exc.message}") from exc
+        counts = [
+            [a + b for a, b in zip(mine, theirs)] for mine, theirs in zip(counts, stats.counts)
+        ]
+    stats = Residency.from_counts(counts)
+    k = plan.offloaded_per_layer if plan.fits else 0
+    if k and plan.experts_per_layer != cfg.n_routed_experts:
+        raise UsageError(f"--routing-stats: expert offload holds whole layers of experts "
+                         f"({cfg.n_routed_experts}), this plan {plan.experts_per_layer} per GPU "
+                         "(expert parallelism): plan with --ep 1")  # fmt: skip
+    return stats.with_resident(cfg.n_routed_experts - k)
+
+
+def residency_summary(residency: Residency, path: str | None) -> dict[str, Any]:
+    return {
+        "path": path,
+        "num_resident": residency.num_resident,
+        "num_experts": residency.num_experts,
+        "resident_share": round(residency.resident_share(), 4),
+    }
 
 
 def plan_to_dict(plan: MemoryPlan) -> dict[str, Any]:
@@ -148,8 +200,9 @@ def plan_to_dict(plan: MemoryPlan) -> dict[str, Any]:
     }
 
 
-def render(plan: MemoryPlan) -> str:
-    """A human table: weights by kind and format, KV per layer kind, buffers, the verdict."""
+def render(plan: MemoryPlan, residency: dict[str, Any] | None = None) -> str:
+    """A human table: weights by kind and format, KV per layer kind, buffers, the verdict (and
+    the residency chosen from routing stats)."""
     rows = [f"{'weights (per GPU)':<34}{'per GPU':>14}{'whole model':>14}"]
     for w in plan.weights:
         name = f"{'mtp ' if w.is_mtp else ''}{w.kind} [{w.dtype}]"
@@ -170,4 +223,12 @@ def render(plan: MemoryPlan) -> str:
     rows += [f"  {b.name:<18}{gib(b.nbytes):>12}  {b.formula}" for b in plan.buffers]
     rows.append(f"verdict: {plan.verdict}")
     rows.append(plan.message)
+    if residency is not None:
+        r = residency
+        where = f"written to {r['path']}" if r["path"] else "not written (--residency-out)"
+        if not plan.fits:
+            where = "not written: the plan does not fit"
+        rows.append(f"residency: {r['num_resident']} of {r['num_experts']} experts per layer "
+                    f"resident, {100 * r['resident_share']:.1f}% of the counted selections; "
+                    f"{where}")  # fmt: skip
     return "\n".join(rows)

@@ -2,8 +2,9 @@
 
 Start: build the runtime (model, engine, transport) -> bind the gRPC server (health, reflection,
 auth) -> start engine, service and server -> health SERVING -> heartbeat (with Redis).
-SIGTERM / SIGINT: drain (take nothing new, health NOT_SERVING; wait up to
-`worker.drain_timeout_s` for running requests and leases to finish) -> withdraw from discovery
+With `metrics.routing_stats_out` an owned task dumps the routing stats every interval (and once
+more after the engine stops). SIGTERM / SIGINT: drain (take nothing new, health NOT_SERVING; wait
+up to `worker.drain_timeout_s` for running requests and leases to finish) -> withdraw from discovery
 -> stop the server -> stop the service (ends leases, cancels owned tasks) -> stop the engine ->
 stop the follower ranks -> close the transport. Returns the exit status: 1 when a follower
 rank exited first (`watch_ranks`: the worker cannot step without it).
@@ -25,6 +26,7 @@ from dsv4.serving.logs import set_worker_id
 from dsv4.serving.metrics import MetricsExporter
 from dsv4.serving.rpc_guard import require_shared_secret
 from dsv4.types import WorkerRole
+from dsv4.worker import routing_dump
 from dsv4.worker.build import build_worker_runtime
 from dsv4.worker.identity import WorkerIdentity, start_heartbeat
 from dsv4.worker.server import bind_port, follow_engine_health, make_server, set_serving
@@ -91,6 +93,7 @@ async def _serve(config: ServeConfig) -> int:
         )
     )  # fmt: skip
     beating = start_heartbeat(config, runtime, service.info)
+    dumps = routing_dump.start_dumps(runtime)  # None unless metrics.routing_stats_out
     logger.info("%s %s serving on %s", w.role, w.worker_id, identity.address)
 
     stop = asyncio.Event()
@@ -106,10 +109,10 @@ async def _serve(config: ServeConfig) -> int:
     logger.info("%s %s: draining", w.role, w.worker_id)
     service.is_stopping = True  # before is_draining: an Undrain now is refused
     service.is_draining = True
-    for task in (health_task, watch_task):
-        if task is not None:
-            task.cancel()
-    await asyncio.gather(*(t for t in (health_task, watch_task) if t), return_exceptions=True)
+    owned = [t for t in (health_task, watch_task, dumps) if t is not None]
+    for task in owned:
+        task.cancel()
+    await asyncio.gather(*owned, return_exceptions=True)
     await set_serving(health, (service_name,), False)
     give_up_s = time.monotonic() + w.drain_timeout_s
     while not service.drain_status().is_idle and time.monotonic() < give_up_s:
@@ -121,6 +124,7 @@ async def _serve(config: ServeConfig) -> int:
     await server.stop(SERVER_STOP_GRACE_S)
     await service.stop()
     await runtime.engine.stop()
+    await asyncio.to_thread(routing_dump.dump_routing_stats, runtime)  # the last steps too
     if ranks is not None:
         await asyncio.to_thread(ranks.close)
     if runtime.transport is not None:

@@ -66,6 +66,11 @@ class ModelSection(Section):
         "", "with offload: per-layer expert order file (most used first; the first stay on the "
         "device); empty: experts 0..E-1 in order",
     )  # fmt: skip
+    random_routing: str = setting(
+        "uniform", "random models ('tiny', 'random:DIR'): router biases for uniform expert "
+        "popularity, or zipf1 (popularity ~ 1/rank, for offload measurements)",
+        choices=("uniform", "zipf1"),
+    )  # fmt: skip
 
     def check(self) -> None:
         if not _DEVICE.fullmatch(self.device):
@@ -79,6 +84,9 @@ class ModelSection(Section):
             op, _, backend = item.partition("=")
             if not op or backend not in KERNEL_BACKENDS:
                 self.fail("kernel_overrides", f"write op=backend, backend in {KERNEL_BACKENDS}")
+        if self.random_routing != "uniform" and not self.is_random:
+            self.fail("random_routing", "skews only random weights ('tiny', 'random:DIR'): "
+                      "a checkpoint routes as trained, leave it uniform")  # fmt: skip
 
     @property
     def is_random(self) -> bool:
@@ -349,6 +357,21 @@ class MetricsSection(Section):
     )
     log_level: str = setting("info", "log level", choices=("debug", "info", "warning", "error"))
     log_format: str = setting("text", "log line format", choices=("text", "json"))
+    routing_stats: bool = setting(
+        False,
+        "count routed expert selections per MoE layer on the device: dsv4_expert_* series, "
+        "residency files (docs/operations.md#10b-expert-residency-from-routing-statistics)",
+    )
+    routing_stats_out: str = setting(
+        "",
+        "with routing_stats: dump the counts to this JSON file (dsv4 plan --routing-stats) "
+        "every routing_stats_interval_s and at shutdown; empty: no dumps",
+    )
+    routing_stats_interval_s: float = setting(300.0, "seconds between routing stats dumps", min=1)
+
+    def check(self) -> None:
+        if self.routing_stats_out and not self.routing_stats:
+            self.fail("routing_stats_out", "dumps need counts: set metrics.routing_stats too")
 
 
 @dataclass(frozen=True)

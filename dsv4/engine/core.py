@@ -273,6 +273,8 @@ class EngineOptions:
     # False keeps every row on the row-by-row CPU sampler (the slow path of
     # `features.batched_sampling`); True batches unseeded rows on CUDA (`Sampler`)
     batched_sampling: bool = True
+    # count routed expert selections per MoE layer on the device (`runner.routing_stats`)
+    routing_stats: bool = False
 
 
 def build_engine_core(
@@ -287,6 +289,7 @@ def build_engine_core(
     from dsv4.runner.paged.forward import PagedForward
     from dsv4.runner.paged.step_forward import PagedStepForward
     from dsv4.runner.reference.forward import ReferenceForward
+    from dsv4.runner.routing_stats import RoutingStats
     from dsv4.runner.sampler import Sampler
 
     cache_options, scheduler_config = options.cache, options.scheduler
@@ -305,14 +308,20 @@ def build_engine_core(
             f"the cache reserves {cache_options.num_speculative_tokens} draft slots: use the same k",
         )
     sampler = Sampler(batched=None if options.batched_sampling else False)
+    stats = RoutingStats.for_model(model, options.num_blocks) if options.routing_stats else None
     forward: StepForward
     if paged is None:
         forward = ReferenceForward(model, cache, sampler, options.reference)
+        if stats is not None:
+            stats.observe(model)
     else:
         flat = PagedForward(model, cache, options.kernels, paged.metadata, paged.switches)
+        flat.routing_stats = stats  # before the capture: graphs count too
         graphs = None
         if graph_options is not None:
             graphs = DecodeGraphs(flat, cache, graph_options, cache_options.num_speculative_tokens)
             graphs.capture()
         forward = PagedStepForward(flat, sampler, graphs)
-    return EngineCore(scheduler, ModelRunner(forward, sampler, cache))
+    runner = ModelRunner(forward, sampler, cache)
+    runner.routing_stats = stats
+    return EngineCore(scheduler, runner)

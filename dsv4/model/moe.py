@@ -118,12 +118,17 @@ class MoE(nn.Module):
         self.expert_store: ExpertStore | None = None
         # set by `stack_experts_` (views of `experts`) or `quantized_experts_` (the only copy)
         self.stacked_experts: ExpertWeights | None = None
+        # None, or told the routed ids [T, K] of every forward (expert popularity statistics,
+        # installed by the runner: dsv4.runner.routing_stats)
+        self.route_observer: Callable[[torch.Tensor], None] | None = None
 
     def forward(self, u: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         """u [..., D] (ffn_norm applied), token_ids [...] -> [..., D]."""
         shape = u.shape
         flat = u.reshape(-1, shape[-1])  # [T, D]
         weights, ids = self.gate(flat, token_ids.reshape(-1))  # [T, K]
+        if self.route_observer is not None:
+            self.route_observer(ids)
         out = torch.zeros(flat.shape, dtype=torch.float32, device=u.device)
         if self.expert_store is not None:
             self.expert_store.prepare(ids)

@@ -169,6 +169,7 @@ def random_model(
     expert_weights: str = "bf16",
     linear_weights: str = "bf16",
     offload: ExpertOffload | None = None,
+    routing: str = "uniform",
 ):
     """A model filled in memory from the same initialisers as the checkpoint writer (no I/O).
 
@@ -182,8 +183,12 @@ def random_model(
     linears of an FP8 config as `FP8Linear` (each draw quantised as the writer stores it).
     Every other value is the same draw as with "bf16". `offload` splits the routed experts at
     load time (`dsv4.model.offload_load`): each draw goes straight into its resident device
-    blob or its host blob, with the values the stacked storage would hold.
+    blob or its host blob, with the values the stacked storage would hold. `routing` "zipf1" then re-biases the
+    routers so expert popularity per layer falls as 1/rank (`dsv4.model.skew`); "uniform"
+    keeps the draws (near-uniform popularity).
     """
+    if routing not in ("uniform", "zipf1"):
+        raise ValueError(f"routing {routing!r}: use uniform or zipf1")
     from dsv4.model.deepseek_v4 import DeepseekV4
 
     gen = torch.Generator(device if draw_on_device else "cpu").manual_seed(seed)
@@ -228,4 +233,8 @@ def random_model(
             stored = encode_tensor(spec.name, value, "bf16", cfg)  # as the writer stores it
             weight.copy_(stored[spec.name])
             scale.copy_(stored[spec.name.removesuffix("weight") + "scale"])
+    if routing == "zipf1":
+        from dsv4.model.skew import zipf_routing_
+
+        zipf_routing_(model, seed)
     return model.eval()

@@ -28,6 +28,8 @@ class ModelRunner:
         self.cache = cache
         # share of ratio-4 layers whose top-k comes from the IndexCache (a worker metric)
         self.index_cache_hit_ratio = 0.0
+        # per-layer expert popularity (a RoutingStats), None unless EngineOptions.routing_stats
+        self.routing_stats = None
 
     @property
     def num_graph_replays(self) -> int:

@@ -126,7 +126,7 @@ def load_weights(
         cfg = tiny_config()
         model = random_model(cfg, seed=m.seed, dtype=dtype, device=m.device,
                              expert_weights=experts, linear_weights=linears,
-                             offload=offload)  # fmt: skip
+                             offload=offload, routing=m.random_routing)  # fmt: skip
         return model, cfg, TextCodec(build_tokenizer(cfg.vocab_size, cfg.bos_token_id))
     from dsv4.model.weights import load_model
 
@@ -137,7 +137,8 @@ def load_weights(
         on_gpu = m.device.startswith("cuda")
         model = random_model(cfg, seed=m.seed, dtype=dtype, device=m.device,
                              draw_on_device=on_gpu, expert_weights=experts,
-                             linear_weights=linears, offload=offload)  # fmt: skip
+                             linear_weights=linears, offload=offload,
+                             routing=m.random_routing)  # fmt: skip
     else:
         model, cfg = load_model(m.path, dtype=dtype, device=m.device, expert_weights=experts,
                                 linear_weights=linears, offload=offload)  # fmt: skip
@@ -233,6 +234,7 @@ def _build(
         paged=paged_options(config),
         reference=reference,
         batched_sampling=f.batched_sampling,
+        routing_stats=config.metrics.routing_stats,
     )
     core = build_engine_core(model, engine_options)
     if ranks is not None:  # before the warm-up: its steps run on every rank
@@ -248,6 +250,8 @@ def _build(
         mixed = tuple(n for n in lengths if n & (n - 1) == 0 or n == lengths[-1])
         core.warm_up(lengths, num_new_tokens=1 if role == "prefill" else 4,
                      mixed_lengths=mixed if role == "colocated" else ())  # fmt: skip
+    if core.runner.routing_stats is not None:  # count served traffic only, not the warm-up
+        core.runner.routing_stats.reset()
     roles = pattern.roles
     # Share of ratio-4 layers whose top-k comes from the IndexCache instead of their indexer.
     core.runner.index_cache_hit_ratio = roles.count("S") / len(roles) if roles else 0.0

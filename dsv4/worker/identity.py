@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry
 from dsv4.config import ServeConfig
 from dsv4.discovery import WorkerHeartbeat, WorkerRecord, make_registry
 from dsv4.discovery.base import WorkerRegistry
+from dsv4.serving.expert_metrics import ExpertSelectionCollector
 from dsv4.serving.metrics import WorkerMetrics
 from dsv4.transfer import TransportEndpoint
 from dsv4.types import TransportKind, WorkerInfo, WorkerRole
@@ -128,7 +129,12 @@ def worker_metrics(
     num_running: Callable[[], int],
     is_draining: Callable[[], bool],
 ) -> WorkerMetrics:
-    """The metrics every worker exports (dsv4.serving.metrics), wired to this runtime's engine."""
+    """The metrics every worker exports (dsv4.serving.metrics), wired to this runtime's engine;
+    with `metrics.routing_stats` also the per-layer expert popularity."""
+    stats = runtime.engine.core.runner.routing_stats
+    if stats is not None:
+        layers = runtime.model_config.num_hidden_layers
+        registry.register(ExpertSelectionCollector(stats.snapshot, layers))
     return WorkerMetrics.create(
         registry,
         worker_id=identity.worker_id,

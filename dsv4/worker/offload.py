@@ -16,7 +16,6 @@ paged forward's expert pool (`dsv4.runner.paged.expert_pool`) is not wired yet, 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,9 +29,10 @@ from dsv4.model.moe import MoE, served_expert_format
 from dsv4.model.offload import ExpertStats, OffloadedExperts, offload_moe
 from dsv4.model.offload_load import ExpertOffload, expert_format
 from dsv4.plan import MemoryPlan, PlanDoesNotFit
+from dsv4.plan.residency import ResidencyError
+from dsv4.plan.residency import read_residency as load_residency
 from dsv4.worker.fit import GIB, size_text, startup_plan
 
-RESIDENCY_EXAMPLE = '{"layers": [[e0, e1, ...], ...]}'  # the interim format (read_residency)
 logger = logging.getLogger(__name__)
 PAGED_REFUSAL = (
     "expert offload runs on the reference forward for now (the paged forward's expert pool is "
@@ -55,29 +55,16 @@ class WorkerOffload:
         return total
 
 
-def read_residency(path: str) -> tuple[tuple[int, ...], ...]:
-    """Per MoE layer (layers 0..L-1, then the MTP layer), expert ids most used first.
-
-    Reads the interim format `{"layers": [[e0, e1, ...], ...]}` (JSON) until
-    `dsv4.plan.residency` defines the residency file: swap this one function then."""
+def read_residency(path: str, cfg: ModelConfig) -> tuple[tuple[int, ...], ...]:
+    """Per MoE layer (layers 0..L-1, then the MTP layer), expert ids most used first: the
+    order of a residency file (`dsv4 plan --routing-stats ... --residency-out F`, format
+    `dsv4.plan.residency`), checked against this model's shape. The plan's K decides how many
+    of each order stay on the device, not the file's `num_resident`."""
     try:
-        layers = json.loads(Path(path).read_text())["layers"]
-        hot = tuple(tuple(int(e) for e in layer) for layer in layers)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        fix = f"not a residency file ({exc}): give {RESIDENCY_EXAMPLE}"
-        raise ConfigError("model.expert_residency", path, fix) from exc
-    return hot
-
-
-def check_residency(hot: tuple[tuple[int, ...], ...], path: str, cfg: ModelConfig) -> None:
-    layers, num = num_moe_layers(cfg), cfg.n_routed_experts
-    if len(hot) > layers:
-        raise ConfigError("model.expert_residency", path,
-                          f"{len(hot)} layers given, the model has {layers} MoE layers")  # fmt: skip
-    for i, order in enumerate(hot):
-        if len(set(order)) != len(order) or not all(0 <= e < num for e in order):
-            raise ConfigError("model.expert_residency", path, f"layer {i}: give distinct "
-                              f"expert ids in [0, {num})")  # fmt: skip
+        residency = load_residency(path, num_moe_layers(cfg), cfg.n_routed_experts)
+    except ResidencyError as exc:
+        raise ConfigError("model.expert_residency", path, exc.message) from exc
+    return residency.order
 
 
 def num_moe_layers(cfg: ModelConfig) -> int:
@@ -151,8 +138,7 @@ def expert_offload(
     budget = int(config.model.host_memory_gib * GIB)
     check_host_memory(cold * fmt.nbytes, budget, available_host_bytes(), what)
     path = config.model.expert_residency
-    hot = read_residency(path) if path else ()
-    check_residency(hot, path, model_cfg)
+    hot = read_residency(path, model_cfg) if path else ()
     return ExpertOffload(k, plan.cache_slots, hot, planned_layers=planned)
 
 

@@ -9,7 +9,6 @@ per layer (the plan offloads the rest, with 2 cache slots)."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -26,6 +25,7 @@ from dsv4.model.offload import ExpertStats
 from dsv4.model.offload_load import ExpertOffload
 from dsv4.model.tiny import random_model, write_checkpoint, write_model_spec
 from dsv4.plan import PlanDoesNotFit
+from dsv4.plan.residency import Residency, write_residency
 from dsv4.worker import build
 from dsv4.worker.build import build_worker_runtime
 from dsv4.worker.fit import GIB, startup_plan
@@ -164,24 +164,30 @@ def test_paged_forward_with_offload_is_refused_and_auto_takes_the_reference() ->
 
 
 def test_residency_order_picks_the_resident_experts(tmp_path) -> None:
+    """The residency file `dsv4 plan --residency-out` writes decides which experts stay."""
     path = tmp_path / "residency.json"
-    path.write_text(json.dumps({"layers": [[7, 6, 5, 4], [1, 3, 5]]}))
-    assert read_residency(str(path)) == ((7, 6, 5, 4), (1, 3, 5))
+    cfg = tiny_config()
+    layers = cfg.num_hidden_layers + (1 if cfg.has_mtp else 0)
+    counts = [[0] * cfg.n_routed_experts for _ in range(layers)]
+    counts[0][5:8] = [1, 2, 3]  # layer 0 prefers 7, 6, 5; layer 1 prefers 1, 3, 5
+    counts[1][1], counts[1][3], counts[1][5] = 9, 8, 7
+    write_residency(Residency.from_counts(counts), path)
+    assert read_residency(str(path), cfg)[:2] == (
+        (7, 6, 5, 0, 1, 2, 3, 4),
+        (1, 3, 5, 0, 2, 4, 6, 7),
+    )
     config = load_config({**BUDGET, **OFFLOAD, "model.expert_residency": str(path)})
     stores = build_worker_runtime(config, with_transport=False).offload.stores  # 3 resident
-    assert sorted(stores[0].resident_row) == [5, 6, 7] and sorted(stores[1].resident_row) == [
-        1,
-        3,
-        5,
-    ]
-    assert sorted(stores[2].resident_row) == [0, 1, 2]  # no order given: experts 0..E-1
-    path.write_text(json.dumps({"layers": [[9]]}))
-    with pytest.raises(ConfigError, match="distinct expert ids"):
+    assert sorted(stores[0].resident_row) == [5, 6, 7]
+    assert sorted(stores[1].resident_row) == [1, 3, 5]
+    assert sorted(stores[2].resident_row) == [0, 1, 2]  # no counts: experts 0..E-1 in order
+    write_residency(Residency.from_counts([row[:4] for row in counts]), path)
+    with pytest.raises(ConfigError, match="num_experts 4, the model has 8"):
         build_worker_runtime(load_config({**BUDGET, **OFFLOAD, "model.expert_residency": str(path)}),
                              with_transport=False)  # fmt: skip
     path.write_text("[1, 2]")
-    with pytest.raises(ConfigError, match="not a residency file"):
-        read_residency(str(path))
+    with pytest.raises(ConfigError, match=r"model\.expert_residency"):
+        read_residency(str(path), cfg)
 
 
 def test_offload_metrics_are_exported() -> None:

@@ -53,6 +53,8 @@ BAD = [
     ([*PLAN, "--tpot-slo-ms", "0"], "--tpot-slo-ms"),
     ([*PLAN, "--tp", "3"], "--tp"),
     (["plan", "--model", "/nonexistent/ckpt", "--gpu-mem", "80"], "--model"),
+    ([*PLAN, "--routing-stats", "/nonexistent/stats.json"], "--routing-stats"),
+    ([*PLAN, "--residency-out", "{tmp}/r.json"], "--residency-out"),
     ([*ICS, "--budget", "0"], "--budget"),
     ([*ICS, "--budget", "x"], "--budget"),
     ([*ICS, "--budget", "1", "--seq-len", "0"], "--seq-len"),

@@ -13,6 +13,7 @@ Logits are computed only for the rows that sample (the last token of each sampli
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -29,6 +30,9 @@ from dsv4.runner.paged.step_metadata import MetadataSwitches, StepMetadata, Step
 from dsv4.runner.paged.weights import LayerWeights, prepare_weights
 from dsv4.scheduler.batch import ScheduledBatch
 from kernels.backend import KernelBackendConfig, resolve
+
+if TYPE_CHECKING:
+    from dsv4.runner.routing_stats import RoutingStats
 
 # Largest step the shared expert joins the grouped GEMM at: decode batches, where it saves
 # launches; a long prefill keeps cuBLAS's dense GEMMs (the grouped kernel reaches ~35% of the
@@ -73,6 +77,8 @@ class PagedForward:
                       "norm_rope")}  # fmt: skip
         self._route = resolve("route", kernels, dev)
         self._hash_route = resolve("hash_route", kernels, dev)
+        # expert popularity (metrics.routing_stats): set before graphs are captured
+        self.routing_stats: RoutingStats | None = None
 
     @torch.no_grad()
     def __call__(
@@ -97,6 +103,8 @@ class PagedForward:
         Reads only device tensors and `meta.shape`, so a static step can be graph-captured."""
         pattern = None if self.model.index_pattern.is_all_full else self.model.index_pattern
         fs = ForwardState(meta, chunk_plans, self.switches, pattern)
+        if self.routing_stats is not None:  # which tokens count (not a graph's padding rows)
+            self.routing_stats.begin_step(meta.t)
         cfg, t = self.cfg, meta.t
         x = self.model.embed(t.token_ids)  # [T, D]
         fused_first = self.model.fuse_first_hc
@@ -118,6 +126,8 @@ class PagedForward:
         rows `select` [n] (device) or the shape's sample rows, post-block streams [T, M, D])."""
         cfg, mtp = self.cfg, self.model.mtp[0]
         fs = ForwardState(meta, (), self.switches, None)
+        if self.routing_stats is not None:
+            self.routing_stats.begin_step(meta.t)
         ids = meta.t.token_ids
         e = mtp.e_proj(mtp.enorm(self.model.embed(ids)))  # [T, D]
         x = mtp.h_proj(mtp.hnorm(streams)) + e.unsqueeze(-2)  # [T, M, D]
@@ -152,6 +162,8 @@ class PagedForward:
         cfg, experts = self.cfg, lw.experts
         logits = torch.nn.functional.linear(u.float(), lw.gate_weight)  # [T, E] fp32
         w, ids = moe.route(logits, token_ids, self._route, self._hash_route, lw.gate_bias)
+        if self.routing_stats is not None:  # counts[layer of moe] += selections, on the device
+            self.routing_stats.record(moe, ids)
         w13, w2, num_t = experts.w13, experts.w2, u.shape[0]
         fuse = (self.switches.fuse_shared_expert and experts.w13_all is not None
                 and num_t <= FUSE_SHARED_MAX_TOKENS)  # fmt: skip
