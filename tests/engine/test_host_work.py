@@ -56,6 +56,7 @@ def _run(core, model, *, sampled: bool, stop_id: int | None = None,
         if not core.has_work():
             break
         if n == abort_at:
+            assert core.has_step_in_flight == core.async_scheduling  # r3 is in it
             core.abort("r3")
         for out in core.step():
             outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
@@ -103,10 +104,10 @@ def test_async_scheduling_stop_id_and_abort(tiny, slow) -> None:
     while a step is launched ahead drops its token there too; no block leaks (checked)."""
     stop_id = slow["r2"][3]
     cut = slow["r2"].index(stop_id) + 1
-    want = _run(_core(tiny, SLOW), tiny, sampled=False, stop_id=stop_id, abort_at=7)
-    assert len(want["r2"]) == cut
+    want = _run(_core(tiny, SLOW), tiny, sampled=False, stop_id=stop_id, abort_at=5)
+    assert len(want["r2"]) == cut and len(want["r3"]) == 3  # aborted before its 4th token
     core = _core(tiny, GREEDY, async_scheduling=True)
-    got = _run(core, tiny, sampled=False, stop_id=stop_id, abort_at=7)
+    got = _run(core, tiny, sampled=False, stop_id=stop_id, abort_at=5)
     assert got == want and core.num_steps_ahead > 0
 
 
