@@ -3,6 +3,11 @@ graph-compatible switch at its baseline, and MTP speculation with k = 1, 2, 3.
 
     python -m benchmarks.bench_decode_graphs --out benchmarks/results/decode-graphs-h200.json
     python -m benchmarks.bench_decode_graphs --dry-run --out /tmp/g.json   # CPU smoke (tiny model)
+    python -m benchmarks.bench_decode_graphs --only loop --out ...  # host-work switches A/B
+
+`--only loop` (issue 25): greedy decoding through `EngineCore.step`, so the host work between
+replays counts, with features.greedy_in_graph / async_scheduling off, the first, both
+(`run_loop`, records `decode_tpot_loop*` with `tokens_equal`).
 
 Model: V4-Flash dimensions, layers 0,4,128,4 + the MTP layer, 256 routed experts, random bf16
 weights, fp8 KV + MXFP4 indexer keys (as benchmarks/bench_engine.py). B requests are prefilled to
@@ -22,7 +27,9 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import time
 import traceback
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -30,6 +37,7 @@ import torch
 from benchmarks import engine_setup as es
 from benchmarks.attribution import attribute
 from dsv4.runner.paged.decode_graphs import DecodeGraphs, GraphOptions
+from dsv4.scheduler.request import Request
 
 # switches whose baseline can be captured (t2r per builder and the boundary list are host work:
 # graphs make them moot, they are measured eagerly in benchmarks/bench_engine.py)
@@ -193,6 +201,58 @@ def run_mtp(args, model, kernels) -> None:
             torch.cuda.empty_cache()
 
 
+# the decode loop's host-work switches (issue 25): (greedy_in_graph, async_scheduling)
+LOOP_VARIANTS = {"sampler": (False, False), "greedy_in_graph": (True, False),
+                 "async_scheduling": (True, True)}  # fmt: skip
+
+
+def run_loop(args, model, kernels) -> None:
+    """Served TPOT of greedy decoding through `EngineCore.step` (schedule, launch, sync,
+    update: the host work a replay-only timing leaves out), per host-work switch, on ONE
+    core whose graphs take the argmax: the switches flip between runs of the same requests."""
+    dev, steps = model.embed.weight.device, args.loop_steps
+    buckets = [*_bucket_contexts(args.context_list, 0), max(args.context_list) + steps + 256]
+    options = _options(args.batch_list, sorted(set(buckets)), dev.type == "cuda")
+    kw = dict(max_model_len=options.max_model_len, max_seqs=max(args.batch_list),
+              budget=args.budget, num_blocks=args.num_blocks)  # fmt: skip
+    core = es.build_core(model, kernels, **kw, graphs=replace(options, greedy_argmax=True))
+    gen = torch.Generator().manual_seed(7)
+    for ctx in args.context_list:
+        for b in args.batch_list:
+            times, tokens = {}, {}
+            prompts = [torch.randint(2, model.cfg.vocab_size, (ctx,), generator=gen)
+                       for _ in range(b)]  # fmt: skip
+            for name, (greedy, ahead) in LOOP_VARIANTS.items():
+                core.runner.forward.greedy_in_graph, core.async_scheduling = greedy, ahead
+                for i, p in enumerate(prompts):
+                    core.add_request(Request(f"{name}-{i}", tuple(p.tolist()),
+                                             max_new_tokens=steps + 1, eos_token_id=None))  # fmt: skip
+                out: dict[str, list[int]] = {}
+                while len(out) < b:  # prefill: every request has its first token
+                    for o in core.step():
+                        out.setdefault(o.request_id.split("-")[1], []).extend(o.new_token_ids)
+                es.sync(dev)
+                started, ahead_before = time.perf_counter(), core.num_steps_ahead
+                while core.has_work():
+                    for o in core.step():
+                        out[o.request_id.split("-")[1]].extend(o.new_token_ids)
+                es.sync(dev)
+                times[name] = (time.perf_counter() - started) * 1e3 / steps
+                tokens[name] = out
+                print(f"  loop B={b} ctx={ctx} {name}: TPOT {times[name]:.3f} ms "
+                      f"({core.num_steps_ahead - ahead_before} steps ahead)", flush=True)  # fmt: skip
+            shape = f"B={b},ctx={ctx},steps={steps}" + _format_tags(args)
+            args.records.append(es.record("decode_tpot_loop", shape, times["async_scheduling"],
+                                          "sampler, no async scheduling", times["sampler"], 0.0))  # fmt: skip
+            for name in ("greedy_in_graph", "async_scheduling"):
+                rec = es.record(f"decode_tpot_loop_{name}", shape, times[name], "sampler",
+                                times["sampler"], 0.0)  # fmt: skip
+                rec["tokens_equal"] = tokens[name] == tokens["sampler"]
+                args.records.append(rec)
+            _save(args)
+    assert not core.find_leaks(), core.find_leaks()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny model, references")
@@ -210,7 +270,9 @@ def main(argv: list[str] | None = None) -> int:
         help="cumulative acceptance per draft position: the trained tiny model, greedy "
         "(benchmarks/results/mtp-acceptance-trained-tiny.json)",
     )
-    parser.add_argument("--only", choices=("plain", "mtp"), default=None)
+    parser.add_argument("--only", choices=("plain", "mtp", "loop"), default=None)
+    parser.add_argument("--loop-steps", type=int, default=64,
+                        help="decode steps per run of the host-work A/B (--only loop)")  # fmt: skip
     parser.add_argument("--expert-weights", choices=("bf16", "checkpoint"), default="bf16",
                         help="routed experts in bf16 or MXFP4 as a checkpoint stores them")  # fmt: skip
     parser.add_argument("--linear-weights", choices=("bf16", "checkpoint"), default="bf16",
@@ -224,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.dry_run:
         args.batches, args.contexts, args.budget, args.num_blocks = "1,3", "300,40", 512, 256
-        args.repeats = 2
+        args.repeats, args.loop_steps = 2, 6
     elif not torch.cuda.is_available():
         parser.error("needs a CUDA GPU (or --dry-run)")
     args.records, args.attribution = [], []
@@ -241,6 +303,9 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.empty_cache()
     if args.only in (None, "mtp"):
         run_mtp(args, model, kernels)
+    if args.only in (None, "loop"):
+        gc.collect()
+        run_loop(args, model, kernels)
     _save(args)
     print(f"wrote {len(args.records)} records to {args.out}")
     return 0

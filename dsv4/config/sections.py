@@ -216,6 +216,14 @@ class FeatureSwitches(Section):
     batched_sampling: bool = setting(
         True, "CUDA: sample a step's unseeded rows together on the GPU (off: row by row on CPU)"
     )
+    greedy_in_graph: bool = setting(
+        False, "with cuda_graphs: the decode graph also takes argmax(logits); an all-greedy "
+        "step copies back B token ids instead of launching the sampler (same tokens)",
+    )  # fmt: skip
+    async_scheduling: bool = setting(
+        False, "with greedy_in_graph: schedule and launch the next decode step while the "
+        "current one runs, its tokens fed on the GPU (vLLM's async scheduling)",
+    )  # fmt: skip
 
     def check(self) -> None:
         pattern = self.index_topk_pattern
@@ -227,6 +235,9 @@ class FeatureSwitches(Section):
         if self.fuse_shared_expert and self.linear_weights == "checkpoint":
             self.fail("fuse_shared_expert", "the grouped GEMM takes one format per launch "
                       "(the shared expert is FP8): off with linear_weights checkpoint")  # fmt: skip
+        if self.async_scheduling and not (self.greedy_in_graph and self.cuda_graphs):
+            self.fail("async_scheduling", "the next step is fed the in-graph greedy tokens: "
+                      "needs cuda_graphs and greedy_in_graph on")  # fmt: skip
         if self.linear_activations == "fp8" and self.linear_weights != "checkpoint":
             self.fail("linear_activations", "fp8 activations need linear_weights checkpoint")
 

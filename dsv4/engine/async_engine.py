@@ -228,31 +228,40 @@ class AsyncEngine:
 
     def _loop(self) -> None:
         while not self._stopping.is_set():
-            self._run_commands(block=not self.core.has_work())
+            # Commands run with no step in flight (async scheduling launches one ahead): an
+            # adopted request's pull then writes blocks that no launched step still writes.
+            if self.core.has_step_in_flight and not self._commands.empty():
+                self._step(self.core.drain)
+            if not self.core.has_step_in_flight:
+                self._run_commands(block=not self.core.has_work())
             if not self.core.has_work():
                 self._maybe_probe()
                 continue
-            try:
-                outputs = self.core.step()
-            except StepFailed as exc:  # the core already ended the step's requests
-                self._on_step_failure(exc)
-                for request_id in exc.request_ids:
-                    self._fail(request_id, exc)
-                continue
-            except Exception as exc:  # schedule() itself raised: nothing can be trusted
-                failure = StepFailed(f"{self.name}: engine step failed: {exc!r}")
-                failure.__cause__ = exc
-                self._on_step_failure(failure)
-                self.core.scheduler.discard_in_flight()
-                self._abort_all(failure)
-                continue
-            self.consecutive_step_failures = 0
-            for out in outputs:
-                stream = self._streams.get(out.request_id)
-                if stream is not None:
-                    stream.push(out)
-            self._load = self.core.load()
+            self._step(self.core.step)
         self.core.abort(PROBE_REQUEST_ID)  # one may have started after stop()'s abort-all
+
+    def _step(self, step: Callable[[], list[RequestOutput]]) -> None:
+        """Run one core step (or drain) and deliver its outputs; failures end its requests."""
+        try:
+            outputs = step()
+        except StepFailed as exc:  # the core already ended the step's requests
+            self._on_step_failure(exc)
+            for request_id in exc.request_ids:
+                self._fail(request_id, exc)
+            return
+        except Exception as exc:  # schedule() itself raised: nothing can be trusted
+            failure = StepFailed(f"{self.name}: engine step failed: {exc!r}")
+            failure.__cause__ = exc
+            self._on_step_failure(failure)
+            self.core.discard_in_flight()
+            self._abort_all(failure)
+            return
+        self.consecutive_step_failures = 0
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.push(out)
+        self._load = self.core.load()
 
     def _run_commands(self, block: bool) -> None:
         try:

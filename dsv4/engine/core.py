@@ -23,7 +23,7 @@ from dsv4.cache.manager import KVCacheManager
 from dsv4.cache.packing import CacheOptions
 from dsv4.errors import ConfigError, InvalidRequest, OutOfBlocks, StepFailed
 from dsv4.model.deepseek_v4 import DeepseekV4
-from dsv4.runner.model_runner import ModelRunner
+from dsv4.runner.model_runner import LaunchedStep, ModelRunner
 from dsv4.runner.paged.step_forward import PagedOptions
 from dsv4.runner.reference.forward import DEFAULT_REFERENCE, ReferenceOptions
 from dsv4.runner.reference.slot_tables import DEFAULT_KERNELS
@@ -94,6 +94,11 @@ class EngineCore:
         self.num_steps = 0
         self.num_preemptions = 0
         self.step_counters = StepCounters.zero()
+        # features.async_scheduling: launch the next decode step before this one's tokens
+        # are on the host (`Scheduler.schedule_ahead`, `ModelRunner.launch_ahead`)
+        self.async_scheduling = False
+        self._launched: LaunchedStep | None = None  # the step running ahead, to finish next
+        self.num_steps_ahead = 0  # steps launched before the previous one's tokens were read
 
     # ---- requests in -----------------------------------------------------------------------
     def add_request(self, request: Request, *, prefill_only: bool = False) -> None:
@@ -148,37 +153,68 @@ class EngineCore:
 
     # ---- the step --------------------------------------------------------------------------
     def has_work(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self._launched is not None
 
-    def step(self) -> list[RequestOutput]:
-        """One schedule -> execute -> update. If execute or update raises, only the requests
-        of this step fail: they are aborted (blocks, holds freed), the in-flight batch is
-        dropped so the next step schedules afresh, and `StepFailed` names them and the cause."""
-        batch = self.scheduler.schedule()
+    @property
+    def has_step_in_flight(self) -> bool:
+        """A step launched ahead runs on the device (async scheduling): `drain` before
+        anything writes blocks outside the device stream (a KV pull into adopted blocks)."""
+        return self._launched is not None
+
+    def step(self, ahead: bool = True) -> list[RequestOutput]:
+        """One schedule -> execute -> update. With async scheduling a step launched by the
+        previous call is finished here instead, after the next one is launched behind it
+        (`ahead` False: launch none, e.g. `drain`). If anything raises, only the requests of
+        the steps in flight fail: they are aborted (blocks, holds freed), the in-flight
+        batches dropped so the next step schedules afresh, and `StepFailed` names them."""
+        launched, self._launched = self._launched, None
+        batch = launched.batch if launched is not None else self.scheduler.schedule()
         if batch.is_empty:
             return []
+        request_ids = [r.request_id for r in batch.requests]
         try:
-            return self._execute(batch)
+            return self._execute(batch, launched, ahead, request_ids)
         except Exception as exc:
+            self._launched = None
             self.scheduler.discard_in_flight()
-            request_ids = tuple(r.request_id for r in batch.requests)
+            request_ids = list(dict.fromkeys(request_ids))
             for rid in request_ids:
                 self.abort(rid)
             raise StepFailed(
                 f"engine step failed ({type(exc).__name__}: {exc}); ended the "
                 f"{len(request_ids)} requests of that step",
-                request_ids,
+                tuple(request_ids),
             ) from exc
 
-    def _execute(self, batch: ScheduledBatch) -> list[RequestOutput]:
+    def drain(self) -> list[RequestOutput]:
+        """Finish the step launched ahead, if any, launching none behind it."""
+        return self.step(ahead=False) if self._launched is not None else []
+
+    def discard_in_flight(self) -> None:
+        """Forget every scheduled or launched step (after a failure outside any step)."""
+        self._launched = None
+        self.scheduler.discard_in_flight()
+
+    def _execute(self, batch: ScheduledBatch, launched: LaunchedStep | None, ahead: bool,
+                 request_ids: list[str]) -> list[RequestOutput]:  # fmt: skip
         if batch.preempted_request_ids:  # KV blocks ran out: recomputed when blocks free up
             self.num_preemptions += len(batch.preempted_request_ids)
             log.info("preempted %s: out of KV blocks", ", ".join(batch.preempted_request_ids))
         replays = self.runner.num_graph_replays
         started = time.perf_counter()
-        output = self.runner.execute(batch)
+        if not self.async_scheduling:  # `execute` (rank 0's runner also sends the step)
+            output = self.runner.execute(batch)
+        else:
+            if launched is None:
+                launched = self.runner.launch(batch)
+            if ahead and launched.greedy is not None:
+                self._launched = self._launch_ahead(launched)
+                if self._launched is not None:
+                    request_ids += (r.request_id for r in self._launched.batch.requests)
+            output = self.runner.finish(launched)  # greedy graph tokens: the one sync
         kind = "prefill" if batch.prefills else "eager"
-        if self.runner.num_graph_replays != replays:
+        on_graph = launched is not None and launched.greedy is not None  # launched earlier
+        if self.runner.num_graph_replays != replays or on_graph:
             kind = "graph"
         self.step_counters.add(kind, time.perf_counter() - started)
         self.num_steps += 1
@@ -192,6 +228,18 @@ class EngineCore:
                 )
                 self._prefill_only.discard(rid)
         return self.scheduler.update(output)
+
+    def _launch_ahead(self, previous: LaunchedStep) -> LaunchedStep | None:
+        """Schedule and launch the step after `previous` while it runs (None: not this time)."""
+        batch = self.scheduler.schedule_ahead()
+        if batch is None:
+            return None
+        launched = self.runner.launch_ahead(batch, previous)
+        if launched is None:
+            self.scheduler.discard_ahead()
+        else:
+            self.num_steps_ahead += 1
+        return launched
 
     def warm_up(self, prompt_lengths: Sequence[int], num_new_tokens: int = 4,
                 mixed_lengths: Sequence[int] = ()) -> None:  # fmt: skip
@@ -254,6 +302,8 @@ class EngineCore:
             leaks.append(f"{len(self.held)} prefill holds: {sorted(self.held)[:8]}")
         if self._adopted:
             leaks.append(f"{len(self._adopted)} adopted requests never activated")
+        if self._launched is not None:
+            leaks.append("a step launched ahead was never finished")
         return leaks
 
 
@@ -275,6 +325,9 @@ class EngineOptions:
     batched_sampling: bool = True
     # count routed expert selections per MoE layer on the device (`runner.routing_stats`)
     routing_stats: bool = False
+    # features.async_scheduling: schedule and launch the next greedy decode graph step while
+    # the current one runs (needs `paged.graphs` with greedy_argmax; else nothing runs ahead)
+    async_scheduling: bool = False
 
 
 def build_engine_core(
@@ -324,4 +377,6 @@ def build_engine_core(
         forward = PagedStepForward(flat, sampler, graphs)
     runner = ModelRunner(forward, sampler, cache)
     runner.routing_stats = stats
-    return EngineCore(scheduler, runner)
+    core = EngineCore(scheduler, runner)
+    core.async_scheduling = options.async_scheduling
+    return core

@@ -4,17 +4,36 @@ The forward is a `dsv4.runner.step_forward.StepForward`: the reference forward
 (`dsv4.runner.reference`, the oracle) or the paged forward (`dsv4.runner.paged`, the GPU
 serving path), each with its own MTP speculative half. It leaves the logits of the requests to
 sample, and the tokens its speculative half already chose; the runner samples the rest.
+
+A step is `launch`ed then `finish`ed (`execute` does both). An all-greedy graph step's tokens
+are taken by the graph (`features.greedy_in_graph`): `launch` only queues their [B] int64 copy
+to the host, `finish` waits for it - the step's one sync. Between the two the engine may
+`launch_ahead` the next step, fed with those tokens on the device (`features.async_scheduling`).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from dsv4.runner.kv_cache import PagedKVCache
 from dsv4.runner.sampler import Sampler
-from dsv4.runner.step_forward import StepForward, sampling_spec
+from dsv4.runner.step_forward import StepForward, StepResult, sampling_spec
 from dsv4.scheduler.batch import RequestStepOutput, ScheduledBatch, StepOutput
 from dsv4.speculative.metrics import SpecMetrics
+
+
+@dataclass(frozen=True)
+class LaunchedStep:
+    """A step queued on the device: its output when already known, else its greedy tokens
+    `greedy` [B] int64 (device, one per request in batch order) on their way to `host`."""
+
+    batch: ScheduledBatch
+    output: StepOutput | None = None
+    greedy: torch.Tensor | None = None
+    host: torch.Tensor | None = None  # [B] int64, pinned on CUDA
+    copied: torch.cuda.Event | None = None  # recorded after the copy (CUDA)
 
 
 class ModelRunner:
@@ -41,20 +60,67 @@ class ModelRunner:
         """Drafted / accepted counts per draft position (None without speculation)."""
         return self.forward.spec_metrics
 
-    @torch.no_grad()
     def execute(self, batch: ScheduledBatch) -> StepOutput:
+        return self.finish(self.launch(batch))
+
+    @torch.no_grad()
+    def launch(self, batch: ScheduledBatch) -> LaunchedStep:
+        self._release(batch)
+        return self._launched(batch, self.forward.run(batch))
+
+    @torch.no_grad()
+    def launch_ahead(self, batch: ScheduledBatch, previous: LaunchedStep) -> LaunchedStep | None:
+        """Async scheduling: run `batch` (`Scheduler.schedule_ahead`) on `previous`'s greedy
+        tokens, still on the device. None (nothing ran): it needs them on the host."""
+        run_ahead = getattr(self.forward, "run_ahead", None)
+        rows = {r.request_id: i for i, r in enumerate(previous.batch.requests)}
+        if run_ahead is None or previous.greedy is None:
+            return None
+        if any(r.request_id not in rows for r in batch.requests):
+            return None
+        result = run_ahead(batch, previous.greedy, [rows[r.request_id] for r in batch.requests])
+        if result is None:
+            return None
+        self._release(batch)
+        return self._launched(batch, result)
+
+    def finish(self, launched: LaunchedStep) -> StepOutput:
+        """The step's output; for greedy graph tokens, waits for their copy (the one sync)."""
+        if launched.output is not None:
+            return launched.output
+        assert launched.host is not None
+        if launched.copied is not None:
+            launched.copied.synchronize()
+        ids = launched.host.tolist()
+        requests = launched.batch.requests
+        return StepOutput(tuple(RequestStepOutput(r.request_id, (ids[i],))
+                                for i, r in enumerate(requests)))  # fmt: skip
+
+    def _release(self, batch: ScheduledBatch) -> None:
         for request_id in batch.finished_request_ids:
             self.sampler.release(request_id)
-        result = self.forward.run(batch)
+
+    def _launched(self, batch: ScheduledBatch, result: StepResult) -> LaunchedStep:
+        if result.greedy is not None:
+            greedy = result.greedy
+            cuda = greedy.is_cuda
+            host = torch.empty(greedy.shape, dtype=greedy.dtype, pin_memory=cuda)
+            host.copy_(greedy, non_blocking=cuda)
+            copied = None
+            if cuda:
+                copied = torch.cuda.Event()
+                copied.record()
+            return LaunchedStep(batch, greedy=greedy, host=host, copied=copied)
         emitted = dict(result.chosen)
         if result.logits is not None:
             params = {r.request_id: r.sampling_params for r in batch.requests}
             specs = [sampling_spec(params[rid]) for rid in result.sample_ids]
             tokens = self.sampler.sample(result.logits, list(result.sample_ids), specs)
             emitted.update((rid, (token,)) for rid, token in zip(result.sample_ids, tokens))
-        return StepOutput(
+        output = StepOutput(
             tuple(
                 RequestStepOutput(r.request_id, emitted.get(r.request_id, ()))
                 for r in batch.requests
             )
         )
+        return LaunchedStep(batch, output=output)

@@ -35,11 +35,14 @@ class StepResult:
 
     `logits` [len(sample_ids), V] fp32: row i belongs to request `sample_ids[i]` (requests in
     batch order); None when there is nothing to sample. `chosen`: tokens a speculative half
-    already chose (accepted drafts + 1 per verified decode, a sampled token otherwise)."""
+    already chose (accepted drafts + 1 per verified decode, a sampled token otherwise).
+    `greedy` [B] int64 (device): an all-greedy graph step's tokens, one per request in batch
+    order, taken by the graph itself (`features.greedy_in_graph`); not yet on the host."""
 
     logits: torch.Tensor | None = None
     sample_ids: tuple[str, ...] = ()
     chosen: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    greedy: torch.Tensor | None = None
 
 
 class StepForward(Protocol):

@@ -11,6 +11,12 @@ preempting the least important running request by recompute when KV blocks run o
 request with nobody less important to preempt waits a step instead), then admit waiting
 requests by priority and arrival while blocks, budget and `max_num_seqs` allow (not after a
 preemption; a first chunk shrinks to the free blocks), and plan the prefill chunks.
+
+Async scheduling (`schedule_ahead`, `features.async_scheduling`): while a decode-only step runs
+on the device, the engine schedules the next one for the same requests (each assumed to emit
+one token; the runner feeds the real ones on the device). Then two batches are in flight; every
+block handed out meanwhile is for device work queued after the running step (one stream), so
+the invariant above holds in stream order.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ from dsv4.scheduler.batch import (
 )
 from dsv4.scheduler.config import SchedulerConfig
 from dsv4.scheduler.request import FinishCause, Request, RequestStatus, StopChecker
+
+AHEAD_TOKEN = 0  # the token id of a scheduled-ahead decode: the runner feeds the real one
 
 
 @dataclass
@@ -59,6 +67,7 @@ class Scheduler:
         self._running: list[Request] = []
         self._finished_ids: list[str] = []  # since the last batch
         self._in_flight: ScheduledBatch | None = None
+        self._ahead: ScheduledBatch | None = None  # async scheduling: the step after it
         self._num_added = 0
         layout = kv_manager.layout
         self._ratios = tuple(sorted({layout.model.layer_ratio(i) for i in layout.layer_ids}))
@@ -267,17 +276,65 @@ class Scheduler:
             for ratio in self._ratios
         )
 
+    def schedule_ahead(self) -> ScheduledBatch | None:
+        """Async scheduling: the next decode step of the in-flight one's requests, scheduled
+        before its tokens are known, on the assumption that each of them emits one token
+        (its token is a placeholder the runner feeds on the device). `update` of the
+        in-flight batch then makes it the in-flight one; a request that ends there (EOS,
+        stop id or string, abort) has its work in it dropped by the next `update`, and its
+        blocks went back at its finish. None (nothing changed): the next step must be
+        scheduled normally - requests wait or sat out, a prefill or drafts, no room."""
+        batch = self._in_flight
+        if batch is None or self._ahead is not None or self._waiting or batch.prefills:
+            return None
+        if any(r.num_draft_tokens for r in batch.requests):
+            return None
+        scheduled_ids = {r.request_id for r in batch.requests}
+        if any(r.request_id not in scheduled_ids for r in self._running):
+            return None  # one sat out (budget, blocks): the normal schedule decides
+        step = _Step(budget=self.config.max_num_batched_tokens)
+        for scheduled in batch.requests:
+            request = self._requests.get(scheduled.request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue  # ended since the in-flight step was scheduled
+            if len(request.output_token_ids) + 1 >= request.max_new_tokens:
+                continue  # the in-flight step's token is its last
+            rid, start = request.request_id, request.num_computed_tokens + 1
+            extra = start + 1 - self.kv.num_tokens(rid)
+            if step.budget < 1 or (extra > 0 and not self.kv.can_append(rid, extra)):
+                return None  # blocks appended so far stay with their requests (next step's)
+            if extra > 0:
+                self.kv.append(rid, extra)
+            step.scheduled[rid] = ScheduledRequest(
+                rid, (AHEAD_TOKEN,), start, False, 0, True, self.kv.block_table(rid),
+                self.kv.ring_block_ids(rid), request.sampling_params,
+            )  # fmt: skip
+            step.budget -= 1
+        if not step.scheduled:
+            return None
+        self._ahead = ScheduledBatch(tuple(step.scheduled.values()), self._plan_chunks(()),
+                                     finished_request_ids=tuple(self._finished_ids))  # fmt: skip
+        self._finished_ids.clear()
+        return self._ahead
+
+    def discard_ahead(self) -> None:
+        """The runner could not launch the `schedule_ahead` batch: forget it (its finished
+        ids go to the next batch; the blocks it appended stay with their requests)."""
+        batch, self._ahead = self._ahead, None
+        if batch is not None:
+            self._finished_ids[:0] = batch.finished_request_ids
+
     def discard_in_flight(self) -> ScheduledBatch | None:
-        """Forget the in-flight batch after its step raised (the engine then aborts its
-        requests); returns it, or None when there was none."""
-        batch, self._in_flight = self._in_flight, None
+        """Forget the in-flight batch (and any batch scheduled ahead of it) after its step
+        raised (the engine then aborts their requests); returns it, or None."""
+        batch, self._in_flight, self._ahead = self._in_flight, None, None
         return batch
 
     # ---- update ------------------------------------------------------------------------------
     def update(self, step_output: StepOutput) -> list[RequestOutput]:
         """Apply the runner's results for the in-flight batch: advance computed tokens, append
         sampled tokens, finish on EOS / stop ids / max tokens / stop strings, free blocks."""
-        batch, self._in_flight = self._in_flight, None
+        batch, self._in_flight, self._ahead = self._in_flight, self._ahead, None
         if batch is None:
             raise RuntimeError("update() without a scheduled batch")
         by_id = {o.request_id: o for o in step_output.outputs}
@@ -329,7 +386,7 @@ class Scheduler:
         leaks = []
         if self._requests:
             leaks.append(f"{len(self._requests)} live requests: {sorted(self._requests)[:8]}")
-        if self._in_flight is not None:
+        if self._in_flight is not None or self._ahead is not None:
             leaks.append("a scheduled batch was never updated")
         return leaks + self.kv.find_leaks()
 

@@ -235,6 +235,7 @@ def _build(
         reference=reference,
         batched_sampling=f.batched_sampling,
         routing_stats=config.metrics.routing_stats,
+        async_scheduling=f.async_scheduling,
     )
     core = build_engine_core(model, engine_options)
     if ranks is not None:  # before the warm-up: its steps run on every rank
@@ -368,7 +369,8 @@ def graph_options(config: ServeConfig):
     from dsv4.runner.paged.decode_graphs import GraphOptions
 
     max_batch = min(f.cuda_graph_max_batch, config.scheduler.max_num_seqs)
-    return GraphOptions(max_batch=max_batch, max_model_len=config.model.max_model_len)
+    return GraphOptions(max_batch=max_batch, max_model_len=config.model.max_model_len,
+                        greedy_argmax=f.greedy_in_graph)  # fmt: skip
 
 
 def kernel_config(config: ServeConfig) -> KernelBackendConfig:

@@ -32,7 +32,8 @@ def tiny():
 def make_core(
     model, *, kv="fp32", index="fp32", budget=4096, num_blocks=64, shared_metadata=None,
     paged=None, kernels=None, index_pattern="", graphs=None, spec_tokens=0,
-    batched_sampling=True, routing_stats=False, **sched,
+    batched_sampling=True, routing_stats=False, async_scheduling=False, stop_checker=None,
+    **sched,
 ) -> EngineCore:  # fmt: skip
     """`paged`: None = the reference forward, else the paged forward's `PagedOptions` fields
     (a dict); `graphs`: a `GraphOptions` (static decode passes of the paged forward: graphs
@@ -51,7 +52,8 @@ def make_core(
         paged=None if paged is None else PagedOptions(**paged, graphs=graphs),
         reference=ReferenceOptions(shared_slot_tables=shared_metadata, kernels=kernels),
         batched_sampling=batched_sampling, routing_stats=routing_stats,
-    ))  # fmt: skip
+        async_scheduling=async_scheduling,
+    ), stop_checker)  # fmt: skip
 
 
 def run_to_completion(core: EngineCore, max_steps: int = 2000) -> dict[str, list[int]]:

@@ -54,10 +54,10 @@ class RouteRecorder:
         return recorded
 
     def _wrap_run(self, static: StaticPass, run):
-        def recorded(key, rows, streams=None):
+        def recorded(key, rows, *args, **kwargs):
             self._real_rows = len(rows) * static.inputs.query_len
             try:
-                return run(key, rows, streams)
+                return run(key, rows, *args, **kwargs)
             finally:
                 self._real_rows = None
 

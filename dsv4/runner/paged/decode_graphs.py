@@ -39,6 +39,9 @@ class GraphOptions:
     capture: bool = True  # CUDA graphs; False runs the static steps eagerly (CPU, tests)
     batches: tuple[int, ...] = ()  # default: batch_buckets(max_batch)
     contexts: tuple[int, ...] = ()  # default: context_buckets(...)
+    # the target pass also writes argmax(logits) [B * q] int64 (features.greedy_in_graph):
+    # an all-greedy step then copies back B token ids, no sampler launch (`target_tokens`)
+    greedy_argmax: bool = False
 
 
 def num_scratch_blocks(layout) -> int:
@@ -54,6 +57,7 @@ class DecodeGraphs:
         if len(cache.scratch_block_ids) < num_scratch_blocks(layout):
             raise ValueError("the cache needs num_scratch_blocks(layout) scratch blocks")
         self.forward, self.k = forward, num_speculative_tokens
+        self.greedy_argmax = options.greedy_argmax
         self.query_len = 1 + num_speculative_tokens
         max_end = graph_max_end(options.max_model_len, self.query_len)
         batches = options.batches or batch_buckets(options.max_batch)
@@ -83,7 +87,11 @@ class DecodeGraphs:
         return StepMetadata(shape, None, t, f.geo, f.kernels, f.metadata)
 
     def _target(self, shape, t, select, streams):
-        return self.forward.run(self._meta(shape, t))
+        logits, out = self.forward.run(self._meta(shape, t))
+        if not self.greedy_argmax:
+            return logits, out
+        # the sampler's greedy choice, same op on the same fp32 logits: ties to the lowest id
+        return logits, out, logits.argmax(dim=-1)  # [B * q] int64
 
     def _mtp(self, shape, t, select, streams):
         return self.forward.run_mtp(self._meta(shape, t), streams, select)
@@ -104,10 +112,15 @@ class DecodeGraphs:
 
     # ---- steps -------------------------------------------------------------------------------
     def run_target(self, requests: Sequence[ScheduledRequest],
-                   drafts: dict[str, tuple[int, ...]]) -> tuple[torch.Tensor, ...] | None:  # fmt: skip
-        """Decode-only steps: (logits [B * q, V] fp32, streams [B * q, M, D]) with each request's
+                   drafts: dict[str, tuple[int, ...]],
+                   previous: tuple[torch.Tensor, Sequence[int]] | None = None,
+                   ) -> tuple[torch.Tensor, ...] | None:  # fmt: skip
+        """Decode-only steps: (logits [B * q, V] fp32, streams [B * q, M, D][, greedy tokens
+        [B * q] int64 with `greedy_argmax`]) with each request's
         token then its drafts padded to k (padding positions are rejected by the caller; past a
-        request's blocks they land in the scratch block). None: run eagerly."""
+        request's blocks they land in the scratch block). None: run eagerly.
+        `previous` (async scheduling, k = 0): (the last step's greedy tokens [B'] on the
+        device, the row of each request there): the requests' tokens come from it."""
         q = self.query_len
         if not requests or any(r.is_prefill or r.num_tokens != 1 for r in requests):
             return None
@@ -119,13 +132,21 @@ class DecodeGraphs:
         if key is None:
             return None
         rows = []
-        for r in requests:
+        prev_rows = previous[1] if previous is not None else [-1] * len(requests)
+        for r, prev in zip(requests, prev_rows):
             found = drafts.get(r.request_id, ())[: r.num_draft_tokens]
             ids = (r.token_ids[0], *found, *([0] * (q - 1 - len(found))))
-            rows.append(StepRow(ids, r.start_position, r.block_table, r.ring_block_ids))
-        logits, streams = self.passes["target"].run(key, rows)
+            rows.append(StepRow(ids, r.start_position, r.block_table, r.ring_block_ids,
+                                prev_row=prev))  # fmt: skip
+        tokens = None if previous is None else previous[0]
+        outputs = self.passes["target"].run(key, rows, previous=tokens)
         n = len(requests) * q
-        return logits[:n], streams[:n]
+        return tuple(t[:n] for t in outputs)
+
+    def target_tokens(self, outputs: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
+        """The in-graph greedy tokens [B * q] int64 (device) of a `run_target` result, None
+        when the pass does not compute them (`GraphOptions.greedy_argmax` off)."""
+        return outputs[2] if self.greedy_argmax else None
 
     def run_mtp(self, name: str, rows: Sequence[StepRow],
                 streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip

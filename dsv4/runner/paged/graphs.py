@@ -75,6 +75,9 @@ class StepRow:
     block_table: tuple[int, ...]
     ring_block_ids: tuple[int, ...]
     select: int = -1  # which of the q tokens an MTP pass computes logits for (-1: the last)
+    # async scheduling: the row of the previous step whose greedy token (still on the device)
+    # is this row's token; -1: `token_ids` as given
+    prev_row: int = -1
 
 
 class StaticInputs:
@@ -82,14 +85,14 @@ class StaticInputs:
     (a bucket reads each field's prefix), its pinned host twin and the all-padding template."""
 
     FIELDS = ("token_ids", "positions", "token_to_req", "query_start_loc", "block_tables",
-              "ring_ids", "starts", "ends", "select")  # fmt: skip
+              "ring_ids", "starts", "ends", "select", "prev_rows")  # fmt: skip
 
     def __init__(self, max_batch: int, query_len: int, max_blocks: int,
                  scratch_blocks: Sequence[int], num_ring_blocks: int,
                  device: torch.device) -> None:  # fmt: skip
         b, q, nb, nr = max_batch, query_len, max_blocks, num_ring_blocks
         self.max_batch, self.query_len, self.max_blocks, self.num_ring = b, q, nb, nr
-        sizes = (b * q, b * q, b * q, b + 1, b * nb, b * nr, b, b, b)
+        sizes = (b * q, b * q, b * q, b + 1, b * nb, b * nr, b, b, b, b)
         self.offsets = dict(zip(self.FIELDS, itertools.accumulate((0, *sizes))))
         total = sum(sizes)
         pin = device.type == "cuda"
@@ -130,7 +133,7 @@ class StaticInputs:
         tables = self._field(flat, "block_tables").reshape(self.max_batch, nb)
         rings = self._field(flat, "ring_ids").reshape(self.max_batch, self.num_ring)
         starts, ends = self._field(flat, "starts"), self._field(flat, "ends")
-        select = self._field(flat, "select")
+        select, prev_rows = self._field(flat, "select"), self._field(flat, "prev_rows")
         if padding_start:
             pos += padding_start
             starts[:] = padding_start
@@ -143,6 +146,7 @@ class StaticInputs:
             rings[i] = row.ring_block_ids
             starts[i], ends[i] = row.start, row.start + q
             select[i] = i * q + (row.select % q)
+            prev_rows[i] = row.prev_row
         self.dev.copy_(self.host, non_blocking=True)
         if self.copied is not None:
             self.copied.record()
@@ -164,6 +168,16 @@ class StaticInputs:
             starts=d[o["starts"] : o["starts"] + batch],
             ends=d[o["ends"] : o["ends"] + batch],
         ), select  # fmt: skip
+
+    def feed_tokens(self, batch: int, previous: torch.Tensor) -> None:
+        """Device side, in stream order after `write`'s copy: token_ids[i] = previous[
+        prev_rows[i]] for the first `batch` rows (q = 1; every row has a previous row).
+        `previous` [>= max prev_row + 1] int64: the last step's greedy tokens, never on the
+        host (async scheduling)."""
+        assert self.query_len == 1
+        o = self.offsets
+        rows = self.dev[o["prev_rows"] : o["prev_rows"] + batch]
+        self.dev[o["token_ids"] : o["token_ids"] + batch].copy_(previous.index_select(0, rows))
 
 
 # (shape, step tensors, select [B], streams [T, M, D] or None) -> outputs (tensors)
@@ -230,11 +244,15 @@ class StaticPass:
         return pool
 
     def run(self, key: tuple[int, int], rows: Sequence[StepRow],
-            streams: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:  # fmt: skip
+            streams: torch.Tensor | None = None,
+            previous: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:  # fmt: skip
         """Outputs for the bucket's rows (views of static tensors on the GPU: consume them
-        before the next run of this pass). `streams` [len(rows) * q, M, D] for MTP passes."""
+        before the next run of this pass). `streams` [len(rows) * q, M, D] for MTP passes;
+        `previous`: the tokens the rows' `prev_row`s index (`StaticInputs.feed_tokens`)."""
         self.num_runs += 1
         self.inputs.write(rows)
+        if previous is not None:
+            self.inputs.feed_tokens(len(rows), previous)
         if streams is not None:
             assert self.streams is not None
             self.streams[: streams.shape[0]].copy_(streams)

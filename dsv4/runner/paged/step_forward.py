@@ -8,7 +8,10 @@ previous step proposed, accept, propose the next ones with the MTP layer on the 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+import torch
 
 from dsv4.runner.paged.decode_graphs import DecodeGraphs, GraphOptions
 from dsv4.runner.paged.forward import DEFAULT_METADATA, DEFAULT_SWITCHES, PagedForward
@@ -45,6 +48,10 @@ class PagedStepForward:
         """`num_speculative_tokens` (default: the layout's draft slots) > 0 turns MTP on; the
         speculative half samples with `sampler` (rejection sampling, draft choices)."""
         self.paged, self.graphs = paged, graphs
+        # all-greedy graph steps take the in-graph argmax (features.greedy_in_graph); the
+        # benchmark flips it on the same graphs for its A/B
+        self.greedy_in_graph = graphs is not None and graphs.greedy_argmax
+        self.num_greedy_in_graph = 0  # steps whose tokens the graph chose (tests, metrics)
         k = check_speculation(paged.model, paged.cache, num_speculative_tokens)
         self.spec = PagedSpeculator(paged, sampler, k, graphs) if k else None
 
@@ -67,6 +74,31 @@ class PagedStepForward:
             return StepResult(chosen=self.spec.step(batch, specs))
         out = None
         if self.graphs is not None and not batch.prefills:
-            out = self.graphs.run_target(batch.requests, {})  # (logits [B, V], streams)
+            out = self.graphs.run_target(batch.requests, {})  # (logits [B, V], streams[, ids])
+        if out is not None and self.greedy_in_graph and _all_greedy(batch):
+            tokens = self.graphs.target_tokens(out)
+            if tokens is not None:  # the runner copies back [B] int64: no sampler launch
+                self.num_greedy_in_graph += 1
+                return StepResult(greedy=tokens)
         logits = out[0] if out is not None else self.paged(batch).logits  # [sampling, V]
         return StepResult(logits, tuple(r.request_id for r in batch.requests if r.samples_token))
+
+    def run_ahead(self, batch: ScheduledBatch, previous: torch.Tensor,
+                  prev_rows: Sequence[int]) -> StepResult | None:  # fmt: skip
+        """Async scheduling: an all-greedy decode-only step whose tokens are the previous
+        step's greedy tokens `previous` [B'] (device; request i's at `prev_rows[i]`), fed on
+        the device, never read on the host. None (nothing ran): the step needs the tokens on
+        the host (no graph bucket, speculation, sampling rows)."""
+        if (self.spec is not None or self.graphs is None or not self.greedy_in_graph
+                or batch.prefills or not batch.requests or not _all_greedy(batch)):  # fmt: skip
+            return None
+        out = self.graphs.run_target(batch.requests, {}, (previous, prev_rows))
+        if out is None:
+            return None
+        self.num_greedy_in_graph += 1
+        return StepResult(greedy=self.graphs.target_tokens(out))
+
+
+def _all_greedy(batch: ScheduledBatch) -> bool:
+    """Every request takes the sampler's greedy path (temperature 0: `SamplingSpec.is_greedy`)."""
+    return all(sampling_spec(r.sampling_params).is_greedy for r in batch.requests)
