@@ -30,6 +30,7 @@ from dsv4.worker import build
 from dsv4.worker.build import build_worker_runtime
 from dsv4.worker.fit import GIB, startup_plan
 from dsv4.worker.offload import apply_offload, check_host_memory, read_residency
+from tests.leak import assert_no_leaks
 
 BUDGET = {
     "model.device": "cpu", "model.max_model_len": 512, "scheduler.max_num_batched_tokens": 256,
@@ -38,6 +39,7 @@ BUDGET = {
 }  # fmt: skip
 OFFLOAD = {"model.device_memory_gib": 0.012, "model.host_memory_gib": 1.0}
 FP4_DEVICE_GIB = 0.0115  # MXFP4 experts (a quarter of the bytes): 4 of 8 offloaded
+PAGED_DEVICE_GIB = 0.0125  # the paged forward's plan holds 4 slots (2 seqs x top-2) a layer
 PROMPTS = ([5, 17, 300, 2, 9, 44, 1000, 3] * 5, [7, 7, 8, 900, 12])
 
 
@@ -155,12 +157,28 @@ def test_host_memory_check_refuses_more_than_the_budget_or_the_host_has() -> Non
         check_host_memory(10 * GIB, 8 * GIB, 11 * GIB, what)
 
 
-def test_paged_forward_with_offload_is_refused_and_auto_takes_the_reference() -> None:
-    with pytest.raises(ConfigError, match="reference forward"):
-        build_worker_runtime(load_config({**BUDGET, **OFFLOAD, "features.forward": "paged"}),
-                             with_transport=False)  # fmt: skip
-    runtime = build_worker_runtime(load_config({**BUDGET, **OFFLOAD}), with_transport=False)
-    assert runtime.config.features.forward == "reference" and runtime.offload is not None
+def test_paged_worker_with_offload_serves_the_resident_tokens_through_its_expert_pool() -> None:
+    """`features.forward=paged` with offload: the split load's stores become the expert pool
+    (the plan counts slots for a decode step of max_num_seqs tokens), the tokens are those of
+    the same worker with every expert resident, and the pool's counters feed the metrics."""
+    paged = {**BUDGET, "features.forward": "paged"}
+    expected = served_tokens(build_worker_runtime(load_config(paged), with_transport=False))
+    config = load_config({**paged, **OFFLOAD, "model.device_memory_gib": PAGED_DEVICE_GIB})
+    runtime = build_worker_runtime(config, with_transport=False)
+    cfg, served = runtime.model_config, runtime.offload
+    plan = startup_plan(runtime.config, cfg, int(PAGED_DEVICE_GIB * GIB))
+    assert plan.cache_slots == 2 * cfg.num_experts_per_tok and served.stores == ()
+    *layers, mtp = served.pool.layers
+    for layer in layers:  # E - K resident + the plan's slots, on the device
+        assert layer.num_resident == cfg.n_routed_experts - plan.offloaded_per_layer
+        assert layer.num_slots == min(plan.cache_slots, plan.offloaded_per_layer)
+    assert mtp.num_resident == 0 and mtp.num_slots == 0  # speculation off: it never runs
+    assert served_tokens(runtime) == expected
+    stats = served.stats()
+    assert stats.fetches > 0 and stats.bytes_fetched == stats.fetches * layers[0].row_bytes
+    assert_no_leaks(served.pool)
+    cpu = build_worker_runtime(load_config({**BUDGET, **OFFLOAD}), with_transport=False)
+    assert cpu.config.features.forward == "reference" and cpu.offload.stores  # auto on CPU
 
 
 def test_residency_order_picks_the_resident_experts(tmp_path) -> None:
@@ -209,8 +227,6 @@ def test_apply_offload_moves_a_model_loaded_whole_like_the_split_load() -> None:
     cfg = tiny_config().with_overrides(expert_dtype="fp4")
     offload = ExpertOffload(5, 2, ((7, 6, 5),), planned_layers=cfg.num_hidden_layers)
     whole = random_model(cfg, seed=4, expert_weights="checkpoint")
-    with pytest.raises(ConfigError, match="reference forward"):
-        apply_offload(whole, offload, "paged")
     moved = apply_offload(whole, offload, "reference")
     split = random_model(cfg, seed=4, expert_weights="checkpoint", offload=offload)
     assert [sorted(s.resident_row) for s in moved.stores][:2] == [[5, 6, 7], [0, 1, 2]]

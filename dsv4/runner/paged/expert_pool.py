@@ -21,6 +21,7 @@ step's output is on the host, so a bad step fails its requests instead of servin
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 import torch
@@ -49,12 +50,14 @@ class PoolOptions:
     missing layers: the last value); `order[i]`: its experts most used first (the first
     E - num_offloaded stay resident; completed in index order); `cache_slots`: slots per layer
     at least; `max_decode_tokens`: the largest decode step (batch x (1 + draft tokens)), which
-    sizes the slots so a decode step's misses fit in one round."""
+    sizes the slots so a decode step's misses fit in one round; `planned_layers` (0: all):
+    later layers never run (the MTP layer without speculation) and get no slots."""
 
     num_offloaded: tuple[int, ...]
     order: tuple[tuple[int, ...], ...] = ()
     cache_slots: int = 1
     max_decode_tokens: int = 1
+    planned_layers: int = 0
 
     def cold(self, layer: int) -> int:
         return self.num_offloaded[min(layer, len(self.num_offloaded) - 1)]
@@ -66,6 +69,8 @@ class PoolOptions:
 
     def slots(self, layer: int, num_experts: int, top_k: int) -> int:
         cold = self.cold(layer)
+        if self.planned_layers and layer >= self.planned_layers:
+            return 0
         return min(cold, max(self.cache_slots, self.max_decode_tokens * top_k))
 
 
@@ -115,7 +120,7 @@ class LayerPool:
         self.num_cold = host[0].shape[0]
         self.parts = tuple(t for t in (weights.w13, weights.w2, weights.w13_scale,
                                        weights.w2_scale) if t is not None)  # fmt: skip
-        self.row_bytes = sum(t[0].numel() * t.element_size() for t in self.parts)
+        self.row_bytes = sum(math.prod(t.shape[1:]) * t.element_size() for t in host)
         cold_ids = [e for e in range(num_experts) if e not in set(resident_ids)]
         i32 = dict(dtype=torch.int32, device=device)
         self.table = torch.full((num_experts,), -1, **i32)
