@@ -8,8 +8,9 @@ them with whatever the routing chose (docs/architecture.md#expert-pool):
   gather). Plain stores, a barrier, the scatters of the table / owner / fetch / age updates, a
   barrier, then each pair reads its row from the updated table. grid = 1: the barriers order
   this CTA's global writes and no other CTA writes these tensors.
-- `copy_fetched`: grid (S, chunks): program (j, c) copies chunk c of every part (w13, w2, their
-  scales) of the host row fetch[j] into device row R + j; slots without a fetch exit at once.
+- `copy_fetched`: grid (chunks,): program c copies chunk c of every part (w13, w2, their scales)
+  of the host row fetch[j] into device row R + j, for each slot j with a fetch; a grid sized by
+  the row, not by S x the row, so a step with few misses launches few idle programs.
   The host storage is pinned, so its address is a device address (UVA): the copy is plain
   loads over PCIe, inside the graph, with no cudaMemcpy for the host to issue.
 """
@@ -38,7 +39,9 @@ from kernels.registry import register_op
 from kernels.specialize import sizes_vary
 
 _BLOCK_P = 64  # pairs per loop step
-_CHUNK = 1 << 16  # bytes of a row part per program (H100: 64 KiB keeps ~4K programs in flight)
+# bytes of a row part per program: an MXFP4 V4-Flash expert's w13 row (8 MiB) in 256 programs,
+# enough loads in flight across the SMs to stream PCIe
+_CHUNK = 1 << 15
 _BLOCK_B = 4096  # bytes per load: 16-byte vectors, 4 warps
 MAX_PARTS = 4
 
@@ -146,22 +149,22 @@ def _copy_part(dst_ptr, src_ptr, n, row, slot, c, CHUNK: tl.constexpr, BLOCK_B: 
         tl.store(dst + b, tl.load(src + b, mask=b < n), mask=b < n)
 
 
-@triton.jit
+@triton.jit(**sizes_vary("S"))
 def _copy_kernel(
-    fetch_ptr, d0, s0, n0, d1, s1, n1, d2, s2, n2, d3, s3, n3, R,
+    fetch_ptr, d0, s0, n0, d1, s1, n1, d2, s2, n2, d3, s3, n3, R, S,
     NUM_PARTS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_B: tl.constexpr,
 ):  # fmt: skip
-    j = tl.program_id(0)
-    c = tl.program_id(1)
-    row = tl.load(fetch_ptr + j)
-    if row >= 0:
-        _copy_part(d0, s0, n0, row, R + j, c, CHUNK, BLOCK_B)
-        if NUM_PARTS > 1:
-            _copy_part(d1, s1, n1, row, R + j, c, CHUNK, BLOCK_B)
-        if NUM_PARTS > 2:
-            _copy_part(d2, s2, n2, row, R + j, c, CHUNK, BLOCK_B)
-        if NUM_PARTS > 3:
-            _copy_part(d3, s3, n3, row, R + j, c, CHUNK, BLOCK_B)
+    c = tl.program_id(0)
+    for j in range(0, S):  # few fetches a step: the other slots cost one cached load each
+        row = tl.load(fetch_ptr + j)
+        if row >= 0:
+            _copy_part(d0, s0, n0, row, R + j, c, CHUNK, BLOCK_B)
+            if NUM_PARTS > 1:
+                _copy_part(d1, s1, n1, row, R + j, c, CHUNK, BLOCK_B)
+            if NUM_PARTS > 2:
+                _copy_part(d2, s2, n2, row, R + j, c, CHUNK, BLOCK_B)
+            if NUM_PARTS > 3:
+                _copy_part(d3, s3, n3, row, R + j, c, CHUNK, BLOCK_B)
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -188,8 +191,8 @@ def copy_fetched(
     parts += [parts[0]] * (MAX_PARTS - num_parts)
     chunks = triton.cdiv(max(n for _, _, n in parts), _CHUNK)
     flat = [a for part in parts for a in part]
-    _copy_kernel[(fetch.numel(), chunks)](fetch, *flat, num_resident, NUM_PARTS=num_parts,
-                                          CHUNK=_CHUNK, BLOCK_B=_BLOCK_B, num_warps=4)  # fmt: skip
+    _copy_kernel[(chunks,)](fetch, *flat, num_resident, fetch.numel(), NUM_PARTS=num_parts,
+                            CHUNK=_CHUNK, BLOCK_B=_BLOCK_B, num_warps=4)  # fmt: skip
 
 
 register_op("resolve_slots", resolve_slots, resolve_slots_ref, family="expert_slots")

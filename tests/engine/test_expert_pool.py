@@ -37,6 +37,7 @@ def _prompts(vocab: int) -> dict[str, list[int]]:
 
 def _lockstep(resident, pooled, **core) -> tuple[list, list]:
     cores = [make_core(m, budget=64, paged={}, max_num_seqs=2, **core) for m in (resident, pooled)]
+
     for core_ in cores:
         for rid, prompt in _prompts(resident.cfg.vocab_size).items():
             core_.add_request(greedy_request(rid, prompt, 6))
@@ -143,3 +144,39 @@ def test_the_reference_forward_refuses_pooled_experts() -> None:
     pooled, _ = _pooled(random_model(CFG, seed=8))
     with pytest.raises(ConfigError, match="expert pool"):
         pooled(torch.tensor([[3, 4, 5]]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
+def test_pooled_experts_on_the_gpu_equal_resident_with_graphs(fmt) -> None:
+    """The Triton kernels on the GPU: cold experts in pinned host memory, fetched by the copy
+    kernel inside captured decode graphs (6 of 8 cold, 4 slots, batches of 2) and in rounds for
+    prefills; eager logits bit for bit, and the greedy tokens with and without graphs."""
+    cfg, weights = (CFG, "bf16") if fmt == "bf16" else (FP4, "checkpoint")
+    kernels = KernelBackendConfig(default="triton")
+    resident = random_model(cfg, seed=5, dtype=torch.bfloat16, device="cuda",
+                            expert_weights=weights)  # fmt: skip
+    pooled = copy.deepcopy(resident)
+    options = PoolOptions((6,), cache_slots=1, max_decode_tokens=2)
+    pool = pool_experts(pooled, options, "cuda", kernels)
+    assert pool.layers[0].host[0].is_pinned() and pool.layers[0].num_slots == 4
+    steps, _ = _lockstep(resident, pooled, kernels=kernels, kv="fp8", index="mxfp4")
+    assert all(torch.equal(a, b) for a, b in steps)
+    gen = torch.Generator().manual_seed(2)
+    prompts = [
+        torch.randint(2, cfg.vocab_size, (n,), generator=gen).tolist() for n in (1, 130, 300)
+    ]
+    outs = []
+    for model in (resident, pooled):
+        for graphs in (None, GraphOptions(max_batch=2, max_model_len=1024)):
+            core = make_core(model, kv="fp8", index="mxfp4", budget=512, paged={},
+                             kernels=kernels, graphs=graphs, max_num_seqs=2)  # fmt: skip
+            for i, p in enumerate(prompts):
+                core.add_request(greedy_request(f"r{i}", p, 8))
+            outs.append(run_to_completion(core))
+            if graphs is not None:
+                assert core.runner.forward.graphs.passes["target"].num_runs >= 6
+            assert_no_leaks(core)
+    assert outs[0] == outs[1] == outs[2] == outs[3]
+    assert pool.stats().fetches > 0
+    assert_no_leaks(pool)

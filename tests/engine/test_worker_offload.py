@@ -9,6 +9,7 @@ per layer (the plan offloads the rest, with 2 cache slots)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -236,3 +237,34 @@ def test_apply_offload_moves_a_model_loaded_whole_like_the_split_load() -> None:
         a = whole(ids, states=[whole.new_state()]).logits
         b = split(ids, states=[split.new_state()]).logits
     assert torch.equal(a, b) and moved.stats().misses > 0
+
+
+RECORD_FIELDS = {
+    "name", "batch", "prompt_len", "mtp_k", "forward", "cuda_graphs", "expert_weights",
+    "linear_weights", "time_us", "hit_rate", "copy_wait_us", "bytes_fetched", "copy_floor_us",
+    "compute_us", "routing", "baseline_time_us", "speedup",
+}  # fmt: skip
+
+
+def test_offload_benchmark_runs_on_cpu_and_writes_the_record_contract(tmp_path) -> None:
+    """The GPU benchmark's whole path on the tiny shape: the token check on the paged forward
+    and the timing records of both forwards (a few steps)."""
+    from benchmarks.offload_serve_check import main
+
+    out = tmp_path / "offload.json"
+    argv = ["--shape", "tiny", "--device", "cpu", "--batches", "2", "--steps", "1",
+            "--routings", "zipf1", "--prompt-len", "8", "--ttft-prompt", "16",
+            "--new-tokens", "2", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["equal"] and result["offloaded"]["forward"] == "paged"
+    records = result["records"]
+    keys = {(r["name"], r["forward"]) for r in records}
+    assert keys == {(n, f) for n in ("full_depth_tpot", "full_depth_ttft")
+                    for f in ("paged", "reference")}  # fmt: skip
+    for r in records:
+        assert r.keys() >= RECORD_FIELDS and r["routing"] == "zipf1" and r["time_us"] > 0
+        assert r["copy_floor_us"] == r["bytes_fetched"] / 55e3
+    paged = [r for r in records if r["forward"] == "paged"]
+    assert all(r["speedup"] == r["baseline_time_us"] / r["time_us"] for r in paged)
+    assert all(r["compute_us"] is not None for r in paged)  # the tiny model fits resident
