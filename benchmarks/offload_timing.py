@@ -12,7 +12,9 @@ one step per call, as a worker serves (the token read each step is the served sy
 - compute_us: the same shape served all-resident (paged forward), where the plan fits the
   device without offload, else null; copy_wait_us = time_us - compute_us (null with it);
 - baseline_time_us: the reference forward's offload on the same inputs (null when skipped or
-  for the reference's own records); speedup = baseline_time_us / time_us.
+  for the reference's own records); speedup = baseline_time_us / time_us;
+- graph_max_batch: the captured decode batch the worker chose (its pool's slots fit the plan);
+  a larger batch's steps ran eagerly (cuda_graphs says only that graphs were on).
 """
 
 from __future__ import annotations
@@ -122,7 +124,8 @@ def measure(values: dict, args) -> dict[tuple[str, int], dict]:
     on_cuda = runtime.config.model.device.startswith("cuda")
     info = dict(forward=features.forward, expert_weights=features.expert_weights,
                 linear_weights=features.linear_weights,
-                cuda_graphs=features.cuda_graphs and features.forward == "paged" and on_cuda)  # fmt: skip
+                cuda_graphs=features.cuda_graphs and features.forward == "paged" and on_cuda,
+                graph_max_batch=features.cuda_graph_max_batch)  # fmt: skip
     release(runtime)
     return {key: {**info, **timing} for key, timing in out.items()}
 

@@ -21,11 +21,11 @@ GIB = 1 << 30
 
 
 def max_decode_tokens(config: ServeConfig) -> int:
-    """The largest decode step's tokens: max batch x (1 + MTP draft tokens)."""
+    """The largest captured decode step's tokens: the graphs' max batch x (1 + MTP draft
+    tokens). Larger decode steps run eagerly, where the expert pool may fetch in rounds."""
     s = config.speculative
-    return config.scheduler.max_num_seqs * (
-        1 + (s.num_speculative_tokens if s.method == "mtp" else 0)
-    )
+    batch = min(config.scheduler.max_num_seqs, config.features.cuda_graph_max_batch)
+    return batch * (1 + (s.num_speculative_tokens if s.method == "mtp" else 0))
 
 
 def startup_plan(config: ServeConfig, model_cfg: ModelConfig, gpu_total_bytes: int) -> MemoryPlan:

@@ -268,3 +268,19 @@ def test_offload_benchmark_runs_on_cpu_and_writes_the_record_contract(tmp_path) 
     paged = [r for r in records if r["forward"] == "paged"]
     assert all(r["speedup"] == r["baseline_time_us"] / r["time_us"] for r in paged)
     assert all(r["compute_us"] is not None for r in paged)  # the tiny model fits resident
+
+
+def test_paged_offload_halves_the_captured_batch_until_the_pools_slots_fit() -> None:
+    """4 sequences x top-2 would need all 8 experts' slots: the captured decode batch halves to
+    2 (4 slots), and the plan at that batch is the one served."""
+    from dsv4.worker.build import planned_model_config
+    from dsv4.worker.offload import startup_offload
+
+    values = {**BUDGET, **OFFLOAD, "features.forward": "paged", "scheduler.max_num_seqs": 4,
+              "model.device_memory_gib": PAGED_DEVICE_GIB}  # fmt: skip
+    config = load_config(values)
+    served, plan, offload = startup_offload(config, planned_model_config(config), torch.float32)
+    assert served.features.cuda_graph_max_batch == 2 and plan.cache_slots == 4
+    assert offload.num_offloaded == plan.offloaded_per_layer < 8
+    with pytest.raises(PlanDoesNotFit):
+        startup_plan(config, planned_model_config(config), int(PAGED_DEVICE_GIB * GIB))
