@@ -220,6 +220,14 @@ def test_offload_metrics_are_exported() -> None:
     assert registry.get_sample_value("dsv4_expert_bytes_fetched_total") == 3000
     assert registry.get_sample_value("dsv4_expert_fetches_total") == 3
     assert registry.get_sample_value("dsv4_expert_cpu_computes_total") == 0
+    from dsv4.runner.paged import PoolStats  # the paged forward's pool: the same series
+
+    pooled = CollectorRegistry()
+    pooled.register(ExpertCollector(lambda: PoolStats(6, 1, 3, 3000)))
+    assert pooled.get_sample_value("dsv4_expert_hit_rate") == 0.7
+    assert pooled.get_sample_value("dsv4_expert_cache_hit_rate") == 0.25
+    assert pooled.get_sample_value("dsv4_expert_fetches_total") == 3
+    assert pooled.get_sample_value("dsv4_expert_bytes_fetched_total") == 3000
 
 
 def test_apply_offload_moves_a_model_loaded_whole_like_the_split_load() -> None:

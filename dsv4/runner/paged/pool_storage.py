@@ -69,13 +69,14 @@ def _stack_rows(top: torch.Tensor, bottom: torch.Tensor) -> torch.Tensor:
 
 
 def empty_rows(like: Parts, rows: int, device: torch.device, pin: bool = False) -> Parts:
-    """[rows, *part shape] per part: on `device`, or (device cpu) in host memory, pinned when
-    `pin` (one registered allocation per part: `host_blobs`)."""
+    """[rows, *part shape] per part: on `device`, or (device cpu) in host memory, pinned and
+    mapped when `pin` (one registered allocation per part: `host_blobs`; the copy kernel reads
+    it through its device address)."""
     if device.type != "cpu":
         return tuple(torch.empty(rows, *p.shape, dtype=p.dtype, device=device) for p in like)
     out = []
     for p in like:
-        blob = host_blobs(rows, p.numel() * p.element_size(), pin)
+        blob = host_blobs(rows, p.numel() * p.element_size(), pin, mapped=True)
         out.append(blob.view(p.dtype).view(rows, *p.shape))
     return tuple(out)
 
