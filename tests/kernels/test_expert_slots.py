@@ -192,3 +192,35 @@ def test_resolve_and_copy_from_pinned_host_inside_a_captured_graph() -> None:
             assert torch.equal(a.cpu(), b)
         for a, b in zip(dst, ref_dst):
             assert torch.equal(a.cpu(), b)
+
+
+def test_the_paged_forward_on_the_slot_kernels_equals_all_resident() -> None:
+    """The pool's own kernels (interpreted on the CPU) under the paged forward: bit-identical
+    logits to the all-resident model over prefill rounds and one-round decode steps."""
+    import copy
+
+    from dsv4.config.model import tiny_config
+    from dsv4.model.tiny import random_model
+    from dsv4.runner.paged import PoolOptions, pool_experts
+    from kernels.backend import KernelBackendConfig
+    from tests.engine.conftest import greedy_request, make_core
+    from tests.engine.test_paged_forward import _lockstep_logits
+    from tests.leak import assert_no_leaks
+
+    cfg = tiny_config().with_overrides(num_nextn_predict_layers=0, num_hidden_layers=2,
+                                       compress_ratios=(0, 4))  # fmt: skip
+    resident = random_model(cfg, seed=9)
+    pooled = copy.deepcopy(resident)
+    kernels = KernelBackendConfig(overrides={"resolve_slots": "triton", "copy_fetched": "triton"})
+    pool = pool_experts(pooled, PoolOptions((5,), max_decode_tokens=2), "cpu", kernels)
+    cores = [make_core(m, budget=32, paged={}, max_num_seqs=2) for m in (resident, pooled)]
+    for core in cores:
+        core.add_request(greedy_request("a", list(range(3, 40)), 3))
+        core.add_request(greedy_request("b", [7, 8, 9], 3))
+    steps = _lockstep_logits(*cores)
+    assert len(steps) >= 3 and all(torch.equal(a, b) for a, b in steps)
+    pool.mirror()
+    assert pool.stats().fetches > 0
+    for core in cores:
+        assert_no_leaks(core)
+    assert_no_leaks(pool)
