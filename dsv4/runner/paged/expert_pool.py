@@ -37,6 +37,7 @@ from dsv4.ops.expert_slots import (
     SlotTable,
     error_text,
 )
+from dsv4.runner.paged.expert_rounds import experts_in_rounds
 from dsv4.runner.paged.pool_storage import drop_experts_, empty_rows, expert_rows_of, fill_
 from kernels.backend import KernelBackendConfig, resolve
 
@@ -160,8 +161,6 @@ class LayerPool:
         """u [T, D], routed ids [T, K] and weights [T, K] fp32 -> y [T, D] fp32, as
         `moe_experts` on all-resident experts computes it."""
         if not self.fits_one_round(ids.numel()):
-            from dsv4.runner.paged.expert_rounds import experts_in_rounds
-
             return experts_in_rounds(self, u, ids, weights, limit)
         rows = self.rows(u, self.resolve(ids), limit)
         return self.ops["combine_rows"](rows, weights, ids)
@@ -240,6 +239,8 @@ def pool_experts(model: DeepseekV4, options: PoolOptions, device: torch.device |
         if num > MAX_SLOTS:
             raise ConfigError("model.host_memory_gib", "> 0", f"the expert pool takes up to "
                               f"{MAX_SLOTS} experts a layer (this model: {num})")  # fmt: skip
+        if not 0 <= options.cold(i) <= num:
+            raise ValueError(f"layer {i}: {options.cold(i)} cold experts of {num}")
         source = expert_rows_of(moe)
         resident = options.resident_ids(i, num)
         cold = [e for e in range(num) if e not in set(resident)]
