@@ -180,3 +180,22 @@ def test_pooled_experts_on_the_gpu_equal_resident_with_graphs(fmt) -> None:
     assert outs[0] == outs[1] == outs[2] == outs[3]
     assert pool.stats().fetches > 0
     assert_no_leaks(pool)
+
+
+def test_mtp_speculation_with_pooled_experts_gives_the_resident_tokens() -> None:
+    """The MTP layer's experts pooled too; verify, accept and propose read the pool, and each
+    step's check waits for its counters (the speculative half reads tokens before mirroring)."""
+    cfg = tiny_config()  # with its MTP layer
+    resident = random_model(cfg, seed=12)
+    pooled, pool = _pooled(resident, PoolOptions((5,), max_decode_tokens=4))
+    assert len(pool.layers) == cfg.num_hidden_layers + 1
+    tokens = []
+    for model in (resident, pooled):
+        core = make_core(model, budget=64, paged={}, max_num_seqs=2, spec_tokens=1)
+        for rid, prompt in _prompts(cfg.vocab_size).items():
+            core.add_request(greedy_request(rid, prompt, 6))
+        tokens.append(run_to_completion(core))
+        assert_no_leaks(core)
+    assert tokens[0] == tokens[1]
+    assert pool.stats().fetches > 0 and pool.layers[-1].counters[0:3].sum() > 0
+    assert_no_leaks(pool)
