@@ -54,11 +54,11 @@ def device_budget_gib(config, share: float) -> float:
     )
 
 
-def release(runtime) -> None:
-    """Drop a runtime and hand its device memory (and pinned host memory) back."""
+def release() -> None:
+    """After the caller dropped its runtime: hand its device memory (and pinned host memory)
+    back before the next one is built."""
     import torch
 
-    del runtime
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -96,7 +96,8 @@ def serve(values: dict, new_tokens: int) -> dict:
         record["max_allocated_gib"] = torch.cuda.max_memory_allocated() / GIB
     if runtime.offload is not None:
         record.update(offload_record(runtime.offload))
-    release(runtime)
+    del runtime
+    release()
     return record
 
 

@@ -126,7 +126,8 @@ def measure(values: dict, args) -> dict[tuple[str, int], dict]:
                 linear_weights=features.linear_weights,
                 cuda_graphs=features.cuda_graphs and features.forward == "paged" and on_cuda,
                 graph_max_batch=features.cuda_graph_max_batch)  # fmt: skip
-    release(runtime)
+    del runtime
+    release()
     return {key: {**info, **timing} for key, timing in out.items()}
 
 
