@@ -170,6 +170,10 @@ def test_resolve_and_copy_from_pinned_host_inside_a_captured_graph() -> None:
     ids = torch.zeros(2, 2, dtype=torch.int64, device="cuda")
     ref_state = tuple(t.cpu().clone() for t in state)
     ref_dst = tuple(d.cpu().clone() for d in dst)
+    warm = tuple(t.clone() for t in state)  # compile (and load) both kernels before capture
+    resolve_slots(ids, SlotTable(*warm, R, ROW_BYTES))
+    copy_fetched(warm[5], tuple(d.clone() for d in dst), src, R)
+    torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         rows = resolve_slots(ids, SlotTable(*state, R, ROW_BYTES))
