@@ -6,16 +6,20 @@ V4-Flash-shaped model (MXFP4 experts, FP8 linears as stored).
     python -m benchmarks.offload_serve_check --layers 43 --no-baseline --host-memory-gib 60
     python -m benchmarks.offload_serve_check --shape tiny --device cpu                # rehearsal
 
-With a baseline (default): the same model without offload serves the same greedy prompts, and
-the tokens must be equal (the offload changes where experts live, not the math). The device
-budget is the plan's need minus `--offload-share` of the routed experts, so the plan offloads
-about that share. Records load seconds, the plan's K / cache slots, prefill + decode seconds,
-expert hit rate and bytes fetched; exit 1 on a token mismatch.
+Check: the offloaded worker on `--forward` (paged: the expert pool inside the decode graphs)
+serves the greedy prompts; with a baseline (default) the same model without offload serves the
+same ones and the tokens must be equal (exit 1 otherwise). The device budget is the plan's need
+minus `--offload-share` of the routed experts, so the plan offloads about that share.
+
+Timing (`records`, benchmarks/offload_timing.py): `full_depth_tpot` per batch and routing
+(uniform, zipf1) for the paged forward with graphs and the reference forward, each offloaded,
+and `full_depth_ttft` of a `--ttft-prompt`-token prompt; see that module for the fields.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import tempfile
@@ -26,12 +30,13 @@ PROMPTS = ([5, 9, 200, 17, 33, 41, 7, 300, 12, 99, 4, 8], list(range(2, 150)))
 GIB = 1 << 30
 
 
-def overrides(model_dir: Path, device: str) -> dict:
+def overrides(model_dir: Path, device: str, forward: str, max_seqs: int = 2,
+              max_len: int = 512, step_tokens: int = 128) -> dict:  # fmt: skip
     return {
         "model.path": f"random:{model_dir}", "model.device": device,
-        "features.forward": "reference", "features.expert_weights": "checkpoint",
-        "features.linear_weights": "checkpoint", "model.max_model_len": 512,
-        "scheduler.max_num_batched_tokens": 128, "scheduler.max_num_seqs": 4,
+        "features.forward": forward, "features.expert_weights": "checkpoint",
+        "features.linear_weights": "checkpoint", "model.max_model_len": max_len,
+        "scheduler.max_num_batched_tokens": step_tokens, "scheduler.max_num_seqs": max_seqs,
         "cache.block_size": 256,
     }  # fmt: skip
 
@@ -49,68 +54,97 @@ def device_budget_gib(config, share: float) -> float:
     )
 
 
+def release() -> None:
+    """After the caller dropped its runtime: hand its device memory (and pinned host memory)
+    back before the next one is built."""
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def offload_record(offload) -> dict:
+    """The plan's K and slots, host bytes and the traffic counters of a served offload."""
+    stats = offload.stats()
+    if offload.pool is not None:
+        host = sum(t.nbytes for layer in offload.pool.layers for t in layer.host)
+    else:
+        host = sum(sum(b.nbytes for b in s.host.values()) for s in offload.stores)
+    return dict(num_offloaded=offload.offload.num_offloaded, cache_slots=offload.offload.cache_slots,
+                host_gib=host / GIB, hit_rate=stats.hit_rate, cache_hit_rate=stats.cache_hit_rate,
+                misses=stats.misses, bytes_fetched=stats.bytes_fetched)  # fmt: skip
+
+
 def serve(values: dict, new_tokens: int) -> dict:
     import torch
 
     from benchmarks.runtime_tokens import runtime_greedy_tokens
-    from dsv4.config import load_config, resolve_auto
+    from dsv4.config import load_config
     from dsv4.worker.build import build_worker_runtime
 
-    config = load_config(values)
     start = time.perf_counter()
-    runtime = build_worker_runtime(config, with_transport=False)
+    runtime = build_worker_runtime(load_config(values), with_transport=False)
     load_s = time.perf_counter() - start
     start = time.perf_counter()
     tokens = runtime_greedy_tokens(runtime, PROMPTS, new_tokens)
     serve_s = time.perf_counter() - start
-    record = {"load_and_warm_up_s": load_s, "serve_s": serve_s, "tokens": tokens}
-    device = resolve_auto(config, has_cuda=torch.cuda.is_available(), hostname="", pid=0)
-    if device.model.device.startswith("cuda"):
+    record = {"load_and_warm_up_s": load_s, "serve_s": serve_s, "tokens": tokens,
+              "forward": runtime.config.features.forward}  # fmt: skip
+    if runtime.config.model.device.startswith("cuda"):
         record["max_allocated_gib"] = torch.cuda.max_memory_allocated() / GIB
     if runtime.offload is not None:
-        used, stats = runtime.offload.offload, runtime.offload.stats()
-        record.update(
-            num_offloaded=used.num_offloaded, cache_slots=used.cache_slots,
-            host_gib=sum(sum(b.nbytes for b in s.host.values()) for s in runtime.offload.stores)
-            / GIB,
-            hit_rate=stats.hit_rate, cache_hit_rate=stats.cache_hit_rate,
-            misses=stats.misses, bytes_fetched=stats.bytes_fetched,
-        )  # fmt: skip
+        record.update(offload_record(runtime.offload))
     del runtime
-    if device.model.device.startswith("cuda"):
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
+    release()
     return record
 
 
-def main(argv: list[str] | None = None) -> int:
+def model_config(shape: str, layers: int):
+    from dsv4.config.model import tiny_config
+    from dsv4.plan import full_flash_config
+
+    if shape == "flash":  # V4-Flash's first `layers` layers (+ its MTP layer)
+        cfg = full_flash_config()
+        return cfg.with_overrides(num_hidden_layers=layers,
+                                  compress_ratios=cfg.compress_ratios[:layers],
+                                  num_hash_layers=min(cfg.num_hash_layers, layers))  # fmt: skip
+    return tiny_config().with_overrides(expert_dtype="fp4", linear_dtype="fp8")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", default="flash", choices=("flash", "tiny"))
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--forward", default="paged", choices=("paged", "reference"),
+                        help="the token check's forward")  # fmt: skip
     parser.add_argument("--offload-share", type=float, default=0.4)
     parser.add_argument("--device-memory-gib", type=float, default=0.0, help="0: from the share")
     parser.add_argument("--host-memory-gib", type=float, default=64.0)
     parser.add_argument("--new-tokens", type=int, default=8)
-    parser.add_argument("--no-baseline", action="store_true")
+    parser.add_argument("--no-baseline", action="store_true",
+                        help="no resident token check, no reference-forward timing")  # fmt: skip
+    parser.add_argument("--no-timing", action="store_true")
+    parser.add_argument("--batches", default="1,16")
+    parser.add_argument("--routings", default="uniform,zipf1")
+    parser.add_argument("--prompt-len", type=int, default=64, help="the TPOT runs' prompts")
+    parser.add_argument("--steps", type=int, default=16, help="timed decode steps")
+    parser.add_argument("--ttft-prompt", type=int, default=1024)
     parser.add_argument("--out", default="")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
 
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     from dsv4.config import load_config
-    from dsv4.config.model import tiny_config
     from dsv4.model.tiny import write_model_spec
-    from dsv4.plan import full_flash_config
 
-    if args.shape == "flash":  # V4-Flash's first `layers` layers (+ its MTP layer)
-        cfg = full_flash_config()
-        cfg = cfg.with_overrides(num_hidden_layers=args.layers,
-                                 compress_ratios=cfg.compress_ratios[: args.layers],
-                                 num_hash_layers=min(cfg.num_hash_layers, args.layers))  # fmt: skip
-    else:
-        cfg = tiny_config().with_overrides(expert_dtype="fp4", linear_dtype="fp8")
+    cfg = model_config(args.shape, args.layers)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_model_spec(Path(tmp), cfg)
-        base = overrides(model_dir, args.device)
+        base = overrides(model_dir, args.device, args.forward)
         budget = args.device_memory_gib or device_budget_gib(load_config(base), args.offload_share)
         offload = {**base, "model.device_memory_gib": budget,
                    "model.host_memory_gib": args.host_memory_gib}  # fmt: skip
@@ -119,6 +153,10 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_baseline:
             result["baseline"] = serve(base, args.new_tokens)
             result["equal"] = result["baseline"]["tokens"] == result["offloaded"]["tokens"]
+        if not args.no_timing:
+            from benchmarks.offload_timing import timing_records
+
+            result["records"] = timing_records(model_dir, args)
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:

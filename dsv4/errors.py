@@ -100,6 +100,13 @@ class Unauthenticated(Dsv4Error):
     grpc_code = "UNAUTHENTICATED"
 
 
+class ExpertPoolError(Dsv4Error):
+    """The paged forward's expert pool could not place a step's experts on the device (a stale
+    slot table, more misses than cache slots): the step's output is refused, never served."""
+
+    grpc_code = "INTERNAL"
+
+
 class StepFailed(Dsv4Error):
     """An engine step raised (a bug, a device fault, a request the sampler cannot serve): the
     requests of that step (`request_ids`) end with this error, their blocks freed, and the

@@ -21,7 +21,8 @@ from kernels.metadata import (
     token_to_req_indices,
     window_slot_table,
 )
-from kernels.moe import moe_experts
+from kernels.expert_slots import copy_fetched, resolve_slots
+from kernels.moe import combine_rows, expert_rows, moe_experts
 from kernels.moe_align import moe_align
 from kernels.norm_rope import norm_rope, rope
 from kernels.ring_offsets import ring_offsets
@@ -33,8 +34,11 @@ __all__ = [
     "KernelBackendConfig",
     "c4_global_topk_slots",
     "c128_index_table",
+    "combine_rows",
     "compressor_step",
+    "copy_fetched",
     "dispatch",
+    "expert_rows",
     "fp8_grouped_linear",
     "fp8_linear",
     "hash_route",
@@ -52,6 +56,7 @@ __all__ = [
     "norm_rope",
     "registry",
     "resolve",
+    "resolve_slots",
     "ring_offsets",
     "rope",
     "route",

@@ -113,18 +113,37 @@ def moe_experts(
     scales) in `format` (see the module doc) -> y [T, D] fp32 = sum_k w * expert(x). `tune`:
     config overrides (BLOCK_M/N/K, GROUP_M, num_warps, num_stages, SWAP_AB, DEQUANT,
     CHUNK_EXPERTS, DOT_SCALED; GEMV and moe_gemv.gemv_config's keys)."""
+    y = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+    if expert_ids.numel() == 0:
+        return y
+    rows = expert_rows(x, expert_ids, w13, w2, format, w13_scale, w2_scale, limit, tune=tune)
+    return _combine(rows, weights, y, expert_ids.shape[1])
+
+
+def expert_rows(x: torch.Tensor, expert_ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                format: str = "bf16", w13_scale: torch.Tensor | None = None,
+                w2_scale: torch.Tensor | None = None, limit: float | None = None, *,
+                rows: torch.Tensor | None = None, num_experts: int | None = None,
+                skip: bool = False, tune: dict | None = None) -> torch.Tensor:  # fmt: skip
+    """Steps 1-3 of the module doc: rows [T*K, D] bf16, rows[t*K + k] = bf16(W2_e h) of the
+    pair's storage row e = expert_ids[t, k] (x [T, D] bf16; `rows` given: written in place).
+    `num_experts`: the expert count the tile, GEMV / MMA and dequant choices read (default
+    w13.shape[0]): an expert pool (dsv4/runner/paged/expert_pool.py) passes the model's E, not
+    its storage rows, so its math is that of the all-resident call. `skip`: pairs with e < 0
+    are not computed (their rows keep what they held: an earlier round's)."""
     assert format in FORMATS, format
     assert x.dim() == 2 and x.dtype == torch.bfloat16 and x.stride(1) == 1
-    num_tokens, dim = x.shape
+    dim = x.shape[1]
     topk = expert_ids.shape[1]
-    num_experts, two_inter = w13.shape[0], w13.shape[1]
-    inter = two_inter // 2
-    assert w2.shape[:2] == (num_experts, dim) and w13.stride(2) == w2.stride(2) == 1
+    storage_rows, inter = w13.shape[0], w13.shape[1] // 2
+    num_experts = num_experts or storage_rows
+    assert w2.shape[:2] == (storage_rows, dim) and w13.stride(2) == w2.stride(2) == 1
     assert format == "bf16" or (w13_scale is not None and w2_scale is not None)
-    y = torch.zeros(num_tokens, dim, dtype=torch.float32, device=x.device)
-    num_pairs = num_tokens * topk
+    num_pairs = expert_ids.numel()
+    if rows is None:
+        rows = torch.empty(num_pairs, dim, dtype=torch.bfloat16, device=x.device)
     if num_pairs == 0:
-        return y
+        return rows
     tune = dict(tune or {})
     # candidates (kernels/moe_mxfp4.py): "mxfp4" through tl.dot_scaled; the "halves" layouts
     dot_scaled, halves = tune.pop("DOT_SCALED", False), moe_mxfp4.halves_block(format)
@@ -141,40 +160,52 @@ def moe_experts(
     if gemv:
         assert format == "mxfp4" and not dequant, format
         cfg = {**moe_gemv.gemv_config(num_pairs, num_experts, x.is_cuda), **tune}
-        return _via_gemv(x, expert_ids, weights, w13, w2, (w13_scale, w2_scale), limit, cfg, y)
-    if fmt >= FMT_DOT_SCALED:
-        cfg = moe_mxfp4.mx_config(num_pairs, num_experts, x.is_cuda, halves)
+    elif fmt >= FMT_DOT_SCALED:
+        cfg = {**moe_mxfp4.mx_config(num_pairs, num_experts, x.is_cuda, halves), **tune}
     else:
-        cfg = _config(num_pairs, num_experts, x.is_cuda, "bf16" if dequant else format)
-    cfg.update(tune)
+        cfg = {**_config(num_pairs, num_experts, x.is_cuda, "bf16" if dequant else format), **tune}
     swap_ab = bool(cfg.pop("SWAP_AB", SWAP_AB_DEFAULT))
-    if not dequant:
+    if not dequant and not gemv:
         bk = cfg["BLOCK_K"]
         assert format != "fp8" or 128 % bk == 0, "an FP8 K step must sit in one scale block"
         # MXFP4 K steps and masks work in whole scale groups of 32 columns
         assert fmt not in (2, 3) or bk % 32 == dim % 32 == inter % 32 == 0, (bk, dim, inter)
         assert not halves or (bk == halves and dim % bk == inter % bk == 0), (bk, dim, inter)
-    # NOTE: the one-launch align on CUDA; under the CPU interpreter its in-register sort costs
-    # ~0.2 s a call (its own tests cover it), so the engine's interpreted runs use the torch ops
-    align = moe_align if x.is_cuda else moe_align_ref
-    sorted_ids, tile_e = align(expert_ids, num_experts, cfg["BLOCK_M"])
+    sorted_ids, tile_e = _align(expert_ids, storage_rows, cfg["BLOCK_M"], skip)
+    scales = (w13_scale, w2_scale)
+    if gemv:
+        moe_gemv.gemv_gemms(x, sorted_ids, tile_e, w13, w2, scales, rows, topk, limit, cfg)
+        return rows
     h = torch.empty(sorted_ids.numel(), inter, dtype=torch.bfloat16, device=x.device)
-    rows = torch.empty(num_pairs, dim, dtype=torch.bfloat16, device=x.device)
-    gemms = (x, sorted_ids, tile_e, w13, w2, (w13_scale, w2_scale), h, rows, topk, limit)
+    gemms = (x, sorted_ids, tile_e, w13, w2, scales, h, rows, topk, limit)
     if dequant:
         gemms_through_scratch(*gemms, format, cfg, chunk_experts)
     else:
         grouped_gemms(*gemms, fmt, cfg, swap_ab)
-    return _combine(rows, weights, y, topk)
+    return rows
 
 
-def _via_gemv(x, expert_ids, weights, w13, w2, scales, limit, cfg: dict, y) -> torch.Tensor:
-    align = moe_align if x.is_cuda else moe_align_ref
-    sorted_ids, tile_e = align(expert_ids, w13.shape[0], cfg["BLOCK_M"])
-    rows = torch.empty(expert_ids.numel(), x.shape[1], dtype=torch.bfloat16, device=x.device)
-    moe_gemv.gemv_gemms(x, sorted_ids, tile_e, w13, w2, scales, rows, expert_ids.shape[1], limit,
-                        cfg)  # fmt: skip
-    return _combine(rows, weights, y, expert_ids.shape[1])
+def _align(expert_ids: torch.Tensor, storage_rows: int, block_m: int, skip: bool):
+    """`moe_align` over the storage rows; with `skip`, pairs with a negative row go to one
+    more (virtual) expert whose tiles are then marked unused (-1: they exit at once)."""
+    # NOTE: the one-launch align on CUDA; under the CPU interpreter its in-register sort costs
+    # ~0.2 s a call (its own tests cover it), so the engine's interpreted runs use the torch ops
+    align = moe_align if expert_ids.is_cuda else moe_align_ref
+    if not skip:
+        return align(expert_ids, storage_rows, block_m)
+    ids = torch.where(expert_ids >= 0, expert_ids, storage_rows)
+    sorted_ids, tile_e = align(ids, storage_rows + 1, block_m)
+    return sorted_ids, torch.where(tile_e < storage_rows, tile_e, -1)
+
+
+def combine_rows(
+    rows: torch.Tensor, weights: torch.Tensor, logical_ids: torch.Tensor
+) -> torch.Tensor:
+    """y [T, D] fp32 = sum_k weights[t, k] * rows[t*K + k], k ascending (`expert_rows`' rows;
+    `logical_ids` [T, K] only order the reference's sum)."""
+    num_tokens, topk = weights.shape
+    y = torch.zeros(num_tokens, rows.shape[1], dtype=torch.float32, device=rows.device)
+    return _combine(rows, weights, y, topk) if num_tokens else y
 
 
 def _combine(rows: torch.Tensor, weights: torch.Tensor, y: torch.Tensor, topk: int):
@@ -234,6 +265,42 @@ def moe_experts_ref(
     return out
 
 
+def expert_rows_ref(x, expert_ids, w13, w2, format="bf16", w13_scale=None, w2_scale=None,
+                    limit=None, *, rows=None, num_experts=None, skip=False) -> torch.Tensor:  # fmt: skip
+    """Reference of `expert_rows`, computed as `moe_experts_ref` computes each expert (one call
+    per storage row on its pairs' tokens, ascending), so `combine_rows_ref` of these rows is
+    `moe_experts_ref` bit for bit. Rows in x's dtype; pairs with a negative row are skipped."""
+    inter, topk = w13.shape[1] // 2, expert_ids.shape[1]
+    if rows is None:
+        rows = torch.zeros(expert_ids.numel(), x.shape[1], dtype=x.dtype, device=x.device)
+    ids = expert_ids.long()
+    for e in ids.unique().tolist():
+        if e < 0:
+            continue
+        token_idx, slot = torch.where(ids == e)
+        s13, s2 = (None if s is None else s[e] for s in (w13_scale, w2_scale))
+        w13_e = dequantize_expert(w13[e], s13, format, x.dtype)
+        w2_e = dequantize_expert(w2[e], s2, format, x.dtype)
+        y = swiglu(x[token_idx], w13_e[:inter], w2_e, w13_e[inter:], limit)
+        rows[token_idx * topk + slot] = y.to(rows.dtype)
+    return rows
+
+
+def combine_rows_ref(
+    rows: torch.Tensor, weights: torch.Tensor, logical_ids: torch.Tensor
+) -> torch.Tensor:
+    """`moe_experts_ref`'s sum over `expert_rows_ref`'s rows: per token, w * row in fp32 added
+    in ascending logical expert order (its index_add_ order), whatever rows the experts sat in."""
+    num_tokens, topk = weights.shape
+    order = torch.argsort(logical_ids.long(), dim=1, stable=True)  # [T, K]
+    r, t = rows.view(num_tokens, topk, -1), torch.arange(num_tokens, device=rows.device)
+    y = torch.zeros(num_tokens, rows.shape[1], dtype=torch.float32, device=rows.device)
+    for j in range(topk):
+        k = order[:, j]
+        y += r[t, k].float() * weights[t, k].float().unsqueeze(-1)
+    return y
+
+
 def shared_expert(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, format: str = "bf16",
                   w13_scale=None, w2_scale=None, limit=None) -> torch.Tensor:  # fmt: skip
     """The shared expert through the same kernels: every token to "expert 0" with weight 1.
@@ -246,3 +313,5 @@ def shared_expert(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, format: 
 
 
 register_op("moe_experts", moe_experts, moe_experts_ref, family="moe")
+register_op("expert_rows", expert_rows, expert_rows_ref, family="moe")
+register_op("combine_rows", combine_rows, combine_rows_ref, family="moe")

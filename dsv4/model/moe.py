@@ -116,6 +116,9 @@ class MoE(nn.Module):
             self.shared_experts = Expert(d, inter * cfg.n_shared_experts, limit)
         # None: the `experts` modules above; else an offloaded store (dsv4.model.offload).
         self.expert_store: ExpertStore | None = None
+        # the paged forward's expert pool (dsv4.runner.paged.expert_pool) once the experts
+        # moved there: this module's own forward then refuses to run
+        self.expert_pool: object | None = None
         # set by `stack_experts_` (views of `experts`) or `quantized_experts_` (the only copy)
         self.stacked_experts: ExpertWeights | None = None
         # None, or told the routed ids [T, K] of every forward (expert popularity statistics,
@@ -124,6 +127,9 @@ class MoE(nn.Module):
 
     def forward(self, u: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         """u [..., D] (ffn_norm applied), token_ids [...] -> [..., D]."""
+        if self.expert_pool is not None:
+            raise ConfigError("features.forward", "reference", "the routed experts live in "
+                              "the paged forward's expert pool: serve with --forward paged")  # fmt: skip
         shape = u.shape
         flat = u.reshape(-1, shape[-1])  # [T, D]
         weights, ids = self.gate(flat, token_ids.reshape(-1))  # [T, K]

@@ -62,8 +62,10 @@ def expert_format(served_format: str, hidden: int, inter: int, dtype: torch.dtyp
                       "offload: serve them with --expert-weights bf16, or give 0")  # fmt: skip
 
 
-def host_blobs(rows: int, nbytes: int, pin: bool) -> torch.Tensor:
-    """[rows, nbytes] uint8 in host memory, page-locked when `pin` (async copies need it).
+def host_blobs(rows: int, nbytes: int, pin: bool, mapped: bool = False) -> torch.Tensor:
+    """[rows, nbytes] uint8 in host memory, page-locked when `pin` (async copies need it);
+    `mapped`: also mapped into the devices' address space (portable + mapped), so kernels read
+    it through its device address (the paged forward's expert pool copies that way).
 
     Registered with cudaHostRegister rather than `pin_memory=True`: torch's pinned allocator
     rounds every allocation up to a power of two (a 0.8 GiB layer would pin 1 GiB)."""
@@ -71,7 +73,8 @@ def host_blobs(rows: int, nbytes: int, pin: bool) -> torch.Tensor:
     if pin and blobs.numel():
         cudart = torch.cuda.cudart()
         ptr = blobs.data_ptr()
-        status = cudart.cudaHostRegister(ptr, blobs.numel(), 0)
+        flags = 3 if mapped else 0  # cudaHostRegisterPortable | cudaHostRegisterMapped
+        status = cudart.cudaHostRegister(ptr, blobs.numel(), flags)
         if int(status) != 0:  # e.g. the locked-memory limit (ulimit -l) is below the budget
             raise ResourceExhausted(f"cannot pin {blobs.numel() / (1 << 30):.2f} GiB of host "
                                     f"memory for offloaded experts (cudaHostRegister: {status}): "

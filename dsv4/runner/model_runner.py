@@ -91,10 +91,17 @@ class ModelRunner:
         assert launched.host is not None
         if launched.copied is not None:
             launched.copied.synchronize()
+        self._check_step()
         ids = launched.host.tolist()
         requests = launched.batch.requests
         return StepOutput(tuple(RequestStepOutput(r.request_id, (ids[i],))
                                 for i, r in enumerate(requests)))  # fmt: skip
+
+    def _check_step(self) -> None:
+        """A forward's own check of the step just read (the paged forward's expert pool)."""
+        check = getattr(self.forward, "check_step", None)
+        if check is not None:
+            check()
 
     def _release(self, batch: ScheduledBatch) -> None:
         for request_id in batch.finished_request_ids:
@@ -117,6 +124,7 @@ class ModelRunner:
             specs = [sampling_spec(params[rid]) for rid in result.sample_ids]
             tokens = self.sampler.sample(result.logits, list(result.sample_ids), specs)
             emitted.update((rid, (token,)) for rid, token in zip(result.sample_ids, tokens))
+        self._check_step()  # the step's output was read on the host: its checks are complete
         output = StepOutput(
             tuple(
                 RequestStepOutput(r.request_id, emitted.get(r.request_id, ()))

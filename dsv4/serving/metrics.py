@@ -117,8 +117,9 @@ class EngineGauges(Collector):
 
 
 class ExpertCollector(Collector):
-    """Expert offload (`dsv4.worker.offload`): the stores' `ExpertStats`, read at scrape time
-    from `stats()` (plain int counters; a worker without offload registers none of these)."""
+    """Expert offload (`dsv4.worker.offload`): the stores' `ExpertStats` or the paged expert
+    pool's `PoolStats`, read at scrape time from `stats()` (plain int counters in host memory;
+    a worker without offload registers none of these)."""
 
     def __init__(self, stats: Callable[[], object]) -> None:
         self._stats = stats

@@ -49,6 +49,7 @@ from dsv4.scheduler.request import Request
 from dsv4.text.tokenizer import TextCodec
 from dsv4.transfer import KVTransport, make_transport
 from dsv4.types import GenerateRequest, KVLayoutInfo, RequestLimits
+from dsv4.worker.fit import max_decode_tokens
 from dsv4.worker.offload import WorkerOffload, apply_offload, startup_offload
 from kernels.backend import KernelBackendConfig
 
@@ -156,13 +157,12 @@ def build_worker_runtime(
 ) -> WorkerRuntime:
     """Load the model, size the KV cache, build the engine and (optionally) the transport,
     registering the cache's backing tensor with it."""
-    asked_forward = config.features.forward
     config = resolve_auto(
         config, has_cuda=torch.cuda.is_available(), hostname=socket.gethostname(), pid=os.getpid()
     )
     # the plan (GPU, or model.device_memory_gib) before any weight: raises PlanDoesNotFit
     config, _, offload = startup_offload(
-        config, planned_model_config(config), asked_forward, _DTYPES[config.model.dtype]
+        config, planned_model_config(config), _DTYPES[config.model.dtype]
     )
     ranks = start_ranks(config)  # None for one rank; else followers load alongside
     try:
@@ -193,7 +193,9 @@ def _build(
 ) -> WorkerRuntime:
     model, model_cfg, codec = load_weights(config, offload)
     set_linear_activations_(model, config.features.linear_activations)  # W8A8 switch
-    served_offload = apply_offload(model, offload, config.features.forward)
+    served_offload = apply_offload(model, offload, config.features.forward,
+                                   kernels=kernel_config(config),
+                                   max_decode_tokens=max_decode_tokens(config))  # fmt: skip
     if ranks is not None:
         from dsv4.parallel import shard_model
 
@@ -253,6 +255,8 @@ def _build(
                      mixed_lengths=mixed if role == "colocated" else ())  # fmt: skip
     if core.runner.routing_stats is not None:  # count served traffic only, not the warm-up
         core.runner.routing_stats.reset()
+    if served_offload is not None:  # likewise the expert traffic (warm-up, graph capture)
+        served_offload.reset_stats()
     roles = pattern.roles
     # Share of ratio-4 layers whose top-k comes from the IndexCache instead of their indexer.
     core.runner.index_cache_hit_ratio = roles.count("S") / len(roles) if roles else 0.0

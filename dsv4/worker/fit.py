@@ -20,6 +20,14 @@ from dsv4.plan import (
 GIB = 1 << 30
 
 
+def max_decode_tokens(config: ServeConfig) -> int:
+    """The largest captured decode step's tokens: the graphs' max batch x (1 + MTP draft
+    tokens). Larger decode steps run eagerly, where the expert pool may fetch in rounds."""
+    s = config.speculative
+    batch = min(config.scheduler.max_num_seqs, config.features.cuda_graph_max_batch)
+    return batch * (1 + (s.num_speculative_tokens if s.method == "mtp" else 0))
+
+
 def startup_plan(config: ServeConfig, model_cfg: ModelConfig, gpu_total_bytes: int) -> MemoryPlan:
     """The plan for one GPU of `gpu_total_bytes` of a worker of `model.tensor_parallel_size`
     ranks (`dsv4 plan --gpus T --tp T --ep T|1`'s per-GPU plan); raises `PlanDoesNotFit`.
@@ -54,6 +62,11 @@ def startup_plan(config: ServeConfig, model_cfg: ModelConfig, gpu_total_bytes: i
         and config.features.forward == "paged"
         and on_cuda,  # as `graph_options` decides
         memory_fraction=config.cache.memory_fraction,
+        # the paged forward's expert pool fetches a decode step's misses in one round: its
+        # slots hold every expert such a step can miss (`dsv4.runner.paged.expert_pool`)
+        cache_slots=max_decode_tokens(config) * model_cfg.num_experts_per_tok
+        if config.features.forward == "paged"
+        else 0,
         formats=WeightFormats(config.features.linear_weights, config.features.expert_weights),
         cache=CacheOptions(
             block_size=config.cache.block_size,

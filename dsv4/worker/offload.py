@@ -8,9 +8,11 @@ resident experts straight on the device and cold ones straight into pinned host 
 (`dsv4.model.offload_load`), and `apply_offload` is the one call site that puts the offload
 under the engine's forward.
 
-The forward: the reference forward's `OffloadedExperts` stores (`dsv4.model.offload`). The
-paged forward's expert pool (`dsv4.runner.paged.expert_pool`) is not wired yet, so
-`features.forward=paged` with offload is refused; `auto` picks the reference forward then.
+The forward: the reference forward serves the `OffloadedExperts` stores (`dsv4.model.offload`);
+the paged forward (`features.forward=paged`, and `auto` on CUDA) moves them into one expert
+pool per layer (`dsv4.runner.paged.pool_experts`): resident experts and cache slots in one
+device storage, cold experts in pinned host memory, misses resolved and copied by kernels
+inside the captured decode graphs. Either way the counters feed the `ExpertCollector`.
 """
 
 from __future__ import annotations
@@ -31,28 +33,38 @@ from dsv4.model.offload_load import ExpertOffload, expert_format
 from dsv4.plan import MemoryPlan, PlanDoesNotFit
 from dsv4.plan.residency import ResidencyError
 from dsv4.plan.residency import read_residency as load_residency
+from dsv4.runner.paged import ExpertPool, PoolOptions, PoolStats, pool_experts
 from dsv4.worker.fit import GIB, size_text, startup_plan
+from kernels.backend import KernelBackendConfig
 
 logger = logging.getLogger(__name__)
-PAGED_REFUSAL = (
-    "expert offload runs on the reference forward for now (the paged forward's expert pool is "
-    "not wired in): use --forward reference or auto, or --host-memory-gib 0"
-)
 
 
 @dataclass(frozen=True)
 class WorkerOffload:
-    """What a worker serves with: the plan's offload and one store per MoE layer."""
+    """What a worker serves with: the plan's offload and, on the reference forward, one store
+    per MoE layer, or on the paged forward the expert pool."""
 
     offload: ExpertOffload
-    stores: tuple[OffloadedExperts, ...]
+    stores: tuple[OffloadedExperts, ...] = ()
+    pool: ExpertPool | None = None
 
-    def stats(self) -> ExpertStats:
-        """The stores' counters, summed (plain ints: safe to read from the metrics thread)."""
+    def stats(self) -> ExpertStats | PoolStats:
+        """The counters, summed (plain ints, read from host memory: safe to read from the
+        metrics thread; the pool's are those of its last mirrored step)."""
+        if self.pool is not None:
+            return self.pool.stats()
         total = ExpertStats()
         for store in self.stores:
             total.add(store.stats)
         return total
+
+    def reset_stats(self) -> None:
+        """After warm-up and graph capture: count served traffic only."""
+        if self.pool is not None:
+            self.pool.reset_stats()
+        for store in self.stores:
+            store.stats = ExpertStats()
 
 
 def read_residency(path: str, cfg: ModelConfig) -> tuple[tuple[int, ...], ...]:
@@ -96,12 +108,12 @@ def check_host_memory(needed: int, budget: int, available: int | None, what: str
 
 
 def startup_offload(
-    config: ServeConfig, model_cfg: ModelConfig, asked_forward: str, dtype: torch.dtype
+    config: ServeConfig, model_cfg: ModelConfig, dtype: torch.dtype
 ) -> tuple[ServeConfig, MemoryPlan | None, ExpertOffload | None]:
     """(config, plan, offload) before any weight is loaded: the plan for the GPU (or for
     `model.device_memory_gib`), and with it K and cache slots when the model needs offload.
-    `asked_forward` is `features.forward` as given: "auto" turns to the reference forward when
-    the plan offloads. Raises PlanDoesNotFit or ConfigError in one line."""
+    Both forwards serve offload (the paged one through its expert pool), so `features.forward`
+    stays as resolved. Raises PlanDoesNotFit or ConfigError in one line."""
     m = config.model
     if not (m.device.startswith("cuda") or m.device_memory_gib):
         if m.host_memory_gib:
@@ -110,13 +122,32 @@ def startup_offload(
         return config, None, None
     total = int(m.device_memory_gib * GIB) or torch.cuda.get_device_properties(
         torch.device(m.device)).total_memory  # fmt: skip
+    if config.features.forward == "paged" and m.host_memory_gib:
+        config = fit_graph_batch(config, model_cfg, total)
     plan = startup_plan(config, model_cfg, total)
-    if plan.offloaded_per_layer and config.features.forward == "paged" and asked_forward == "auto":
-        logger.info("expert offload: features.forward auto -> reference (%s)", PAGED_REFUSAL)
-        features = dataclasses.replace(config.features, forward="reference")
-        config = dataclasses.replace(config, features=features)
-        plan = startup_plan(config, model_cfg, total)  # no CUDA graph pool on this path
     return config, plan, expert_offload(config, plan, model_cfg, dtype)
+
+
+def fit_graph_batch(config: ServeConfig, model_cfg: ModelConfig, total: int) -> ServeConfig:
+    """The paged forward's expert pool holds a captured decode step's misses in its slots
+    (`max_decode_tokens` x top-k a layer), which the plan counts: halve the captured batch
+    (`features.cuda_graph_max_batch`) until the plan fits. Larger decode steps run eagerly,
+    fetching in rounds; a plan that fits at no batch is left to refuse as it does."""
+    f = config.features
+    batch = min(config.scheduler.max_num_seqs, f.cuda_graph_max_batch)
+    while batch > 1:
+        trial = dataclasses.replace(config, features=dataclasses.replace(
+            f, cuda_graph_max_batch=batch))  # fmt: skip
+        try:
+            startup_plan(trial, model_cfg, total)
+        except PlanDoesNotFit:
+            batch //= 2
+            continue
+        if batch < min(config.scheduler.max_num_seqs, f.cuda_graph_max_batch):
+            logger.info("expert offload: decode graphs up to batch %d (the pool's slots hold "
+                        "a captured step's misses; larger batches run eagerly)", batch)  # fmt: skip
+        return trial
+    return dataclasses.replace(config, features=dataclasses.replace(f, cuda_graph_max_batch=1))
 
 
 def expert_offload(
@@ -126,7 +157,6 @@ def expert_offload(
     k = plan.offloaded_per_layer
     if not k:
         return None
-    check_forward(config.features.forward)
     served = served_expert_format(model_cfg, config.features.expert_weights)
     fmt = expert_format(served, model_cfg.hidden_size, model_cfg.moe_intermediate_size, dtype)
     e, planned = model_cfg.n_routed_experts, plan.num_moe_layers
@@ -142,21 +172,39 @@ def expert_offload(
     return ExpertOffload(k, plan.cache_slots, hot, planned_layers=planned)
 
 
-def check_forward(forward_kind: str) -> None:
-    """The forwards that serve offloaded experts: the reference one, for now."""
-    if forward_kind == "paged":
-        raise ConfigError("features.forward", "paged", PAGED_REFUSAL)
+def pool_options(offload: ExpertOffload, model_cfg: ModelConfig,
+                 max_decode_tokens: int) -> PoolOptions:  # fmt: skip
+    """The paged forward's pool per the plan: each layer's cold count and residency order,
+    the plan's cache slots, raised to fit `max_decode_tokens` (max batch x (1 + drafts))."""
+    e, layers = model_cfg.n_routed_experts, num_moe_layers(model_cfg)
+    cold = tuple(offload.offloaded(i, e) for i in range(layers))
+    order = tuple(tuple(offload.order(i, e)) for i in range(layers))
+    return PoolOptions(cold, order, offload.cache_slots, max_decode_tokens, offload.planned_layers)
 
 
 def apply_offload(
-    model: torch.nn.Module, offload: ExpertOffload | None, forward_kind: str
+    model: torch.nn.Module,
+    offload: ExpertOffload | None,
+    forward_kind: str,
+    *,
+    kernels: KernelBackendConfig | None = None,
+    max_decode_tokens: int = 1,
 ) -> WorkerOffload | None:
     """Serve `model` with `offload` on the `forward_kind` forward: the one call site that picks
     the expert path. Reference: the stores the loader built (a MoE layer loaded whole is
-    offloaded here). Paged: refused until the paged expert pool is wired in here."""
+    offloaded here). Paged: the expert pool (`pool_experts`), sized so a decode step of
+    `max_decode_tokens` tokens fetches its misses in one round."""
     if offload is None:
         return None
-    check_forward(forward_kind)  # the paged forward: pool_experts(model, PoolOptions(...)) here
+    if forward_kind == "paged":
+        cfg = model.cfg
+        options = pool_options(offload, cfg, max_decode_tokens)
+        device = model.embed.weight.device
+        pool = pool_experts(model, options, device, kernels or KernelBackendConfig())
+        slots = {layer.num_slots for layer in pool.layers}
+        logger.info("expert pool: %s cache slots per layer (plan %d, decode steps of up to %d "
+                    "tokens)", sorted(slots), offload.cache_slots, max_decode_tokens)  # fmt: skip
+        return WorkerOffload(offload, pool=pool)
     stores = []
     for i, moe in enumerate(m for m in model.modules() if isinstance(m, MoE)):
         if moe.expert_store is None:  # loaded whole: move its experts now

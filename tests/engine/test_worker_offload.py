@@ -9,6 +9,7 @@ per layer (the plan offloads the rest, with 2 cache slots)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -30,6 +31,7 @@ from dsv4.worker import build
 from dsv4.worker.build import build_worker_runtime
 from dsv4.worker.fit import GIB, startup_plan
 from dsv4.worker.offload import apply_offload, check_host_memory, read_residency
+from tests.leak import assert_no_leaks
 
 BUDGET = {
     "model.device": "cpu", "model.max_model_len": 512, "scheduler.max_num_batched_tokens": 256,
@@ -38,6 +40,7 @@ BUDGET = {
 }  # fmt: skip
 OFFLOAD = {"model.device_memory_gib": 0.012, "model.host_memory_gib": 1.0}
 FP4_DEVICE_GIB = 0.0115  # MXFP4 experts (a quarter of the bytes): 4 of 8 offloaded
+PAGED_DEVICE_GIB = 0.0125  # the paged forward's plan holds 4 slots (2 seqs x top-2) a layer
 PROMPTS = ([5, 17, 300, 2, 9, 44, 1000, 3] * 5, [7, 7, 8, 900, 12])
 
 
@@ -155,12 +158,28 @@ def test_host_memory_check_refuses_more_than_the_budget_or_the_host_has() -> Non
         check_host_memory(10 * GIB, 8 * GIB, 11 * GIB, what)
 
 
-def test_paged_forward_with_offload_is_refused_and_auto_takes_the_reference() -> None:
-    with pytest.raises(ConfigError, match="reference forward"):
-        build_worker_runtime(load_config({**BUDGET, **OFFLOAD, "features.forward": "paged"}),
-                             with_transport=False)  # fmt: skip
-    runtime = build_worker_runtime(load_config({**BUDGET, **OFFLOAD}), with_transport=False)
-    assert runtime.config.features.forward == "reference" and runtime.offload is not None
+def test_paged_worker_with_offload_serves_the_resident_tokens_through_its_expert_pool() -> None:
+    """`features.forward=paged` with offload: the split load's stores become the expert pool
+    (the plan counts slots for a decode step of max_num_seqs tokens), the tokens are those of
+    the same worker with every expert resident, and the pool's counters feed the metrics."""
+    paged = {**BUDGET, "features.forward": "paged"}
+    expected = served_tokens(build_worker_runtime(load_config(paged), with_transport=False))
+    config = load_config({**paged, **OFFLOAD, "model.device_memory_gib": PAGED_DEVICE_GIB})
+    runtime = build_worker_runtime(config, with_transport=False)
+    cfg, served = runtime.model_config, runtime.offload
+    plan = startup_plan(runtime.config, cfg, int(PAGED_DEVICE_GIB * GIB))
+    assert plan.cache_slots == 2 * cfg.num_experts_per_tok and served.stores == ()
+    *layers, mtp = served.pool.layers
+    for layer in layers:  # E - K resident + the plan's slots, on the device
+        assert layer.num_resident == cfg.n_routed_experts - plan.offloaded_per_layer
+        assert layer.num_slots == min(plan.cache_slots, plan.offloaded_per_layer)
+    assert mtp.num_resident == 0 and mtp.num_slots == 0  # speculation off: it never runs
+    assert served_tokens(runtime) == expected
+    stats = served.stats()
+    assert stats.fetches > 0 and stats.bytes_fetched == stats.fetches * layers[0].row_bytes
+    assert_no_leaks(served.pool)
+    cpu = build_worker_runtime(load_config({**BUDGET, **OFFLOAD}), with_transport=False)
+    assert cpu.config.features.forward == "reference" and cpu.offload.stores  # auto on CPU
 
 
 def test_residency_order_picks_the_resident_experts(tmp_path) -> None:
@@ -201,6 +220,14 @@ def test_offload_metrics_are_exported() -> None:
     assert registry.get_sample_value("dsv4_expert_bytes_fetched_total") == 3000
     assert registry.get_sample_value("dsv4_expert_fetches_total") == 3
     assert registry.get_sample_value("dsv4_expert_cpu_computes_total") == 0
+    from dsv4.runner.paged import PoolStats  # the paged forward's pool: the same series
+
+    pooled = CollectorRegistry()
+    pooled.register(ExpertCollector(lambda: PoolStats(6, 1, 3, 3000)))
+    assert pooled.get_sample_value("dsv4_expert_hit_rate") == 0.7
+    assert pooled.get_sample_value("dsv4_expert_cache_hit_rate") == 0.25
+    assert pooled.get_sample_value("dsv4_expert_fetches_total") == 3
+    assert pooled.get_sample_value("dsv4_expert_bytes_fetched_total") == 3000
 
 
 def test_apply_offload_moves_a_model_loaded_whole_like_the_split_load() -> None:
@@ -209,8 +236,6 @@ def test_apply_offload_moves_a_model_loaded_whole_like_the_split_load() -> None:
     cfg = tiny_config().with_overrides(expert_dtype="fp4")
     offload = ExpertOffload(5, 2, ((7, 6, 5),), planned_layers=cfg.num_hidden_layers)
     whole = random_model(cfg, seed=4, expert_weights="checkpoint")
-    with pytest.raises(ConfigError, match="reference forward"):
-        apply_offload(whole, offload, "paged")
     moved = apply_offload(whole, offload, "reference")
     split = random_model(cfg, seed=4, expert_weights="checkpoint", offload=offload)
     assert [sorted(s.resident_row) for s in moved.stores][:2] == [[5, 6, 7], [0, 1, 2]]
@@ -220,3 +245,50 @@ def test_apply_offload_moves_a_model_loaded_whole_like_the_split_load() -> None:
         a = whole(ids, states=[whole.new_state()]).logits
         b = split(ids, states=[split.new_state()]).logits
     assert torch.equal(a, b) and moved.stats().misses > 0
+
+
+RECORD_FIELDS = {
+    "name", "batch", "prompt_len", "mtp_k", "forward", "cuda_graphs", "expert_weights",
+    "linear_weights", "time_us", "hit_rate", "copy_wait_us", "bytes_fetched", "copy_floor_us",
+    "compute_us", "routing", "baseline_time_us", "speedup",
+}  # fmt: skip
+
+
+def test_offload_benchmark_runs_on_cpu_and_writes_the_record_contract(tmp_path) -> None:
+    """The GPU benchmark's whole path on the tiny shape: the token check on the paged forward
+    and the timing records of both forwards (a few steps)."""
+    from benchmarks.offload_serve_check import main
+
+    out = tmp_path / "offload.json"
+    argv = ["--shape", "tiny", "--device", "cpu", "--batches", "2", "--steps", "1",
+            "--routings", "zipf1", "--prompt-len", "8", "--ttft-prompt", "16",
+            "--new-tokens", "2", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["equal"] and result["offloaded"]["forward"] == "paged"
+    records = result["records"]
+    keys = {(r["name"], r["forward"]) for r in records}
+    assert keys == {(n, f) for n in ("full_depth_tpot", "full_depth_ttft")
+                    for f in ("paged", "reference")}  # fmt: skip
+    for r in records:
+        assert r.keys() >= RECORD_FIELDS and r["routing"] == "zipf1" and r["time_us"] > 0
+        assert r["copy_floor_us"] == r["bytes_fetched"] / 55e3
+    paged = [r for r in records if r["forward"] == "paged"]
+    assert all(r["speedup"] == r["baseline_time_us"] / r["time_us"] for r in paged)
+    assert all(r["compute_us"] is not None for r in paged)  # the tiny model fits resident
+
+
+def test_paged_offload_halves_the_captured_batch_until_the_pools_slots_fit() -> None:
+    """4 sequences x top-2 would need all 8 experts' slots: the captured decode batch halves to
+    2 (4 slots), and the plan at that batch is the one served."""
+    from dsv4.worker.build import planned_model_config
+    from dsv4.worker.offload import startup_offload
+
+    values = {**BUDGET, **OFFLOAD, "features.forward": "paged", "scheduler.max_num_seqs": 4,
+              "model.device_memory_gib": PAGED_DEVICE_GIB}  # fmt: skip
+    config = load_config(values)
+    served, plan, offload = startup_offload(config, planned_model_config(config), torch.float32)
+    assert served.features.cuda_graph_max_batch == 2 and plan.cache_slots == 4
+    assert offload.num_offloaded == plan.offloaded_per_layer < 8
+    with pytest.raises(PlanDoesNotFit):
+        startup_plan(config, planned_model_config(config), int(PAGED_DEVICE_GIB * GIB))

@@ -30,6 +30,7 @@ if not torch.cuda.is_available():
                 "kernels.compressor",
                 "kernels.kv_store",
                 "kernels.moe_align",  # before kernels.moe, which imports it
+                "kernels.expert_slots",  # after moe_align, whose sort it calls
                 "kernels.fp8_dequant",  # before kernels.moe and the fp8 linears, which import it
                 "kernels.moe_gemv",  # before kernels.moe, which imports it
                 "kernels.moe_gemm",  # before moe_dequant and moe, which launch its GEMMs

@@ -12,7 +12,16 @@ import pytest
 import torch
 
 from dsv4.ops.quant import fp8_block_quantize, mxfp4_quantize
-from kernels.moe import moe_align, moe_experts_ref, shared_expert
+from kernels.moe import (
+    combine_rows,
+    combine_rows_ref,
+    expert_rows,
+    expert_rows_ref,
+    moe_align,
+    moe_experts,
+    moe_experts_ref,
+    shared_expert,
+)
 from tests.kernels.bench_dry_run import dry_run_records
 from tests.kernels.moe_cases import DEVICE, check_step, routing
 
@@ -64,6 +73,51 @@ def test_moe_experts_tunes_match_ref(fmt, tune):
     _check(5, 64, 32, 4, 2, fmt, limit=10.0, seed=7, tune=tune)
     dim, inter = (160, 96) if fmt == "mxfp4" else (100, 40)  # MXFP4 needs multiples of 32
     _check(3, dim, inter, 5, 3, fmt, limit=10.0, seed=8, tune=tune)  # odd D, I, E, K
+
+
+def _pooled(weights, perm, extra):
+    """The experts' storage as an expert pool holds it: logical expert e in row perm[e], plus
+    `extra` rows of noise (empty cache slots)."""
+    out = []
+    for t in weights:
+        if t is None:
+            out.append(None)
+            continue
+        rows = torch.zeros(t.shape[0] + extra, *t.shape[1:], dtype=t.dtype, device=t.device)
+        rows.view(torch.uint8)[perm.to(t.device)] = t.view(torch.uint8)
+        out.append(rows)
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "mxfp4"])
+@pytest.mark.parametrize("num_tokens", [3, 40])
+def test_expert_rows_on_pool_rows_equal_the_resident_call_bit_for_bit(fmt, num_tokens):
+    """`expert_rows` on storage rows (with num_experts = the logical E, in one call or in two
+    skip rounds) then `combine_rows` equals `moe_experts` on the logical ids; the references
+    likewise equal `moe_experts_ref`."""
+    num_experts, k = 6, 2
+    weights = _weights(num_experts, 64, 32, fmt, seed=7)
+    perm = torch.tensor([3, 0, 7, 5, 1, 6])  # logical e -> its pool row (rows 2, 4: empty)
+    pooled = _pooled(weights, perm, extra=2)
+    g = torch.Generator().manual_seed(8)
+    x = (torch.randn(num_tokens, 64, generator=g) * 2).bfloat16().to(DEVICE)
+    ids, w = routing(num_tokens, num_experts, k, seed=9)
+    rows_of = perm.to(DEVICE)[ids.long()].to(torch.int32)
+    expect = moe_experts(x, ids, w, *weights[:2], fmt, *weights[2:], 10.0)
+    rows = expert_rows(x, rows_of, *pooled[:2], fmt, *pooled[2:], 10.0, num_experts=num_experts)
+    assert torch.equal(combine_rows(rows, w, ids), expect)
+    first = ids < 3  # two rounds: experts 0-2, then 3-5, into one buffer
+    rounds = None
+    for part in (first, ~first):
+        rounds = expert_rows(x, torch.where(part, rows_of, -1), *pooled[:2], fmt, *pooled[2:],
+                             10.0, rows=rounds, num_experts=num_experts, skip=True)  # fmt: skip
+    assert torch.equal(combine_rows(rounds, w, ids), expect)
+    expect_ref = moe_experts_ref(x, ids, w, *weights[:2], fmt, *weights[2:], 10.0)
+    rows_ref = None
+    for part in (first, ~first):
+        rows_ref = expert_rows_ref(x, torch.where(part, rows_of, -1), *pooled[:2], fmt,
+                                   *pooled[2:], 10.0, rows=rows_ref, skip=True)  # fmt: skip
+    assert torch.equal(combine_rows_ref(rows_ref, w, ids), expect_ref)
 
 
 def test_shared_expert_is_one_expert():

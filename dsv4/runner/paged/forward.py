@@ -32,6 +32,7 @@ from dsv4.scheduler.batch import ScheduledBatch
 from kernels.backend import KernelBackendConfig, resolve
 
 if TYPE_CHECKING:
+    from dsv4.runner.paged.expert_pool import ExpertPool
     from dsv4.runner.routing_stats import RoutingStats
 
 # Largest step the shared expert joins the grouped GEMM at: decode batches, where it saves
@@ -79,6 +80,10 @@ class PagedForward:
         self._hash_route = resolve("hash_route", kernels, dev)
         # expert popularity (metrics.routing_stats): set before graphs are captured
         self.routing_stats: RoutingStats | None = None
+        # offloaded experts (expert_pool.py): the layers' pools share one ExpertPool
+        self.expert_pool: ExpertPool | None = next(
+            (lw.pool.owner_pool for lw in self.weights if lw.pool is not None), None
+        )
 
     @torch.no_grad()
     def __call__(
@@ -164,6 +169,11 @@ class PagedForward:
         w, ids = moe.route(logits, token_ids, self._route, self._hash_route, lw.gate_bias)
         if self.routing_stats is not None:  # counts[layer of moe] += selections, on the device
             self.routing_stats.record(moe, ids)
+        if lw.pool is not None:  # offloaded experts: through the layer's pool, never fused
+            y = lw.pool.experts(u.contiguous(), ids, w, cfg.swiglu_limit)
+            if moe.shared_experts is not None:
+                y += moe.shared_experts(u).float()
+            return y.to(u.dtype)
         w13, w2, num_t = experts.w13, experts.w2, u.shape[0]
         fuse = (self.switches.fuse_shared_expert and experts.w13_all is not None
                 and num_t <= FUSE_SHARED_MAX_TOKENS)  # fmt: skip

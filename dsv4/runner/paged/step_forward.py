@@ -64,6 +64,21 @@ class PagedStepForward:
         return 0 if self.graphs is None else self.graphs.passes["target"].num_runs
 
     def run(self, batch: ScheduledBatch) -> StepResult:
+        result = self._run(batch)
+        self._after_step()
+        return result
+
+    def check_step(self) -> None:
+        """Once the step's output is on the host: raise if the expert pool could not place
+        its experts (`ExpertPool.check`), so no token of a bad step is served."""
+        if self.paged.expert_pool is not None:  # MTP steps mirror after their own sync
+            self.paged.expert_pool.check(sync=self.spec is not None)
+
+    def _after_step(self) -> None:
+        if self.paged.expert_pool is not None:  # its counters to the host, behind the step
+            self.paged.expert_pool.mirror()
+
+    def _run(self, batch: ScheduledBatch) -> StepResult:
         if self.spec is not None:
             for request_id in (*batch.finished_request_ids, *batch.preempted_request_ids):
                 self.spec.release(request_id)
@@ -95,6 +110,7 @@ class PagedStepForward:
         out = self.graphs.run_target(batch.requests, {}, (previous, prev_rows))
         if out is None:
             return None
+        self._after_step()
         self.num_greedy_in_graph += 1
         return StepResult(greedy=self.graphs.target_tokens(out))
 

@@ -21,13 +21,15 @@ import torch
 from dsv4.errors import ConfigError
 from dsv4.model.deepseek_v4 import DeepseekV4
 from dsv4.model.moe import ExpertWeights, MoE, stack_experts_
+from dsv4.runner.paged.expert_pool import LayerPool
 
 
 def stack_experts(moe: MoE) -> ExpertWeights:
     """The layer's stacked experts: built with the model (`random_model`), by an earlier paged
     forward over the same model (a benchmark's A/B variant), or stacked here once."""
     if moe.expert_store is not None:
-        raise ConfigError("forward", "paged", "offloaded experts need the reference forward")
+        raise ConfigError("forward", "paged", "offloaded experts reach the paged forward "
+                          "through an expert pool: dsv4.runner.paged.pool_experts")  # fmt: skip
     cached = moe.stacked_experts
     if cached is not None and cached.is_quantized:  # loaded stacked: the only copy
         return cached
@@ -47,12 +49,13 @@ class CompressorWeights:
 
 @dataclass(frozen=True)
 class LayerWeights:
-    experts: ExpertWeights
+    experts: ExpertWeights  # a pool's: its [R + S] device rows
     compressor: CompressorWeights | None
     indexer_compressor: CompressorWeights | None
     gate_weight: torch.Tensor  # [E, D] fp32
     gate_bias: torch.Tensor | None  # [E] fp32 (None: a hash-routed layer)
     attn_sink: torch.Tensor  # [H] fp32
+    pool: LayerPool | None = None  # offloaded experts (expert_pool.py): routed through it
 
 
 def _stacked_fp32(comp) -> CompressorWeights:
@@ -69,6 +72,8 @@ def prepare_weights(model: DeepseekV4) -> tuple[LayerWeights, ...]:
         idx = _stacked_fp32(attn.indexer.compressor) if attn.indexer is not None else None
         gate = block.ffn.gate
         bias = None if gate.is_hash else gate.bias.float().contiguous()
-        out.append(LayerWeights(stack_experts(block.ffn), comp, idx, gate.weight.float().contiguous(),
-                                bias, attn.attn_sink.float().contiguous()))  # fmt: skip
+        pool = block.ffn.expert_pool
+        experts = pool.weights if pool is not None else stack_experts(block.ffn)
+        out.append(LayerWeights(experts, comp, idx, gate.weight.float().contiguous(), bias,
+                                attn.attn_sink.float().contiguous(), pool))  # fmt: skip
     return tuple(out)

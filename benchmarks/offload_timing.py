@@ -1,0 +1,168 @@
+"""Timing of served expert offload (`benchmarks/offload_serve_check.py` writes these records).
+
+Each forward (paged with CUDA graphs: the expert pool; reference: the offload stores) serves
+the same random model at the same device budget, once per routing ("uniform": the random
+gates; "zipf1": popularity ~ 1/rank, `dsv4.model.skew`). The engine core is driven directly,
+one step per call, as a worker serves (the token read each step is the served sync).
+
+`full_depth_tpot` (per decode batch) and `full_depth_ttft` (one `--ttft-prompt` prompt):
+- time_us: a decode step (TPOT) or the prompt to its first token (TTFT), wall clock;
+- hit_rate, bytes_fetched: the offload's counters over the timed steps (bytes per step);
+- copy_floor_us: bytes_fetched / 55 GB/s (the pinned host -> device floor of the H100/H200);
+- compute_us: the same shape served all-resident (paged forward), where the plan fits the
+  device without offload, else null; copy_wait_us = time_us - compute_us (null with it);
+- baseline_time_us: the reference forward's offload on the same inputs (null when skipped or
+  for the reference's own records); speedup = baseline_time_us / time_us;
+- graph_max_batch: the captured decode batch the worker chose (its pool's slots fit the plan);
+  a larger batch's steps ran eagerly (cuda_graphs says only that graphs were on).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from dsv4.config import load_config
+from dsv4.plan import PlanDoesNotFit
+from dsv4.types import GenerateRequest, SamplingParams
+from dsv4.worker.build import build_worker_runtime, planned_model_config
+from dsv4.worker.fit import startup_plan
+
+COPY_GB_PER_S = 55.0
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _add(runtime, name: str, prompts: list[list[int]], new_tokens: int) -> None:
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        request = GenerateRequest(f"{name}-{i}", tuple(prompt), greedy)
+        runtime.engine.core.add_request(runtime.engine_request(request))
+
+
+def _prompts(vocab: int, batch: int, length: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(batch * 1000 + length)
+    return torch.randint(2, vocab, (batch, length), generator=gen).tolist()
+
+
+def _drain(core) -> None:
+    while core.has_work():
+        core.step()
+    core.scheduler.check_no_leaks()
+
+
+def _traffic(runtime, steps: int) -> dict:
+    if runtime.offload is None:
+        return dict(hit_rate=None, bytes_fetched=0)
+    stats = runtime.offload.stats()
+    return dict(hit_rate=stats.hit_rate, bytes_fetched=stats.bytes_fetched // max(steps, 1))
+
+
+def tpot(runtime, batch: int, prompt_len: int, steps: int) -> dict:
+    """A decode step of `batch` requests, averaged over `steps` steps after every request's
+    prefill (the offload's counters reset first)."""
+    core = runtime.engine.core
+    _add(runtime, f"tpot{batch}", _prompts(runtime.model_config.vocab_size, batch, prompt_len),
+         steps + 4)  # fmt: skip
+    decoding: set[str] = set()
+    while len(decoding) < batch:
+        decoding.update(o.request_id for o in core.step() if o.new_token_ids)
+    if runtime.offload is not None:
+        runtime.offload.reset_stats()
+    _sync()
+    start = time.perf_counter()
+    for _ in range(steps):
+        core.step()
+    _sync()
+    elapsed = time.perf_counter() - start
+    out = dict(time_us=elapsed / steps * 1e6, **_traffic(runtime, steps))
+    _drain(core)
+    return out
+
+
+def ttft(runtime, prompt_len: int) -> dict:
+    """One prompt of `prompt_len` tokens to its first token."""
+    core = runtime.engine.core
+    _add(runtime, "ttft", _prompts(runtime.model_config.vocab_size, 1, prompt_len), 1)
+    if runtime.offload is not None:
+        runtime.offload.reset_stats()
+    _sync()
+    start = time.perf_counter()
+    while not any(o.new_token_ids for o in core.step()):
+        pass
+    _sync()
+    out = dict(time_us=(time.perf_counter() - start) * 1e6, **_traffic(runtime, 1))
+    _drain(core)
+    return out
+
+
+def resident_fits(values: dict) -> bool:
+    """The plan fits the device without offload (a CPU device always does)."""
+    config = load_config(values)
+    if not config.model.device.startswith("cuda"):
+        return True
+    total = torch.cuda.get_device_properties(torch.device(config.model.device)).total_memory
+    try:
+        return startup_plan(config, planned_model_config(config), total).verdict == "fits"
+    except PlanDoesNotFit:
+        return False
+
+
+def measure(values: dict, args) -> dict[tuple[str, int], dict]:
+    """{(name, batch): timing} of one runtime built from `values`."""
+    from benchmarks.offload_serve_check import release
+
+    runtime = build_worker_runtime(load_config(values), with_transport=False)
+    out = {("full_depth_tpot", b): tpot(runtime, b, args.prompt_len, args.steps)
+           for b in (int(b) for b in args.batches.split(","))}  # fmt: skip
+    out[("full_depth_ttft", 1)] = ttft(runtime, args.ttft_prompt)
+    features = runtime.config.features
+    on_cuda = runtime.config.model.device.startswith("cuda")
+    info = dict(forward=features.forward, expert_weights=features.expert_weights,
+                linear_weights=features.linear_weights,
+                cuda_graphs=features.cuda_graphs and features.forward == "paged" and on_cuda,
+                graph_max_batch=features.cuda_graph_max_batch)  # fmt: skip
+    del runtime
+    release()
+    return {key: {**info, **timing} for key, timing in out.items()}
+
+
+def timing_records(model_dir, args) -> list[dict]:
+    """The records of the module doc, paged forward first."""
+    from benchmarks.offload_serve_check import device_budget_gib, overrides
+
+    batches = [int(b) for b in args.batches.split(",")]
+    step_tokens = max(args.ttft_prompt, 128)
+    max_len = -(-(args.ttft_prompt + args.prompt_len + args.steps + 64) // 256) * 256
+    shape = dict(max_seqs=max(batches), max_len=max_len, step_tokens=step_tokens)
+    paged = overrides(model_dir, args.device, "paged", **shape)
+    budget = args.device_memory_gib or device_budget_gib(load_config(paged), args.offload_share)
+    offload = {"model.device_memory_gib": budget, "model.host_memory_gib": args.host_memory_gib}
+    forwards = ("paged",) if args.no_baseline else ("paged", "reference")
+    records = []
+    for routing in args.routings.split(","):
+        times = {}
+        for forward in forwards:
+            values = {**overrides(model_dir, args.device, forward, **shape), **offload,
+                      "model.random_routing": routing}  # fmt: skip
+            times[forward] = measure(values, args)
+        resident = {**paged, "model.random_routing": routing}
+        compute = measure(resident, args) if resident_fits(resident) else {}
+        for forward in forwards:
+            for (name, batch), t in times[forward].items():
+                base = times.get("reference", {}).get((name, batch)) if forward == "paged" else None
+                c = compute.get((name, batch)) if forward == "paged" else None
+                records.append(dict(
+                    name=name, batch=batch, routing=routing, mtp_k=0, layers=args.layers,
+                    prompt_len=args.ttft_prompt if name.endswith("ttft") else args.prompt_len,
+                    **t, copy_floor_us=t["bytes_fetched"] / (COPY_GB_PER_S * 1e3),
+                    compute_us=c["time_us"] if c else None,
+                    copy_wait_us=t["time_us"] - c["time_us"] if c else None,
+                    baseline_time_us=base["time_us"] if base else None,
+                    speedup=base["time_us"] / t["time_us"] if base else None,
+                ))  # fmt: skip
+    return records

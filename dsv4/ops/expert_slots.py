@@ -1,0 +1,122 @@
+"""The expert pool's slot table (docs/architecture.md#expert-pool): references of the two kernels
+of `kernels/expert_slots.py`, torch only.
+
+A MoE layer's pool holds R resident experts in device rows [0, R) and S cache slots in rows
+[R, R + S); the cold experts live in a host storage, one row each (`cold_row[e]`). State, all
+on the device so a captured CUDA graph can update it:
+- table [E] int32: logical expert -> device row, -1 = not on the device;
+- owner [R + S] int32: device row -> logical expert, -1 = an empty cache slot;
+- last_used [S] int64: the step a cache slot was last used (its LRU age);
+- counters [COUNTERS] int64 of the layer: COUNTER_NAMES below (the step, the error bits).
+
+`resolve_slots` maps a step's routed ids to device rows. The misses (experts used this step
+that are not on the device), ascending by id, take the evictable cache slots (empty first,
+then least recently used, then by index; never one whose expert this step uses) in that
+order; `fetch[j]` names the host row to copy into slot R + j (-1: none). `copy_fetched` then
+copies those rows. Both are deterministic, so the kernels equal these references exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+COUNTER_NAMES = ("resident_hits", "cache_hits", "fetches", "bytes_fetched", "step", "errors")
+COUNTERS = 8  # a row of int64 per layer (two spare)
+STEP, ERRORS = COUNTER_NAMES.index("step"), COUNTER_NAMES.index("errors")
+# error bits (counters[ERRORS], sticky): the step's experts did not all reach the device
+ERR_OVERFLOW = 1  # more misses than evictable cache slots (the pool was sized too small)
+ERR_STALE = 2  # table[e] names a row whose owner is not e
+ERR_NO_HOST_ROW = 4  # a miss for an expert without a host row (a resident one lost)
+# LRU ages saturate here (keys are int32: evictable bit << 29 | (MAX_AGE - age) << 9 | slot)
+MAX_AGE = (1 << 20) - 1
+MAX_SLOTS = 512
+
+
+def error_text(bits: int) -> str:
+    """The error bits of a counters row, in words."""
+    names = {ERR_OVERFLOW: "more misses than cache slots", ERR_STALE: "a stale slot table",
+             ERR_NO_HOST_ROW: "a miss with no host copy"}  # fmt: skip
+    return ", ".join(text for bit, text in names.items() if bits & bit) or "none"
+
+
+@dataclass(frozen=True)
+class SlotTable:
+    """One layer's slot state (see the module doc), updated in place by `resolve_slots`."""
+
+    table: torch.Tensor  # [E] int32
+    owner: torch.Tensor  # [R + S] int32
+    last_used: torch.Tensor  # [S] int64
+    cold_row: torch.Tensor  # [E] int32
+    counters: torch.Tensor  # [COUNTERS] int64
+    fetch: torch.Tensor  # [S] int32: the host row each cache slot receives this step, or -1
+    num_resident: int
+    row_bytes: int  # one expert's bytes, every part (bytes_fetched counts these)
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.table, self.owner, self.last_used, self.cold_row, self.counters, self.fetch
+
+
+def resolve_slots_ref(ids: torch.Tensor, slots: SlotTable) -> torch.Tensor:
+    """ids [T, K] logical experts (-1: a pair this call skips) -> device rows [T, K] int32 (-1
+    for skipped pairs). Updates table, owner, last_used, counters and writes fetch [S] in place
+    (see the module doc). A pair whose expert could not be placed reads row 0 and sets an error
+    bit: the step's output is then refused (`ExpertPool.check`), never served."""
+    table, owner, last_used, cold_row, counters, fetch = slots.tensors
+    num_experts, num_slots, r = table.numel(), fetch.numel(), slots.num_resident
+    flat = ids.reshape(-1).long()
+    valid = flat >= 0
+    experts = torch.arange(num_experts, device=ids.device)
+    used = torch.zeros(num_experts, dtype=torch.bool, device=ids.device)
+    used[flat[valid]] = True
+    before = table.long()
+    on_dev = before >= 0
+    stale = used & on_dev & (owner.long()[before.clamp(min=0)] != experts)
+    miss = used & ~on_dev
+    no_host = miss & (cold_row < 0)
+    slot_owner = owner[r : r + num_slots].long()
+    owner_used = (slot_owner >= 0) & used[slot_owner.clamp(min=0)]
+    evictable = ~owner_used
+    step = counters[STEP] + 1
+    age = torch.where(slot_owner < 0, MAX_AGE, (step - last_used).clamp(0, MAX_AGE))
+    j = torch.arange(num_slots, device=ids.device)
+    key = (~evictable).long() << 29 | (MAX_AGE - age) << 9 | j
+    by_rank = torch.argsort(key)  # evictable slots first, then oldest first, then by index
+    missed = torch.nonzero(miss).flatten()  # ascending ids
+    n_assign = min(missed.numel(), int(evictable.sum()))
+    taken, new = by_rank[:n_assign], missed[:n_assign]
+    old = slot_owner[taken]
+    fetch.fill_(-1)
+    fetch[taken] = cold_row[new].to(fetch.dtype)
+    last_used[owner_used] = step
+    last_used[taken] = step
+    table[old[old >= 0]] = -1
+    table[new] = (r + taken).to(table.dtype)
+    owner[r + taken] = new.to(owner.dtype)
+    counters[0] += (used & on_dev & (before < r)).sum()
+    counters[1] += (used & on_dev & (before >= r)).sum()
+    counters[2] += n_assign
+    counters[3] += n_assign * slots.row_bytes
+    counters[STEP] = step
+    errors = ERR_OVERFLOW * int(missed.numel() > n_assign) + ERR_STALE * int(stale.any())
+    counters[ERRORS] |= errors + ERR_NO_HOST_ROW * int(no_host.any())
+    rows = table.long()[flat.clamp(min=0)]
+    rows = torch.where(valid & (rows < 0), 0, rows)  # unplaced: row 0, flagged above
+    return torch.where(valid, rows, -1).to(torch.int32).view(ids.shape)
+
+
+def copy_fetched_ref(
+    fetch: torch.Tensor,
+    dst: tuple[torch.Tensor, ...],
+    src: tuple[torch.Tensor, ...],
+    num_resident: int,
+) -> None:
+    """dst[i][R + j] = src[i][fetch[j]] for every cache slot j with fetch[j] >= 0: each part
+    (w13, w2 and their scales) of the fetched cold experts, a plain row copy."""
+    slots = torch.nonzero(fetch >= 0).flatten()
+    rows = fetch[slots].long()
+    for d, s in zip(dst, src):  # as bytes: index_put has no float8_e8m0fnu
+        bytes_of = lambda t: t.view(torch.uint8)  # noqa: E731
+        bytes_of(d)[num_resident + slots] = bytes_of(s)[rows.to(s.device)].to(d.device)

@@ -1,0 +1,268 @@
+"""Offloaded routed experts on the paged forward: one expert pool per MoE layer
+(docs/architecture.md#expert-pool).
+
+A layer's pool is one device storage in the served format (`ExpertWeights`: bf16, MXFP4 or
+FP8, scales included) of R resident experts (rows [0, R)) and S cache slots (rows [R, R + S)),
+a pinned host storage of the C = E - R cold experts in the same format (one row each, so a
+fetch is a row copy), and the slot table of `dsv4/ops/expert_slots.py` on the device. A step,
+after routing: `resolve_slots` maps the ids [T, K] to device rows and lists the misses' host
+rows, `copy_fetched` copies them in through their device (UVA) addresses, and the grouped GEMM
+runs on the rows (`kernels.moe.expert_rows` with num_experts = E, so tiles and paths are the
+all-resident call's) then combines in k order: bit-identical to all-resident serving, and
+kernels only, so it replays inside a captured decode graph with no host involvement.
+
+S >= min(C, max_decode_tokens * top_k) puts every decode step's misses in one round; a larger
+step (a prefill, eager) whose misses may not fit runs in rounds (`expert_rounds.py`). The pool
+never holds the shared expert (so it is never fused). Errors (more misses than slots, a stale
+table) set a sticky device flag that `ExpertPool.check` turns into `ExpertPoolError` once the
+step's output is on the host, so a bad step fails its requests instead of serving tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+
+from dsv4.errors import ConfigError, ExpertPoolError
+from dsv4.model.deepseek_v4 import DeepseekV4
+from dsv4.model.moe import ExpertWeights, MoE
+from dsv4.ops.expert_slots import (
+    COUNTER_NAMES,
+    COUNTERS,
+    ERRORS,
+    MAX_SLOTS,
+    SlotTable,
+    error_text,
+)
+from dsv4.runner.paged.expert_rounds import experts_in_rounds
+from dsv4.runner.paged.pool_storage import drop_experts_, empty_rows, expert_rows_of, fill_
+from kernels.backend import KernelBackendConfig, resolve
+
+logger = logging.getLogger(__name__)
+STAT_COLUMNS = COUNTER_NAMES[:4]
+
+
+@dataclass(frozen=True)
+class PoolOptions:
+    """`num_offloaded[i]`: MoE layer i's cold experts (layers 0..L-1, then the MTP layer;
+    missing layers: the last value); `order[i]`: its experts most used first (the first
+    E - num_offloaded stay resident; completed in index order); `cache_slots`: slots per layer
+    at least; `max_decode_tokens`: the largest decode step (batch x (1 + draft tokens)), which
+    sizes the slots so a decode step's misses fit in one round; `planned_layers` (0: all):
+    later layers never run (the MTP layer without speculation) and get no slots."""
+
+    num_offloaded: tuple[int, ...]
+    order: tuple[tuple[int, ...], ...] = ()
+    cache_slots: int = 1
+    max_decode_tokens: int = 1
+    planned_layers: int = 0
+
+    def cold(self, layer: int) -> int:
+        return self.num_offloaded[min(layer, len(self.num_offloaded) - 1)]
+
+    def resident_ids(self, layer: int, num_experts: int) -> list[int]:
+        given = self.order[layer] if layer < len(self.order) else ()
+        order = [*given, *(e for e in range(num_experts) if e not in set(given))]
+        return sorted(order[: num_experts - self.cold(layer)])
+
+    def slots(self, layer: int, num_experts: int, top_k: int) -> int:
+        cold = self.cold(layer)
+        if self.planned_layers and layer >= self.planned_layers:
+            return 0
+        return min(cold, max(self.cache_slots, self.max_decode_tokens * top_k))
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    """Expert uses (one per expert a layer's step routes to) by where the weights were."""
+
+    resident_hits: int = 0
+    cache_hits: int = 0
+    fetches: int = 0  # copied host -> device (the misses)
+    bytes_fetched: int = 0
+    cpu_computes: int = 0  # never on the paged forward (the ExpertCollector's series)
+
+    @property
+    def hits(self) -> int:
+        return self.resident_hits + self.cache_hits
+
+    @property
+    def misses(self) -> int:
+        return self.fetches
+
+    @property
+    def uses(self) -> int:
+        return self.hits + self.fetches
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.uses if self.uses else 0.0
+
+    @property
+    def cache_hit_rate(self) -> float:
+        cold = self.cache_hits + self.fetches
+        return self.cache_hits / cold if cold else 0.0
+
+
+class LayerPool:
+    """One MoE layer's pool; `weights` ([R + S] rows) is what the grouped GEMM reads."""
+
+    def __init__(self, weights: ExpertWeights, host: tuple[torch.Tensor, ...],
+                 resident_ids: list[int], num_experts: int, counters: torch.Tensor,
+                 kernels: KernelBackendConfig) -> None:  # fmt: skip
+        device = weights.w13.device
+        self.weights, self.host, self.counters = weights, host, counters
+        self.owner_pool: ExpertPool | None = None  # set by the ExpertPool that holds it
+        self.num_experts, self.num_resident = num_experts, len(resident_ids)
+        self.num_slots = weights.w13.shape[0] - self.num_resident
+        self.num_cold = host[0].shape[0]
+        self.parts = tuple(t for t in (weights.w13, weights.w2, weights.w13_scale,
+                                       weights.w2_scale) if t is not None)  # fmt: skip
+        self.row_bytes = sum(math.prod(t.shape[1:]) * t.element_size() for t in host)
+        cold_ids = [e for e in range(num_experts) if e not in set(resident_ids)]
+        i32 = dict(dtype=torch.int32, device=device)
+        self.table = torch.full((num_experts,), -1, **i32)
+        self.table[resident_ids] = torch.arange(self.num_resident, **i32)
+        self.owner = torch.full((self.num_resident + self.num_slots,), -1, **i32)
+        self.owner[: self.num_resident] = torch.tensor(resident_ids, **i32)
+        self.cold_row = torch.full((num_experts,), -1, **i32)
+        self.cold_row[cold_ids] = torch.arange(len(cold_ids), **i32)
+        self.last_used = torch.zeros(self.num_slots, dtype=torch.int64, device=device)
+        self.fetch = torch.full((self.num_slots,), -1, **i32)
+        self.slots = SlotTable(self.table, self.owner, self.last_used, self.cold_row, counters,
+                               self.fetch, self.num_resident, self.row_bytes)  # fmt: skip
+        self.ops = {name: resolve(name, kernels, device) for name in
+                    ("resolve_slots", "copy_fetched", "expert_rows", "combine_rows")}  # fmt: skip
+
+    def fits_one_round(self, num_pairs: int) -> bool:
+        """Every miss of a step of `num_pairs` pairs finds a free slot (see the module doc)."""
+        return num_pairs <= self.num_slots or self.num_slots >= self.num_cold
+
+    def resolve(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [T, K] logical (-1: skipped) -> device rows [T, K] int32, the misses copied in."""
+        rows = self.ops["resolve_slots"](ids, self.slots)
+        if self.num_slots:
+            self.ops["copy_fetched"](self.fetch, self.parts, self.host, self.num_resident)
+        return rows
+
+    def rows(self, u: torch.Tensor, rows_of: torch.Tensor, limit: float | None,
+             out: torch.Tensor | None = None, skip: bool = False) -> torch.Tensor:  # fmt: skip
+        """The grouped GEMM's per-pair rows [T*K, D] on device rows `rows_of` [T, K]."""
+        w = self.weights
+        return self.ops["expert_rows"](u, rows_of, w.w13, w.w2, w.format, w.w13_scale,
+                                       w.w2_scale, limit, rows=out,
+                                       num_experts=self.num_experts, skip=skip)  # fmt: skip
+
+    def experts(self, u: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                limit: float | None) -> torch.Tensor:  # fmt: skip
+        """u [T, D], routed ids [T, K] and weights [T, K] fp32 -> y [T, D] fp32, as
+        `moe_experts` on all-resident experts computes it."""
+        if not self.fits_one_round(ids.numel()):
+            return experts_in_rounds(self, u, ids, weights, limit)
+        rows = self.rows(u, self.resolve(ids), limit)
+        return self.ops["combine_rows"](rows, weights, ids)
+
+    def find_leaks(self) -> list[str]:
+        """The table and the owners disagree, or a resident expert left its row."""
+        table, owner = self.table.tolist(), self.owner.tolist()
+        out = [f"expert {e} -> row {r} owned by {owner[r]}" for e, r in enumerate(table)
+               if r >= 0 and owner[r] != e]  # fmt: skip
+        out += [f"row {r} holds {e}, the table says {table[e]}" for r, e in enumerate(owner)
+                if e >= 0 and table[e] != r]  # fmt: skip
+        return out
+
+
+class ExpertPool:
+    """Every MoE layer's pool; counters [L, COUNTERS] int64 on the device, mirrored to a host
+    copy after each step (`mirror`) so `stats` and `check` never touch the device."""
+
+    def __init__(self, layers: tuple[LayerPool, ...], counters: torch.Tensor) -> None:
+        self.layers, self.counters = layers, counters
+        for layer in layers:
+            layer.owner_pool = self
+        self.host_counters = torch.zeros(counters.shape, dtype=torch.int64,
+                                         pin_memory=counters.is_cuda)  # fmt: skip
+
+    def mirror(self) -> None:
+        """After a step's launches: its counters to the host copy (no sync; complete once the
+        step's output is read)."""
+        self.host_counters.copy_(self.counters, non_blocking=self.counters.is_cuda)
+
+    def check(self, sync: bool = False) -> None:
+        """Raise `ExpertPoolError` if a step since start-up could not place its experts (read
+        after the step's output reached the host, so its counters copy is complete; `sync`:
+        wait for the copy here, for steps that read their output before `mirror`)."""
+        if sync and self.counters.is_cuda:
+            torch.cuda.current_stream(self.counters.device).synchronize()
+        bits = 0
+        for value in self.host_counters[:, ERRORS].tolist():
+            bits |= value
+        if bits:
+            raise ExpertPoolError(f"expert pool: {error_text(bits)}; the step's output is "
+                                  "refused (restart the worker)")  # fmt: skip
+
+    def stats(self) -> PoolStats:
+        """Counters summed over layers, as of the last mirrored step (plain ints)."""
+        sums = self.host_counters[:, : len(STAT_COLUMNS)].sum(0).tolist()
+        return PoolStats(**dict(zip(STAT_COLUMNS, sums)))
+
+    def reset_stats(self) -> None:
+        """Zero the counters (not the error bits): after warm-up and graph capture."""
+        self.counters[:, : len(STAT_COLUMNS)] = 0
+        self.host_counters[:, : len(STAT_COLUMNS)] = 0
+
+    @property
+    def device_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for p in self.layers for t in p.parts)
+
+    def find_leaks(self) -> list[str]:
+        out = [f"layer {i}: {leak}" for i, p in enumerate(self.layers) for leak in p.find_leaks()]
+        bits = int(self.counters[:, ERRORS].max()) if self.layers else 0
+        return out + ([f"error bits: {error_text(bits)}"] if bits else [])
+
+
+def pool_experts(model: DeepseekV4, options: PoolOptions, device: torch.device | str,
+                 kernels: KernelBackendConfig) -> ExpertPool:  # fmt: skip
+    """Give every MoE layer of `model` (layers 0..L-1, then the MTP layer) an expert pool on
+    `device` per `options`, from its offload store or its stacked experts, which are then
+    dropped: the paged forward reads `moe.expert_pool`; the reference forward refuses."""
+    device = torch.device(device)
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    counters = torch.zeros(len(moes), COUNTERS, dtype=torch.int64, device=device)
+    layers = []
+    for i, moe in enumerate(moes):
+        cfg = moe.cfg
+        num, top_k = cfg.n_routed_experts, cfg.num_experts_per_tok
+        if num > MAX_SLOTS:
+            raise ConfigError("model.host_memory_gib", "> 0", f"the expert pool takes up to "
+                              f"{MAX_SLOTS} experts a layer (this model: {num})")  # fmt: skip
+        if not 0 <= options.cold(i) <= num:
+            raise ValueError(f"layer {i}: {options.cold(i)} cold experts of {num}")
+        source = expert_rows_of(moe)
+        resident = options.resident_ids(i, num)
+        cold = [e for e in range(num) if e not in set(resident)]
+        slots = options.slots(i, num, top_k) if cold else 0
+        like = source.parts(0)
+        storage = empty_rows(like, len(resident) + slots, device)
+        host = empty_rows(like, len(cold), torch.device("cpu"), pin=device.type == "cuda")
+        with torch.no_grad():
+            for row, e in enumerate(resident):
+                fill_(storage, row, source.parts(e))
+            for row, e in enumerate(cold):
+                fill_(host, row, source.parts(e))
+        drop_experts_(moe)
+        if device.type == "cuda":  # hand the layer's old storage back before the next one
+            torch.cuda.empty_cache()
+        scales = storage[2:] if len(storage) > 2 else (None, None)
+        weights = ExpertWeights(storage[0], storage[1], format=source.format,
+                                w13_scale=scales[0], w2_scale=scales[1])  # fmt: skip
+        layer = LayerPool(weights, host, resident, num, counters[i], kernels)
+        moe.expert_pool = layer
+        layers.append(layer)
+    pool = ExpertPool(tuple(layers), counters)
+    logger.info("expert pool: %d layers, %.2f GiB on the device", len(layers),
+                pool.device_bytes / (1 << 30))  # fmt: skip
+    return pool

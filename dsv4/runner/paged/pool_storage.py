@@ -1,0 +1,100 @@
+"""Where an expert pool's rows come from: a MoE layer's experts, as the loader left them, in the
+grouped-GEMM layout of `dsv4.model.moe.ExpertWeights` (parts w13, w2 and, quantised, their
+scales), one expert at a time.
+
+A layer holds its experts either as one stacked storage (`moe.stacked_experts`: a model loaded
+whole, bf16 / MXFP4 / FP8) or as an offload store (`dsv4.model.offload.OffloadedExperts`:
+resident blobs on the device, cold blobs in pinned host memory, dense or MXFP4). `ExpertRows`
+reads expert e's parts from either, and `fill_` copies them into a pool's device rows and its
+pinned host rows; the source is dropped afterwards, so the experts exist once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from dsv4.errors import ConfigError
+from dsv4.model.moe import MoE
+from dsv4.model.offload import OffloadedExperts
+from dsv4.model.offload_load import host_blobs
+
+Parts = tuple[torch.Tensor, ...]  # (w13, w2) or (w13, w2, w13_scale, w2_scale) of one expert
+
+
+@dataclass(frozen=True)
+class ExpertRows:
+    """One layer's experts as pool rows: `format` ("bf16": the model dtype, "mxfp4", "fp8")
+    and `parts(e)`, expert e's parts in the stacked layout (views or fresh tensors)."""
+
+    format: str
+    parts: Callable[[int], Parts]
+    num_experts: int
+
+
+def expert_rows_of(moe: MoE) -> ExpertRows:
+    """The layer's experts as pool rows, from its offload store or its stacked storage."""
+    num = moe.cfg.n_routed_experts
+    store = moe.expert_store
+    if isinstance(store, OffloadedExperts):
+        fmt = "mxfp4" if store.fmt.is_mxfp4 else "bf16"
+
+        def from_store(e: int) -> Parts:
+            views = store.parts(e)
+            (w1, s1), (w2, s2), (w3, s3) = views["w1"], views["w2"], views["w3"]
+            if fmt == "bf16":
+                return _stack_rows(w1, w3), w2
+            return _stack_rows(w1, w3), w2, _stack_rows(s1, s3), s2
+
+        return ExpertRows(fmt, from_store, num)
+    if store is not None:
+        raise ConfigError("forward", "paged", f"an expert store {type(store).__name__} cannot "
+                          "be pooled: offload with dsv4.model.offload")  # fmt: skip
+    stacked = moe.stacked_experts
+    if stacked is None:
+        from dsv4.model.moe import stack_experts_
+
+        stacked = stack_experts_(moe)
+    tensors = [t for t in (stacked.w13, stacked.w2, stacked.w13_scale, stacked.w2_scale)
+               if t is not None]  # fmt: skip
+    return ExpertRows(stacked.format, lambda e: tuple(t[e] for t in tensors), num)
+
+
+def _stack_rows(top: torch.Tensor, bottom: torch.Tensor) -> torch.Tensor:
+    """[top; bottom] along rows, as bytes (no cat kernel for float8_e8m0fnu everywhere)."""
+    return torch.cat((top.view(torch.uint8), bottom.view(torch.uint8))).view(top.dtype)
+
+
+def empty_rows(like: Parts, rows: int, device: torch.device, pin: bool = False) -> Parts:
+    """[rows, *part shape] per part: on `device`, or (device cpu) in host memory, pinned and
+    mapped when `pin` (one registered allocation per part: `host_blobs`; the copy kernel reads
+    it through its device address)."""
+    if device.type != "cpu":
+        return tuple(torch.empty(rows, *p.shape, dtype=p.dtype, device=device) for p in like)
+    out = []
+    for p in like:
+        blob = host_blobs(rows, p.numel() * p.element_size(), pin, mapped=True)
+        out.append(blob.view(p.dtype).view(rows, *p.shape))
+    return tuple(out)
+
+
+def fill_(dst: Parts, row: int, parts: Parts) -> None:
+    """dst[i][row] = parts[i] for every part, as bytes (float8_e8m0fnu has no copy kernels
+    on every device)."""
+    for d, p in zip(dst, parts):
+        d[row].view(torch.uint8).copy_(p.reshape(d.shape[1:]).view(torch.uint8))
+
+
+def drop_experts_(moe: MoE) -> None:
+    """Free the layer's own copies of its routed experts (the pool now holds them); a shared
+    expert that lived in the stacked storage's last slot gets storage of its own first."""
+    stacked = moe.stacked_experts
+    if stacked is not None and stacked.w13_all is not None:
+        for module in (moe.shared_experts.w1, moe.shared_experts.w2, moe.shared_experts.w3):
+            module.weight = nn.Parameter(module.weight.detach().clone(), requires_grad=False)
+    moe.experts = nn.ModuleList()
+    moe.stacked_experts = None
+    moe.expert_store = None

@@ -1,0 +1,201 @@
+"""The paged forward with offloaded experts in an expert pool (dsv4/runner/paged/expert_pool.py)
+gives the all-resident paged forward's logits bit for bit: decode steps in one round, prefill
+steps in rounds, bf16 experts pooled from the stacked storage and MXFP4 experts pooled from the
+load-time offload split; the slot table stays consistent and the stats count the traffic."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from dsv4.config.model import tiny_config
+from dsv4.errors import ConfigError, ExpertPoolError, StepFailed
+from dsv4.model.offload_load import ExpertOffload
+from dsv4.model.tiny import random_model
+from dsv4.ops.expert_slots import ERR_STALE, ERRORS
+from dsv4.runner.paged import PoolOptions, pool_experts
+from dsv4.runner.paged.decode_graphs import GraphOptions
+from dsv4.runner.paged.expert_rounds import round_groups
+from kernels.backend import KernelBackendConfig
+from tests.engine.conftest import greedy_request, make_core, run_to_completion
+from tests.engine.test_paged_forward import _lockstep_logits
+from tests.leak import assert_no_leaks
+
+CFG = tiny_config().with_overrides(num_nextn_predict_layers=0)
+FP4 = CFG.with_overrides(expert_dtype="fp4")
+# 5 of 8 experts cold; max_decode_tokens 2 -> 4 slots (2 tokens x top-2): one-round decodes
+OPTIONS = PoolOptions(num_offloaded=(5,), cache_slots=1, max_decode_tokens=2)
+
+
+def _prompts(vocab: int) -> dict[str, list[int]]:
+    gen = torch.Generator().manual_seed(11)
+    return {"a": torch.randint(2, vocab, (90,), generator=gen).tolist(),
+            "b": torch.randint(2, vocab, (23,), generator=gen).tolist()}  # fmt: skip
+
+
+def _lockstep(resident, pooled, **core) -> tuple[list, list]:
+    cores = [make_core(m, budget=64, paged={}, max_num_seqs=2, **core) for m in (resident, pooled)]
+
+    for core_ in cores:
+        for rid, prompt in _prompts(resident.cfg.vocab_size).items():
+            core_.add_request(greedy_request(rid, prompt, 6))
+    steps = _lockstep_logits(*cores)
+    for core_ in cores:
+        assert_no_leaks(core_)
+    return steps, cores
+
+
+def _pooled(model, options=OPTIONS):
+    pooled = copy.deepcopy(model)
+    return pooled, pool_experts(pooled, options, "cpu", KernelBackendConfig())
+
+
+def test_pooled_bf16_experts_equal_all_resident_bit_for_bit() -> None:
+    resident = random_model(CFG, seed=3)
+    pooled, pool = _pooled(resident)
+    assert [p.num_slots for p in pool.layers] == [4] * CFG.num_hidden_layers
+    steps, _ = _lockstep(resident, pooled)
+    assert len(steps) >= 6 and all(torch.equal(a, b) for a, b in steps)
+    pool.mirror()  # the lockstep drives the forwards, not the step forward that mirrors
+    stats = pool.stats()
+    e, r = CFG.n_routed_experts, CFG.n_routed_experts - 5
+    row = pool.layers[0].row_bytes
+    assert stats.fetches > 0 and stats.bytes_fetched == stats.fetches * row
+    assert stats.resident_hits > 0 and 0 < stats.hit_rate < 1
+    assert pool.layers[0].weights.w13.shape[0] == r + 4 and pool.layers[0].host[0].shape[0] == e - r
+    assert_no_leaks(pool)
+    pool.reset_stats()
+    assert pool.stats().uses == 0
+
+
+def test_pooled_mxfp4_experts_from_the_offload_split_equal_all_resident() -> None:
+    """The load-time split (resident blobs on the device, cold blobs in host memory) becomes the
+    pool; a residency order picks which experts stay."""
+    resident = random_model(FP4, seed=4, expert_weights="checkpoint")
+    order = tuple((7, 2, 5, 0, 1, 3, 4, 6) for _ in range(CFG.num_hidden_layers))
+    split = random_model(FP4, seed=4, expert_weights="checkpoint",
+                         offload=ExpertOffload(5, 2, order))  # fmt: skip
+    pool = pool_experts(split, PoolOptions((5,), order, 1, 2), "cpu", KernelBackendConfig())
+    assert pool.layers[0].weights.format == "mxfp4"
+    assert sorted(e for e, r in enumerate(pool.layers[0].table.tolist()) if r >= 0) == [2, 5, 7]
+    steps, _ = _lockstep(resident, split)
+    assert all(torch.equal(a, b) for a, b in steps)
+    pool.mirror()
+    assert pool.stats().fetches > 0
+    assert_no_leaks(pool)
+
+
+def test_one_slot_runs_every_step_in_rounds() -> None:
+    """S = 1: every step with two or more misses runs in rounds (decode steps too, eagerly)."""
+    resident = random_model(CFG, seed=5)
+    pooled, pool = _pooled(resident, PoolOptions((6,), cache_slots=1, max_decode_tokens=0))
+    assert {p.num_slots for p in pool.layers} == {1}
+    steps, _ = _lockstep(resident, pooled)
+    assert all(torch.equal(a, b) for a, b in steps)
+    assert_no_leaks(pool)
+
+
+def test_static_decode_steps_equal_all_resident() -> None:
+    """Decode steps as the graphs run them (static buffers, padded batch buckets; eager on the
+    CPU) resolve their experts on the device only."""
+    resident = random_model(CFG, seed=6)
+    pooled, pool = _pooled(resident)
+    graphs = GraphOptions(max_batch=2, max_model_len=2048, capture=False)
+    tokens = []
+    for model in (resident, pooled):
+        core = make_core(model, budget=64, paged={}, max_num_seqs=2, graphs=graphs)
+        for rid, prompt in _prompts(CFG.vocab_size).items():
+            core.add_request(greedy_request(rid, prompt, 6))
+        tokens.append(run_to_completion(core))
+        assert core.runner.num_graph_replays > 0
+        assert_no_leaks(core)
+    assert tokens[0] == tokens[1]
+    stats = pool.stats()  # mirrored by the step forward after every step
+    assert stats.fetches > 0 and stats.uses == stats.hits + stats.fetches
+    assert_no_leaks(pool)
+
+
+def test_round_groups() -> None:
+    table = [0, -1, 3, -1, -1, 1, -1, -1]  # R = 2: experts 0, 5 resident; 2 cached (row 3)
+    assert round_groups([0, 1, 2, 3, 4, 6], table, 2, 2) == [[0, 2, 1], [3, 4], [6]]
+    assert round_groups([0, 5], table, 2, 0) == [[0, 5]]
+    with pytest.raises(ExpertPoolError):
+        round_groups([1], table, 2, 0)
+
+
+def test_a_stale_table_fails_the_step_instead_of_serving_tokens() -> None:
+    resident = random_model(CFG, seed=7)
+    pooled, pool = _pooled(resident)
+    core = make_core(pooled, budget=64, paged={})
+    core.add_request(greedy_request("a", [5, 6, 7, 8], 3))
+    core.step()
+    layer = pool.layers[1]
+    on_device = [e for e, r in enumerate(layer.table.tolist()) if r >= 0]
+    layer.table[on_device[0]] = layer.table[on_device[1]]  # two experts claim one row
+    with pytest.raises(StepFailed, match="stale slot table"):
+        run_to_completion(core)
+    assert pool.counters[1, ERRORS] & ERR_STALE
+    assert_no_leaks(core)
+
+
+def test_the_reference_forward_refuses_pooled_experts() -> None:
+    pooled, _ = _pooled(random_model(CFG, seed=8))
+    with pytest.raises(ConfigError, match="expert pool"):
+        pooled(torch.tensor([[3, 4, 5]]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
+def test_pooled_experts_on_the_gpu_equal_resident_with_graphs(fmt) -> None:
+    """The Triton kernels on the GPU: cold experts in pinned host memory, fetched by the copy
+    kernel inside captured decode graphs (6 of 8 cold, 4 slots, batches of 2) and in rounds for
+    prefills; eager logits bit for bit, and the greedy tokens with and without graphs."""
+    cfg, weights = (CFG, "bf16") if fmt == "bf16" else (FP4, "checkpoint")
+    kernels = KernelBackendConfig(default="triton")
+    resident = random_model(cfg, seed=5, dtype=torch.bfloat16, device="cuda",
+                            expert_weights=weights)  # fmt: skip
+    pooled = copy.deepcopy(resident)
+    options = PoolOptions((6,), cache_slots=1, max_decode_tokens=2)
+    pool = pool_experts(pooled, options, "cuda", kernels)
+    assert pool.layers[0].host[0].is_pinned() and pool.layers[0].num_slots == 4
+    steps, _ = _lockstep(resident, pooled, kernels=kernels, kv="fp8", index="mxfp4")
+    assert all(torch.equal(a, b) for a, b in steps)
+    gen = torch.Generator().manual_seed(2)
+    prompts = [
+        torch.randint(2, cfg.vocab_size, (n,), generator=gen).tolist() for n in (1, 130, 300)
+    ]
+    outs = []
+    for model in (resident, pooled):
+        for graphs in (None, GraphOptions(max_batch=2, max_model_len=1024)):
+            core = make_core(model, kv="fp8", index="mxfp4", budget=512, paged={},
+                             kernels=kernels, graphs=graphs, max_num_seqs=2)  # fmt: skip
+            for i, p in enumerate(prompts):
+                core.add_request(greedy_request(f"r{i}", p, 8))
+            outs.append(run_to_completion(core))
+            if graphs is not None:
+                assert core.runner.forward.graphs.passes["target"].num_runs >= 6
+            assert_no_leaks(core)
+    assert outs[0] == outs[1] == outs[2] == outs[3]
+    assert pool.stats().fetches > 0
+    assert_no_leaks(pool)
+
+
+def test_mtp_speculation_with_pooled_experts_gives_the_resident_tokens() -> None:
+    """The MTP layer's experts pooled too; verify, accept and propose read the pool, and each
+    step's check waits for its counters (the speculative half reads tokens before mirroring)."""
+    cfg = tiny_config()  # with its MTP layer
+    resident = random_model(cfg, seed=12)
+    pooled, pool = _pooled(resident, PoolOptions((5,), max_decode_tokens=4))
+    assert len(pool.layers) == cfg.num_hidden_layers + 1
+    tokens = []
+    for model in (resident, pooled):
+        core = make_core(model, budget=64, paged={}, max_num_seqs=2, spec_tokens=1)
+        for rid, prompt in _prompts(cfg.vocab_size).items():
+            core.add_request(greedy_request(rid, prompt, 6))
+        tokens.append(run_to_completion(core))
+        assert_no_leaks(core)
+    assert tokens[0] == tokens[1]
+    assert pool.stats().fetches > 0 and pool.layers[-1].counters[0:3].sum() > 0
+    assert_no_leaks(pool)
