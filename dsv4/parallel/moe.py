@@ -23,6 +23,21 @@ def local_expert_ids(num_experts: int, group: ParallelGroup) -> list[int]:
     return list(range(group.rank, num_experts, group.world_size))
 
 
+def local_expert_pairs(
+    weights: torch.Tensor, ids: torch.Tensor, group: ParallelGroup, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routed pairs (weights [T, K] fp32, global expert ids [T, K]) -> the same pairs on this
+    rank's stacked experts: expert e (held by rank e % W) is its slot e // W. A pair of another
+    rank's expert keeps slot min(e // W, last) with weight 0: the grouped GEMM has no "skip"
+    id, so it is computed and its finite output multiplied by 0; spreading those pairs over the slots rather than one keeps the GEMM's tiles balanced. No
+    host sync (CUDA-graph capturable)."""
+    world = group.world_size
+    last = len(range(group.rank, num_experts, world)) - 1
+    owned = ids % world == group.rank
+    slots = torch.clamp(ids // world, max=last)
+    return torch.where(owned, weights, torch.zeros_like(weights)), slots
+
+
 def sharded_shared_expert(shared: Expert, group: ParallelGroup) -> Expert:
     """The rank's slice of an expert (the shared one, or a routed one without EP): w1/w3 rows and w2 columns of its share of the
     intermediate dimension. SwiGLU is elementwise there, so the slices' outputs sum exactly to

@@ -55,10 +55,10 @@ def served(overrides: dict, has_cuda: bool = False):
 
 
 def test_several_ranks_refuse_what_is_not_sharded_yet() -> None:
-    assert served({"model.tensor_parallel_size": 2}, has_cuda=True).features.forward == "reference"
+    assert served({"model.tensor_parallel_size": 2}, has_cuda=True).features.forward == "paged"
+    assert served({"model.tensor_parallel_size": 2}).features.forward == "reference"  # CPU
     assert served({}, has_cuda=True).features.forward == "paged"
     cases = [
-        ({"features.forward": "paged"}, "features.forward"),
         ({"speculative.method": "mtp"}, "speculative.method"),
         ({"model.distributed_backend": "nccl"}, "model.distributed_backend"),
     ]
@@ -67,6 +67,7 @@ def test_several_ranks_refuse_what_is_not_sharded_yet() -> None:
             check_rank_config(served({"model.tensor_parallel_size": 2, **overrides}))
         assert failure.value.field_name == field
     check_rank_config(served({"model.tensor_parallel_size": 2}))  # CPU + reference: fine
+    check_rank_config(served({"model.tensor_parallel_size": 2, "features.forward": "paged"}))
 
 
 def test_a_world_size_the_model_cannot_split_is_refused_before_any_rank_starts() -> None:
