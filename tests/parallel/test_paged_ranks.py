@@ -41,7 +41,8 @@ def prompts() -> list[list[int]]:
 
 
 def served_tokens(forward: str, ranks: int = 1, expert_parallel: bool = False):
-    """(greedy tokens per prompt, rank 0's PagedForward or None) of a worker's engine."""
+    """(greedy tokens per prompt, rank 0's PagedForward or None, graph-pass replays) of a
+    worker's engine."""
     config = load_config({**SETTINGS, "features.forward": forward,
                           "model.tensor_parallel_size": ranks,
                           "model.expert_parallel": expert_parallel}, None, {})  # fmt: skip
@@ -58,13 +59,14 @@ def served_tokens(forward: str, ranks: int = 1, expert_parallel: bool = False):
     if runtime.ranks is not None:
         assert [p.returncode for p in runtime.ranks.followers] == [0] * (ranks - 1)
     forward_of = getattr(core.runner, "runner", core.runner).forward
-    return [out[f"r{i}"] for i in range(len(PROMPT_LENGTHS))], getattr(forward_of, "paged", None)
+    tokens = [out[f"r{i}"] for i in range(len(PROMPT_LENGTHS))]
+    return tokens, getattr(forward_of, "paged", None), core.runner.num_graph_replays
 
 
 @pytest.fixture(scope="module")
 def one_rank() -> list[list[int]]:
-    paged, _ = served_tokens("paged")
-    reference, _ = served_tokens("reference")
+    paged, _, _ = served_tokens("paged")
+    reference, _, _ = served_tokens("reference")
     assert paged == reference
     assert all(len(tokens) == NEW_TOKENS for tokens in paged)
     return paged
@@ -72,7 +74,7 @@ def one_rank() -> list[list[int]]:
 
 @pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp-experts", "ep"])
 def test_two_ranks_paged_equal_one_rank(one_rank, expert_parallel: bool) -> None:
-    tokens, paged = served_tokens("paged", 2, expert_parallel)
+    tokens, paged, _ = served_tokens("paged", 2, expert_parallel)
     assert tokens == one_rank
     cfg = tiny_config()
     for lw in paged.weights:  # rank 0's shard only: half the heads, half of every expert
@@ -82,3 +84,30 @@ def test_two_ranks_paged_equal_one_rank(one_rank, expert_parallel: bool) -> None
             assert (experts, inter) == (cfg.n_routed_experts // 2, 2 * cfg.moe_intermediate_size)
         else:
             assert (experts, inter) == (cfg.n_routed_experts, cfg.moe_intermediate_size)
+
+
+def test_two_ranks_static_decode_graph_steps_equal_one_rank(one_rank, monkeypatch) -> None:
+    """Rank 0's graph options reach the follower in its `EngineSetup`: both ranks run decode
+    steps as the graphs' static passes (capture False: eagerly, as on CPU), padded to the same
+    buckets, so their all-reduces pair up."""
+    from dsv4.runner.paged.decode_graphs import GraphOptions
+
+    static = GraphOptions(max_batch=4, max_model_len=1024, capture=False)
+    monkeypatch.setattr("dsv4.worker.build.graph_options", lambda config: static)
+    tokens, _, replays = served_tokens("paged", 2, expert_parallel=True)
+    assert tokens == one_rank
+    assert replays > 0
+
+
+def test_ranks_check_runs_on_cpu(tmp_path) -> None:
+    """The one-GPU correctness script (`benchmarks.ranks_check`) as a CPU smoke test."""
+    import json
+
+    from benchmarks.ranks_check import main
+
+    out = tmp_path / "ranks_check.json"
+    args = ["--device", "cpu", "--kernels", "ref", "--forwards", "paged", "--experts", "ep"]
+    assert main([*args, "--out", str(out)]) == 0
+    (record,) = json.loads(out.read_text())
+    assert record["forward"] == "paged" and record["equal"]
+    assert record["tokens_1_rank"] == record["tokens_2_ranks"]
