@@ -7,10 +7,11 @@ greedy tokens as one rank (issue 26). Not a benchmark: no timing, only token equ
 For each forward (`--forwards reference,paged`), kernel backend (`--kernels ref,triton`) and
 expert split (`--experts ep,tp`): build the engine exactly as a worker does
 (`build_worker_runtime`, tiny model with o_groups 4, fp32 weights and KV so that the only
-difference is the order of the all-reduce's fp32 sums) with 1 rank and with `--ranks` ranks
-(`model.distributed_backend gloo`: NCCL refuses two ranks on one GPU; the paged forward then
-runs its decode steps eager, as graphs cannot capture gloo), serve the same greedy prompts,
-and compare. Writes one record per combination; exit 1 on any mismatch or error (the record
+difference is the order of the all-reduce's fp32 sums; `fp32_overrides`) with 1 rank and with
+`--ranks` ranks (`model.distributed_backend gloo`: NCCL refuses two ranks on one GPU; the
+paged forward then runs its decode steps eager, as graphs cannot capture gloo; one rank runs
+eager too: the fp32 expert reference syncs, which a capture refuses), serve the same greedy
+prompts, and compare. Writes one record per combination; exit 1 on any mismatch or error (the record
 says which).
 """
 
@@ -58,7 +59,8 @@ def greedy_tokens(model_dir: Path, case: Case, ranks: int) -> list[list[int]]:
         "model.distributed_backend": "gloo", "features.forward": case.forward,
         "cache.kv_dtype": "fp32", "cache.indexer_key_dtype": "fp32", "cache.num_blocks": 64,
         "cache.block_size": 128, "scheduler.max_num_batched_tokens": 512,
-        "model.max_model_len": 1024,
+        "model.max_model_len": 1024, "model.kernel_overrides": fp32_overrides(case),
+        "features.cuda_graphs": False,
     }, None, {})  # fmt: skip
     runtime = build_worker_runtime(config, with_transport=False, name=f"ranks{ranks}")
     try:
@@ -66,6 +68,15 @@ def greedy_tokens(model_dir: Path, case: Case, ranks: int) -> list[list[int]]:
     finally:
         if runtime.ranks is not None:
             runtime.ranks.close()
+
+
+def fp32_overrides(case: Case) -> tuple[str, ...]:
+    """The paged forward's two Triton kernels that take bf16 only (the compressor rounds its
+    entries to bf16, the grouped expert GEMM is bf16) run their references in this fp32 check;
+    every other op of the case's backend runs as served."""
+    if case.forward == "paged" and case.kernels == "triton":
+        return ("compressor_step=ref", "moe_experts=ref")
+    return ()
 
 
 def check(model_dir: Path, case: Case, ranks: int, one_rank: dict) -> dict:

@@ -95,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     if not config.model.device.startswith("cuda"):
         torch.set_num_threads(1)
     m = config.model
+    if m.device.startswith("cuda"):  # streams, graph captures and Triton launch on this device
+        torch.cuda.set_device(torch.device(m.device))
     group = init_cpu_group(args.rank, args.world_size, args.port, backend=backend_of(config),
                            device=m.device, timeout_s=m.collective_timeout_s)  # fmt: skip
     try:

@@ -40,10 +40,11 @@ def prompts() -> list[list[int]]:
     return [torch.randint(2, 1024, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
 
 
-def served_tokens(forward: str, ranks: int = 1, expert_parallel: bool = False):
+def served_tokens(forward: str, ranks: int = 1, expert_parallel: bool = False,
+                  settings: dict | None = None):  # fmt: skip
     """(greedy tokens per prompt, rank 0's PagedForward or None, graph-pass replays) of a
-    worker's engine."""
-    config = load_config({**SETTINGS, "features.forward": forward,
+    worker's engine; `settings` override SETTINGS."""
+    config = load_config({**SETTINGS, **(settings or {}), "features.forward": forward,
                           "model.tensor_parallel_size": ranks,
                           "model.expert_parallel": expert_parallel}, None, {})  # fmt: skip
     runtime = build_worker_runtime(config, with_transport=False, name=f"{forward}-{ranks}")
@@ -111,3 +112,29 @@ def test_ranks_check_runs_on_cpu(tmp_path) -> None:
     (record,) = json.loads(out.read_text())
     assert record["forward"] == "paged" and record["equal"]
     assert record["tokens_1_rank"] == record["tokens_2_ranks"]
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(1200)  # 12 engines, Triton compiles included
+def test_two_gloo_ranks_on_one_gpu_equal_one_rank(tmp_path) -> None:
+    """`benchmarks.ranks_check` on the GPU: both forwards, both kernel backends, EP and sliced
+    experts, 2 gloo ranks on one card against 1 rank (fp32: the same greedy tokens)."""
+    from benchmarks.ranks_check import main
+
+    assert main(["--device", "cuda", "--out", str(tmp_path / "ranks_check.json")]) == 0
+
+
+@pytest.mark.gpu
+def test_decode_graphs_captured_over_nccl_equal_eager_decode_steps() -> None:
+    """2 ranks on 2 GPUs over NCCL, bf16 and the Triton kernels as served: decode steps
+    replayed from graphs that captured the all-reduces give the tokens of the same 2 ranks
+    running them eager (the same sums in the same order)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs (NCCL)")
+    served = {"model.device": "cuda", "model.dtype": "bf16", "model.kernels": "triton",
+              "model.distributed_backend": "nccl", "cache.kv_dtype": "auto",
+              "cache.indexer_key_dtype": "mxfp4"}  # fmt: skip
+    graphs, _, replays = served_tokens("paged", 2, True, {**served, "features.cuda_graphs": True})
+    eager, _, none = served_tokens("paged", 2, True, {**served, "features.cuda_graphs": False})
+    assert replays > 0 and none == 0
+    assert graphs == eager
