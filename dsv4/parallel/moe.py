@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from dsv4.errors import ConfigError
-from dsv4.model.moe import Expert, MoE
+from dsv4.model.moe import Expert, MoE, stack_experts_
 from dsv4.parallel.attention import rank_slice, sliced_param
 from dsv4.parallel.group import ParallelGroup
 
@@ -87,6 +87,8 @@ class ExpertParallelMoE(MoE):
         self.shared_experts = None
         if moe.shared_experts is not None:
             self.shared_experts = sharded_shared_expert(moe.shared_experts, group)
+        if moe.stacked_experts is not None:  # the held experts are views of all E: restack
+            stack_experts_(self)  # them alone, so the full storage goes with `moe`
 
     def forward(self, u: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         """u [..., D] (ffn_norm applied), token_ids [...] -> [..., D], the same on every rank

@@ -80,6 +80,9 @@ def test_two_ranks_paged_equal_one_rank(one_rank, expert_parallel: bool) -> None
     cfg = tiny_config()
     for lw in paged.weights:  # rank 0's shard only: half the heads, half of every expert
         assert lw.attn_sink.shape == (cfg.num_attention_heads // 2,)
+        stacked = lw.experts.w13 if lw.experts.w13_all is None else lw.experts.w13_all
+        # the grouped GEMM's storage holds the rank's experts only, no view of the full one
+        assert stacked.untyped_storage().nbytes() == stacked.numel() * stacked.element_size()
         experts, inter = lw.experts.w13.shape[:2]
         if expert_parallel:
             assert (experts, inter) == (cfg.n_routed_experts // 2, 2 * cfg.moe_intermediate_size)
