@@ -5,7 +5,8 @@ stdin, in order: its `ServeConfig` (resolved, this rank's device), later an `Eng
 0's engine options), then one `StepMessage` per engine step and finally a `StopMessage`. The
 follower joins the group, loads the model and keeps its shard, builds rank 0's forward on it
 (`build_model_runner`: the same KV pool, forward, switches and decode graphs) and executes
-every step on its shard. It owns no scheduler, KV manager, transport, tokenizer or server: rank 0 does.
+every step on its shard. It owns no scheduler, KV manager, transport, tokenizer or server:
+rank 0 does.
 
 Exit: 0 after a StopMessage; 3 when the pipe ends (rank 0 is gone); 1 when a step or a
 collective fails (a peer died, the group timeout passed). Rank 0 then sees this rank exit and
