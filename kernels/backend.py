@@ -70,6 +70,10 @@ class KernelBackendConfig:
                 raise ConfigError(f"kernels.{name}", choice, f"use one of {BACKENDS}")
         object.__setattr__(self, "overrides", MappingProxyType(dict(self.overrides)))
 
+    def __reduce__(self):
+        # pickled to a worker's follower ranks (in its engine options); a mappingproxy is not
+        return (type(self), (self.default, dict(self.overrides)))
+
     @classmethod
     def parse(cls, spec: str) -> KernelBackendConfig:
         """Parses "default[,op=backend...]" (the DSV4_KERNELS format); "" means "auto"."""

@@ -36,7 +36,8 @@ def resolve_auto(
     - transport auto: cuda_ipc on cuda when every static peer is on this host and no Redis is
       configured, else nixl (NIXL also runs on CPU memory). Set it explicitly in production.
     - worker_id empty: "<role>-<hostname>-<pid>".
-    - features.forward auto: the paged forward on cuda with one rank, else the reference.
+    - features.forward auto: the paged forward on cuda (each rank on its shard), else the
+      reference.
     """
     m, c, t, w = config.model, config.cache, config.transfer, config.worker
     device = m.device if m.device != "auto" else ("cuda" if has_cuda else "cpu")
@@ -59,8 +60,7 @@ def resolve_auto(
     f = config.features
     forward = f.forward
     if forward == "auto":
-        # the paged forward is not sharded yet: a replica of several ranks runs the reference
-        forward = "paged" if on_cuda and m.tensor_parallel_size == 1 else "reference"
+        forward = "paged" if on_cuda else "reference"
     return dataclasses.replace(
         config,
         model=model_section,

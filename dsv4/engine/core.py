@@ -24,6 +24,7 @@ from dsv4.cache.packing import CacheOptions
 from dsv4.errors import ConfigError, InvalidRequest, OutOfBlocks, StepFailed
 from dsv4.model.deepseek_v4 import DeepseekV4
 from dsv4.runner.model_runner import LaunchedStep, ModelRunner
+from dsv4.runner.paged.collectives import ONE_RANK, PagedCollectives
 from dsv4.runner.paged.step_forward import PagedOptions
 from dsv4.runner.reference.forward import DEFAULT_REFERENCE, ReferenceOptions
 from dsv4.runner.reference.slot_tables import DEFAULT_KERNELS
@@ -331,11 +332,38 @@ class EngineOptions:
 
 
 def build_engine_core(
-    model: DeepseekV4, options: EngineOptions, stop_checker: StopChecker | None = None
+    model: DeepseekV4,
+    options: EngineOptions,
+    stop_checker: StopChecker | None = None,
+    collectives: PagedCollectives = ONE_RANK,
 ) -> EngineCore:
-    """Layout -> paged cache -> forward + sampler -> runner, KV manager -> scheduler, for one
-    model replica. With `options.paged.graphs` the decode step's passes are captured (or run
-    as static eager steps) before the core is returned."""
+    """Runner (`build_model_runner`), KV manager -> scheduler, for one model replica (on a
+    sharded replica: rank 0's, `collectives` its hooks)."""
+    from dsv4.cache.layout import KVLayout
+
+    cache_options, scheduler_config = options.cache, options.scheduler
+    if cache_options.num_speculative_tokens != scheduler_config.num_speculative_tokens:
+        raise ConfigError(
+            "num_speculative_tokens",
+            scheduler_config.num_speculative_tokens,
+            f"the cache reserves {cache_options.num_speculative_tokens} draft slots: use the same k",
+        )
+    runner = build_model_runner(model, options, collectives)
+    kv = KVCacheManager(KVLayout.build(model.cfg, cache_options), options.num_blocks)
+    scheduler = Scheduler(scheduler_config, kv, stop_checker=stop_checker)
+    core = EngineCore(scheduler, runner)
+    core.async_scheduling = options.async_scheduling
+    return core
+
+
+def build_model_runner(
+    model: DeepseekV4, options: EngineOptions, collectives: PagedCollectives = ONE_RANK
+) -> ModelRunner:
+    """Layout -> paged cache -> forward + sampler -> runner: what every rank of a replica builds
+    from the same `options` (rank 0's, sent to the followers), each on its shard with its
+    `collectives`. With `options.paged.graphs` the decode step's passes are captured (or run
+    as static eager steps) before the runner is returned; on a sharded replica every rank
+    captures at once (the captured all-reduces pair up)."""
     from dsv4.cache.layout import KVLayout
     from dsv4.runner.kv_cache import PagedKVCache
     from dsv4.runner.paged.decode_graphs import DecodeGraphs, num_scratch_blocks
@@ -345,21 +373,15 @@ def build_engine_core(
     from dsv4.runner.routing_stats import RoutingStats
     from dsv4.runner.sampler import Sampler
 
-    cache_options, scheduler_config = options.cache, options.scheduler
-    layout = KVLayout.build(model.cfg, cache_options)
+    layout = KVLayout.build(model.cfg, options.cache)
     paged = options.paged
     graph_options = None if paged is None else paged.graphs
+    if graph_options is not None and graph_options.capture and not collectives.can_capture:
+        raise ConfigError("features.cuda_graphs", True, "these ranks' collectives (gloo) "
+                          "cannot be captured: turn graphs off or use nccl")  # fmt: skip
     scratch = num_scratch_blocks(layout) if graph_options is not None else 0
     cache = PagedKVCache(layout, options.num_blocks, device=options.device,
                          num_scratch_blocks=scratch)  # fmt: skip
-    kv = KVCacheManager(layout, options.num_blocks)
-    scheduler = Scheduler(scheduler_config, kv, stop_checker=stop_checker)
-    if cache_options.num_speculative_tokens != scheduler_config.num_speculative_tokens:
-        raise ConfigError(
-            "num_speculative_tokens",
-            scheduler_config.num_speculative_tokens,
-            f"the cache reserves {cache_options.num_speculative_tokens} draft slots: use the same k",
-        )
     sampler = Sampler(batched=None if options.batched_sampling else False)
     stats = RoutingStats.for_model(model, options.num_blocks) if options.routing_stats else None
     forward: StepForward
@@ -368,15 +390,14 @@ def build_engine_core(
         if stats is not None:
             stats.observe(model)
     else:
-        flat = PagedForward(model, cache, options.kernels, paged.metadata, paged.switches)
+        flat = PagedForward(model, cache, options.kernels, paged.metadata, paged.switches,
+                            collectives)  # fmt: skip
         flat.routing_stats = stats  # before the capture: graphs count too
         graphs = None
         if graph_options is not None:
-            graphs = DecodeGraphs(flat, cache, graph_options, cache_options.num_speculative_tokens)
+            graphs = DecodeGraphs(flat, cache, graph_options, options.cache.num_speculative_tokens)
             graphs.capture()
         forward = PagedStepForward(flat, sampler, graphs)
     runner = ModelRunner(forward, sampler, cache)
     runner.routing_stats = stats
-    core = EngineCore(scheduler, runner)
-    core.async_scheduling = options.async_scheduling
-    return core
+    return runner

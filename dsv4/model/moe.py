@@ -240,8 +240,15 @@ def served_expert_format(cfg: ModelConfig, expert_weights: str) -> str:
     return SERVED_FORMATS.get(cfg.expert_dtype, "bf16")
 
 
+def routed_modules(moe: MoE) -> list[Expert]:
+    """The routed expert modules in slot order (a rank's shard keys its experts by global id
+    in an `nn.ModuleDict`: `dsv4.parallel.moe`)."""
+    experts = moe.experts
+    return list(experts.values() if isinstance(experts, nn.ModuleDict) else experts)
+
+
 def _shares_layout(moe: MoE) -> bool:
-    shared, first = moe.shared_experts, moe.experts[0]
+    shared, first = moe.shared_experts, routed_modules(moe)[0]
     return (shared is not None and shared.w1.weight.shape == first.w1.weight.shape
             and shared.w1.weight.dtype == first.w1.weight.dtype
             and shared.limit == first.limit)  # fmt: skip
@@ -253,11 +260,12 @@ def stack_experts_(moe: MoE, device: torch.device | str | None = None) -> Expert
     per-expert modules still work). Values are copied over, unless the experts are still on the
     meta device (a model being built: the storage is then allocated on `device` and filled by
     the caller). Kept on the module as `moe.stacked_experts`."""
-    first = moe.experts[0].w1.weight
+    routed = routed_modules(moe)
+    first = routed[0].w1.weight
     inter, dim = first.shape
     device = first.device if device is None else torch.device(device)
-    e = len(moe.experts)
-    experts = [*moe.experts, *([moe.shared_experts] if _shares_layout(moe) else [])]
+    e = len(routed)
+    experts = [*routed, *([moe.shared_experts] if _shares_layout(moe) else [])]
     w13 = torch.empty(len(experts), 2 * inter, dim, dtype=first.dtype, device=device)
     w2 = torch.empty(len(experts), dim, inter, dtype=first.dtype, device=device)
     with torch.no_grad():

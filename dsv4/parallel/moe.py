@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from dsv4.errors import ConfigError
-from dsv4.model.moe import Expert, MoE
+from dsv4.model.moe import Expert, MoE, stack_experts_
 from dsv4.parallel.attention import rank_slice, sliced_param
 from dsv4.parallel.group import ParallelGroup
 
@@ -21,6 +21,21 @@ from dsv4.parallel.group import ParallelGroup
 def local_expert_ids(num_experts: int, group: ParallelGroup) -> list[int]:
     """The routed experts this rank holds (round-robin: e % world == rank)."""
     return list(range(group.rank, num_experts, group.world_size))
+
+
+def local_expert_pairs(
+    weights: torch.Tensor, ids: torch.Tensor, group: ParallelGroup, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routed pairs (weights [T, K] fp32, global expert ids [T, K]) -> the same pairs on this
+    rank's stacked experts: expert e (held by rank e % W) is its slot e // W. A pair of another
+    rank's expert keeps slot min(e // W, last) with weight 0: the grouped GEMM has no "skip"
+    id, so it is computed and its finite output multiplied by 0; spreading those pairs over the slots rather than one keeps the GEMM's tiles balanced. No
+    host sync (CUDA-graph capturable)."""
+    world = group.world_size
+    last = len(range(group.rank, num_experts, world)) - 1
+    owned = ids % world == group.rank
+    slots = torch.clamp(ids // world, max=last)
+    return torch.where(owned, weights, torch.zeros_like(weights)), slots
 
 
 def sharded_shared_expert(shared: Expert, group: ParallelGroup) -> Expert:
@@ -72,6 +87,8 @@ class ExpertParallelMoE(MoE):
         self.shared_experts = None
         if moe.shared_experts is not None:
             self.shared_experts = sharded_shared_expert(moe.shared_experts, group)
+        if moe.stacked_experts is not None:  # the held experts are views of all E: restack
+            stack_experts_(self)  # them alone, so the full storage goes with `moe`
 
     def forward(self, u: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         """u [..., D] (ffn_norm applied), token_ids [...] -> [..., D], the same on every rank

@@ -7,6 +7,9 @@ and joins them in a torch.distributed group rendezvousing at a free loopback por
 nccl on CUDA unless `model.distributed_backend` says otherwise). Every rank then loads the
 model and keeps its shard (`shard_model`: heads, and experts whole with `--expert-parallel` or
 sliced without); rank 0 alone owns the gRPC servicer, scheduler, KV manager and transport.
+Rank 0 sends its engine options (`EngineSetup`) and every rank builds the same forward from
+them (`build_model_runner`: reference or paged, the paged one with this rank's collective
+hooks, `dsv4.parallel.paged`).
 
 Each engine step, `RankZeroRunner.execute` sends the batch (`StepMessage`) down every pipe and
 then runs rank 0's own shard; the followers run theirs (`dsv4.worker.follower`). Blocks that
@@ -32,16 +35,18 @@ from dataclasses import dataclass, field
 import torch
 
 from dsv4.config import ServeConfig
-from dsv4.engine.core import EngineCore
+from dsv4.engine.core import EngineCore, EngineOptions
 from dsv4.errors import ConfigError, RankFailed
 from dsv4.parallel.group import ParallelGroup, close_group, init_cpu_group, launch_env
+from dsv4.parallel.paged import rank_collectives
 from dsv4.parallel.step_broadcast import (
-    CacheSetup,
+    EngineSetup,
     StepMessage,
     StopMessage,
     broadcast_blocks,
     write_message,
 )
+from dsv4.runner.paged.collectives import PagedCollectives
 from dsv4.scheduler.batch import ScheduledBatch, StepOutput
 from dsv4.scheduler.request import Request
 
@@ -55,9 +60,6 @@ def check_rank_config(config: ServeConfig) -> None:
     m = config.model
     if m.tensor_parallel_size == 1:
         return
-    if config.features.forward == "paged":
-        raise ConfigError("features.forward", "paged", "the paged forward is not sharded yet: "
-                          "use reference (auto picks it) with tensor_parallel_size > 1")  # fmt: skip
     if config.speculative.method != "none":
         raise ConfigError("speculative.method", config.speculative.method, "MTP speculation "
                           "is not sharded yet: use none with tensor_parallel_size > 1")  # fmt: skip
@@ -193,6 +195,8 @@ class RankedEngineCore(EngineCore):
     next step copies them to the other ranks before any forward reads them."""
 
     def __init__(self, core: EngineCore, ranks: RankGroup) -> None:
+        # async scheduling stays off (the new core's default): a step launched ahead would
+        # bypass `RankZeroRunner.execute`, so the followers would never see it
         super().__init__(core.scheduler, RankZeroRunner(core.runner, ranks))
         self._adopted_blocks: dict[str, tuple[int, ...]] = {}
 
@@ -210,7 +214,15 @@ class RankedEngineCore(EngineCore):
         super().abandon(request_id)
 
 
-def rank_zero_core(core: EngineCore, ranks: RankGroup, num_blocks: int) -> EngineCore:
-    """Wrap a freshly built core for rank 0 and tell the followers the pool size."""
-    ranks.send(CacheSetup(num_blocks))
+def rank_zero_setup(
+    ranks: RankGroup, options: EngineOptions, *, expert_parallel: bool, num_experts: int
+) -> PagedCollectives:
+    """Send the followers the engine options (before rank 0 builds its runner: graph captures
+    run on every rank at once) and return rank 0's paged-forward hooks."""
+    ranks.send(EngineSetup(options))
+    return rank_collectives(ranks.group, expert_parallel=expert_parallel, num_experts=num_experts)
+
+
+def rank_zero_core(core: EngineCore, ranks: RankGroup) -> EngineCore:
+    """Wrap rank 0's freshly built core (`rank_zero_setup` came first)."""
     return RankedEngineCore(core, ranks)

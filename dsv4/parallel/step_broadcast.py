@@ -28,6 +28,7 @@ from typing import BinaryIO
 import torch
 import torch.distributed as dist
 
+from dsv4.engine.core import EngineOptions
 from dsv4.parallel.group import ParallelGroup
 from dsv4.runner.kv_cache import PagedKVCache
 from dsv4.scheduler.batch import ScheduledBatch
@@ -36,11 +37,13 @@ _LENGTH = struct.Struct("<Q")
 
 
 @dataclass(frozen=True)
-class CacheSetup:
-    """Sent once, after rank 0 sized its KV pool: every rank allocates the same blocks (on CUDA
-    the free memory differs per rank, so followers never size their own)."""
+class EngineSetup:
+    """Sent once, before rank 0 builds its runner: every rank builds the same forward on its
+    shard from these options (`build_model_runner`), on its own device, with the same KV pool
+    (on CUDA the free memory differs per rank, so followers never size their own), and
+    captures the same decode graphs at the same time as rank 0."""
 
-    num_blocks: int
+    options: EngineOptions
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,7 @@ from dsv4.model.indexer import set_skip_topk
 from dsv4.model.offload_load import ExpertOffload
 from dsv4.runner.kernel_bridge import hot_ops, kernel_choices
 from dsv4.runner.paged import MetadataSwitches, PagedOptions, PagedSwitches
+from dsv4.runner.paged.collectives import ONE_RANK
 from dsv4.runner.reference import ReferenceOptions
 from dsv4.runner.reference.slot_tables import SlotTableOptions
 from dsv4.scheduler.config import SchedulerConfig
@@ -239,11 +240,17 @@ def _build(
         routing_stats=config.metrics.routing_stats,
         async_scheduling=f.async_scheduling,
     )
-    core = build_engine_core(model, engine_options)
+    collectives = ONE_RANK
+    if ranks is not None:  # the followers build the same runner at the same time
+        from dsv4.parallel.ranks import rank_zero_setup
+
+        collectives = rank_zero_setup(ranks, engine_options, num_experts=model_cfg.n_routed_experts,
+                                      expert_parallel=config.model.expert_parallel)  # fmt: skip
+    core = build_engine_core(model, engine_options, collectives=collectives)
     if ranks is not None:  # before the warm-up: its steps run on every rank
         from dsv4.parallel.ranks import rank_zero_core
 
-        core = rank_zero_core(core, ranks, num_blocks)
+        core = rank_zero_core(core, ranks)
     if config.model.device.startswith("cuda"):
         s = config.scheduler
         lengths = warm_up_lengths(s.max_num_batched_tokens, config.model.max_model_len)
@@ -364,12 +371,21 @@ def warm_up_lengths(budget: int, max_model_len: int) -> tuple[int, ...]:
 
 def graph_options(config: ServeConfig):
     """CUDA graphs of the decode step: the paged forward on CUDA with features.cuda_graphs, on
-    workers that decode (a prefill worker never runs a decode-only step)."""
+    workers that decode (a prefill worker never runs a decode-only step), with several ranks
+    only over NCCL (a graph cannot capture gloo's all-reduce: those run eager, with a warning)."""
     f = config.features
     if f.forward != "paged" or not f.cuda_graphs or not config.model.device.startswith("cuda"):
         return None
     if config.worker.role == "prefill":
         return None
+    if config.model.tensor_parallel_size > 1:
+        from dsv4.parallel.ranks import backend_of
+
+        if backend_of(config) != "nccl":
+            logger.warning("%d ranks over %s: decode steps run eager (CUDA graphs cannot "
+                           "capture its all-reduces; use nccl)", config.model.tensor_parallel_size,
+                           backend_of(config))  # fmt: skip
+            return None
     from dsv4.runner.paged.decode_graphs import GraphOptions
 
     max_batch = min(f.cuda_graph_max_batch, config.scheduler.max_num_seqs)

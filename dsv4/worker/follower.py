@@ -1,10 +1,12 @@
 """A follower rank of a worker's model replica: `python -m dsv4.worker.follower --rank R ...`.
 
 Started only by rank 0 (`dsv4.parallel.ranks.RankGroup.start`), which writes to this process's
-stdin, in order: its `ServeConfig` (resolved, this rank's device), later a `CacheSetup`, then one
-`StepMessage` per engine step and finally a `StopMessage`. The follower joins the group, loads
-the model and keeps its shard, allocates the same KV pool as rank 0 and executes every step on
-its shard. It owns no scheduler, KV manager, transport, tokenizer or server: rank 0 does.
+stdin, in order: its `ServeConfig` (resolved, this rank's device), later an `EngineSetup` (rank
+0's engine options), then one `StepMessage` per engine step and finally a `StopMessage`. The
+follower joins the group, loads the model and keeps its shard, builds rank 0's forward on it
+(`build_model_runner`: the same KV pool, forward, switches and decode graphs) and executes
+every step on its shard. It owns no scheduler, KV manager, transport, tokenizer or server:
+rank 0 does.
 
 Exit: 0 after a StopMessage; 3 when the pipe ends (rank 0 is gone); 1 when a step or a
 collective fails (a peer died, the group timeout passed). Rank 0 then sees this rank exit and
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import logging
 import os
 import signal
@@ -22,24 +25,22 @@ import sys
 
 import torch
 
-from dsv4.cache.layout import KVLayout
 from dsv4.config import ServeConfig
+from dsv4.engine.core import build_model_runner
 from dsv4.model.fp8 import set_linear_activations_
 from dsv4.parallel.group import close_group, init_cpu_group
+from dsv4.parallel.paged import rank_collectives
 from dsv4.parallel.ranks import backend_of
 from dsv4.parallel.shard import shard_model
 from dsv4.parallel.step_broadcast import (
-    CacheSetup,
+    EngineSetup,
     StepMessage,
     StopMessage,
     apply_step,
     read_message,
 )
-from dsv4.runner.kv_cache import PagedKVCache
 from dsv4.runner.model_runner import ModelRunner
-from dsv4.runner.reference import ReferenceForward
-from dsv4.runner.sampler import Sampler
-from dsv4.worker.build import apply_features, cache_options, load_weights, reference_options
+from dsv4.worker.build import apply_features, load_weights
 
 logger = logging.getLogger("dsv4.follower")
 
@@ -47,20 +48,20 @@ EXIT_STOPPED, EXIT_FAILED, EXIT_ORPHANED = 0, 1, 3
 
 
 def build_follower_runner(config: ServeConfig, group, pipe) -> ModelRunner:
-    """This rank's shard over its own KV pool, sized by rank 0's `CacheSetup` from `pipe`."""
+    """This rank's shard, run by rank 0's forward (`EngineSetup` from `pipe`) on its device."""
     model, model_cfg, _ = load_weights(config)
     set_linear_activations_(model, config.features.linear_activations)
-    shard_model(model, group, expert_parallel=config.model.expert_parallel)
-    pattern = apply_features(model, model_cfg, config)
-    options = cache_options(config, pattern)
+    expert_parallel = config.model.expert_parallel
+    shard_model(model, group, expert_parallel=expert_parallel)
+    apply_features(model, model_cfg, config)
     setup = read_message(pipe)
-    if not isinstance(setup, CacheSetup):
+    if not isinstance(setup, EngineSetup):
         raise SystemExit(EXIT_ORPHANED)  # rank 0 failed before sizing its pool
-    layout = KVLayout.build(model_cfg, options)
-    cache = PagedKVCache(layout, setup.num_blocks, device=config.model.device)
-    options = reference_options(config)
-    sampler = Sampler(batched=None if config.features.batched_sampling else False)
-    return ModelRunner(ReferenceForward(model, cache, sampler, options), sampler, cache)
+    # rank 0 counts expert popularity (the routing is the same on every rank)
+    options = dataclasses.replace(setup.options, device=config.model.device, routing_stats=False)
+    collectives = rank_collectives(group, expert_parallel=expert_parallel,
+                                   num_experts=model_cfg.n_routed_experts)  # fmt: skip
+    return build_model_runner(model, options, collectives)
 
 
 def serve_steps(pipe, runner: ModelRunner, group) -> int:
@@ -95,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     if not config.model.device.startswith("cuda"):
         torch.set_num_threads(1)
     m = config.model
+    if m.device.startswith("cuda"):  # streams, graph captures and Triton launch on this device
+        torch.cuda.set_device(torch.device(m.device))
     group = init_cpu_group(args.rank, args.world_size, args.port, backend=backend_of(config),
                            device=m.device, timeout_s=m.collective_timeout_s)  # fmt: skip
     try:

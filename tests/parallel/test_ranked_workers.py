@@ -4,7 +4,9 @@ Clusters of real processes (`LocalCluster`, what `dsv4 up` runs) serve greedy re
 the router; the tokens must equal the single engine's (one rank, built like the workers):
 - P at 2 ranks (experts whole per rank, --expert-parallel) -> D at 1 rank;
 - P at 1 rank -> D at 4 ranks (experts sliced over the ranks): the pulled KV lands in rank 0's
-  cache and is broadcast to the other ranks before their first forward.
+  cache and is broadcast to the other ranks before their first forward;
+- the paged forward (`--forward paged`): P at 2 ranks (EP) -> D at 2 ranks (experts sliced),
+  against the single engine's paged tokens (every rank runs it on its shard; eager over gloo).
 Then a follower rank of a prefill worker is SIGKILLed: that worker says NOT_SERVING within
 5 s, exits, and the router sends the next requests to the other prefill worker only.
 
@@ -55,6 +57,11 @@ def expected(model_dir: Path) -> list[list[int]]:
     return single_engine_outputs(model_dir, PROMPTS, MAX_NEW_TOKENS)
 
 
+@pytest.fixture(scope="module")
+def expected_paged(model_dir: Path) -> list[list[int]]:
+    return single_engine_outputs(model_dir, PROMPTS, MAX_NEW_TOKENS, {"features.forward": "paged"})
+
+
 def ranks_args(ranks: int, *more: str) -> tuple[str, ...]:
     return ("--tensor-parallel-size", str(ranks), "--collective-timeout-s", "20", *more)
 
@@ -79,11 +86,26 @@ async def serve_prompts(address: str) -> list:
 def test_ranked_workers_give_the_single_engine_tokens(
     model_dir, expected, prefill_args, decode_args
 ) -> None:
+    followers = serve_on_cluster(model_dir, prefill_args, decode_args, expected)
+    assert len(followers) == (3 if decode_args else 1)
+
+
+def test_ranked_workers_on_the_paged_forward_give_the_single_engine_tokens(
+    model_dir, expected_paged
+) -> None:
+    paged = ("--forward", "paged")
+    followers = serve_on_cluster(model_dir, ranks_args(2, "--expert-parallel", *paged),
+                                 ranks_args(2, "--no-expert-parallel", *paged), expected_paged)  # fmt: skip
+    assert len(followers) == 2
+
+
+def serve_on_cluster(model_dir, prefill_args, decode_args, expected) -> list[int]:
+    """Serve PROMPTS through a cluster of one P and one D worker; the tokens must be
+    `expected`, nothing may leak, and every follower rank must exit with its worker."""
     cluster = start_cluster(model_dir, router_port=free_port(), prefill_args=prefill_args,
                             decode_args=decode_args)  # fmt: skip
     followers = all_followers(cluster)
     try:
-        assert len(followers) == (3 if decode_args else 1)
         outcomes = asyncio.run(serve_prompts(cluster.router_address))
         for outcome in outcomes:
             assert outcome.code is grpc.StatusCode.OK, outcome
@@ -93,6 +115,7 @@ def test_ranked_workers_give_the_single_engine_tokens(
     finally:
         cluster.stop()
     assert_exited(followers)
+    return followers
 
 
 def follower_pids(worker_pid: int) -> list[int]:

@@ -55,10 +55,10 @@ def served(overrides: dict, has_cuda: bool = False):
 
 
 def test_several_ranks_refuse_what_is_not_sharded_yet() -> None:
-    assert served({"model.tensor_parallel_size": 2}, has_cuda=True).features.forward == "reference"
+    assert served({"model.tensor_parallel_size": 2}, has_cuda=True).features.forward == "paged"
+    assert served({"model.tensor_parallel_size": 2}).features.forward == "reference"  # CPU
     assert served({}, has_cuda=True).features.forward == "paged"
     cases = [
-        ({"features.forward": "paged"}, "features.forward"),
         ({"speculative.method": "mtp"}, "speculative.method"),
         ({"model.distributed_backend": "nccl"}, "model.distributed_backend"),
     ]
@@ -67,6 +67,7 @@ def test_several_ranks_refuse_what_is_not_sharded_yet() -> None:
             check_rank_config(served({"model.tensor_parallel_size": 2, **overrides}))
         assert failure.value.field_name == field
     check_rank_config(served({"model.tensor_parallel_size": 2}))  # CPU + reference: fine
+    check_rank_config(served({"model.tensor_parallel_size": 2, "features.forward": "paged"}))
 
 
 def test_a_world_size_the_model_cannot_split_is_refused_before_any_rank_starts() -> None:
@@ -133,3 +134,27 @@ def test_tensor_parallel_experts_at_world_size_one_equal_unsharded_exactly() -> 
         torch.set_num_threads(threads)
     assert sharded.generated == reference.generated
     assert torch.equal(sharded.cached_logits, reference.cached_logits)
+
+
+def test_expert_parallel_pairs_on_local_slots_sum_to_the_one_rank_experts() -> None:
+    """`local_expert_pairs`: each rank's grouped GEMM on its own experts (others' pairs
+    weighted 0) gives its share; the shares sum to the one-rank output."""
+    from dsv4.parallel.moe import local_expert_pairs
+    from kernels.moe import moe_experts_ref
+
+    gen = torch.Generator().manual_seed(0)
+    num_experts, world, dim, inter = 5, 2, 16, 8  # 5 experts: rank 0 holds 3, rank 1 holds 2
+    w13 = torch.randn(num_experts, 2 * inter, dim, generator=gen)
+    w2 = torch.randn(num_experts, dim, inter, generator=gen)
+    x = torch.randn(7, dim, generator=gen)
+    ids = torch.randint(0, num_experts, (7, 3), generator=gen)
+    weights = torch.rand(7, 3, generator=gen)
+    whole = moe_experts_ref(x, ids, weights, w13, w2)
+    total = torch.zeros_like(whole)
+    for rank in range(world):
+        held = list(range(rank, num_experts, world))
+        w, slots = local_expert_pairs(weights, ids, ParallelGroup(rank, world), num_experts)
+        assert int(slots.max()) < len(held)
+        assert torch.equal(w != 0, ids % world == rank)
+        total += moe_experts_ref(x, slots, w, w13[held], w2[held])
+    torch.testing.assert_close(total, whole, atol=1e-5, rtol=1e-5)

@@ -52,15 +52,18 @@ def greedy(max_new_tokens: int) -> SamplingParams:
 
 
 def single_engine_outputs(
-    model_dir: Path, prompts: Sequence[Sequence[int]], max_new_tokens: int
+    model_dir: Path,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    overrides: dict[str, object] | None = None,
 ) -> list[list[int]]:
-    """The baseline: one engine built by `build_worker_runtime` with the workers' config."""
+    """The baseline: one engine built by `build_worker_runtime` with the workers' config
+    (plus `overrides`, e.g. the workers' `features.forward`)."""
     from dsv4.config import load_config
     from dsv4.worker.build import build_worker_runtime
 
-    config = load_config(
-        {"model.path": str(model_dir), "cache.num_blocks": NUM_BLOCKS, "cache.block_size": 128}
-    )
+    config = load_config({"model.path": str(model_dir), "cache.num_blocks": NUM_BLOCKS,
+                          "cache.block_size": 128, **(overrides or {})})  # fmt: skip
     runtime = build_worker_runtime(config, with_transport=False, name="baseline")
 
     async def run_all() -> list[list[int]]:

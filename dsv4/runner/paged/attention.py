@@ -34,7 +34,7 @@ def attention_layer(attn: Attention, lw: LayerWeights, fs: ForwardState, x: torc
     layer_id, ratio = attn.layer_id, attn.ratio
     g = meta.geo.layers[layer_id]
     num_t = x.shape[0]
-    h, hd = cfg.num_attention_heads, cfg.head_dim
+    h, hd = cfg.num_attention_heads, cfg.head_dim  # a rank's shard: its view, H / W heads
     cos, sin = fs.rope(ratio)  # [T, rope/2]
     # norm (+ rope) in one launch each: rms_norm then apply_rope on the reference backend
     norm_rope, rope = (

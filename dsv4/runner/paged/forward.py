@@ -24,6 +24,7 @@ from dsv4.model.fp8 import FP8Linear
 from dsv4.model.moe import MoE
 from dsv4.runner.kv_cache import PagedKVCache
 from dsv4.runner.paged.attention import attention_layer
+from dsv4.runner.paged.collectives import ONE_RANK, PagedCollectives
 from dsv4.runner.paged.forward_state import ForwardState, PagedSwitches
 from dsv4.runner.paged.geometry import CacheGeometry
 from dsv4.runner.paged.step_metadata import MetadataSwitches, StepMetadata, StepTokens, upload
@@ -52,7 +53,8 @@ class PagedOutput:
 
 
 class PagedForward:
-    """Owned by the runner (engine thread); built once per cache."""
+    """Owned by the runner (engine thread); built once per cache. On a rank of a sharded
+    replica `model` is the rank's shard and `collectives` its hooks (`collectives.py`)."""
 
     def __init__(
         self,
@@ -61,8 +63,10 @@ class PagedForward:
         kernels: KernelBackendConfig,
         metadata: MetadataSwitches = DEFAULT_METADATA,
         switches: PagedSwitches = DEFAULT_SWITCHES,
+        collectives: PagedCollectives = ONE_RANK,
     ) -> None:
         self.model, self.cache = model, cache
+        self.collectives = collectives
         self.cfg = model.cfg
         self.geo = CacheGeometry(cache.layout, cache.backing)
         self.kernels = kernels
@@ -155,6 +159,7 @@ class PagedForward:
         y = attention_layer(
             block.attn, lw, fs, norm(u, block.attn_norm.weight, block.attn_norm.eps)
         )
+        y = self.collectives.after_attention(y)  # [T, D]: the sum over the ranks' heads
         x = self._ops["hc_post"](y.contiguous(), x, post, comb)
         u, post, comb = block.hc_ffn(x, self._ops["hc_pre"])
         y = self._moe(block.ffn, lw, norm(u, block.ffn_norm.weight, block.ffn_norm.eps),
@@ -169,11 +174,12 @@ class PagedForward:
         w, ids = moe.route(logits, token_ids, self._route, self._hash_route, lw.gate_bias)
         if self.routing_stats is not None:  # counts[layer of moe] += selections, on the device
             self.routing_stats.record(moe, ids)
-        if lw.pool is not None:  # offloaded experts: through the layer's pool, never fused
+        if lw.pool is not None:  # offloaded experts (one rank only): the layer's pool, never fused
             y = lw.pool.experts(u.contiguous(), ids, w, cfg.swiglu_limit)
             if moe.shared_experts is not None:
                 y += moe.shared_experts(u).float()
-            return y.to(u.dtype)
+            return self.collectives.after_moe(y).to(u.dtype)
+        w, ids = self.collectives.local_experts(w, ids)  # global ids -> this rank's slots
         w13, w2, num_t = experts.w13, experts.w2, u.shape[0]
         fuse = (self.switches.fuse_shared_expert and experts.w13_all is not None
                 and num_t <= FUSE_SHARED_MAX_TOKENS)  # fmt: skip
@@ -186,7 +192,7 @@ class PagedForward:
                                      limit=cfg.swiglu_limit)  # [T, D] fp32  # fmt: skip
         if moe.shared_experts is not None and not fuse:
             y += moe.shared_experts(u).float()
-        return y.to(u.dtype)
+        return self.collectives.after_moe(y).to(u.dtype)  # the sum over the ranks' experts
 
 
 def _check_fusable(model: DeepseekV4, weights: tuple[LayerWeights, ...]) -> None:

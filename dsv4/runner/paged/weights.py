@@ -10,6 +10,8 @@
 - Attention output: wo_a viewed [G, o_lora, (H/G) d] for the grouped projection.
 - Router weight and bias, attention sinks: fp32 copies made once (the router's and the sink's
   math is fp32; converting per step was a copy kernel per layer in every decode step).
+On a rank of a sharded replica (`dsv4.parallel.shard_model`) they come from its shard: the
+rank's experts (or every expert's intermediate slice), its heads' sinks and output groups.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 
 from dsv4.errors import ConfigError
 from dsv4.model.deepseek_v4 import DeepseekV4
-from dsv4.model.moe import ExpertWeights, MoE, stack_experts_
+from dsv4.model.moe import ExpertWeights, MoE, routed_modules, stack_experts_
 from dsv4.runner.paged.expert_pool import LayerPool
 
 
@@ -33,7 +35,7 @@ def stack_experts(moe: MoE) -> ExpertWeights:
     cached = moe.stacked_experts
     if cached is not None and cached.is_quantized:  # loaded stacked: the only copy
         return cached
-    if cached is not None and cached.w13.data_ptr() == moe.experts[0].w1.weight.data_ptr():
+    if cached is not None and cached.w13.data_ptr() == routed_modules(moe)[0].w1.weight.data_ptr():
         return cached
     stacked = stack_experts_(moe)
     if stacked.w13.is_cuda:  # hand the per-expert blocks back before the next layer stacks
@@ -54,7 +56,7 @@ class LayerWeights:
     indexer_compressor: CompressorWeights | None
     gate_weight: torch.Tensor  # [E, D] fp32
     gate_bias: torch.Tensor | None  # [E] fp32 (None: a hash-routed layer)
-    attn_sink: torch.Tensor  # [H] fp32
+    attn_sink: torch.Tensor  # [H] fp32 (a rank's H / W heads)
     pool: LayerPool | None = None  # offloaded experts (expert_pool.py): routed through it
 
 
