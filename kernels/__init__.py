@@ -28,6 +28,7 @@ from kernels.ring_offsets import ring_offsets
 from kernels.routing import hash_route, route
 from kernels.sampling import sample
 from kernels.sparse_attention import sparse_attention_decode, sparse_attention_prefill
+from kernels.sparse_attention_heads import sparse_attention_decode_all_heads
 
 __all__ = [
     "KernelBackendConfig",
@@ -58,6 +59,7 @@ __all__ = [
     "sample",
     "select_backend",
     "sparse_attention_decode",
+    "sparse_attention_decode_all_heads",
     "sparse_attention_prefill",
     "token_to_req_indices",
     "window_slot_table",

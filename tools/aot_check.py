@@ -71,6 +71,11 @@ def cases():
                          dict(H=64, D=512, ROPE=64, ENTRY=584, KV_FP8=True, SPLIT=split,
                               NUM_WIN=num_win, DOT_BF16=True, BLOCK_H=bh, BLOCK_N=32,
                               BLOCK_D=512)))  # fmt: skip
+    for split in (False, True):
+        out.append(_case("kernels.sparse_attention_heads", "_attn_heads_kernel", attn,
+                         dict(H=64, D=512, ROPE=64, ENTRY=584, SPLIT=split, NUM_WIN=128,
+                              DOT_BF16=True, BLOCK_H=64, BLOCK_N=32, QK_T=True,
+                              LAZY=True)))  # fmt: skip
     plain = dict(attn, kv_ptr="*bf16")
     out.append(_case("kernels.sparse_attention", "_attn_kernel", plain,
                      dict(H=64, D=512, ROPE=64, ENTRY=512, KV_FP8=False, SPLIT=False, NUM_WIN=0,
