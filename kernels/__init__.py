@@ -12,6 +12,7 @@ from kernels.backend import KernelBackendConfig, dispatch, resolve, select_backe
 from kernels.compressor import compressor_step
 from kernels.fp8_linear import fp8_grouped_linear, fp8_linear
 from kernels.indexer import indexer_logits
+from kernels.indexer_fused import indexer_logits_topk
 from kernels.indexer_select import indexer_select_all, indexer_topk
 from kernels.kv_store import kv_gather, kv_store
 from kernels.mhc import hc_head, hc_post, hc_pre, hc_pre_first_layer
@@ -44,6 +45,7 @@ __all__ = [
     "hc_pre",
     "hc_pre_first_layer",
     "indexer_logits",
+    "indexer_logits_topk",
     "indexer_select_all",
     "indexer_topk",
     "kv_gather",

@@ -173,3 +173,12 @@ def split_window(pid_t, pid_s, split_len, C, wbase_ptr, comp_base, NUM_WIN: tl.c
     if NUM_WIN > 0:
         win_base = tl.load(wbase_ptr + pid_t)
     return start, tl.minimum(start + split_len, C), win_base
+
+
+@triton.jit
+def token_request(t2r_ptr, len_ptr, bt_ptr, t, N, STRIDE_BT):
+    """(its request's block-table row, visible entries n <= N) of token t; n = 0 for padding
+    (token_to_req[t] = -1), whose row pointer is request 0's (read only under n masks)."""
+    req = tl.load(t2r_ptr + t)
+    n = tl.where(req >= 0, tl.minimum(tl.load(len_ptr + t), N), 0)
+    return bt_ptr + tl.maximum(req, 0).to(tl.int64) * STRIDE_BT, n

@@ -26,8 +26,7 @@ ATTN_PTRS = {"q_ptr": "*bf16", "kv_ptr": "*u8", "kv16_ptr": "*bf16", "slot_ptr":
              "wbase_ptr": "*i32", "sink_ptr": "*fp32", "o_ptr": "*bf16", "lse_ptr": "*fp32",
              "qk_scale_log2": "fp32"}  # fmt: skip
 INDEX_PTRS = {"q_ptr": "*bf16", "w_ptr": "*fp32", "key_ptr": "*u8", "bt_ptr": "*i32",
-              "t2r_ptr": "*i32", "len_ptr": "*i32", "out_ptr": "*fp32", "part_ptr": "*fp32",
-              "pidx_ptr": "*i32"}  # fmt: skip
+              "t2r_ptr": "*i32", "len_ptr": "*i32", "out_ptr": "*fp32"}  # fmt: skip
 ALIGNED_INTS = ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_wt", "STRIDE_BT")
 ROW = 584  # fp8_ds_mla bytes of a 512-d row
 KEY_ROW = {1: 132, 2: 68}  # indexer key bytes: fp8_fp32scale, mxfp4
@@ -52,22 +51,26 @@ def _attn_cases():
 
 
 def _index_cases():
-    from kernels import indexer as old
-    from kernels import indexer_fused as new
+    from kernels import indexer, indexer_select
 
-    base = dict(HI=64, DI=128, E=64, STRIDE_KB=1 << 16, DOT_BF16=True, BLOCK_H=64)
+    base = dict(HI=64, DI=128, E=64, STRIDE_KB=1 << 16, DOT_BF16=True, WRITE_TAIL=False,
+                BLOCK_H=64)  # fmt: skip
     out = []
     for fmt in (1, 2):
-        for bn, w, s in old._GPU_CONFIGS:
-            consts = dict(base, STRIDE_KE=KEY_ROW[fmt], FMT=fmt, WRITE_TAIL=False, BLOCK_N=bn)
-            out.append((f"index old fmt{fmt} n{bn} w{w} s{s}", old._logits_kernel, INDEX_PTRS,
-                        consts, dict(num_warps=w, num_stages=s), bn * KEY_ROW[fmt]))  # fmt: skip
-        for bn, w, s in new.SWEEP:
-            consts = dict(base, STRIDE_KE=KEY_ROW[fmt], FMT=fmt, K=512, BLOCK_N=bn,
-                          CHUNK=new.CHUNK)  # fmt: skip
-            out.append((f"index new fmt{fmt} n{bn} w{w} s{s}", new._logits_topk_kernel,
-                        INDEX_PTRS, consts, dict(num_warps=w, num_stages=s),
-                        bn * KEY_ROW[fmt]))  # fmt: skip
+        row = KEY_ROW[fmt]
+        for fast in (False, True):
+            for bn, w, s in indexer._GPU_CONFIGS:  # the autotuner's candidates
+                consts = dict(base, STRIDE_KE=row, FMT=fmt, BLOCK_N=bn, FAST=fast)
+                out.append((f"index {'new' if fast else 'old'} fmt{fmt} n{bn} w{w} s{s}",
+                            indexer._logits_kernel, INDEX_PTRS, consts,
+                            dict(num_warps=w, num_stages=s), bn * row))  # fmt: skip
+    topk = dict(K=512, E=64, SLOTS_PER_BLOCK=64, SLOT_BASE=0, BLOCK=8192, BLOCK_K=512,
+                ONE_CHUNK=True)  # fmt: skip
+    ptrs = {"score_ptr": "*fp32", "len_ptr": "*i32", "t2r_ptr": "*i32", "bt_ptr": "*i32",
+            "out_ptr": "*i32", "lens_ptr": "*i32"}  # fmt: skip
+    for radix in (False, True):  # loop bytes: the 32 KB score row
+        out.append((f"index topk {'new' if radix else 'old'} 8192", indexer_select._topk_kernel,
+                    ptrs, dict(topk, RADIX=radix), dict(num_warps=16, num_stages=1), 8192 * 4))  # fmt: skip
     return out
 
 

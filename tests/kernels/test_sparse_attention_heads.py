@@ -4,10 +4,6 @@ reference of `sparse_attention_decode` and, on the GPU, against the default kern
 from __future__ import annotations
 
 import importlib
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +11,7 @@ import torch
 import kernels.sparse_attention_heads as sh
 from kernels.sparse_attention import sparse_attention_decode, sparse_attention_decode_ref
 from tests.kernels.conftest import DEVICE
+from tests.kernels.sm90_build import sass_lines
 from tests.kernels.test_sparse_attention import _case, _check
 from tests.kernels.tolerances import assert_close
 
@@ -95,14 +92,7 @@ def test_sparse_attention_decode_all_heads_production_shape_gpu(num_tokens):
 def test_sm90_compile_of_the_served_config_has_no_spills():
     """The point of the variant: 64 heads a program at GPU_CONFIG compiles for sm_90a with no
     local-memory stack (the default kernel's 64-head config spills; tools/attn_sass.py)."""
-    code = ("import tools.attn_sass as a, kernels.sparse_attention_heads as h\n"
-            "c = next(c for c in a._attn_cases() if c[0].startswith('attn new') and "
-            "c[3]['BLOCK_N'] == h.GPU_CONFIG[0] and c[4]['num_warps'] == h.GPU_CONFIG[1] and "
-            "c[4]['num_stages'] == h.GPU_CONFIG[2] and c[3]['LAZY'] == h.LAZY_RESCALE)\n"
-            "print(a.report(c, None))")  # fmt: skip
-    root = Path(__file__).resolve().parents[2]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    line = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env=env, cwd=root, check=True, timeout=600).stdout  # fmt: skip
+    block_n, warps, stages = sh.GPU_CONFIG
+    name = f"attn new h64 n{block_n} w{warps} s{stages} qkt1 lazy{int(sh.LAZY_RESCALE)}"
+    (line,) = sass_lines(name)
     assert " stack    0 " in line, line
