@@ -4,6 +4,7 @@ reference of `sparse_attention_decode` and, on the GPU, against the default kern
 from __future__ import annotations
 
 import importlib
+import json
 
 import pytest
 import torch
@@ -96,3 +97,24 @@ def test_sm90_compile_of_the_served_config_has_no_spills():
     name = f"attn new h64 n{block_n} w{warps} s{stages} qkt1 lazy{int(sh.LAZY_RESCALE)}"
     (line,) = sass_lines(name)
     assert " stack    0 " in line, line
+
+
+def test_variants_benchmark_dry_run(tmp_path):
+    """`bench_kernels_attention --variants --dry-run`: the GPU call's code path with tiny shapes
+    (the kernels run under the interpreter): every record the H200 run must write, and the
+    variants' numerics check passing."""
+    from benchmarks import bench_kernels_attention
+
+    out = tmp_path / "variants.json"
+    assert bench_kernels_attention.main(["--variants", "--dry-run", "--out", str(out)]) == 0
+    records = json.loads(out.read_text())
+    timed = [r for r in records if "time_us" in r]
+    fields = {"name", "T", "variant", "time_us", "baseline_time_us", "speedup", "pct_roofline"}
+    assert all(fields <= set(r) for r in timed), timed
+    assert {(r["name"], r.get("keys")) for r in timed} >= {
+        ("sparse_attention_decode", None), ("indexer_logits+topk", "fp8"),
+        ("indexer_logits+topk", "mxfp4"),
+    }  # fmt: skip
+    numerics = [r for r in records if r["name"] == "attention_variants_numerics"]
+    assert all(r.get("max_abs_diff", 0.0) < 3e-2 for r in numerics), numerics  # bf16 ulps
+    assert all(r.get("same_topk_as_reference", True) for r in numerics), numerics
