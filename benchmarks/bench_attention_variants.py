@@ -42,7 +42,7 @@ from kernels import sparse_attention_heads as heads
 
 # all_heads configs timed: (BLOCK_N, num_warps, num_stages), num_splits (None: one wave)
 ATTN_TUNES = [(heads.GPU_CONFIG, None), ((32, 8, 1), None), ((16, 8, 2), None),
-              (heads.GPU_CONFIG, 4)]  # fmt: skip
+              (heads.GPU_CONFIG, 1), (heads.GPU_CONFIG, 4)]  # fmt: skip
 KEY_FORMATS = {"fp8": "fp8_fp32scale", "mxfp4": "mxfp4"}
 
 

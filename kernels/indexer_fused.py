@@ -11,8 +11,9 @@ Logits (`fast=True`, the `FAST` constexpr of `_logits_kernel`; same programs and
   code for 0.5 a subnormal), then two multiplies: a few integer ops a value instead of the
   default's float select chain.
 Top-k (`radix=True`, the `RADIX` constexpr of `_topk_kernel`): the k-th largest score by an
-8-bit radix select (4 histogram rounds over the row) instead of up to 32 bitwise count rounds,
-then the default's compaction (ties to the lower index).
+8-bit radix select (4 histogram rounds over the row) instead of up to 32 bitwise count rounds;
+it also knows how many ties to keep (no counting pass), and the compaction (ties to the lower
+index) runs one packed scan instead of two, at 8 warps (16 spill on sm_90).
 
 A per-program partial top-k was considered: a split of 1024 of 8192 keys keeps its own top 512,
 so a merge would still see half the keys, and the scores round trip costs 4 bytes a key against

@@ -57,9 +57,10 @@ def _global_slots(bt_row, i, ok, E: tl.constexpr, SLOTS_PER_BLOCK: tl.constexpr,
 @triton.jit
 def _radix_threshold(row_ptr, n, offs, K: tl.constexpr, BLOCK: tl.constexpr,
                      ONE_CHUNK: tl.constexpr):  # fmt: skip
-    """The K-th largest sort key of scores[:n] (n > K) by an 8-bit radix select from the top:
-    4 histogram rounds instead of up to 32 count rounds. `prefix` holds the decided high bits,
-    `need` how many keys >= the answer are still wanted among those matching the prefix."""
+    """(the K-th largest sort key of scores[:n] (n > K), how many keys equal to it are among
+    the top K) by an 8-bit radix select from the top: 4 histogram rounds instead of up to 32
+    count rounds. `prefix` holds the decided high bits, `need` how many keys >= the answer
+    are still wanted among those matching the prefix."""
     prefix = tl.zeros([], tl.uint32)
     need = K
     b = tl.arange(0, 256)
@@ -78,7 +79,7 @@ def _radix_threshold(row_ptr, n, offs, K: tl.constexpr, BLOCK: tl.constexpr,
         best = tl.max(tl.where(at_least >= need, b, -1))  # >= 0: at_least[0] >= need
         need -= tl.sum(tl.where(b > best, hist, 0))
         prefix |= best.to(tl.uint32) << shift
-    return prefix
+    return prefix, need
 
 
 @triton.jit
@@ -111,9 +112,13 @@ def _topk_kernel(
     # Threshold: the largest thr with #(key >= thr) >= K, i.e. the K-th largest key (or any
     # thr with exactly K keys >= thr). n <= K keeps thr = 0: every entry is selected.
     thr = tl.zeros([], tl.uint32)
+    num_above = 0
+    above_known = 0
     if RADIX:
-        if n > K:
-            thr = _radix_threshold(row_ptr, n, offs, K, BLOCK, ONE_CHUNK)
+        if n > K:  # the radix select also counts the keys above its answer
+            thr, num_ties = _radix_threshold(row_ptr, n, offs, K, BLOCK, ONE_CHUNK)
+            num_above = K - num_ties
+            above_known = 1
     elif n > K:
         if ONE_CHUNK:
             row_keys = _sort_keys(row_ptr, offs, n)
@@ -133,9 +138,9 @@ def _topk_kernel(
             bit -= 1
 
     # Keep key > thr, plus the first (K - #above) keys == thr; compact in index order.
-    num_above = 0
-    for c0 in range(0, n, BLOCK):
-        num_above += tl.sum((_sort_keys(row_ptr, c0 + offs, n) > thr).to(tl.int32))
+    if above_known == 0:
+        for c0 in range(0, n, BLOCK):
+            num_above += tl.sum((_sort_keys(row_ptr, c0 + offs, n) > thr).to(tl.int32))
     num_ties = K - num_above
     num_out = 0
     ties_before = 0
@@ -143,9 +148,16 @@ def _topk_kernel(
         i = c0 + offs
         key = _sort_keys(row_ptr, i, n)
         tie = (key == thr) & (i < n)
-        tie_rank = tl.cumsum(tie.to(tl.int32), axis=0) + ties_before  # inclusive
-        keep = (key > thr) | (tie & (tie_rank <= num_ties))
-        pos = num_out + tl.cumsum(keep.to(tl.int32), axis=0) - 1
+        if RADIX:  # one scan: #above in the low 16 bits, #ties in the high (BLOCK <= 16384)
+            both = tl.cumsum((key > thr).to(tl.int32) + (tie.to(tl.int32) << 16), axis=0)
+            tie_rank = (both >> 16) + ties_before  # inclusive
+            keep = (key > thr) | (tie & (tie_rank <= num_ties))
+            pos = num_out - tl.minimum(ties_before, num_ties) + (both & 0xFFFF)
+            pos += tl.minimum(tie_rank, num_ties) - 1
+        else:
+            tie_rank = tl.cumsum(tie.to(tl.int32), axis=0) + ties_before  # inclusive
+            keep = (key > thr) | (tie & (tie_rank <= num_ties))
+            pos = num_out + tl.cumsum(keep.to(tl.int32), axis=0) - 1
         slot = _global_slots(bt_row, i, keep, E, SLOTS_PER_BLOCK, SLOT_BASE)
         tl.store(out_ptr + t * K + pos, slot, mask=keep)
         num_out += tl.sum(keep.to(tl.int32))
@@ -201,6 +213,8 @@ def indexer_topk(scores, lengths, k, token_to_req, block_table, entries_per_bloc
         return slots, lens
     block = min(triton.next_power_of_2(max(num_cols, 1)), _MAX_ROW_IN_REGISTERS)
     warps = 16 if block >= 8192 else (8 if block >= 2048 else 4)
+    if radix:  # its one packed scan spills at 16 warps (128 registers) on sm_90; 8 do not
+        warps = min(warps, 8)
     _topk_kernel[(num_tokens,)](
         scores, lengths, token_to_req, block_table, slots, lens, num_cols, scores.stride(0),
         K=k, E=entries_per_block, SLOTS_PER_BLOCK=slots_per_block or entries_per_block,

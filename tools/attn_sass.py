@@ -68,9 +68,10 @@ def _index_cases():
                 ONE_CHUNK=True)  # fmt: skip
     ptrs = {"score_ptr": "*fp32", "len_ptr": "*i32", "t2r_ptr": "*i32", "bt_ptr": "*i32",
             "out_ptr": "*i32", "lens_ptr": "*i32"}  # fmt: skip
-    for radix in (False, True):  # loop bytes: the 32 KB score row
+    for radix, warps in ((False, 16), (True, 8)):  # as launched; loop bytes: the 32 KB row
         out.append((f"index topk {'new' if radix else 'old'} 8192", indexer_select._topk_kernel,
-                    ptrs, dict(topk, RADIX=radix), dict(num_warps=16, num_stages=1), 8192 * 4))  # fmt: skip
+                    ptrs, dict(topk, RADIX=radix), dict(num_warps=warps, num_stages=1),
+                    8192 * 4))  # fmt: skip
     return out
 
 
