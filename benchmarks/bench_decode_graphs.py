@@ -43,7 +43,9 @@ from dsv4.scheduler.request import Request
 # graphs make them moot, they are measured eagerly in benchmarks/bench_engine.py)
 GRAPH_VARIANTS = ("all_on", "shared_sparse_metadata_off", "skip_redundant_fill_off",
                   "skip_topk_off", "router_kernel_reference", "fused_mhc_off",
-                  "glue_kernels_reference", "fused_shared_expert_on", "routing_stats_on")  # fmt: skip
+                  "glue_kernels_reference", "fused_shared_expert_on", "routing_stats_on",
+                  "attention_all_heads_on", "indexer_variants_on")  # fmt: skip
+OPT_IN = ("attention_all_heads_on", "indexer_variants_on")  # captured only when named
 
 
 def _options(batches, contexts, capture: bool) -> GraphOptions:
@@ -280,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
                         "block scales) as a checkpoint stores them")  # fmt: skip
     parser.add_argument(
         "--variants",
-        default=",".join(GRAPH_VARIANTS[1:]),
+        default=",".join(v for v in GRAPH_VARIANTS[1:] if v not in OPT_IN),
         help="switch variants captured beside all_on (comma list; '' = none)",
     )
     args = parser.parse_args(argv)

@@ -2,6 +2,7 @@
 
     python -m benchmarks.bench_kernels_attention        # H200: results/kernels-attention-h200.json
     python -m benchmarks.bench_kernels_attention --dry-run --out /tmp/a.json   # CPU: tiny, ref only
+    python -m benchmarks.bench_kernels_attention --variants --out X.json   # issue 25: old vs new
 
 Same record format and timing as benchmarks/bench_kernels.py ({"name", "shape", "time_us",
 "baseline", "baseline_time_us", "speedup", "pct_roofline"}; medians of CUDA-graph replays).
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -227,6 +229,11 @@ def run(dry_run: bool, only: str = "") -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--variants" in argv:  # issue 25's variants against these kernels, one GPU call
+        from benchmarks import bench_attention_variants
+
+        return bench_attention_variants.main([a for a in argv if a != "--variants"])
     return bench_main(__doc__.split("\n")[0], run, DEFAULT_OUT, argv)
 
 

@@ -49,6 +49,9 @@ VARIANTS: dict[str, tuple[MetadataSwitches, PagedSwitches, dict[str, str], bool]
     ),
     # off by default until timed: this variant is the switch ON
     "fused_shared_expert_on": (MetadataSwitches(), PagedSwitches(fuse_shared_expert=True), {}, True),
+    # issue 25's kernel variants, off by default until timed: these variants are the switch ON
+    "attention_all_heads_on": (MetadataSwitches(), PagedSwitches(attention_all_heads=True), {}, True),
+    "indexer_variants_on": (MetadataSwitches(), PagedSwitches(indexer_variants=True), {}, True),
     # metrics.routing_stats: an index_add_ per MoE layer (what counting expert popularity costs)
     "routing_stats_on": (MetadataSwitches(), PagedSwitches(), {}, True),
     "all_off": (

@@ -12,6 +12,7 @@ from kernels.backend import KernelBackendConfig, dispatch, resolve, select_backe
 from kernels.compressor import compressor_step
 from kernels.fp8_linear import fp8_grouped_linear, fp8_linear
 from kernels.indexer import indexer_logits
+from kernels.indexer_fused import indexer_logits_topk
 from kernels.indexer_select import indexer_select_all, indexer_topk
 from kernels.kv_store import kv_gather, kv_store
 from kernels.mhc import hc_head, hc_post, hc_pre, hc_pre_first_layer
@@ -29,6 +30,7 @@ from kernels.ring_offsets import ring_offsets
 from kernels.routing import hash_route, route
 from kernels.sampling import sample
 from kernels.sparse_attention import sparse_attention_decode, sparse_attention_prefill
+from kernels.sparse_attention_heads import sparse_attention_decode_all_heads
 
 __all__ = [
     "KernelBackendConfig",
@@ -47,6 +49,7 @@ __all__ = [
     "hc_pre",
     "hc_pre_first_layer",
     "indexer_logits",
+    "indexer_logits_topk",
     "indexer_select_all",
     "indexer_topk",
     "kv_gather",
@@ -63,6 +66,7 @@ __all__ = [
     "sample",
     "select_backend",
     "sparse_attention_decode",
+    "sparse_attention_decode_all_heads",
     "sparse_attention_prefill",
     "token_to_req_indices",
     "window_slot_table",

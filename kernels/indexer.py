@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from dsv4.ops.kv_codec import decode_rows
+from kernels.jit_helpers import token_request
 from kernels.registry import register_op
 from kernels.specialize import sizes_vary
 
@@ -71,6 +72,35 @@ def _load_keys(key_ptr, base, ok, DI: tl.constexpr, FMT: tl.constexpr, BLOCK_N: 
         return val * scale, tl.full([BLOCK_N], 1.0, tl.float32)
 
 
+@triton.jit
+def _load_keys_fast(key_ptr, base, ok, DI: tl.constexpr, FMT: tl.constexpr, DOT_T: tl.constexpr,
+                    BLOCK_N: tl.constexpr):  # fmt: skip
+    """The FAST variant's rows -> [BLOCK_N, DI] in the dot dtype (the FP8 row scale is not
+    applied: the kernel multiplies the head sum by it). e4m3 -> fp16 is one cvt per two codes;
+    an e2m1 nibble x = s e1 e0 m placed as fp32 bits (x & 7) << 22 (sign to bit 31) is
+    e2m1(x) * 2^-126 exactly (x = 1 is the subnormal 2^-127): times 2^126, times the block's
+    2^(s-127), a few integer ops a value instead of `_load_keys`' float select chain."""
+    if FMT == 2:
+        j = tl.arange(0, DI // 2)
+        p = tl.load(key_ptr + base[:, None] + j[None, :], mask=ok[:, None], other=0).to(tl.int32)
+        lo = ((p & 7) << 22) | ((p & 8) << 28)  # even dim: the low nibble
+        hi = ((p & 0x70) << 18) | ((p & 0x80) << 24)
+        bits = tl.reshape(tl.join(lo, hi), (BLOCK_N, DI))
+        b = tl.arange(0, DI // 32)
+        sb = tl.load(key_ptr + base[:, None] + DI // 2 + b[None, :], mask=ok[:, None], other=127)
+        scale = (sb.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # 2^(sb-127)
+        scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_N, DI // 32, 32)),
+                           (BLOCK_N, DI))  # fmt: skip
+        val = bits.to(tl.float32, bitcast=True) * 8.507059173023462e37  # x 2^126
+        return (val * scale).to(DOT_T)
+    else:
+        d = tl.arange(0, DI)
+        k = tl.load(key_ptr + base[:, None] + d[None, :], mask=ok[:, None], other=0)
+        if FMT == 1:
+            k = k.to(tl.float8e4nv, bitcast=True)
+        return k.to(DOT_T)
+
+
 @triton.jit(**sizes_vary("N", "split_len", "STRIDE_BT"))
 def _logits_kernel(
     # Pointers: q [T, HI, DI], weights [T, HI] fp32, keys [num_blocks, E, row] (paged view),
@@ -84,17 +114,18 @@ def _logits_kernel(
     DOT_BF16: tl.constexpr,  # bf16 tensor-core dot (GPU); fp32 under the interpreter
     WRITE_TAIL: tl.constexpr,  # -inf past the visible entries (False: the top-k never reads them)
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    FAST: tl.constexpr = False,  # issue 25's variant: `_load_keys_fast`, fp16 dot for FP8 keys
 ):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
-    req = tl.load(t2r_ptr + t)
-    n = tl.where(req >= 0, tl.minimum(tl.load(len_ptr + t), N), 0)
+    bt_row, n = token_request(t2r_ptr, len_ptr, bt_ptr, t, N, STRIDE_BT)
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, DI)
     dot_t = tl.bfloat16 if DOT_BF16 else tl.float32
+    if FAST and DOT_BF16 and FMT == 1:
+        dot_t = tl.float16  # e4m3 codes are fp16 values; bf16 q is fp16 for 2^-14 <= |q| <= 65504
     q = tl.load(q_ptr + t * stride_qt + h[:, None] * stride_qh + d[None, :],
                 mask=(h < HI)[:, None], other=0.0).to(tl.float32).to(dot_t)  # fmt: skip
     w = tl.load(w_ptr + t * stride_wt + h, mask=h < HI, other=0.0).to(tl.float32)
-    bt_row = bt_ptr + tl.maximum(req, 0).to(tl.int64) * STRIDE_BT
     out_row = out_ptr + t * stride_ot
     start = tl.program_id(1) * split_len
     end = tl.minimum(start + split_len, N)
@@ -104,9 +135,16 @@ def _logits_kernel(
         ok = i < stop
         blk = tl.load(bt_row + i // E, mask=ok, other=0).to(tl.int64)
         base = blk * STRIDE_KB + (i % E) * STRIDE_KE
-        k, row_scale = _load_keys(key_ptr, base, ok, DI, FMT, BLOCK_N)
-        dots = tl.dot(k.to(dot_t), tl.trans(q)) * row_scale[:, None]  # [BLOCK_N, BLOCK_H]
-        score = tl.sum(tl.maximum(dots, 0.0) * w[None, :], axis=1)
+        if FAST:
+            dots = tl.dot(_load_keys_fast(key_ptr, base, ok, DI, FMT, dot_t, BLOCK_N), tl.trans(q))
+            score = tl.sum(tl.maximum(dots, 0.0) * w[None, :], axis=1)
+            if FMT == 1:  # the row scale (> 0) after relu and the head sum: relu(s d) = s relu(d)
+                score *= tl.load((key_ptr + base + DI).to(tl.pointer_type(tl.float32)), mask=ok,
+                                 other=0.0)  # fmt: skip
+        else:
+            k, row_scale = _load_keys(key_ptr, base, ok, DI, FMT, BLOCK_N)
+            dots = tl.dot(k.to(dot_t), tl.trans(q)) * row_scale[:, None]  # [BLOCK_N, BLOCK_H]
+            score = tl.sum(tl.maximum(dots, 0.0) * w[None, :], axis=1)
         tl.store(out_row + i, tl.where(ok, score, float("-inf")), mask=i < end)
     if WRITE_TAIL:  # the rest of this split is past the visible entries
         tail = start + tl.cdiv(tl.maximum(stop - start, 0), BLOCK_N) * BLOCK_N
@@ -123,7 +161,9 @@ def _tuned_logits_kernel():
     configs = [
         triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=s) for bn, w, s in _GPU_CONFIGS
     ]
-    return triton.autotune(configs, key=["HI", "DI", "E", "FMT", "DOT_BF16"])(_logits_kernel)
+    return triton.autotune(configs, key=["HI", "DI", "E", "FMT", "DOT_BF16", "FAST"])(
+        _logits_kernel
+    )
 
 
 @functools.cache
@@ -147,7 +187,7 @@ def _key_geometry(keys, key_format, head_dim):
 
 
 def indexer_logits(q, weights, keys, block_table, token_to_req, lengths, *, key_format,
-                   num_cols=None, write_tail=True):  # fmt: skip
+                   num_cols=None, write_tail=True, fast=False):  # fmt: skip
     """q [T, H_I, d] bf16/fp32, weights [T, H_I] fp32 (already scaled), keys: paged view
     [num_blocks, E, row] (uint8 rows, or [num_blocks, E, d] float for "plain"), block_table
     [B, nb] int32, token_to_req [T] int32 (-1 = padding), lengths [T] int32 (visible entries)
@@ -155,7 +195,8 @@ def indexer_logits(q, weights, keys, block_table, token_to_req, lengths, *, key_
 
     `num_cols` (the static width, e.g. max_model_len // 4) defaults to max(lengths): a host sync.
     `write_tail=False` leaves scores[t, i >= lengths[t]] unwritten (the top-k reads only
-    i < lengths[t]): a static width then costs nothing past each row's visible entries."""
+    i < lengths[t]): a static width then costs nothing past each row's visible entries.
+    `fast`: issue 25's variant of the inner loop (`_load_keys_fast`; kernels/indexer_fused.py)."""
     num_tokens, num_heads, head_dim = q.shape
     assert head_dim & (head_dim - 1) == 0 and head_dim >= 32 and q.stride(2) == 1
     assert weights.shape == (num_tokens, num_heads) and weights.stride(1) == 1
@@ -182,7 +223,7 @@ def indexer_logits(q, weights, keys, block_table, token_to_req, lengths, *, key_
     meta = dict(HI=num_heads, DI=head_dim, E=keys.shape[1], STRIDE_KB=stride_block,
                 STRIDE_KE=stride_row, STRIDE_BT=block_table.stride(0), FMT=fmt,
                 DOT_BF16=on_gpu and q.dtype == torch.bfloat16, WRITE_TAIL=write_tail,
-                BLOCK_H=max(16, triton.next_power_of_2(num_heads)))  # fmt: skip
+                BLOCK_H=max(16, triton.next_power_of_2(num_heads)), FAST=fast)  # fmt: skip
     grid = (num_tokens, triton.cdiv(num_cols, split_len))
     if on_gpu:
         _tuned_logits_kernel()[grid](*args, **meta)
@@ -192,7 +233,7 @@ def indexer_logits(q, weights, keys, block_table, token_to_req, lengths, *, key_
 
 
 def indexer_logits_ref(q, weights, keys, block_table, token_to_req, lengths, *, key_format,
-                       num_cols=None, write_tail=True):  # fmt: skip
+                       num_cols=None, write_tail=True, fast=False):  # fmt: skip
     num_tokens, _, head_dim = q.shape
     if num_cols is None:
         num_cols = int(lengths.max()) if num_tokens else 0

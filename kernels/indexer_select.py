@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.jit_helpers import token_request
 from kernels.registry import register_op
 from kernels.specialize import sizes_vary
 
@@ -53,6 +54,44 @@ def _global_slots(bt_row, i, ok, E: tl.constexpr, SLOTS_PER_BLOCK: tl.constexpr,
     return tl.where(ok, blk * SLOTS_PER_BLOCK + SLOT_BASE + i % E, -1)
 
 
+@triton.jit
+def _radix_threshold(row_ptr, n, offs, K: tl.constexpr, BLOCK: tl.constexpr,
+                     ONE_CHUNK: tl.constexpr):  # fmt: skip
+    """(the K-th largest sort key of scores[:n] (n > K), how many keys equal to it are among
+    the top K) by an 8-bit radix select from the top: 4 histogram rounds instead of up to 32
+    count rounds. `prefix` holds the decided high bits, `need` how many keys >= the answer
+    are still wanted among those matching the prefix."""
+    prefix = tl.zeros([], tl.uint32)
+    need = K
+    b = tl.arange(0, 256)
+    if ONE_CHUNK:
+        row_keys = _sort_keys(row_ptr, offs, n)
+    for r in tl.static_range(4):
+        shift = 24 - 8 * r
+        if ONE_CHUNK:
+            hist = _digit_histogram(row_keys, offs < n, prefix, shift, r)
+        else:
+            hist = tl.zeros([256], tl.int32)
+            for c0 in range(0, n, BLOCK):
+                keys = _sort_keys(row_ptr, c0 + offs, n)
+                hist += _digit_histogram(keys, c0 + offs < n, prefix, shift, r)
+        at_least = tl.sum(hist) - tl.cumsum(hist, 0) + hist  # matching keys with digit >= b
+        best = tl.max(tl.where(at_least >= need, b, -1))  # >= 0: at_least[0] >= need
+        need -= tl.sum(tl.where(b > best, hist, 0))
+        prefix |= best.to(tl.uint32) << shift
+    return prefix, need
+
+
+@triton.jit
+def _digit_histogram(keys, valid, prefix, shift: tl.constexpr, r: tl.constexpr):
+    """Histogram [256] of the keys' 8-bit digit at `shift` among those whose higher digits
+    equal `prefix`'s (all of them in round r = 0)."""
+    match = valid
+    if r > 0:
+        match &= (keys >> (shift + 8)) == (prefix >> (shift + 8))
+    return tl.histogram(((keys >> shift) & 255).to(tl.int32), 256, mask=match)
+
+
 @triton.jit(**sizes_vary("N", "STRIDE_BT"))
 def _topk_kernel(
     # Pointers: scores [T, N] fp32, lengths [T], token_to_req [T], block_table [B, nb] int32;
@@ -63,18 +102,24 @@ def _topk_kernel(
     K: tl.constexpr, E: tl.constexpr, SLOTS_PER_BLOCK: tl.constexpr, SLOT_BASE: tl.constexpr,
     STRIDE_BT, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr,
     ONE_CHUNK: tl.constexpr,  # the whole row fits in BLOCK: load it once
+    RADIX: tl.constexpr = False,  # issue 25's variant: the threshold by `_radix_threshold`
 ):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
-    req = tl.load(t2r_ptr + t)
-    n = tl.where(req >= 0, tl.minimum(tl.load(len_ptr + t), N), 0)
+    bt_row, n = token_request(t2r_ptr, len_ptr, bt_ptr, t, N, STRIDE_BT)
     row_ptr = score_ptr + t * stride_st
-    bt_row = bt_ptr + tl.maximum(req, 0).to(tl.int64) * STRIDE_BT
     offs = tl.arange(0, BLOCK)
 
     # Threshold: the largest thr with #(key >= thr) >= K, i.e. the K-th largest key (or any
     # thr with exactly K keys >= thr). n <= K keeps thr = 0: every entry is selected.
     thr = tl.zeros([], tl.uint32)
-    if n > K:
+    num_above = 0
+    above_known = 0
+    if RADIX:
+        if n > K:  # the radix select also counts the keys above its answer
+            thr, num_ties = _radix_threshold(row_ptr, n, offs, K, BLOCK, ONE_CHUNK)
+            num_above = K - num_ties
+            above_known = 1
+    elif n > K:
         if ONE_CHUNK:
             row_keys = _sort_keys(row_ptr, offs, n)
         bit = 31
@@ -93,9 +138,9 @@ def _topk_kernel(
             bit -= 1
 
     # Keep key > thr, plus the first (K - #above) keys == thr; compact in index order.
-    num_above = 0
-    for c0 in range(0, n, BLOCK):
-        num_above += tl.sum((_sort_keys(row_ptr, c0 + offs, n) > thr).to(tl.int32))
+    if above_known == 0:
+        for c0 in range(0, n, BLOCK):
+            num_above += tl.sum((_sort_keys(row_ptr, c0 + offs, n) > thr).to(tl.int32))
     num_ties = K - num_above
     num_out = 0
     ties_before = 0
@@ -103,9 +148,16 @@ def _topk_kernel(
         i = c0 + offs
         key = _sort_keys(row_ptr, i, n)
         tie = (key == thr) & (i < n)
-        tie_rank = tl.cumsum(tie.to(tl.int32), axis=0) + ties_before  # inclusive
-        keep = (key > thr) | (tie & (tie_rank <= num_ties))
-        pos = num_out + tl.cumsum(keep.to(tl.int32), axis=0) - 1
+        if RADIX:  # one scan: #above in the low 16 bits, #ties in the high (BLOCK <= 16384)
+            both = tl.cumsum((key > thr).to(tl.int32) + (tie.to(tl.int32) << 16), axis=0)
+            tie_rank = (both >> 16) + ties_before  # inclusive
+            keep = (key > thr) | (tie & (tie_rank <= num_ties))
+            pos = num_out - tl.minimum(ties_before, num_ties) + (both & 0xFFFF)
+            pos += tl.minimum(tie_rank, num_ties) - 1
+        else:
+            tie_rank = tl.cumsum(tie.to(tl.int32), axis=0) + ties_before  # inclusive
+            keep = (key > thr) | (tie & (tie_rank <= num_ties))
+            pos = num_out + tl.cumsum(keep.to(tl.int32), axis=0) - 1
         slot = _global_slots(bt_row, i, keep, E, SLOTS_PER_BLOCK, SLOT_BASE)
         tl.store(out_ptr + t * K + pos, slot, mask=keep)
         num_out += tl.sum(keep.to(tl.int32))
@@ -147,10 +199,11 @@ def _check(lengths, token_to_req, block_table):
 
 
 def indexer_topk(scores, lengths, k, token_to_req, block_table, entries_per_block, *,
-                 slots_per_block=None, slot_base=0):  # fmt: skip
+                 slots_per_block=None, slot_base=0, radix=False):  # fmt: skip
     """scores [T, N] fp32, lengths [T] int32 (entries visible to each token), k, token_to_req
     [T] int32 (-1 = padding), block_table [B, nb] int32 -> (slots [T, k] int32 global slots of
-    the top-k entries, -1 padded; lens [T] int32 = min(k, lengths), 0 for padding)."""
+    the top-k entries, -1 padded; lens [T] int32 = min(k, lengths), 0 for padding).
+    `radix`: issue 25's threshold search (`_radix_threshold`; kernels/indexer_fused.py)."""
     _check(lengths, token_to_req, block_table)
     num_tokens, num_cols = scores.shape
     assert scores.dtype == torch.float32 and scores.stride(1) == 1
@@ -160,12 +213,14 @@ def indexer_topk(scores, lengths, k, token_to_req, block_table, entries_per_bloc
         return slots, lens
     block = min(triton.next_power_of_2(max(num_cols, 1)), _MAX_ROW_IN_REGISTERS)
     warps = 16 if block >= 8192 else (8 if block >= 2048 else 4)
+    if radix:  # its one packed scan spills at 16 warps (128 registers) on sm_90; 8 do not
+        warps = min(warps, 8)
     _topk_kernel[(num_tokens,)](
         scores, lengths, token_to_req, block_table, slots, lens, num_cols, scores.stride(0),
         K=k, E=entries_per_block, SLOTS_PER_BLOCK=slots_per_block or entries_per_block,
         SLOT_BASE=slot_base, STRIDE_BT=block_table.stride(0), BLOCK=block,
         BLOCK_K=min(triton.next_power_of_2(k), 1024), ONE_CHUNK=num_cols <= block,
-        num_warps=warps,
+        RADIX=radix, num_warps=warps,
     )  # fmt: skip
     return slots, lens
 
@@ -205,7 +260,7 @@ def _to_slots(local, token_to_req, block_table, entries_per_block, slots_per_blo
 
 
 def indexer_topk_ref(scores, lengths, k, token_to_req, block_table, entries_per_block, *,
-                     slots_per_block=None, slot_base=0):  # fmt: skip
+                     slots_per_block=None, slot_base=0, radix=False):  # fmt: skip
     num_tokens, num_cols = scores.shape
     n = torch.where(token_to_req >= 0, lengths.long().clamp(max=num_cols), 0)
     available = torch.arange(num_cols, device=scores.device)[None, :] < n[:, None]

@@ -149,3 +149,36 @@ def store_split(out_ptr, y_ptr, count_ptr, acc, rows, row_ok, g, n, n_ok, stride
             acc = bf16_rne(acc)
         store_tile(out_ptr, acc, pid_s, rows, row_ok, g, n, n_ok, stride_os, stride_ot,
                    stride_og, TRANSPOSED)  # fmt: skip
+
+
+@triton.jit
+def candidate_slots(slot_row_ptr, n, end, win_base, comp_base, NUM_WIN: tl.constexpr):
+    """Sparse attention candidates n [BLOCK_N] of one token -> (global slots, valid): -1 = none;
+    the first NUM_WIN columns are ring-relative window slots (+ win_base: the layer's ring page
+    of the request), the others + comp_base (the layer's compressed page offset)."""
+    slot = tl.load(slot_row_ptr + n, mask=n < end, other=-1)
+    ok = slot >= 0
+    if NUM_WIN > 0:
+        slot = tl.where(ok, slot + tl.where(n < NUM_WIN, win_base, comp_base), slot)
+    else:
+        slot = tl.where(ok, slot + comp_base, slot)
+    return slot, ok
+
+
+@triton.jit
+def split_window(pid_t, pid_s, split_len, C, wbase_ptr, comp_base, NUM_WIN: tl.constexpr):
+    """(first, end) candidate of split pid_s of token pid_t, and the token's window base."""
+    start = pid_s * split_len
+    win_base = comp_base
+    if NUM_WIN > 0:
+        win_base = tl.load(wbase_ptr + pid_t)
+    return start, tl.minimum(start + split_len, C), win_base
+
+
+@triton.jit
+def token_request(t2r_ptr, len_ptr, bt_ptr, t, N, STRIDE_BT):
+    """(its request's block-table row, visible entries n <= N) of token t; n = 0 for padding
+    (token_to_req[t] = -1), whose row pointer is request 0's (read only under n masks)."""
+    req = tl.load(t2r_ptr + t)
+    n = tl.where(req >= 0, tl.minimum(tl.load(len_ptr + t), N), 0)
+    return bt_ptr + tl.maximum(req, 0).to(tl.int64) * STRIDE_BT, n

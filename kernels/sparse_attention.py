@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 
 from dsv4.ops.kv_codec import decode_rows
+from kernels.jit_helpers import candidate_slots, split_window
 from kernels.registry import register_op
 from kernels.specialize import sizes_vary
 
@@ -117,18 +118,11 @@ def _attn_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max of base-2 logits
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    start = pid_s * split_len
-    end = tl.minimum(start + split_len, C)
-    if NUM_WIN > 0:
-        win_base = tl.load(wbase_ptr + pid_t)
+    start, end, win_base = split_window(pid_t, pid_s, split_len, C, wbase_ptr, comp_base, NUM_WIN)
     for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
-        slot = tl.load(slot_ptr + pid_t * stride_st + n, mask=n < end, other=-1)
-        ok = slot >= 0
-        if NUM_WIN > 0:  # ring-relative window slots: the layer's ring page of the request
-            slot = tl.where(ok, slot + tl.where(n < NUM_WIN, win_base, comp_base), slot)
-        else:
-            slot = tl.where(ok, slot + comp_base, slot)
+        slot, ok = candidate_slots(slot_ptr + pid_t * stride_st, n, end, win_base, comp_base,
+                                   NUM_WIN)  # fmt: skip
         kv = _load_rows(kv_ptr, kv16_ptr, slot, ok, d, D, ROPE, ENTRY, KV_FP8, DOT_BF16, BLOCK_N,
                         BLOCK_D)  # fmt: skip
         s = tl.dot(q, tl.trans(kv)) * qk_scale_log2  # [BLOCK_H, BLOCK_N]
@@ -241,37 +235,32 @@ def _check(q, kv_cache, slot_table, sink, rope_dim):
         assert kv_cache.shape[1] == head_dim and kv_cache.stride(1) == 1
 
 
-def _launch(q, kv_cache, slot_table, sink, scale, rope_dim, num_splits, win_base=None,
-            num_win=0, comp_base=0):  # fmt: skip
+def checked_output(q, kv_cache, slot_table, sink, rope_dim, win_base, num_win):
+    """(o [T, H, D] to fill, whether it is already final: no tokens or no candidates)."""
     _check(q, kv_cache, slot_table, sink, rope_dim)
     if num_win:
         assert win_base is not None and win_base.shape == (q.shape[0],)
         assert win_base.dtype == torch.int32 and 0 < num_win <= slot_table.shape[1]
+    out = torch.empty_like(q)
+    if q.shape[0] == 0 or slot_table.shape[1] == 0:
+        return out.zero_(), True
+    return out, False
+
+
+def _launch(q, kv_cache, slot_table, sink, scale, rope_dim, num_splits, win_base=None,
+            num_win=0, comp_base=0):  # fmt: skip
+    out, done = checked_output(q, kv_cache, slot_table, sink, rope_dim, win_base, num_win)
+    if done:
+        return out
     num_tokens, num_heads, head_dim = q.shape
     num_cand = slot_table.shape[1]
-    out = torch.empty_like(q)
-    if num_tokens == 0:
-        return out
-    if num_cand == 0:
-        return out.zero_()
     kv_fp8 = kv_cache.dtype == torch.uint8
     kv16 = kv_cache.view(torch.bfloat16) if kv_fp8 else kv_cache
     on_gpu = q.is_cuda
-    if num_splits is None:
-        programs = num_tokens * triton.cdiv(num_heads, 64)
-        fill = round(_num_sms(q.device.index or 0) / programs) if on_gpu else 1
-        num_splits = max(1, min(fill, triton.cdiv(num_cand, 128)))
+    programs = num_tokens * triton.cdiv(num_heads, 64)
     align = _SPLIT_ALIGN if on_gpu else _CPU_BLOCK_N
-    split_len = triton.cdiv(triton.cdiv(num_cand, num_splits), align) * align
-    num_splits = triton.cdiv(num_cand, split_len)
+    num_splits, split_len, part, lse = split_plan(q, out, num_cand, num_splits, programs, align)
     split = num_splits > 1
-    if split:
-        # bf16 partials on the GPU: half the split-K traffic, one extra bf16 rounding
-        part_dtype = q.dtype if on_gpu else torch.float32
-        part = q.new_empty(num_tokens, num_splits, num_heads, head_dim, dtype=part_dtype)
-        lse = torch.empty(num_tokens, num_splits, num_heads, device=q.device)
-    else:
-        part, lse = out, out  # lse unused
     block_d = triton.next_power_of_2(head_dim)
     wbase = win_base if num_win else slot_table  # unread when num_win == 0
     args = (q, kv_cache, kv16, slot_table, wbase, sink, part, lse,
@@ -288,13 +277,40 @@ def _launch(q, kv_cache, slot_table, sink, scale, rope_dim, num_splits, win_base
             *args, **meta, BLOCK_H=block_h, BLOCK_N=_CPU_BLOCK_N
         )
     if split:
-        block_h = min(16, triton.next_power_of_2(num_heads)) if on_gpu else num_heads
-        block_h = triton.next_power_of_2(block_h)
-        _combine_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
-            part, lse, sink, out, out.stride(0), out.stride(1), NUM_SPLITS=num_splits,
-            H=num_heads, D=head_dim, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4,
-        )  # fmt: skip
+        combine_splits(part, lse, sink, out)
     return out
+
+
+def split_plan(q, out, num_cand, num_splits, programs, align):
+    """(num_splits, split_len, partial o [T, S, H, D], lse [T, S, H]) of a decode launch of
+    `programs` programs a split; `num_splits` None: about one wave of programs on the GPU, 1 on
+    CPU. Splits are multiples of `align` candidates. One split: `out` and no lse."""
+    num_tokens, num_heads, head_dim = q.shape
+    on_gpu = q.is_cuda
+    if num_splits is None:
+        fill = round(_num_sms(q.device.index or 0) / programs) if on_gpu else 1
+        num_splits = max(1, min(fill, triton.cdiv(num_cand, 128)))
+    split_len = triton.cdiv(triton.cdiv(num_cand, num_splits), align) * align
+    num_splits = triton.cdiv(num_cand, split_len)
+    if num_splits == 1:
+        return 1, split_len, out, out  # lse unused
+    # bf16 partials on the GPU: half the split-K traffic, one extra bf16 rounding
+    part = q.new_empty(num_tokens, num_splits, num_heads, head_dim,
+                       dtype=q.dtype if on_gpu else torch.float32)  # fmt: skip
+    lse = torch.empty(num_tokens, num_splits, num_heads, device=q.device)
+    return num_splits, split_len, part, lse
+
+
+def combine_splits(part, lse, sink, out):
+    """out [T, H, D] <- the split partials part [T, S, H, D] and lse [T, S, H], and the sink."""
+    num_tokens, num_splits, num_heads, head_dim = part.shape
+    block_h = min(16, num_heads) if out.is_cuda else num_heads
+    block_h = triton.next_power_of_2(block_h)
+    _combine_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
+        part, lse, sink, out, out.stride(0), out.stride(1), NUM_SPLITS=num_splits,
+        H=num_heads, D=head_dim, BLOCK_H=block_h, BLOCK_D=triton.next_power_of_2(head_dim),
+        num_warps=4,
+    )  # fmt: skip
 
 
 def sparse_attention_decode(q, kv_cache, slot_table, sink, scale, *, rope_dim=64,

@@ -71,17 +71,22 @@ def cases():
                          dict(H=64, D=512, ROPE=64, ENTRY=584, KV_FP8=True, SPLIT=split,
                               NUM_WIN=num_win, DOT_BF16=True, BLOCK_H=bh, BLOCK_N=32,
                               BLOCK_D=512)))  # fmt: skip
+    for split in (False, True):
+        out.append(_case("kernels.sparse_attention_heads", "_attn_heads_kernel", attn,
+                         dict(H=64, D=512, ROPE=64, ENTRY=584, SPLIT=split, NUM_WIN=128,
+                              DOT_BF16=True, BLOCK_H=64, BLOCK_N=32, QK_T=True,
+                              LAZY=True)))  # fmt: skip
     plain = dict(attn, kv_ptr="*bf16")
     out.append(_case("kernels.sparse_attention", "_attn_kernel", plain,
                      dict(H=64, D=512, ROPE=64, ENTRY=512, KV_FP8=False, SPLIT=False, NUM_WIN=0,
                           DOT_BF16=True, BLOCK_H=16, BLOCK_N=32, BLOCK_D=512)))  # fmt: skip
-    for tail in (True, False):
+    for tail, fast in ((True, False), (False, False), (False, True)):
         out.append(_case("kernels.indexer", "_logits_kernel",
                          {"q_ptr": "*bf16", "w_ptr": "*fp32", "key_ptr": "*u8", "bt_ptr": "*i32",
                           "t2r_ptr": "*i32", "len_ptr": "*i32", "out_ptr": "*fp32"},
                          dict(HI=64, DI=128, E=64, STRIDE_KB=86432, STRIDE_KE=68,
                               FMT=2, DOT_BF16=True, WRITE_TAIL=tail, BLOCK_H=64,
-                              BLOCK_N=128)))  # fmt: skip
+                              BLOCK_N=128, FAST=fast)))  # fmt: skip
     out.append(_case("kernels.metadata", "_range_slots_kernel",
                      {"pos_ptr": "*i64", "t2r_ptr": "*i32", "bt_ptr": "*i32", "out_ptr": "*i32",
                       "lens_ptr": "*i32"},

@@ -110,9 +110,10 @@ def _loop_counts(sass: str) -> tuple[Counter, int]:
     return counts, len(body)
 
 
-def report(case, dump: Path | None) -> str:
+def report(case, dump: Path | None, attrs: dict | None = None) -> str:
+    """One line for `case`; `attrs`: ASTSource argument attributes (e.g. divisibility 16)."""
     name, fn, ptrs, consts, opts, loop_bytes = case
-    k = triton.compile(ASTSource(fn, _signature(fn, ptrs, consts), consts),
+    k = triton.compile(ASTSource(fn, _signature(fn, ptrs, consts), consts, attrs),
                        target=GPUTarget("cuda", 90, 32), options=opts)  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "k.cubin"
@@ -144,13 +145,18 @@ def main(argv=None) -> int:
     parser.add_argument("--only", default="")
     parser.add_argument("--dump", type=Path, default=None)
     args = parser.parse_args(argv)
-    for case in cases():
-        if args.only in case[0]:
+    print_reports(cases(), report, args.only, args.dump)
+    return 0
+
+
+def print_reports(all_cases, report_fn, only: str, dump: Path | None) -> None:
+    """One line a case whose name contains `only`; a failed compile is reported too."""
+    for case in all_cases:
+        if only in case[0]:
             try:
-                print(report(case, args.dump), flush=True)
+                print(report_fn(case, dump), flush=True)
             except Exception as exc:  # report every case
                 print(f"{case[0]:24s} FAILED {type(exc).__name__}: {str(exc)[-300:]}", flush=True)
-    return 0
 
 
 if __name__ == "__main__":

@@ -199,6 +199,14 @@ class FeatureSwitches(Section):
         "paged forward: the shared expert joins the grouped MoE GEMM in decode-sized steps "
         "(H200: 1.06x at batch 1; its GEMM rounds unlike cuBLAS's, so tokens may differ)",
     )
+    attention_all_heads: bool = setting(
+        False, "paged decode attention: all heads of a token in one program, each fp8 KV row "
+        "read once (issue 25; off until timed on the card)",
+    )  # fmt: skip
+    indexer_variants: bool = setting(
+        False, "paged indexer: fp16-dot / bit-decoded key logits and a radix top-k (issue 25; "
+        "off until timed on the card)",
+    )  # fmt: skip
     expert_weights: str = setting(
         "bf16", "routed experts: bf16 or checkpoint (MXFP4/FP8 as stored, ~1/4 of the bytes; "
         "slower than bf16 on an H200)",

@@ -345,7 +345,9 @@ def paged_options(config: ServeConfig) -> PagedOptions | None:
         skip_redundant_fill=f.skip_redundant_fill,
     )
     switches = PagedSwitches(compressor_boundary_only=f.compressor_boundary_only,
-                             skip_topk=f.skip_topk, fuse_shared_expert=f.fuse_shared_expert)  # fmt: skip
+                             skip_topk=f.skip_topk, fuse_shared_expert=f.fuse_shared_expert,
+                             attention_all_heads=f.attention_all_heads,
+                             indexer_variants=f.indexer_variants)  # fmt: skip
     return PagedOptions(metadata, switches, graph_options(config))
 
 

@@ -56,9 +56,10 @@ def test_paged_greedy_equals_reference(tiny, reference, budget: int, plan: str) 
         (MetadataSwitches(), PagedSwitches(skip_topk=False, compressor_boundary_only=False), True),
         (MetadataSwitches(), PagedSwitches(), False),
         (MetadataSwitches(), PagedSwitches(fuse_shared_expert=True), True),
+        (MetadataSwitches(), PagedSwitches(attention_all_heads=True, indexer_variants=True), True),
     ],
     ids=["metadata-per-layer", "t2r-per-builder+prefill", "no-skip-topk", "unfused-first-mhc",
-         "fused-shared-expert"],
+         "fused-shared-expert", "issue25-variants"],
 )  # fmt: skip
 def test_paged_switches_keep_outputs(tiny, reference, metadata, switches, fused) -> None:
     """Every switch of the paged path off (its baseline), and the shared expert fused into the
@@ -125,6 +126,31 @@ def test_paged_triton_kernels_match_reference_ops() -> None:
     assert len(steps) == 4
     for ref, tri in steps:
         assert (ref - tri).abs().max() < 0.06 * ref.abs().max()
+    for core in cores:
+        assert_no_leaks(core)
+
+
+@pytest.mark.slow
+def test_paged_issue25_variants_match_default_kernels() -> None:
+    """fp8 KV rows and MXFP4 indexer keys, every op on its Triton kernel (interpreter on CPU):
+    the all-heads decode attention and the indexer variants switched on against the default
+    kernels, fed the same tokens through C4 top-k steps (more entries than k)."""
+    cfg = tiny_config().with_overrides(num_nextn_predict_layers=0, index_topk=4)
+    model = random_model(cfg, seed=5, dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(2)
+    prompt = torch.randint(2, cfg.vocab_size, (70,), generator=gen).tolist()
+    cores = []
+    for on in (False, True):
+        switches = PagedSwitches(attention_all_heads=on, indexer_variants=on)
+        core = make_core(model, kv="fp8", index="mxfp4", budget=80, max_num_seqs=4,
+                         paged={"switches": switches},
+                         kernels=KernelBackendConfig(default="triton"))  # fmt: skip
+        core.add_request(greedy_request("a", prompt, 3))
+        cores.append(core)
+    steps = [s for s in _lockstep_logits(*cores) if s[0].numel()]
+    assert len(steps) == 3
+    for off, on in steps:
+        assert (off - on).abs().max() < 0.02 * off.abs().max()
     for core in cores:
         assert_no_leaks(core)
 

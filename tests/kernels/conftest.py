@@ -26,7 +26,9 @@ if not torch.cuda.is_available():
                 "kernels.metadata",
                 "kernels.indexer",
                 "kernels.indexer_select",
+                "kernels.indexer_fused",
                 "kernels.sparse_attention",
+                "kernels.sparse_attention_heads",  # after sparse_attention, whose helpers it takes
                 "kernels.compressor",
                 "kernels.kv_store",
                 "kernels.moe_align",  # before kernels.moe, which imports it

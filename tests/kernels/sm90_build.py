@@ -125,12 +125,27 @@ def record_launches() -> None:
     InterpretedFunction.run = recording_run
 
 
-def compile_recorded(launches: list[Launch], timeout_s: float = 600.0) -> list[str]:
-    """Compile every launch for sm_90 in a child process; returns one line per failure."""
+def _compiler_env() -> tuple[dict[str, str], Path]:
+    """A child's environment without TRITON_INTERPRET, the repository first on its path."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"  # Triton 3.9 warns on every compile otherwise
     root = Path(__file__).resolve().parents[2]
     env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    return env, root
+
+
+def sass_lines(only: str, timeout_s: float = 600.0) -> list[str]:
+    """`tools/attn_sass.py --only ONLY` (sm_90 compile: registers, stack, shared memory)."""
+    env, root = _compiler_env()
+    child = subprocess.run([sys.executable, "tools/attn_sass.py", "--only", only],
+                           capture_output=True, text=True, env=env, cwd=root, timeout=timeout_s,
+                           check=True)  # fmt: skip
+    return [line for line in child.stdout.splitlines() if line.startswith(only)]
+
+
+def compile_recorded(launches: list[Launch], timeout_s: float = 600.0) -> list[str]:
+    """Compile every launch for sm_90 in a child process; returns one line per failure."""
+    env, root = _compiler_env()
     child = subprocess.run(
         [sys.executable, str(Path(__file__).resolve())],
         input=pickle.dumps([astuple(launch) for launch in launches]),

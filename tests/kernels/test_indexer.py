@@ -151,21 +151,31 @@ def test_indexer_select_all_matches_ref_and_topk(num_tokens, k):
     _same_sets(sel.indexer_topk(scores, *args, slots_per_block=20, slot_base=3), expect)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["fp8_fp32scale", "mxfp4"])
-def test_indexer_production_shape_gpu(fmt):
-    """Decode at 32K context: 64 tokens x 8192 compressed keys, 64 heads x 128, top-512."""
-    num_tokens, num_keys, entries, k = 64, 8192, 64, 512
+PRODUCTION = {"num_tokens": 64, "num_keys": 8192, "entries": 64, "k": 512}
+
+
+def production_case(fmt):
+    """Decode at 32K context: 64 tokens x 8192 compressed keys (each token its own request,
+    4K-8K visible), 64 heads x 128 -> (q, w, keys, block_table, token_to_req, lengths)."""
+    num_tokens, num_keys, entries = (PRODUCTION[n] for n in ("num_tokens", "num_keys", "entries"))
     g = torch.Generator().manual_seed(0)
     blocks = num_keys // entries
     keys = _paged_keys(fmt, num_tokens * blocks, entries, 128, g)
     table = torch.randperm(num_tokens * blocks, generator=g).int().view(num_tokens, blocks)
     table, t2r = table.to(DEVICE), torch.arange(num_tokens, dtype=torch.int32, device=DEVICE)
     lens = torch.randint(num_keys // 2, num_keys + 1, (num_tokens,), generator=g).int()
-    lens = lens.to(DEVICE)
     q = torch.randn(num_tokens, 64, 128, generator=g).to(DEVICE).bfloat16()
     w = (torch.randn(num_tokens, 64, generator=g) / 90.5).to(DEVICE)
-    args = (q, w, keys, table, t2r, lens)
+    return q, w, keys, table, t2r, lens.to(DEVICE)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["fp8_fp32scale", "mxfp4"])
+def test_indexer_production_shape_gpu(fmt):
+    """Decode at 32K context: 64 tokens x 8192 compressed keys, 64 heads x 128, top-512."""
+    num_keys, entries, k = (PRODUCTION[n] for n in ("num_keys", "entries", "k"))
+    args = production_case(fmt)
+    _, _, _, table, t2r, lens = args
     scores = ix.indexer_logits(*args, key_format=fmt, num_cols=num_keys)
     _close_scores(scores, ix.indexer_logits_ref(*args, key_format=fmt, num_cols=num_keys))
     top = (scores, lens, k, t2r, table, entries)

@@ -61,7 +61,10 @@ def attention_layer(attn: Attention, lw: LayerWeights, fs: ForwardState, x: torc
         table = meta.decode_candidates(ratio)
         if topk_dec is not None:
             table = torch.cat((table, topk_dec), dim=1)
-        decode = resolve("sparse_attention_decode", meta.kernels, x.device)
+        all_heads = (fs.switches.attention_all_heads and meta.geo.kv_rows.dtype == torch.uint8
+                     and h <= 64)  # fmt: skip
+        op = "sparse_attention_decode_all_heads" if all_heads else "sparse_attention_decode"
+        decode = resolve(op, meta.kernels, x.device)
         out[:n_dec] = decode(
             q[:n_dec].contiguous(), meta.geo.kv_rows, table, sink, scale,
             rope_dim=cfg.qk_rope_head_dim, win_base=meta.win_base[layer_id, :n_dec].contiguous(),

@@ -29,6 +29,11 @@ class PagedSwitches:
     # Off: 1.06x at batch 1 only on the H200, and not bitwise equal to cuBLAS's shared expert
     # (docs/BENCHMARKS.md).
     fuse_shared_expert: bool = False
+    # issue 25 (off until timed on the card): decode attention with all heads of a token in one
+    # program (kernels/sparse_attention_heads.py; fp8 KV rows, <= 64 heads a rank), and the
+    # indexer's fast logits + radix top-k (kernels/indexer_fused.py)
+    attention_all_heads: bool = False
+    indexer_variants: bool = False
 
 
 @dataclass

@@ -45,7 +45,8 @@ def indexer_topk(indexer: Indexer, fs: ForwardState, g: LayerGeometry, x, qr, co
             continue
         if q is None:
             q, weights = _queries(indexer, x, qr, cos, sin, meta.kernels)
-        out.append(_topk_slices(meta, g, q, weights, lo, hi, max_vis, k, table, spb))
+        out.append(_topk_slices(meta, g, q, weights, lo, hi, max_vis, k, table, spb,
+                                fs.switches.indexer_variants))  # fmt: skip
     return out[0], out[1]
 
 
@@ -57,7 +58,9 @@ def _queries(indexer: Indexer, x, qr, cos, sin, kernels):
     return q, indexer.weights_proj(x).float() * scale  # [T, H_I] fp32
 
 
-def _topk_slices(meta, g, q, weights, lo, hi, max_vis, k, table, spb):
+def _topk_slices(meta, g, q, weights, lo, hi, max_vis, k, table, spb, variants):
+    """Scores and top-k of tokens lo..hi in slices; `variants`: issue 25's fast logits and
+    radix top-k (kernels/indexer_fused.py; the references ignore the flags)."""
     t = meta.t
     epb = meta.geo.layout.block_size // 4
     logits = resolve("indexer_logits", meta.kernels, q.device)
@@ -70,6 +73,7 @@ def _topk_slices(meta, g, q, weights, lo, hi, max_vis, k, table, spb):
         lens, t2r = meta.c4_lens[a:b], t.token_to_req[a:b]
         scores = logits(q[a:b].contiguous(), weights[a:b].contiguous(), keys, t.block_tables,
                         t2r, lens, key_format=g.indexer_key_format, num_cols=max_vis,
-                        write_tail=False)  # fmt: skip
-        slices.append(topk(scores, lens, k, t2r, table, epb, slots_per_block=spb)[0])
+                        write_tail=False, fast=variants)  # fmt: skip
+        slices.append(topk(scores, lens, k, t2r, table, epb, slots_per_block=spb,
+                           radix=variants)[0])  # fmt: skip
     return slices[0] if len(slices) == 1 else torch.cat(slices)
