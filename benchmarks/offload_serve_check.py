@@ -37,7 +37,9 @@ def overrides(model_dir: Path, device: str, forward: str, max_seqs: int = 2,
         "features.forward": forward, "features.expert_weights": "checkpoint",
         "features.linear_weights": "checkpoint", "model.max_model_len": max_len,
         "scheduler.max_num_batched_tokens": step_tokens, "scheduler.max_num_seqs": max_seqs,
-        "cache.block_size": 256,
+        # 512: the paged forward keeps each window ring in one block (a 4-layer slice at
+        # 256 splits them: its blocks are smaller than the full model's)
+        "cache.block_size": 512,
     }  # fmt: skip
 
 
