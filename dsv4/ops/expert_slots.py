@@ -25,7 +25,7 @@ import torch
 COUNTER_NAMES = ("resident_hits", "cache_hits", "fetches", "bytes_fetched", "step", "errors")
 COUNTERS = 8  # a row of int64 per layer (two spare)
 STEP, ERRORS = COUNTER_NAMES.index("step"), COUNTER_NAMES.index("errors")
-# error bits (counters[ERRORS], sticky): the step's experts did not all reach the device
+# error bits (counters[ERRORS], kept until ExpertPool.check clears them): the step's experts did not all reach the device
 ERR_OVERFLOW = 1  # more misses than evictable cache slots (the pool was sized too small)
 ERR_STALE = 2  # table[e] names a row whose owner is not e
 ERR_NO_HOST_ROW = 4  # a miss for an expert without a host row (a resident one lost)

@@ -125,7 +125,9 @@ def test_round_groups() -> None:
         round_groups([1], table, 2, 0)
 
 
-def test_a_stale_table_fails_the_step_instead_of_serving_tokens() -> None:
+def test_a_stale_table_fails_the_step_and_the_pool_serves_again() -> None:
+    """A corrupt table fails its step's request instead of serving tokens; the pool then
+    drops its cached experts and later requests get the resident model's tokens."""
     resident = random_model(CFG, seed=7)
     pooled, pool = _pooled(resident)
     core = make_core(pooled, budget=64, paged={})
@@ -136,8 +138,17 @@ def test_a_stale_table_fails_the_step_instead_of_serving_tokens() -> None:
     layer.table[on_device[0]] = layer.table[on_device[1]]  # two experts claim one row
     with pytest.raises(StepFailed, match="stale slot table"):
         run_to_completion(core)
-    assert pool.counters[1, ERRORS] & ERR_STALE
-    assert_no_leaks(core)
+    assert (
+        not pool.counters[:, ERRORS].any() and not (pool.host_counters[:, ERRORS] & ERR_STALE).any()
+    )
+    assert_no_leaks(pool)
+    tokens = []
+    for engine in (core, make_core(resident, budget=64, paged={})):
+        engine.add_request(greedy_request("b", [9, 10, 11, 12, 13], 4))
+        tokens.append(run_to_completion(engine))
+        assert_no_leaks(engine)
+    assert tokens[0] == tokens[1]
+    assert_no_leaks(pool)
 
 
 def test_the_reference_forward_refuses_pooled_experts() -> None:

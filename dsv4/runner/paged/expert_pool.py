@@ -14,8 +14,9 @@ kernels only, so it replays inside a captured decode graph with no host involvem
 S >= min(C, max_decode_tokens * top_k) puts every decode step's misses in one round; a larger
 step (a prefill, eager) whose misses may not fit runs in rounds (`expert_rounds.py`). The pool
 never holds the shared expert (so it is never fused). Errors (more misses than slots, a stale
-table) set a sticky device flag that `ExpertPool.check` turns into `ExpertPoolError` once the
-step's output is on the host, so a bad step fails its requests instead of serving tokens.
+table) set a device flag that `ExpertPool.check` turns into `ExpertPoolError` once the step's
+output is on the host, so a bad step fails its requests instead of serving tokens; the pool
+then drops every cached expert (back to its start-up table) and the next steps serve.
 """
 
 from __future__ import annotations
@@ -132,6 +133,8 @@ class LayerPool:
         self.cold_row[cold_ids] = torch.arange(len(cold_ids), **i32)
         self.last_used = torch.zeros(self.num_slots, dtype=torch.int64, device=device)
         self.fetch = torch.full((self.num_slots,), -1, **i32)
+        # the start-up table and owners (resident rows only): what `forget_cached` restores
+        self._initial = (self.table.clone(), self.owner.clone())
         self.slots = SlotTable(self.table, self.owner, self.last_used, self.cold_row, counters,
                                self.fetch, self.num_resident, self.row_bytes)  # fmt: skip
         self.ops = {name: resolve(name, kernels, device) for name in
@@ -164,6 +167,15 @@ class LayerPool:
             return experts_in_rounds(self, u, ids, weights, limit)
         rows = self.rows(u, self.resolve(ids), limit)
         return self.ops["combine_rows"](rows, weights, ids)
+
+    def forget_cached(self) -> None:
+        """Back to the start-up state after a failed step (whose table may be inconsistent):
+        resident experts in their rows, every cache slot free; in place, so captured graphs
+        keep their addresses. The next steps fetch their cold experts again."""
+        self.table.copy_(self._initial[0])
+        self.owner.copy_(self._initial[1])
+        self.last_used.zero_()
+        self.fetch.fill_(-1)
 
     def find_leaks(self) -> list[str]:
         """The table and the owners disagree, or a resident expert left its row."""
@@ -200,9 +212,15 @@ class ExpertPool:
         bits = 0
         for value in self.host_counters[:, ERRORS].tolist():
             bits |= value
-        if bits:
+        if bits:  # the step fails its requests; the pool starts over for the next steps
+            for layer in self.layers:
+                layer.forget_cached()
+            self.counters[:, ERRORS] = 0
+            self.host_counters[:, ERRORS] = 0
+            logger.error("expert pool: %s; the step's requests fail, cached experts dropped",
+                         error_text(bits))  # fmt: skip
             raise ExpertPoolError(f"expert pool: {error_text(bits)}; the step's output is "
-                                  "refused (restart the worker)")  # fmt: skip
+                                  "refused and its cached experts dropped")  # fmt: skip
 
     def stats(self) -> PoolStats:
         """Counters summed over layers, as of the last mirrored step (plain ints)."""
