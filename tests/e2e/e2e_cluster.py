@@ -37,6 +37,20 @@ class Outcome:
     def text(self) -> str:
         return "".join(c.text for c in self.chunks)
 
+    @property
+    def ending(self) -> str:
+        """How the stream ended, for assertions that should say why: `OK/LENGTH`,
+        `UNAVAILABLE: <details>`, `OK/no last chunk`."""
+        if self.code is not grpc.StatusCode.OK:
+            return f"{self.code.name}: {self.details}"
+        last = self.chunks[-1].finish_reason if self.chunks else None
+        return f"OK/{last.name}" if last is not None else "OK/no last chunk"
+
+
+def log_tails(cluster: LocalCluster, num_lines: int = 40) -> str:
+    """Every service's log tail, to attach to a failed end-to-end assertion."""
+    return "\n".join(f"--- {s.name}\n{s.log_tail(num_lines)}" for s in cluster.services)
+
 
 def greedy(max_new_tokens: int, **more: object) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, ignore_eos=True, **more)  # type: ignore[arg-type]

@@ -11,7 +11,7 @@ import asyncio
 import grpc
 
 from dsv4.commands.cluster import ensure_tiny_checkpoint, free_port
-from tests.e2e.e2e_cluster import assert_no_worker_leaks, generate, greedy
+from tests.e2e.e2e_cluster import assert_no_worker_leaks, generate, greedy, log_tails
 from tests.engine.test_chunk_invariance import lossy_prompts
 from tests.model.test_served_vs_transformers import NEW_TOKENS, served_tokens
 from tests.services.worker_cluster import WORKER_ARGS, start_cluster
@@ -33,7 +33,9 @@ def test_cluster_at_budget_50_serves_the_default_budget_tokens(tmp_path_factory)
             together = await asyncio.gather(*(generate(channel, p, sampling) for p in prompts))
             assert alone.code == grpc.StatusCode.OK, alone.details
             assert alone.token_ids == expected[0]
-            assert [o.token_ids for o in together] == expected
+            endings = [o.ending for o in together]
+            assert endings == ["OK/LENGTH"] * len(prompts), f"{endings}\n{log_tails(cluster)}"
+            assert [o.token_ids for o in together] == expected, log_tails(cluster)
         await assert_no_worker_leaks(cluster)
 
     try:
