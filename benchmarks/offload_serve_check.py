@@ -12,7 +12,8 @@ same ones and the tokens must be equal (exit 1 otherwise). The device budget is 
 minus `--offload-share` of the routed experts, so the plan offloads about that share.
 
 Timing (`records`, benchmarks/offload_timing.py): `full_depth_tpot` per batch and routing
-(uniform, zipf1) for the paged forward with graphs and the reference forward, each offloaded,
+(uniform, zipf1) for the paged forward with graphs (without and with `expert_prefetch`, field
+`expert_prefetch`) and the reference forward, each offloaded,
 and `full_depth_ttft` of a `--ttft-prompt`-token prompt; see that module for the fields.
 """
 
@@ -129,6 +130,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-baseline", action="store_true",
                         help="no resident token check, no reference-forward timing")  # fmt: skip
     parser.add_argument("--no-timing", action="store_true")
+    parser.add_argument("--no-prefetch", action="store_true",
+                        help="skip the timing runs with features.expert_prefetch")
     parser.add_argument("--batches", default="1,16")
     parser.add_argument("--routings", default="uniform,zipf1")
     parser.add_argument("--prompt-len", type=int, default=64, help="the TPOT runs' prompts")

@@ -1,13 +1,15 @@
 """Timing of served expert offload (`benchmarks/offload_serve_check.py` writes these records).
 
-Each forward (paged with CUDA graphs: the expert pool; reference: the offload stores) serves
+Each forward (paged with CUDA graphs: the expert pool, without and with
+`features.expert_prefetch`; reference: the offload stores) serves
 the same random model at the same device budget, once per routing ("uniform": the random
 gates; "zipf1": popularity ~ 1/rank, `dsv4.model.skew`). The engine core is driven directly,
 one step per call, as a worker serves (the token read each step is the served sync).
 
 `full_depth_tpot` (per decode batch) and `full_depth_ttft` (one `--ttft-prompt` prompt):
 - time_us: a decode step (TPOT) or the prompt to its first token (TTFT), wall clock;
-- hit_rate, bytes_fetched: the offload's counters over the timed steps (bytes per step);
+- hit_rate, bytes_fetched: the offload's counters over the timed steps (bytes per step,
+  prefetched bytes included; `prefetches`: experts copied ahead of their layer per step);
 - copy_floor_us: bytes_fetched / 55 GB/s (the pinned host -> device floor of the H100/H200);
 - compute_us: the same shape served all-resident (paged forward), where the plan fits the
   device without offload, else null; copy_wait_us = time_us - compute_us (null with it);
@@ -57,9 +59,10 @@ def _drain(core) -> None:
 
 def _traffic(runtime, steps: int) -> dict:
     if runtime.offload is None:
-        return dict(hit_rate=None, bytes_fetched=0)
-    stats = runtime.offload.stats()
-    return dict(hit_rate=stats.hit_rate, bytes_fetched=stats.bytes_fetched // max(steps, 1))
+        return dict(hit_rate=None, bytes_fetched=0, prefetches=0)
+    stats, per_step = runtime.offload.stats(), max(steps, 1)
+    return dict(hit_rate=stats.hit_rate, bytes_fetched=stats.bytes_fetched // per_step,
+                prefetches=stats.prefetches / per_step)  # fmt: skip
 
 
 def tpot(runtime, batch: int, prompt_len: int, steps: int) -> dict:
@@ -122,7 +125,8 @@ def measure(values: dict, args) -> dict[tuple[str, int], dict]:
     out[("full_depth_ttft", 1)] = ttft(runtime, args.ttft_prompt)
     features = runtime.config.features
     on_cuda = runtime.config.model.device.startswith("cuda")
-    info = dict(forward=features.forward, expert_weights=features.expert_weights,
+    info = dict(forward=features.forward, expert_prefetch=features.expert_prefetch,
+                expert_weights=features.expert_weights,
                 linear_weights=features.linear_weights,
                 cuda_graphs=features.cuda_graphs and features.forward == "paged" and on_cuda,
                 graph_max_batch=features.cuda_graph_max_batch)  # fmt: skip
@@ -142,20 +146,26 @@ def timing_records(model_dir, args) -> list[dict]:
     paged = overrides(model_dir, args.device, "paged", **shape)
     budget = args.device_memory_gib or device_budget_gib(load_config(paged), args.offload_share)
     offload = {"model.device_memory_gib": budget, "model.host_memory_gib": args.host_memory_gib}
-    forwards = ("paged",) if args.no_baseline else ("paged", "reference")
+    # runs: the paged forward, with pre-gated prefetch (A/B), then the reference baseline
+    runs = {"paged": ("paged", False)}
+    if not args.no_prefetch:
+        runs["paged_prefetch"] = ("paged", True)
+    if not args.no_baseline:
+        runs["reference"] = ("reference", False)
     records = []
     for routing in args.routings.split(","):
         times = {}
-        for forward in forwards:
+        for run, (forward, prefetch) in runs.items():
             values = {**overrides(model_dir, args.device, forward, **shape), **offload,
-                      "model.random_routing": routing}  # fmt: skip
-            times[forward] = measure(values, args)
+                      "model.random_routing": routing, "features.expert_prefetch": prefetch}  # fmt: skip
+            times[run] = measure(values, args)
         resident = {**paged, "model.random_routing": routing}
         compute = measure(resident, args) if resident_fits(resident) else {}
-        for forward in forwards:
-            for (name, batch), t in times[forward].items():
-                base = times.get("reference", {}).get((name, batch)) if forward == "paged" else None
-                c = compute.get((name, batch)) if forward == "paged" else None
+        for run, (forward, _) in runs.items():
+            for (name, batch), t in times[run].items():
+                is_paged = forward == "paged"
+                base = times.get("reference", {}).get((name, batch)) if is_paged else None
+                c = compute.get((name, batch)) if is_paged else None
                 records.append(dict(
                     name=name, batch=batch, routing=routing, mtp_k=0, layers=args.layers,
                     prompt_len=args.ttft_prompt if name.endswith("ttft") else args.prompt_len,

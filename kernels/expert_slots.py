@@ -2,7 +2,7 @@
 
 Both run without a host sync and read only device pointers, so a captured decode graph replays
 them with whatever the routing chose (docs/architecture.md#expert-pool):
-- `resolve_slots`: one program. The used experts are a histogram of the ids; the evictable
+- `resolve_slots` (and `prefetch_slots`, its variant for a predicted routing): one program. The used experts are a histogram of the ids; the evictable
   cache slots are sorted by (evictable, age, index) keys in registers (`moe_align._sort`);
   the i-th miss (ascending id, an exclusive cumsum) takes the i-th slot of that order (a
   gather). Plain stores, a barrier, the scatters of the table / owner / fetch / age updates, a
@@ -29,9 +29,11 @@ from dsv4.ops.expert_slots import (
     ERRORS,
     MAX_AGE,
     MAX_SLOTS,
+    PREFETCHES,
     STEP,
     SlotTable,
     copy_fetched_ref,
+    prefetch_slots_ref,
     resolve_slots_ref,
 )
 from kernels.moe_align import _sort
@@ -53,6 +55,7 @@ def _resolve_kernel(
     BLOCK: tl.constexpr, LOG_BLOCK: tl.constexpr, BLOCK_P: tl.constexpr,
     MAX_AGE_C: tl.constexpr, STEP_C: tl.constexpr, ERRORS_C: tl.constexpr,
     OVERFLOW: tl.constexpr, STALE: tl.constexpr, NO_HOST: tl.constexpr,
+    PREFETCH: tl.constexpr, PREFETCHES_C: tl.constexpr,
 ):  # fmt: skip
     e = tl.arange(0, BLOCK)
     e_ok = e < E
@@ -103,14 +106,32 @@ def _resolve_kernel(
     tl.store(table_ptr + e, R + slot, mask=assigned)
     tl.store(owner_ptr + R + slot, e, mask=assigned)
 
+    tl.store(cnt_ptr + 3, tl.load(cnt_ptr + 3) + n_assign.to(tl.int64) * row_bytes)
+    errors = tl.where(stale > 0, STALE, 0) | tl.where(no_host > 0, NO_HOST, 0)
+    if PREFETCH:  # a hint: no hits, no overflow, the step not advanced, no rows
+        tl.store(cnt_ptr + PREFETCHES_C, tl.load(cnt_ptr + PREFETCHES_C) + n_assign.to(tl.int64))
+        tl.store(cnt_ptr + ERRORS_C, tl.load(cnt_ptr + ERRORS_C) | errors.to(tl.int64))
+    else:
+        _count_and_write_rows(
+            ids_ptr, table_ptr, cnt_ptr, rows_ptr, P, R, used, on_dev, before, n_miss, n_assign,
+            errors, BLOCK_P, STEP_C, ERRORS_C, OVERFLOW, step,
+        )  # fmt: skip
+
+
+@triton.jit
+def _count_and_write_rows(
+    ids_ptr, table_ptr, cnt_ptr, rows_ptr, P, R, used, on_dev, before, n_miss, n_assign, errors,
+    BLOCK_P: tl.constexpr, STEP_C: tl.constexpr, ERRORS_C: tl.constexpr, OVERFLOW: tl.constexpr,
+    step,
+):  # fmt: skip
+    """`resolve_slots`' end: hits, fetches, the step and error bits counted, then each pair's
+    row read from the updated table."""
     hit = used & on_dev
     tl.store(cnt_ptr + 0, tl.load(cnt_ptr + 0) + tl.sum((hit & (before < R)).to(tl.int64), 0))
     tl.store(cnt_ptr + 1, tl.load(cnt_ptr + 1) + tl.sum((hit & (before >= R)).to(tl.int64), 0))
     tl.store(cnt_ptr + 2, tl.load(cnt_ptr + 2) + n_assign.to(tl.int64))
-    tl.store(cnt_ptr + 3, tl.load(cnt_ptr + 3) + n_assign.to(tl.int64) * row_bytes)
     tl.store(cnt_ptr + STEP_C, step)
-    errors = tl.where(n_miss > n_assign, OVERFLOW, 0) | tl.where(stale > 0, STALE, 0)
-    errors = errors | tl.where(no_host > 0, NO_HOST, 0)
+    errors = errors | tl.where(n_miss > n_assign, OVERFLOW, 0)
     tl.store(cnt_ptr + ERRORS_C, tl.load(cnt_ptr + ERRORS_C) | errors.to(tl.int64))
     tl.debug_barrier()
     for p0 in range(0, P, BLOCK_P):
@@ -123,6 +144,15 @@ def _resolve_kernel(
 
 def resolve_slots(ids: torch.Tensor, slots: SlotTable) -> torch.Tensor:
     """`resolve_slots_ref` in one launch: ids [T, K] -> device rows [T, K] int32."""
+    return _launch(ids, slots, prefetch=False)
+
+
+def prefetch_slots(ids: torch.Tensor, slots: SlotTable) -> None:
+    """`prefetch_slots_ref` in one launch (the same program, `PREFETCH`: no rows written)."""
+    _launch(ids, slots, prefetch=True)
+
+
+def _launch(ids: torch.Tensor, slots: SlotTable, prefetch: bool) -> torch.Tensor:
     table, owner, last_used, cold_row, counters, fetch = slots.tensors
     num_experts, num_slots = table.numel(), fetch.numel()
     assert num_slots <= num_experts <= MAX_SLOTS and counters.numel() == COUNTERS
@@ -135,7 +165,7 @@ def resolve_slots(ids: torch.Tensor, slots: SlotTable) -> torch.Tensor:
         flat.numel(), num_experts, num_slots, slots.num_resident, slots.row_bytes,
         BLOCK=block, LOG_BLOCK=block.bit_length() - 1, BLOCK_P=_BLOCK_P, MAX_AGE_C=MAX_AGE,
         STEP_C=STEP, ERRORS_C=ERRORS, OVERFLOW=ERR_OVERFLOW, STALE=ERR_STALE,
-        NO_HOST=ERR_NO_HOST_ROW, num_warps=4,
+        NO_HOST=ERR_NO_HOST_ROW, PREFETCH=prefetch, PREFETCHES_C=PREFETCHES, num_warps=4,
     )  # fmt: skip
     return rows.view(ids.shape)
 
@@ -196,4 +226,5 @@ def copy_fetched(
 
 
 register_op("resolve_slots", resolve_slots, resolve_slots_ref, family="expert_slots")
+register_op("prefetch_slots", prefetch_slots, prefetch_slots_ref, family="expert_slots")
 register_op("copy_fetched", copy_fetched, copy_fetched_ref, family="expert_slots")

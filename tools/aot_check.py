@@ -97,13 +97,15 @@ def cases():
                          {"ids_ptr": ids, "sorted_ptr": "*i32", "tile_e_ptr": "*i32"},
                          dict(BLOCK_N=block_n, LOG_N=block_n.bit_length() - 1, BLOCK_E=block_e,
                               BLOCK_T=block_t, BLOCK_S=2048)))  # fmt: skip
-    for ids in ("*i32", "*i64"):  # the expert pool's slot table at V4-Flash's E = 256
+    # the expert pool's slot table at V4-Flash's E = 256: resolve (i32/i64 ids), prefetch
+    for ids, prefetch in (("*i32", False), ("*i64", False), ("*i64", True)):
         out.append(_case("kernels.expert_slots", "_resolve_kernel",
                          {"ids_ptr": ids, "table_ptr": "*i32", "owner_ptr": "*i32",
                           "last_ptr": "*i64", "cold_ptr": "*i32", "cnt_ptr": "*i64",
                           "fetch_ptr": "*i32", "rows_ptr": "*i32"},
                          dict(BLOCK=256, LOG_BLOCK=8, BLOCK_P=64, MAX_AGE_C=(1 << 20) - 1,
-                              STEP_C=4, ERRORS_C=5, OVERFLOW=1, STALE=2, NO_HOST=4)))  # fmt: skip
+                              STEP_C=4, ERRORS_C=5, OVERFLOW=1, STALE=2, NO_HOST=4,
+                              PREFETCH=prefetch, PREFETCHES_C=6)))  # fmt: skip
     copy = {f"{k}{i}": "*u8" for i in range(4) for k in ("d", "s")}
     copy.update(fetch_ptr="*i32", n0=I64, n1=I64, n2=I64, n3=I64)
     for parts in (2, 4):

@@ -207,6 +207,11 @@ class FeatureSwitches(Section):
         False, "paged indexer: fp16-dot / bit-decoded key logits and a radix top-k (issue 25; "
         "off until timed on the card)",
     )  # fmt: skip
+    expert_prefetch: bool = setting(
+        False, "expert offload on the paged forward: each MoE layer predicts the next layer's "
+        "experts (pre-gating; hash layers exactly) and copies them in beside its compute "
+        "(issue 22; off until timed on the card)",
+    )  # fmt: skip
     expert_weights: str = setting(
         "bf16", "routed experts: bf16 or checkpoint (MXFP4/FP8 as stored, ~1/4 of the bytes; "
         "slower than bf16 on an H200)",

@@ -141,6 +141,7 @@ class ExpertStats:
     misses: int = 0  # fetched from host into a slot
     cpu_computes: int = 0  # computed on the CPU from the host copy
     bytes_fetched: int = 0
+    prefetches: int = 0  # copied ahead of their layer (the paged pool's pre-gating only)
 
     @property
     def uses(self) -> int:

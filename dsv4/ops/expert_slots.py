@@ -14,6 +14,13 @@ that are not on the device), ascending by id, take the evictable cache slots (em
 then least recently used, then by index; never one whose expert this step uses) in that
 order; `fetch[j]` names the host row to copy into slot R + j (-1: none). `copy_fetched` then
 copies those rows. Both are deterministic, so the kernels equal these references exactly.
+
+`prefetch_slots` is the same placement for a *predicted* routing of the layer (pre-gating:
+the next layer's router on this layer's hidden state; a hash layer's exact experts), run
+ahead of the layer on a copy stream: its misses take slots as far as they go (no overflow
+error: a prediction is a hint), it counts `prefetches` instead of hits / fetches, and it
+stamps its slots with the coming step (`step + 1`) without advancing the step, so the layer's
+own `resolve_slots` sees them as just used and finds the experts it was predicted to use.
 """
 
 from __future__ import annotations
@@ -22,9 +29,11 @@ from dataclasses import dataclass
 
 import torch
 
-COUNTER_NAMES = ("resident_hits", "cache_hits", "fetches", "bytes_fetched", "step", "errors")
-COUNTERS = 8  # a row of int64 per layer (two spare)
+COUNTER_NAMES = ("resident_hits", "cache_hits", "fetches", "bytes_fetched", "step", "errors",
+                 "prefetches")  # fmt: skip
+COUNTERS = 8  # a row of int64 per layer (one spare)
 STEP, ERRORS = COUNTER_NAMES.index("step"), COUNTER_NAMES.index("errors")
+PREFETCHES = COUNTER_NAMES.index("prefetches")  # experts copied ahead of their layer
 # error bits (counters[ERRORS], kept until ExpertPool.check clears them): the step's experts did not all reach the device
 ERR_OVERFLOW = 1  # more misses than evictable cache slots (the pool was sized too small)
 ERR_STALE = 2  # table[e] names a row whose owner is not e
@@ -64,6 +73,17 @@ def resolve_slots_ref(ids: torch.Tensor, slots: SlotTable) -> torch.Tensor:
     for skipped pairs). Updates table, owner, last_used, counters and writes fetch [S] in place
     (see the module doc). A pair whose expert could not be placed reads row 0 and sets an error
     bit: the step's output is then refused (`ExpertPool.check`), never served."""
+    return _place(ids, slots, prefetch=False)
+
+
+def prefetch_slots_ref(ids: torch.Tensor, slots: SlotTable) -> None:
+    """Place the experts of a predicted routing ids [T, K] (-1: none) ahead of the layer's
+    step: writes fetch [S] (for `copy_fetched`) and the table, owners and stamps in place;
+    counts `prefetches` and their bytes (see the module doc)."""
+    _place(ids, slots, prefetch=True)
+
+
+def _place(ids: torch.Tensor, slots: SlotTable, prefetch: bool) -> torch.Tensor:
     table, owner, last_used, cold_row, counters, fetch = slots.tensors
     num_experts, num_slots, r = table.numel(), fetch.numel(), slots.num_resident
     flat = ids.reshape(-1).long()
@@ -95,10 +115,14 @@ def resolve_slots_ref(ids: torch.Tensor, slots: SlotTable) -> torch.Tensor:
     table[old[old >= 0]] = -1
     table[new] = (r + taken).to(table.dtype)
     owner[r + taken] = new.to(owner.dtype)
+    counters[3] += n_assign * slots.row_bytes
+    if prefetch:  # a hint: no hits counted, no overflow, the step not advanced
+        counters[PREFETCHES] += n_assign
+        counters[ERRORS] |= ERR_STALE * int(stale.any()) + ERR_NO_HOST_ROW * int(no_host.any())
+        return ids
     counters[0] += (used & on_dev & (before < r)).sum()
     counters[1] += (used & on_dev & (before >= r)).sum()
     counters[2] += n_assign
-    counters[3] += n_assign * slots.row_bytes
     counters[STEP] = step
     errors = ERR_OVERFLOW * int(missed.numel() > n_assign) + ERR_STALE * int(stale.any())
     counters[ERRORS] |= errors + ERR_NO_HOST_ROW * int(no_host.any())

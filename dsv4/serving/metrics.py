@@ -131,6 +131,7 @@ class ExpertCollector(Collector):
         for name, documentation, value in (
             ("dsv4_expert_bytes_fetched", "Bytes of offloaded experts copied host -> device", s.bytes_fetched),  # type: ignore[attr-defined]
             ("dsv4_expert_fetches", "Offloaded experts copied into a device cache slot", s.misses),  # type: ignore[attr-defined]
+            ("dsv4_expert_prefetches", "Offloaded experts copied ahead of their layer (predicted routing)", s.prefetches),  # type: ignore[attr-defined]
             ("dsv4_expert_cpu_computes", "Offloaded experts computed on the CPU instead (CPU fallbacks)", s.cpu_computes),  # type: ignore[attr-defined]
         ):  # fmt: skip
             yield CounterMetricFamily(name, documentation, value=value)

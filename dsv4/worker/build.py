@@ -347,7 +347,8 @@ def paged_options(config: ServeConfig) -> PagedOptions | None:
     switches = PagedSwitches(compressor_boundary_only=f.compressor_boundary_only,
                              skip_topk=f.skip_topk, fuse_shared_expert=f.fuse_shared_expert,
                              attention_all_heads=f.attention_all_heads,
-                             indexer_variants=f.indexer_variants)  # fmt: skip
+                             indexer_variants=f.indexer_variants,
+                             expert_prefetch=f.expert_prefetch)  # fmt: skip
     return PagedOptions(metadata, switches, graph_options(config))
 
 

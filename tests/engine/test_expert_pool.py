@@ -14,10 +14,11 @@ from dsv4.config.model import tiny_config
 from dsv4.errors import ConfigError, ExpertPoolError, StepFailed
 from dsv4.model.offload_load import ExpertOffload
 from dsv4.model.tiny import random_model
-from dsv4.ops.expert_slots import ERR_STALE, ERRORS
+from dsv4.ops.expert_slots import COUNTER_NAMES, ERR_STALE, ERRORS
 from dsv4.runner.paged import PoolOptions, pool_experts
 from dsv4.runner.paged.decode_graphs import GraphOptions
 from dsv4.runner.paged.expert_rounds import round_groups
+from dsv4.runner.paged.forward_state import PagedSwitches
 from kernels.backend import KernelBackendConfig
 from tests.engine.conftest import greedy_request, make_core, run_to_completion
 from tests.engine.test_paged_forward import _lockstep_logits
@@ -117,6 +118,40 @@ def test_static_decode_steps_equal_all_resident() -> None:
     assert_no_leaks(pool)
 
 
+def test_prefetched_experts_equal_all_resident_and_spare_the_hash_layers_their_fetches() -> None:
+    """`expert_prefetch`: each layer predicts the next one's experts and its pool copies them
+    in ahead. The logits stay the all-resident ones bit for bit; layers 1 and 2 (hash layers,
+    predicted exactly from the token ids) fetch fewer experts on the critical path than
+    without prefetching, and the pool counts the prefetches."""
+    cfg = CFG.with_overrides(num_hash_layers=3)  # layers 0-2 route by token id
+    resident = random_model(cfg, seed=3)
+    pools, models = [], []
+    for _ in range(2):
+        model, pool = _pooled(resident)
+        models.append(model)
+        pools.append(pool)
+    cores = [make_core(m, budget=64, paged=p, max_num_seqs=2) for m, p in (
+        (resident, {}), (models[0], {}),
+        (models[1], {"switches": PagedSwitches(expert_prefetch=True)}))]  # fmt: skip
+    for core in cores:
+        for rid, prompt in _prompts(CFG.vocab_size).items():
+            core.add_request(greedy_request(rid, prompt, 6))
+    steps = _lockstep_logits(*cores)
+    assert len(steps) >= 6 and all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in steps)
+    for pool in pools:
+        pool.mirror()
+    fetches = [pool.host_counters[:, COUNTER_NAMES.index("fetches")].tolist() for pool in pools]
+    assert all(fetches[1][i] <= fetches[0][i] for i in (1, 2)), fetches
+    assert fetches[1][1] + fetches[1][2] < fetches[0][1] + fetches[0][2], fetches
+    stats = pools[1].stats()
+    assert stats.prefetches > 0 and pools[0].stats().prefetches == 0
+    assert stats.bytes_fetched == (stats.fetches + stats.prefetches) * pools[1].layers[0].row_bytes
+    for core in cores:
+        assert_no_leaks(core)
+    for pool in pools:
+        assert_no_leaks(pool)
+
+
 def test_round_groups() -> None:
     table = [0, -1, 3, -1, -1, 1, -1, -1]  # R = 2: experts 0, 5 resident; 2 cached (row 3)
     assert round_groups([0, 1, 2, 3, 4, 6], table, 2, 2) == [[0, 2, 1], [3, 4], [6]]
@@ -158,11 +193,12 @@ def test_the_reference_forward_refuses_pooled_experts() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
-def test_pooled_experts_on_the_gpu_equal_resident_with_graphs(fmt) -> None:
+@pytest.mark.parametrize(("fmt", "prefetch"), [("bf16", False), ("mxfp4", False), ("bf16", True)])
+def test_pooled_experts_on_the_gpu_equal_resident_with_graphs(fmt, prefetch) -> None:
     """The Triton kernels on the GPU: cold experts in pinned host memory, fetched by the copy
     kernel inside captured decode graphs (6 of 8 cold, 4 slots, batches of 2) and in rounds for
-    prefills; eager logits bit for bit, and the greedy tokens with and without graphs."""
+    prefills; eager logits bit for bit, and the greedy tokens with and without graphs. With
+    `prefetch`, the graphs also hold the copy stream's fork and join."""
     cfg, weights = (CFG, "bf16") if fmt == "bf16" else (FP4, "checkpoint")
     kernels = KernelBackendConfig(default="triton")
     resident = random_model(cfg, seed=5, dtype=torch.bfloat16, device="cuda",
@@ -180,10 +216,10 @@ def test_pooled_experts_on_the_gpu_equal_resident_with_graphs(fmt) -> None:
     prompts = [
         torch.randint(2, cfg.vocab_size, (n,), generator=gen).tolist() for n in (1, 130, 300)
     ]
-    outs = []
+    outs, paged = [], {"switches": PagedSwitches(expert_prefetch=prefetch)}
     for model in (resident, pooled):
         for graphs in (None, GraphOptions(max_batch=2, max_model_len=1024)):
-            core = make_core(model, kv="fp8", index="mxfp4", budget=512, paged={},
+            core = make_core(model, kv="fp8", index="mxfp4", budget=512, paged=paged,
                              kernels=kernels, graphs=graphs, max_num_seqs=2)  # fmt: skip
             for i, p in enumerate(prompts):
                 core.add_request(greedy_request(f"r{i}", p, 8))
@@ -192,7 +228,7 @@ def test_pooled_experts_on_the_gpu_equal_resident_with_graphs(fmt) -> None:
                 assert core.runner.forward.graphs.passes["target"].num_runs >= 6
             assert_no_leaks(core)
     assert outs[0] == outs[1] == outs[2] == outs[3]
-    assert pool.stats().fetches > 0
+    assert pool.stats().fetches > 0 and (pool.stats().prefetches > 0) == prefetch
     assert_no_leaks(pool)
 
 

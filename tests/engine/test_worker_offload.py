@@ -267,15 +267,17 @@ def test_offload_benchmark_runs_on_cpu_and_writes_the_record_contract(tmp_path) 
     result = json.loads(out.read_text())
     assert result["equal"] and result["offloaded"]["forward"] == "paged"
     records = result["records"]
-    keys = {(r["name"], r["forward"]) for r in records}
-    assert keys == {(n, f) for n in ("full_depth_tpot", "full_depth_ttft")
-                    for f in ("paged", "reference")}  # fmt: skip
+    keys = {(r["name"], r["forward"], r["expert_prefetch"]) for r in records}
+    assert keys == {(n, f, p) for n in ("full_depth_tpot", "full_depth_ttft")
+                    for f, p in (("paged", False), ("paged", True), ("reference", False))}  # fmt: skip
     for r in records:
         assert r.keys() >= RECORD_FIELDS and r["routing"] == "zipf1" and r["time_us"] > 0
         assert r["copy_floor_us"] == r["bytes_fetched"] / 55e3
     paged = [r for r in records if r["forward"] == "paged"]
     assert all(r["speedup"] == r["baseline_time_us"] / r["time_us"] for r in paged)
     assert all(r["compute_us"] is not None for r in paged)  # the tiny model fits resident
+    assert any(r["prefetches"] > 0 for r in paged if r["expert_prefetch"])
+    assert all(r["prefetches"] == 0 for r in records if not r["expert_prefetch"])
 
 
 def test_paged_offload_halves_the_captured_batch_until_the_pools_slots_fit() -> None:

@@ -1,6 +1,7 @@
-"""The expert pool's slot kernels (`resolve_slots`, `copy_fetched`) against their references
-(dsv4/ops/expert_slots.py), exactly: every output and every piece of updated state, step after
-step, with repeated ids, skipped pairs, more misses than slots and a corrupted table."""
+"""The expert pool's slot kernels (`resolve_slots`, `prefetch_slots`, `copy_fetched`) against
+their references (dsv4/ops/expert_slots.py), exactly: every output and every piece of updated
+state, step after step, with repeated ids, skipped pairs, more misses than slots, a corrupted
+table and predicted routings placed ahead of their step."""
 
 from __future__ import annotations
 
@@ -12,11 +13,14 @@ from dsv4.ops.expert_slots import (
     ERR_OVERFLOW,
     ERR_STALE,
     ERRORS,
+    PREFETCHES,
+    STEP,
     SlotTable,
     copy_fetched_ref,
+    prefetch_slots_ref,
     resolve_slots_ref,
 )
-from kernels.expert_slots import copy_fetched, resolve_slots
+from kernels.expert_slots import copy_fetched, prefetch_slots, resolve_slots
 from tests.kernels.conftest import DEVICE
 
 E, R, S, ROW_BYTES = 12, 4, 3, 96
@@ -140,6 +144,60 @@ def test_an_all_cold_layer_of_many_experts() -> None:
         assert_same(ref, ker)
         rows, state = ker
         assert_consistent(ids, rows, state, 0)
+
+
+def prefetch_both(ids, state, num_resident=R):
+    """The states after `prefetch_slots` (reference, kernel) on copies of `state`."""
+    out = []
+    for fn in (prefetch_slots_ref, prefetch_slots):
+        s = tuple(t.clone() for t in state)
+        fn(ids, SlotTable(*s, num_resident, ROW_BYTES))
+        out.append(s)
+    return out
+
+
+def test_a_prefetch_places_the_predicted_misses_and_the_step_then_hits_them() -> None:
+    """Predicted 0, 2, 3, 5 (four misses, three slots): the first three by id take the slots,
+    counted as prefetches (no overflow: a hint); the step that then routes to 0 and 3 finds
+    them as cache hits and fetches nothing; a wrong guess (5) is fetched by the step."""
+    predicted = torch.tensor([[0, 2], [3, 5]], device=DEVICE)
+    ref, ker = prefetch_both(predicted, fresh_state())
+    for a, b in zip(ref, ker):
+        assert torch.equal(a.cpu(), b.cpu())
+    table, owner, last_used, _, counters, fetch = (t.cpu() for t in ker)
+    assert fetch.tolist() == [0, 1, 2] and owner[R:].tolist() == [0, 2, 3]
+    assert table[[0, 2, 3, 5]].tolist() == [R, R + 1, R + 2, -1]
+    assert counters[PREFETCHES] == 3 and counters[3] == 3 * ROW_BYTES
+    assert counters[:3].tolist() == [0, 0, 0] and counters[STEP] == 0 and counters[ERRORS] == 0
+    assert last_used.tolist() == [1, 1, 1]  # stamped with the coming step
+    ids = torch.tensor([[0, 3], [3, 1]], device=DEVICE)
+    ref, ker2 = both(ids, ker)
+    assert_same(ref, ker2)
+    rows, state = ker2
+    assert_consistent(ids, rows, state)
+    assert state[4].cpu()[:3].tolist() == [1, 2, 0]  # resident 1; cache 0 and 3; no fetch
+    ids = torch.tensor([[5, 1]], device=DEVICE)  # the miss the prefetch could not place
+    ref, ker3 = both(ids, state)
+    assert_same(ref, ker3)
+    assert ker3[1][4].cpu()[2] == 1 and ker3[1][4].cpu()[ERRORS] == 0
+
+
+def test_random_prefetches_and_steps_match_the_reference() -> None:
+    gen = torch.Generator().manual_seed(7)
+    state = fresh_state()
+    for step in range(10):
+        guess = torch.randint(0, E, (2, 2), generator=gen).to(DEVICE)
+        ref, ker = prefetch_both(guess, state)
+        for a, b in zip(ref, ker):
+            assert torch.equal(a.cpu(), b.cpu())
+        ids = torch.where(torch.rand(2, 2, generator=gen) < 0.5, guess.cpu(), 4)
+        cold = sorted({e for e in ids.flatten().tolist() if e not in (1, 4, 6, 9)})
+        ids = torch.where(torch.isin(ids, torch.tensor(cold[S:] or [-2])), 6, ids).to(DEVICE)
+        ref, ker = both(ids, ker)
+        assert_same(ref, ker)
+        rows, state = ker
+        assert_consistent(ids, rows, state)
+        assert state[4].cpu()[ERRORS] == 0 and state[4].cpu()[STEP] == step + 1
 
 
 @pytest.mark.parametrize("dtypes", [(torch.bfloat16,) * 2, (torch.int8, torch.int8,

@@ -43,7 +43,8 @@ from dsv4.runner.paged.pool_storage import drop_experts_, empty_rows, expert_row
 from kernels.backend import KernelBackendConfig, resolve
 
 logger = logging.getLogger(__name__)
-STAT_COLUMNS = COUNTER_NAMES[:4]
+STAT_COLUMNS = (*COUNTER_NAMES[:4], "prefetches")
+_STAT_INDEX = [COUNTER_NAMES.index(name) for name in STAT_COLUMNS]
 
 
 @dataclass(frozen=True)
@@ -82,8 +83,9 @@ class PoolStats:
 
     resident_hits: int = 0
     cache_hits: int = 0
-    fetches: int = 0  # copied host -> device (the misses)
-    bytes_fetched: int = 0
+    fetches: int = 0  # copied host -> device when the layer needed them (the misses)
+    bytes_fetched: int = 0  # every copy, prefetches included
+    prefetches: int = 0  # copied ahead of their layer, on the copy stream (pre-gating)
     cpu_computes: int = 0  # never on the paged forward (the ExpertCollector's series)
 
     @property
@@ -138,14 +140,46 @@ class LayerPool:
         self.slots = SlotTable(self.table, self.owner, self.last_used, self.cold_row, counters,
                                self.fetch, self.num_resident, self.row_bytes)  # fmt: skip
         self.ops = {name: resolve(name, kernels, device) for name in
-                    ("resolve_slots", "copy_fetched", "expert_rows", "combine_rows")}  # fmt: skip
+                    ("resolve_slots", "prefetch_slots", "copy_fetched", "expert_rows",
+                     "combine_rows")}  # fmt: skip
+        # a prefetch in flight on the owner's copy stream: its ids, kept alive until joined
+        self._prefetching: torch.Tensor | None = None
 
     def fits_one_round(self, num_pairs: int) -> bool:
         """Every miss of a step of `num_pairs` pairs finds a free slot (see the module doc)."""
         return num_pairs <= self.num_slots or self.num_slots >= self.num_cold
 
+    def prefetch(self, predicted: torch.Tensor) -> None:
+        """Copy in the experts of a predicted routing [T, K] of this layer ahead of its step
+        (`prefetch_slots`). On CUDA both launches go to the pool's copy stream after the work
+        issued so far, so the copies overlap the compute stream's layers until this layer's
+        `resolve` joins them; a captured graph records the fork and the join."""
+        if not self.num_slots:
+            return
+        stream = self.owner_pool.copy_stream if self.owner_pool is not None else None
+        if stream is None:  # CPU: in order
+            self._prefetch_now(predicted)
+            return
+        stream.wait_stream(torch.cuda.current_stream(predicted.device))
+        with torch.cuda.stream(stream):
+            self._prefetch_now(predicted)
+        self._prefetching = predicted
+
+    def _prefetch_now(self, predicted: torch.Tensor) -> None:
+        self.ops["prefetch_slots"](predicted, self.slots)
+        self.ops["copy_fetched"](self.fetch, self.parts, self.host, self.num_resident)
+
+    def _join_prefetch(self) -> None:
+        """The compute stream waits for this layer's prefetch (if one is in flight)."""
+        if self._prefetching is None:
+            return
+        assert self.owner_pool is not None and self.owner_pool.copy_stream is not None
+        torch.cuda.current_stream(self._prefetching.device).wait_stream(self.owner_pool.copy_stream)
+        self._prefetching = None
+
     def resolve(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [T, K] logical (-1: skipped) -> device rows [T, K] int32, the misses copied in."""
+        self._join_prefetch()
         rows = self.ops["resolve_slots"](ids, self.slots)
         if self.num_slots:
             self.ops["copy_fetched"](self.fetch, self.parts, self.host, self.num_resident)
@@ -172,6 +206,7 @@ class LayerPool:
         """Back to the start-up state after a failed step (whose table may be inconsistent):
         resident experts in their rows, every cache slot free; in place, so captured graphs
         keep their addresses. The next steps fetch their cold experts again."""
+        self._join_prefetch()
         self.table.copy_(self._initial[0])
         self.owner.copy_(self._initial[1])
         self.last_used.zero_()
@@ -193,6 +228,8 @@ class ExpertPool:
 
     def __init__(self, layers: tuple[LayerPool, ...], counters: torch.Tensor) -> None:
         self.layers, self.counters = layers, counters
+        # prefetches (LayerPool.prefetch) run here, beside the compute stream
+        self.copy_stream = torch.cuda.Stream(counters.device) if counters.is_cuda else None
         for layer in layers:
             layer.owner_pool = self
         self.host_counters = torch.zeros(counters.shape, dtype=torch.int64,
@@ -224,13 +261,13 @@ class ExpertPool:
 
     def stats(self) -> PoolStats:
         """Counters summed over layers, as of the last mirrored step (plain ints)."""
-        sums = self.host_counters[:, : len(STAT_COLUMNS)].sum(0).tolist()
+        sums = self.host_counters[:, _STAT_INDEX].sum(0).tolist()
         return PoolStats(**dict(zip(STAT_COLUMNS, sums)))
 
     def reset_stats(self) -> None:
-        """Zero the counters (not the error bits): after warm-up and graph capture."""
-        self.counters[:, : len(STAT_COLUMNS)] = 0
-        self.host_counters[:, : len(STAT_COLUMNS)] = 0
+        """Zero the counters (not the step or the error bits): after warm-up and capture."""
+        self.counters[:, _STAT_INDEX] = 0
+        self.host_counters[:, _STAT_INDEX] = 0
 
     @property
     def device_bytes(self) -> int:

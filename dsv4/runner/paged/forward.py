@@ -88,6 +88,8 @@ class PagedForward:
         self.expert_pool: ExpertPool | None = next(
             (lw.pool.owner_pool for lw in self.weights if lw.pool is not None), None
         )
+        # per main layer i: layer i + 1's MoE when its pool prefetches (switches.expert_prefetch)
+        self._ahead = self._prefetch_targets()
 
     @torch.no_grad()
     def __call__(
@@ -120,7 +122,8 @@ class PagedForward:
         if not fused_first:
             x = x.unsqueeze(-2).repeat_interleave(cfg.hc_mult, dim=-2).contiguous()  # [T, M, D]
         for i, block in enumerate(self.model.layers):
-            x = self._block(block, self.weights[i], fs, x, t.token_ids, fused_first and i == 0)
+            x = self._block(block, self.weights[i], fs, x, t.token_ids, fused_first and i == 0,
+                            self._ahead[i])  # fmt: skip
         m = self.model
         h = self._ops["hc_head"](self._sample_rows(meta, x), m.hc_head_fn, m.hc_head_scale,
                                  m.hc_head_base, cfg.hc_eps, cfg.rms_norm_eps)  # fmt: skip
@@ -152,8 +155,18 @@ class PagedForward:
             return x.contiguous()
         return x[torch.tensor(rows, dtype=torch.long).to(self.device)].contiguous()
 
-    def _block(self, block: Block, lw: LayerWeights, fs: ForwardState, x, token_ids, first):
-        """x [T, M, D] (or the embedding [T, D] for the fused first block) -> [T, M, D]."""
+    def _prefetch_targets(self) -> list[tuple[MoE, LayerWeights] | None]:
+        layers = self.model.layers
+        if not self.switches.expert_prefetch:
+            return [None] * len(layers)
+        return [(layers[i + 1].ffn, self.weights[i + 1])
+                if i + 1 < len(layers) and self.weights[i + 1].pool is not None else None
+                for i in range(len(layers))]  # fmt: skip
+
+    def _block(self, block: Block, lw: LayerWeights, fs: ForwardState, x, token_ids, first,
+               ahead: tuple[MoE, LayerWeights] | None = None):  # fmt: skip
+        """x [T, M, D] (or the embedding [T, D] for the fused first block) -> [T, M, D];
+        `ahead`: the next layer's MoE, whose experts this block's MoE prefetches."""
         u, post, comb = block.hc_attn(x, self._ops["hc_pre_first_layer" if first else "hc_pre"])
         norm = self._ops["norm_rope"]  # rms_norm in one launch
         y = attention_layer(
@@ -163,10 +176,11 @@ class PagedForward:
         x = self._ops["hc_post"](y.contiguous(), x, post, comb)
         u, post, comb = block.hc_ffn(x, self._ops["hc_pre"])
         y = self._moe(block.ffn, lw, norm(u, block.ffn_norm.weight, block.ffn_norm.eps),
-                      token_ids)  # fmt: skip
+                      token_ids, ahead)  # fmt: skip
         return self._ops["hc_post"](y.contiguous(), x, post, comb)
 
-    def _moe(self, moe: MoE, lw: LayerWeights, u: torch.Tensor, token_ids: torch.Tensor):
+    def _moe(self, moe: MoE, lw: LayerWeights, u: torch.Tensor, token_ids: torch.Tensor,
+             ahead: tuple[MoE, LayerWeights] | None = None):  # fmt: skip
         """u [T, D] -> [T, D]: routing, the grouped routed experts (in their served format:
         bf16, or the checkpoint's MXFP4 / FP8 dequantised in the kernel), the shared expert."""
         cfg, experts = self.cfg, lw.experts
@@ -174,6 +188,8 @@ class PagedForward:
         w, ids = moe.route(logits, token_ids, self._route, self._hash_route, lw.gate_bias)
         if self.routing_stats is not None:  # counts[layer of moe] += selections, on the device
             self.routing_stats.record(moe, ids)
+        if ahead is not None:  # before this layer's experts, so the copies run beside them
+            self._prefetch(*ahead, u, token_ids)
         if lw.pool is not None:  # offloaded experts (one rank only): the layer's pool, never fused
             y = lw.pool.experts(u.contiguous(), ids, w, cfg.swiglu_limit)
             if moe.shared_experts is not None:
@@ -193,6 +209,15 @@ class PagedForward:
         if moe.shared_experts is not None and not fuse:
             y += moe.shared_experts(u).float()
         return self.collectives.after_moe(y).to(u.dtype)  # the sum over the ranks' experts
+
+    def _prefetch(self, moe: MoE, lw: LayerWeights, u: torch.Tensor, token_ids: torch.Tensor):
+        """Pre-gating: the next layer's router on this layer's MoE input u [T, D] predicts its
+        experts [T, K] (a hash layer's are exact: they follow the token ids), and its pool
+        copies the predicted misses in on the copy stream (`LayerPool.prefetch`)."""
+        assert lw.pool is not None
+        logits = torch.nn.functional.linear(u.float(), lw.gate_weight)  # [T, E] fp32
+        _, predicted = moe.route(logits, token_ids, self._route, self._hash_route, lw.gate_bias)
+        lw.pool.prefetch(predicted)
 
 
 def _check_fusable(model: DeepseekV4, weights: tuple[LayerWeights, ...]) -> None:

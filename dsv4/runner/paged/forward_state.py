@@ -34,6 +34,10 @@ class PagedSwitches:
     # indexer's fast logits + radix top-k (kernels/indexer_fused.py)
     attention_all_heads: bool = False
     indexer_variants: bool = False
+    # issue 22 (off until timed on the card): each MoE layer predicts the next layer's experts
+    # (its router on this layer's hidden state; a hash layer's exactly) and an offloaded next
+    # layer copies the predicted misses in on the pool's copy stream while this layer computes
+    expert_prefetch: bool = False
 
 
 @dataclass
