@@ -117,6 +117,15 @@ class PagedForward:
         if self.routing_stats is not None:  # which tokens count (not a graph's padding rows)
             self.routing_stats.begin_step(meta.t)
         cfg, t = self.cfg, meta.t
+        first_moe = self.model.layers[0].ffn
+        if (
+            self.switches.expert_prefetch
+            and self.weights[0].pool is not None
+            and first_moe.gate.is_hash
+        ):
+            # layer 0 routes by token id: its experts are known before the step, so they are
+            # copied in while its attention runs
+            self.weights[0].pool.prefetch(first_moe.gate.tid2eid[t.token_ids.long()])
         x = self.model.embed(t.token_ids)  # [T, D]
         fused_first = self.model.fuse_first_hc
         if not fused_first:
