@@ -130,8 +130,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-baseline", action="store_true",
                         help="no resident token check, no reference-forward timing")  # fmt: skip
     parser.add_argument("--no-timing", action="store_true")
-    parser.add_argument("--no-prefetch", action="store_true",
-                        help="skip the timing runs with features.expert_prefetch")
+    parser.add_argument(
+        "--no-prefetch",
+        action="store_true",
+        help="skip the timing runs with features.expert_prefetch",
+    )
     parser.add_argument("--batches", default="1,16")
     parser.add_argument("--routings", default="uniform,zipf1")
     parser.add_argument("--prompt-len", type=int, default=64, help="the TPOT runs' prompts")
