@@ -153,10 +153,35 @@ def test_prefetched_experts_equal_all_resident_and_spare_the_hash_layers_their_f
         assert_no_leaks(pool)
 
 
+def test_double_buffered_rounds_prefetch_each_next_round_and_change_no_bit() -> None:
+    """A prefill-sized step on one layer's pool (all 8 experts used, 5 cold, 4 slots): with
+    `lookahead` the rounds take 2 misses each and each next round's misses are prefetched
+    beside the current round, so only round 0's misses are fetched on the critical path."""
+    resident = random_model(CFG, seed=13)
+    gen = torch.Generator().manual_seed(4)
+    u = torch.randn(40, CFG.hidden_size, generator=gen)
+    ids = torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range(40)])
+    w = torch.rand(40, 2, generator=gen)
+    outs, stats = [], []
+    for lookahead in (False, True):
+        _, pool = _pooled(resident)
+        layer = pool.layers[0]
+        outs.append(layer.experts(u, ids, w, CFG.swiglu_limit, lookahead=lookahead))
+        pool.mirror()
+        stats.append(pool.stats())
+        assert_no_leaks(pool)
+    assert torch.equal(outs[0], outs[1])
+    assert stats[0].prefetches == 0 and stats[0].fetches == 5
+    assert stats[1].fetches == 2 and stats[1].prefetches == 3  # rounds of 2, 2, 1 misses
+
+
 def test_round_groups() -> None:
     table = [0, -1, 3, -1, -1, 1, -1, -1]  # R = 2: experts 0, 5 resident; 2 cached (row 3)
     assert round_groups([0, 1, 2, 3, 4, 6], table, 2, 2) == [[0, 2, 1], [3, 4], [6]]
     assert round_groups([0, 5], table, 2, 0) == [[0, 5]]
+    # double-buffered: 4 slots, rounds of 2 misses (round 0: one, beside the cached expert 2)
+    assert round_groups([0, 1, 2, 3, 4, 6], table, 2, 4, halves=True) == [[0, 2, 1], [3, 4], [6]]
+    assert round_groups([0, 1, 3], table, 2, 1, halves=True) == [[0, 1], [3]]  # no half of 1
     with pytest.raises(ExpertPoolError):
         round_groups([1], table, 2, 0)
 

@@ -169,7 +169,7 @@ class LayerPool:
         self.ops["prefetch_slots"](predicted, self.slots)
         self.ops["copy_fetched"](self.fetch, self.parts, self.host, self.num_resident)
 
-    def _join_prefetch(self) -> None:
+    def join_prefetch(self) -> None:
         """The compute stream waits for this layer's prefetch (if one is in flight)."""
         if self._prefetching is None:
             return
@@ -179,7 +179,7 @@ class LayerPool:
 
     def resolve(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [T, K] logical (-1: skipped) -> device rows [T, K] int32, the misses copied in."""
-        self._join_prefetch()
+        self.join_prefetch()
         rows = self.ops["resolve_slots"](ids, self.slots)
         if self.num_slots:
             self.ops["copy_fetched"](self.fetch, self.parts, self.host, self.num_resident)
@@ -194,11 +194,12 @@ class LayerPool:
                                        num_experts=self.num_experts, skip=skip)  # fmt: skip
 
     def experts(self, u: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                limit: float | None) -> torch.Tensor:  # fmt: skip
+                limit: float | None, lookahead: bool = False) -> torch.Tensor:  # fmt: skip
         """u [T, D], routed ids [T, K] and weights [T, K] fp32 -> y [T, D] fp32, as
-        `moe_experts` on all-resident experts computes it."""
+        `moe_experts` on all-resident experts computes it; `lookahead`: a step in rounds
+        prefetches each next round beside the current one (`expert_rounds.py`)."""
         if not self.fits_one_round(ids.numel()):
-            return experts_in_rounds(self, u, ids, weights, limit)
+            return experts_in_rounds(self, u, ids, weights, limit, lookahead)
         rows = self.rows(u, self.resolve(ids), limit)
         return self.ops["combine_rows"](rows, weights, ids)
 
@@ -206,7 +207,7 @@ class LayerPool:
         """Back to the start-up state after a failed step (whose table may be inconsistent):
         resident experts in their rows, every cache slot free; in place, so captured graphs
         keep their addresses. The next steps fetch their cold experts again."""
-        self._join_prefetch()
+        self.join_prefetch()
         self.table.copy_(self._initial[0])
         self.owner.copy_(self._initial[1])
         self.last_used.zero_()

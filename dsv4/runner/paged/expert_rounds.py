@@ -7,6 +7,11 @@ each later round the next S misses (ascending ids). A round resolves only its ex
 into the one per-pair buffer [T*K, D]; one combine at the end sums each token's rows in the
 resident path's order, so the output is the all-resident one bit for bit. Eager only: the
 split reads the routing and the slot table on the host (a sync a captured graph cannot hold).
+
+Double-buffered (`lookahead`, with `features.expert_prefetch`): rounds take S // 2 misses, and
+right after round i is resolved, round i + 1's misses are prefetched on the pool's copy stream
+(`LayerPool.prefetch` of both rounds' pairs, so round i's slots are never evicted) while round
+i's GEMM runs; round i + 1's resolve then finds them in place. Same rows, same combine.
 """
 
 from __future__ import annotations
@@ -22,30 +27,39 @@ if TYPE_CHECKING:
 
 
 def round_groups(used: list[int], table: list[int], num_resident: int,
-                 num_slots: int) -> list[list[int]]:  # fmt: skip
-    """The logical experts of each round (see the module doc); `table` [E] the slot table."""
+                 num_slots: int, halves: bool = False) -> list[list[int]]:  # fmt: skip
+    """The logical experts of each round (see the module doc); `table` [E] the slot table;
+    `halves`: each round's misses fit half the slots (double buffering)."""
     on_device = [e for e in used if table[e] >= 0]
     misses = [e for e in used if table[e] < 0]
     if misses and num_slots == 0:
         raise ExpertPoolError("expert pool: a layer with cold experts has no cache slot")
-    free = num_slots - sum(table[e] >= num_resident for e in on_device)
+    per_round = num_slots // 2 if halves and num_slots >= 2 else num_slots
+    cached = sum(table[e] >= num_resident for e in on_device)
+    free = max(0, per_round - cached) if per_round < num_slots else num_slots - cached
     groups = [on_device + misses[:free]]
-    groups += [misses[i : i + num_slots] for i in range(free, len(misses), max(num_slots, 1))]
+    groups += [misses[i : i + per_round] for i in range(free, len(misses), max(per_round, 1))]
     return [g for g in groups if g]
 
 
 def experts_in_rounds(pool: LayerPool, u: torch.Tensor, ids: torch.Tensor,
-                      weights: torch.Tensor, limit: float | None) -> torch.Tensor:  # fmt: skip
-    """`LayerPool.experts` for a step too large for one round: y [T, D] fp32."""
+                      weights: torch.Tensor, limit: float | None,
+                      lookahead: bool = False) -> torch.Tensor:  # fmt: skip
+    """`LayerPool.experts` for a step too large for one round: y [T, D] fp32; `lookahead`:
+    double-buffered rounds (see the module doc)."""
     if u.is_cuda and torch.cuda.is_current_stream_capturing():
         raise ExpertPoolError(f"expert pool: a captured step of {ids.numel()} pairs exceeds "
                               f"{pool.num_slots} cache slots (max_decode_tokens too small)")  # fmt: skip
+    pool.join_prefetch()  # the table is read below: a prefetch may still be writing it
     used = ids.unique().tolist()  # host sync: this is an eager (prefill) step
-    groups = round_groups(used, pool.table.tolist(), pool.num_resident, pool.num_slots)
+    groups = round_groups(used, pool.table.tolist(), pool.num_resident, pool.num_slots,
+                          halves=lookahead)  # fmt: skip
+    parts = [torch.isin(ids, torch.tensor(g, dtype=ids.dtype, device=ids.device)) for g in groups]
     rows = None
-    for group in groups:
-        part = torch.isin(ids, torch.tensor(group, dtype=ids.dtype, device=ids.device))
+    for i, part in enumerate(parts):
         rows_of = pool.resolve(torch.where(part, ids, -1))
+        if lookahead and i + 1 < len(parts):  # round i + 1's misses beside round i's GEMM
+            pool.prefetch(torch.where(part | parts[i + 1], ids, -1))
         rows = pool.rows(u, rows_of, limit, out=rows, skip=True)
     assert rows is not None
     return pool.ops["combine_rows"](rows, weights, ids)

@@ -200,7 +200,8 @@ class PagedForward:
         if ahead is not None:  # before this layer's experts, so the copies run beside them
             self._prefetch(*ahead, u, token_ids)
         if lw.pool is not None:  # offloaded experts (one rank only): the layer's pool, never fused
-            y = lw.pool.experts(u.contiguous(), ids, w, cfg.swiglu_limit)
+            y = lw.pool.experts(u.contiguous(), ids, w, cfg.swiglu_limit,
+                                lookahead=self.switches.expert_prefetch)  # fmt: skip
             if moe.shared_experts is not None:
                 y += moe.shared_experts(u).float()
             return self.collectives.after_moe(y).to(u.dtype)
