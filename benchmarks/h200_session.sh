@@ -11,7 +11,10 @@
 #           and MoE dequantise sweeps (~6 min);
 #   fdecode the decode step with bf16 / FP8 linears / FP8 linears + MXFP4 experts (A/B, ~5 min);
 #   e2e     the end-to-end run (disaggregated, colocated, transformers);
-#   tests   the GPU tests of the captured decode passes.
+#   tests   the GPU tests of the captured decode passes;
+#   pool    the expert pool (issue 22): its GPU tests (registered host rows, the copy kernel and
+#           the prefetch stream inside captured graphs), then offload_serve_check on the
+#           4-layer slice (paged, paged + prefetch, reference; uniform and zipf1).
 # DECODE_ARGS and E2E_ARGS add arguments to the decode and end-to-end benchmarks.
 # Each part has its own time limit and writes under $OUT, so a failing part leaves the others'.
 #   pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl .whl-fi/*.whl \
@@ -101,6 +104,14 @@ if has fi; then
         --out "$out/kernels-hash-h200.json"
     grep -E "^(sample|hash_route)|Error|error" "$logs/fi-bench.log" | cut -c1-220
 fi
+has pool && {
+run_into "${T_POOL_TESTS:-150}" "$logs/pool-tests.txt" python3 -m pytest -q -p no:cacheprovider \
+    -m gpu tests/engine/test_expert_pool.py tests/kernels/test_expert_slots.py
+tail -3 "$logs/pool-tests.txt"
+run_into "${T_POOL:-420}" "$logs/pool-serve.log" python3 -m benchmarks.offload_serve_check \
+    --out "$out/offload-serve-h200.json" ${POOL_ARGS:-}
+grep -E '"(equal|name|time_us|expert_prefetch)"|Error' "$logs/pool-serve.log" | head -40 | cut -c1-160
+}
 has tests && {
 timeout "${T_TESTS:-80}" python3 -m pytest -q -p no:cacheprovider -m gpu \
     tests/engine/test_decode_graphs.py tests/engine/test_paged_speculative.py > "$logs/gpu-tests.txt" 2>&1
