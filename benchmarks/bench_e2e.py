@@ -10,7 +10,10 @@ layer is left out here: two processes each holding 5 x 12.9 GB of experts would 
 card next to each other (MTP is measured in benchmarks/bench_decode_graphs.py).
 
 Per mode (disaggregated: 1 P + 1 D, KV over CUDA IPC; colocated: one engine, chunked prefill):
-1. probes at concurrency 1: one 1024-token prompt (TTFT), one 256-token decode (TPOT, batch 1);
+1. greedy probes: one 1024-token prompt (TTFT) and one 256-token decode (TPOT, batch 1) at
+   concurrency 1, then 64 such decodes at once (TPOT, `--probe-concurrency`); written as
+   `e2e_probe` records (mode, metric in ttft_1024 / tpot_b1 / tpot_c64, time_us) to
+   `e2e-probes.json`;
 2. a rate sweep: random prompts of 4608 x (1 +- 0.6) tokens (1.8K-7.4K) and 320 x (1 +- 0.6)
    output tokens (128-512), Poisson arrivals; goodput under `--goodput`.
 Every run keeps its per-request JSONL; `e2e-summary.json` collects the table, the KV hand-off
@@ -45,8 +48,10 @@ def service_args(args) -> tuple[str, ...]:
 
 
 def loadtest(target: str, out: Path, label: str, rate: str, num_prompts: int, input_len: int,
-             output_len: int, ratio: float, args, concurrency: int = 0) -> dict:  # fmt: skip
-    """One `dsv4 loadtest` run -> its result JSON (per-request records in `label`.jsonl)."""
+             output_len: int, ratio: float, args, concurrency: int = 0,
+             greedy: bool = False) -> dict:  # fmt: skip
+    """One `dsv4 loadtest` run -> its result JSON (per-request records in `label`.jsonl);
+    `greedy`: temperature 0 (the probes), else the server's default sampling."""
     cmd = [sys.executable, "-m", "dsv4.commands.cli", "loadtest", "--target", target,
            "--dataset-name", "random", "--num-prompts", str(num_prompts),
            "--random-input-len", str(input_len), "--random-output-len", str(output_len),
@@ -57,6 +62,8 @@ def loadtest(target: str, out: Path, label: str, rate: str, num_prompts: int, in
            "--per-request-jsonl", str(out / f"{label}.jsonl")]  # fmt: skip
     if concurrency:
         cmd += ["--max-concurrency", str(concurrency)]
+    if greedy:
+        cmd += ["--temperature", "0"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     print(done.stdout[-2500:], done.stderr[-1500:], flush=True)
     path = out / f"{label}.json"
@@ -124,15 +131,21 @@ def run_mode(mode: str, spec_dir: Path, out: Path, args) -> dict:
         target = cluster.router_address
         p = args.probe_scale
         result["probe_ttft_1024"] = loadtest(target, out, f"{mode}-ttft1024", "inf", 3 * p,
-                                             args.probe_prompt, 1, 0.0, args, concurrency=1)  # fmt: skip
+                                             args.probe_prompt, 1, 0.0, args, concurrency=1,
+                                             greedy=True)  # fmt: skip
         result["steps_after_ttft_probe"] = engine_steps(cluster)
         pmon = None if args.dry_run else gpu_processes()
         result["probe_tpot_b1"] = loadtest(target, out, f"{mode}-tpot-b1", "inf", p,
                                            args.probe_prompt, args.probe_output, 0.0, args,
-                                           concurrency=1)  # fmt: skip
+                                           concurrency=1, greedy=True)  # fmt: skip
         result["steps_after_tpot_probe"] = engine_steps(cluster)
         if pmon is not None:
             result["pmon_tpot_probe"] = pmon.communicate(timeout=30)[0][-3000:]
+        if args.probe_concurrency:  # decode TPOT with that many streams at once
+            c = args.probe_concurrency
+            result[f"probe_tpot_c{c}"] = loadtest(target, out, f"{mode}-tpot-c{c}", "inf", c * p,
+                                                  args.probe_prompt, args.probe_output, 0.0,
+                                                  args, concurrency=c, greedy=True)  # fmt: skip
         sweep = []
         for rate, n in zip(args.rate_list, args.prompt_counts):
             label = f"{mode}-rate{rate}"
@@ -203,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--probe-prompt", type=int, default=1024)
     ap.add_argument("--probe-output", type=int, default=256)
     ap.add_argument("--probe-scale", type=int, default=2)
+    ap.add_argument("--probe-concurrency", type=int, default=64,
+                    help="streams of the concurrent TPOT probe (0: none)")  # fmt: skip
     ap.add_argument("--goodput", nargs="+", default=["ttft:2000", "tpot:50"])
     ap.add_argument("--max-model-len", type=int, default=8704)
     ap.add_argument("--max-num-seqs", type=int, default=64)
@@ -248,8 +263,33 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:
             summary["transformers"] = {"error": repr(exc)[-2000:]}
     (out / "e2e-summary.json").write_text(json.dumps(summary, indent=1))
+    (out / "e2e-probes.json").write_text(json.dumps(probe_records(summary), indent=1))
     print(json.dumps({k: v for k, v in summary.items() if k != "model"}, indent=1)[:6000])
     return 0
+
+
+def probe_records(summary: dict) -> list[dict]:
+    """`e2e_probe` records (mode x metric, `time_us`: the probe's mean TTFT or TPOT) from a
+    summary; a probe that did not run or failed gives time_us None and its error."""
+    found = []
+    for mode in MODES:
+        result = summary.get(mode)
+        if result is None:
+            continue
+        probes = {"ttft_1024": ("probe_ttft_1024", "mean_ttft_ms"),
+                  "tpot_b1": ("probe_tpot_b1", "mean_tpot_ms")}  # fmt: skip
+        probes |= {f"tpot_c{k.removeprefix('probe_tpot_c')}": (k, "mean_tpot_ms")
+                   for k in result if k.startswith("probe_tpot_c")}  # fmt: skip
+        for metric, (probe, key) in probes.items():
+            run = result.get(probe, {})
+            ms = run.get(key)
+            found.append({"name": "e2e_probe", "mode": mode, "metric": metric,
+                          "time_us": None if ms is None else ms * 1e3,
+                          "completed": run.get("completed"), "failed": run.get("failed"),
+                          "cuda_graphs": result.get("cuda_graphs"), "sampling": "greedy",
+                          "model": summary.get("model", {}),
+                          "error": run.get("error") or result.get("error")})  # fmt: skip
+    return found
 
 
 if __name__ == "__main__":

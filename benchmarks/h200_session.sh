@@ -93,7 +93,7 @@ if [ -n "$jit_pid" ] && has e2e; then wait "$jit_pid"; echo "flashinfer jit rc=$
 has e2e && {
 timeout "${T_E2E:-450}" python3 -m benchmarks.bench_e2e --out-dir /tmp/e2e ${E2E_ARGS:-} > "$logs/e2e.log" 2>&1
 rc=$?; echo "e2e rc=$rc"; [ $rc -ne 0 ] && tail -12 "$logs/e2e.log" | cut -c1-300
-cp /tmp/e2e/e2e-summary.json "$out/" 2>/dev/null
+cp /tmp/e2e/e2e-summary.json /tmp/e2e/e2e-probes.json "$out/" 2>/dev/null
 }
 if has fi; then
     [ -n "$jit_pid" ] && { wait "$jit_pid"; echo "flashinfer jit rc=$?"; }
