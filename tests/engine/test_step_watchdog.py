@@ -39,35 +39,35 @@ HOLD_LIMIT_S = 30.0  # a failing test never leaves the engine thread held for lo
 
 class HeldRunner(ModelRunner):
     """The real runner, except that once `hold` is set the next step waits (its thread blocked,
-    as on a kernel or collective that never returns) until `release` is set, then runs."""
+    as on a kernel or collective that never returns) until `release` is set or `hold_s`
+    passed, then runs."""
 
     def __init__(self, runner: ModelRunner) -> None:
         super().__init__(runner.forward, runner.sampler, runner.cache)
-        self.hold, self.entered, self.release = (
-            threading.Event(),
-            threading.Event(),
-            threading.Event(),
-        )
+        self.hold, self.entered, self.release = (threading.Event() for _ in range(3))
+        self.hold_s = HOLD_LIMIT_S
 
     def execute(self, batch: ScheduledBatch) -> StepOutput:
         if self.hold.is_set():
             self.hold.clear()
             self.entered.set()
-            self.release.wait(HOLD_LIMIT_S)
+            self.release.wait(self.hold_s)
         return super().execute(batch)
 
     def hold_for(self, seconds: float) -> None:
         """Hold the next step for `seconds` (a slow step, not a hung one)."""
+        self.hold_s = seconds
         self.release.clear()
+        self.entered.clear()
         self.hold.set()
-        threading.Timer(seconds, self.release.set).start()
 
     async def hold_next(self) -> None:
         """Hold the next step until `release`; returns once a step is held."""
+        self.hold_s = HOLD_LIMIT_S
         self.release.clear()
+        self.entered.clear()
         self.hold.set()
         assert await asyncio.to_thread(self.entered.wait, 10.0), "no step started"
-        self.entered.clear()
 
 
 def held_core(model, **options: object) -> tuple[EngineCore, HeldRunner]:
@@ -110,7 +110,7 @@ def test_a_hung_step_ends_every_stream_and_its_late_results_are_dropped(tiny) ->
             assert await collect(engine.generate(greedy_request("slow", PROMPT, 3))) == (
                 generate(tiny, PROMPT, 3), None,
             )  # fmt: skip
-            assert engine.num_hung_steps == 0 and engine.can_step
+            assert runner.entered.is_set() and engine.num_hung_steps == 0 and engine.can_step
 
             streams = {rid: engine.generate(greedy_request(rid, PROMPT, 200)) for rid in "abc"}
             first = list((await anext(streams["a"])).new_token_ids)  # "a" decodes
@@ -153,6 +153,36 @@ def test_a_hung_step_ends_every_stream_and_its_late_results_are_dropped(tiny) ->
             assert await collect(engine.generate(greedy_request("after", PROMPT, 4))) == (
                 generate(tiny, PROMPT, 4), None,
             )  # fmt: skip
+        finally:
+            runner.release.set()
+            await engine.stop()
+        assert not any(t.name == "engine-loop" for t in threading.enumerate())
+        assert_no_leaks(core)
+
+    run(main())
+
+
+def test_stopping_during_a_hang_waits_only_for_the_thread_and_frees_everything(tiny) -> None:
+    """A worker shut down while its step hangs: stop() is not stuck behind the step (its
+    abort-all is told StepHung), and once the step returns the thread exits leak-free."""
+
+    async def main() -> None:
+        core, runner = held_core(tiny)
+        engine = AsyncEngine(core, step_timeout_s=TIMEOUT_S / 2)
+        engine.start()
+        try:
+            stream = engine.generate(greedy_request("a", PROMPT, 200))
+            await anext(stream)
+            ending = asyncio.ensure_future(collect(stream))
+            await runner.hold_next()
+            await wait_until(lambda: engine.num_hung_steps == 1, "the verdict", 5.0)
+            stopping = asyncio.ensure_future(engine.stop())
+            await asyncio.sleep(0.2)
+            assert not stopping.done()  # joining the engine thread, still in the step
+            runner.release.set()
+            await asyncio.wait_for(stopping, 5.0)
+            assert isinstance((await ending)[1], StepHung)
+            assert not any(t.name == "engine-loop" for t in threading.enumerate())
         finally:
             runner.release.set()
             await engine.stop()
@@ -227,6 +257,7 @@ def test_a_worker_whose_step_hangs_says_not_serving_and_ends_its_streams_unavail
             await server.stop(None)
             await service.stop()
             await engine.stop()
+        assert not any(t.name == "engine-loop" for t in threading.enumerate())
         assert_no_leaks(engine.core)
 
     run(main())
