@@ -13,8 +13,8 @@ watchdog, an asyncio task of this engine (`StepWatch`; `step_timeout_s`, 0: none
 in progress has run past the timeout, `is_hung` and so `can_step` turn False, every live stream
 and every waiting `call` ends with `StepHung` (UNAVAILABLE), new work is refused and a CRITICAL
 line names the step's requests. If the step returns after all, its outputs are dropped, the
-requests ended for it are aborted (blocks freed) and the engine counts as unable to step: health
-comes back only when a probe step succeeds, as after repeated failures.
+requests ended for it are aborted (blocks freed) and the engine counts as unable to step, as
+after repeated failures: health comes back with the next step that succeeds (the idle probe).
 
 Who calls what: servicers (asyncio thread, one event loop) call the async methods; nothing else
 touches the core. `stop()` aborts every live request, ends the thread and joins it.
@@ -421,14 +421,14 @@ class AsyncEngine:
     def _after_hang(self, hung: HungStep, took_s: float) -> None:
         """A step declared hung returned after all (engine thread): its outputs are dropped
         (the streams ended already), the requests ended for it are aborted once no step is in
-        flight, and health stays NOT_SERVING until a probe step succeeds: a step that took
-        this long proves nothing about the next one."""
+        flight, and health stays NOT_SERVING until a step succeeds (the idle probe): a step that
+        took this long proves nothing about the next one."""
         self.num_step_failures += 1
         self.consecutive_step_failures = MAX_CONSECUTIVE_STEP_FAILURES
         self._ended_by_hang += hung.ended_request_ids
         log.warning(
             "%s: the step declared hung returned after %.1f s; dropped its outputs, ending %d "
-            "requests; NOT_SERVING until a probe step succeeds",
+            "requests; NOT_SERVING until a step succeeds",
             self.name, took_s, len(hung.ended_request_ids),
         )  # fmt: skip
 
