@@ -7,6 +7,7 @@ freed, and a probe step brings the worker back. The hang is real: the runner's s
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 
@@ -100,7 +101,7 @@ async def collect(stream) -> tuple[list[int], BaseException | None]:
     return tokens, None
 
 
-def test_a_hung_step_ends_every_stream_and_its_late_results_are_dropped(tiny) -> None:
+def test_a_hung_step_ends_every_stream_and_its_late_results_are_dropped(tiny, caplog) -> None:
     async def main() -> None:
         core, runner = held_core(tiny, max_num_seqs=2)  # "c" waits: not in the hung step
         engine = AsyncEngine(core, step_timeout_s=TIMEOUT_S)
@@ -136,6 +137,8 @@ def test_a_hung_step_ends_every_stream_and_its_late_results_are_dropped(tiny) ->
                 got = (first if rid == "a" else []) + tokens
                 assert got == reference[: len(got)]  # nothing twice, nothing out of order
             assert engine.num_hung_steps == 1
+            [verdict] = [r.getMessage() for r in caplog.records if r.levelno == logging.CRITICAL]
+            assert "engine step hung" in verdict and "a batch of 2 requests ['a', 'b']" in verdict
 
             with pytest.raises(StepHung):  # new work is refused at once, nothing waits
                 await asyncio.wait_for(
