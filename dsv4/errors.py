@@ -72,6 +72,12 @@ class RankFailed(Unavailable):
     cannot step any more and goes down (health NOT_SERVING, then exit)."""
 
 
+class StepHung(Unavailable):
+    """An engine step ran past `scheduler.step_timeout_s` (a kernel or collective that never
+    returns, a deadlock): every live request of the worker ends with this and the worker says
+    NOT_SERVING. UNAVAILABLE: the fault is this worker's, so a router may retry elsewhere."""
+
+
 class TransferError(Unavailable):
     """A KV transfer failed or its peer vanished."""
 

@@ -138,6 +138,15 @@ class SchedulerSection(Section):
     )
     chunk_area_budget: int = setting(0, "area budget per prefill chunk; 0: derived", min=0)
     prefill_chunk_group_size: int = setting(4, "requests per chunk when the plan is fixed", min=1)
+    # The longest healthy step is a full 16K-token prefill chunk (a few s on an H200), plus
+    # 1.5-3.3 s for a kernel compile the warm-up missed; collectives give up on their own after
+    # model.collective_timeout_s (60 s). 120 s never fires on a healthy worker and still ends a
+    # hung worker's streams within about two minutes (SGLang's watchdog: 300 s, then it kills
+    # the process). docs/operations.md, "Hung steps".
+    step_timeout_s: float = setting(
+        120.0, "an engine step running longer is hung: live requests end UNAVAILABLE and health "
+        "says NOT_SERVING; 0: never", min=0,
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -8,13 +8,22 @@ requests it touched with `StepFailed` (INTERNAL, logged once) and the loop goes 
 raised (the worker's health then says NOT_SERVING); while so, an idle engine tries a one-token
 probe request every `PROBE_INTERVAL_S`, and any step that succeeds makes it True again.
 
-Who calls what: servicers (asyncio thread) call the async methods; nothing else touches the core.
-`stop()` aborts every live request, ends the thread and joins it.
+A step that never returns (a kernel or collective that hangs, a deadlock) is caught by the step
+watchdog, an asyncio task of this engine (`StepWatch`; `step_timeout_s`, 0: none): once the step
+in progress has run past the timeout, `is_hung` and so `can_step` turn False, every live stream
+and every waiting `call` ends with `StepHung` (UNAVAILABLE), new work is refused and a CRITICAL
+line names the step's requests. If the step returns after all, its outputs are dropped, the
+requests ended for it are aborted (blocks freed) and the engine counts as unable to step, as
+after repeated failures: health comes back with the next step that succeeds (the idle probe).
+
+Who calls what: servicers (asyncio thread, one event loop) call the async methods; nothing else
+touches the core. `stop()` aborts every live request, ends the thread and joins it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -24,7 +33,8 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from dsv4.engine.core import EngineCore, EngineLoad, HeldBlocks
-from dsv4.errors import Cancelled, Dsv4Error, StepFailed, Unavailable
+from dsv4.engine.step_watch import HungStep, StepWatch
+from dsv4.errors import Cancelled, Dsv4Error, StepFailed, StepHung, Unavailable
 from dsv4.scheduler.batch import RequestOutput
 from dsv4.scheduler.request import FinishCause, Request
 
@@ -34,6 +44,8 @@ _IDLE_WAIT_S = 0.05
 MAX_CONSECUTIVE_STEP_FAILURES = 3
 PROBE_INTERVAL_S = 1.0
 PROBE_REQUEST_ID = "__step_probe__"
+WATCH_INTERVAL_S = 1.0  # the watchdog looks at least this often (a quarter timeout if shorter)
+STOP_JOIN_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -57,8 +69,22 @@ class _Stream:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
+@dataclass(eq=False)
+class _Call:
+    """A `call` waiting for its command. `dropped` (set by the watchdog under the watch lock,
+    before a hung step can return): the command adds work for a caller already told the step
+    hung, so it must not run."""
+
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[Any]
+    adds_work: bool
+    dropped: bool = False
+
+
 class AsyncEngine:
-    def __init__(self, core: EngineCore, name: str = "engine") -> None:
+    def __init__(self, core: EngineCore, name: str = "engine", step_timeout_s: float = 0.0) -> None:
+        """`step_timeout_s`: a step running longer is declared hung (0: no watchdog); the
+        worker passes `scheduler.step_timeout_s`."""
         self.core = core
         self.name = name
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
@@ -71,20 +97,37 @@ class AsyncEngine:
         self._last_probe_s = 0.0
         self._has_died = False
         # `call`s awaiting their command (added and removed on the asyncio side)
-        self._pending: set[tuple[asyncio.AbstractEventLoop, asyncio.Future[Any]]] = set()
+        self._pending: set[_Call] = set()
+        self._watch = StepWatch(step_timeout_s)
+        self._watchdog: asyncio.Task[None] | None = None
+        self.num_hung_steps = 0  # declared by the watchdog
+        self._ended_by_hang: tuple[str, ...] = ()  # engine thread: abort once no step flies
 
     # ---- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
+        """Start the engine thread and, with a step timeout, the watchdog: call it on the event
+        loop that serves this engine (the watchdog is a task there)."""
+        loop = asyncio.get_running_loop() if self._watch.timeout_s > 0 else None
         self._thread = threading.Thread(target=self._run, name=f"{self.name}-loop", daemon=True)
         self._thread.start()
+        if loop is not None:
+            self._watchdog = loop.create_task(self._watch_steps(), name=f"{self.name}-watchdog")
 
     async def stop(self) -> None:
         if self._thread is None:
             return
         if self.is_running:  # a thread that died has failed its streams already
-            await self.call(self._abort_all)
+            with contextlib.suppress(StepHung):  # so has a hung step (aborted if it returns)
+                await self.call(self._abort_all)
         self._stopping.set()
-        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 10.0)
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            await asyncio.gather(self._watchdog, return_exceptions=True)
+            self._watchdog = None
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, STOP_JOIN_S)
+        if self._thread.is_alive():
+            log.error("%s: the engine thread is still in a hung step after %g s; left behind",
+                      self.name, STOP_JOIN_S)  # fmt: skip
         self._thread = None
 
     @property
@@ -92,23 +135,39 @@ class AsyncEngine:
         return self._thread is not None and self._thread.is_alive() and not self._has_died
 
     @property
+    def is_hung(self) -> bool:
+        """The step in progress has run past the step timeout (read anywhere)."""
+        return self._watch.is_hung
+
+    @property
     def can_step(self) -> bool:
-        """False when the engine thread is gone or its last steps all raised (read anywhere)."""
-        return self.is_running and self.consecutive_step_failures < MAX_CONSECUTIVE_STEP_FAILURES
+        """False when the engine thread is gone, a step hangs, or the last steps all raised
+        (read anywhere)."""
+        return (
+            self.is_running
+            and not self.is_hung
+            and self.consecutive_step_failures < MAX_CONSECUTIVE_STEP_FAILURES
+        )
 
     def load(self) -> EngineLoad:
         """The load as of the last step (read from any thread)."""
         return self._load
 
     # ---- commands ------------------------------------------------------------------------
-    async def call(self, fn: Callable[[], T]) -> T:
-        """Run `fn` on the engine thread between steps; its result or exception comes back."""
+    async def call(self, fn: Callable[[], T], *, adds_work: bool = False) -> T:
+        """Run `fn` on the engine thread between steps; its result or exception comes back.
+        Nobody waits on a hung step: `StepHung` comes back at once; work that `adds_work` (a
+        request, an adoption) is refused, anything else (abort, release) still runs if the
+        step returns."""
         if not self.is_running:
             raise Unavailable(f"{self.name} is not running")
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
+        pending = _Call(loop, future, adds_work)
 
         def run() -> None:
+            if pending.dropped:
+                return
             try:
                 result = fn()
             except BaseException as exc:  # delivered to the awaiting caller
@@ -116,7 +175,11 @@ class AsyncEngine:
             else:
                 loop.call_soon_threadsafe(_set_result, future, result)
 
-        pending = (loop, future)
+        if self.is_hung:
+            future.cancel()  # nobody awaits it: a late result goes nowhere
+            if not adds_work:
+                self._commands.put(run)
+            raise self._hung_error(self._watch.elapsed_s())
         self._pending.add(pending)
         try:
             self._commands.put(run)
@@ -128,7 +191,7 @@ class AsyncEngine:
         """Run a whole request; yields its outputs until the finishing one."""
         stream = self._open(request.request_id)
         try:
-            await self.call(lambda: self.core.add_request(request))
+            await self.call(lambda: self.core.add_request(request), adds_work=True)
         except BaseException:
             self._streams.pop(request.request_id, None)
             raise
@@ -140,7 +203,9 @@ class AsyncEngine:
         rid = request.request_id
         stream = self._open(rid)
         try:
-            await self.call(lambda: self.core.add_request(request, prefill_only=True))
+            await self.call(
+                lambda: self.core.add_request(request, prefill_only=True), adds_work=True
+            )
         except BaseException:
             self._streams.pop(rid, None)
             raise
@@ -153,13 +218,13 @@ class AsyncEngine:
 
     async def adopt(self, request: Request) -> tuple[int, ...]:
         """Decode side: blocks for the pulled prompt (hand-off order)."""
-        return await self.call(lambda: self.core.adopt(request))
+        return await self.call(lambda: self.core.adopt(request), adds_work=True)
 
     async def activate(self, request_id: str) -> AsyncIterator[RequestOutput]:
         """Decode side, after the pull landed: stream the request's tokens."""
         stream = self._open(request_id)
         try:
-            await self.call(lambda: self.core.activate(request_id))
+            await self.call(lambda: self.core.activate(request_id), adds_work=True)
         except BaseException:
             self._streams.pop(request_id, None)
             raise
@@ -223,38 +288,41 @@ class AsyncEngine:
             for request_id in list(self._streams):
                 self._fail(request_id, ended)
         finally:  # commands queued too late never run: their callers hear so
-            for loop, future in list(self._pending):
-                loop.call_soon_threadsafe(_set_exception, future, ended)
+            for pending in list(self._pending):
+                pending.loop.call_soon_threadsafe(_set_exception, pending.future, ended)
 
     def _loop(self) -> None:
         while not self._stopping.is_set():
             # Commands run with no step in flight (async scheduling launches one ahead): an
             # adopted request's pull then writes blocks that no launched step still writes.
-            if self.core.has_step_in_flight and not self._commands.empty():
+            if self.core.has_step_in_flight and (self._ended_by_hang or not self._commands.empty()):
                 self._step(self.core.drain)
             if not self.core.has_step_in_flight:
+                self._abort_ended_by_hang()
                 self._run_commands(block=not self.core.has_work())
             if not self.core.has_work():
                 self._maybe_probe()
                 continue
             self._step(self.core.step)
+        if self.core.has_step_in_flight and self._ended_by_hang:  # stopped right after a hang
+            self._step(self.core.drain)
+        self._abort_ended_by_hang()
         self.core.abort(PROBE_REQUEST_ID)  # one may have started after stop()'s abort-all
 
     def _step(self, step: Callable[[], list[RequestOutput]]) -> None:
-        """Run one core step (or drain) and deliver its outputs; failures end its requests."""
+        """Run one core step (or drain) under the watch and deliver its outputs; failures end
+        its requests; a step declared hung delivers nothing (`_after_hang`)."""
+        self.core.step_request_ids = ()
+        started_s = time.monotonic()
+        self._watch.begin()
         try:
-            outputs = step()
-        except StepFailed as exc:  # the core already ended the step's requests
-            self._on_step_failure(exc)
-            for request_id in exc.request_ids:
-                self._fail(request_id, exc)
+            outputs = self._run_step(step)
+        finally:
+            hung = self._watch.end()
+        if hung is not None:
+            self._after_hang(hung, time.monotonic() - started_s)
             return
-        except Exception as exc:  # schedule() itself raised: nothing can be trusted
-            failure = StepFailed(f"{self.name}: engine step failed: {exc!r}")
-            failure.__cause__ = exc
-            self._on_step_failure(failure)
-            self.core.discard_in_flight()
-            self._abort_all(failure)
+        if outputs is None:
             return
         self.consecutive_step_failures = 0
         for out in outputs:
@@ -262,6 +330,22 @@ class AsyncEngine:
             if stream is not None:
                 stream.push(out)
         self._load = self.core.load()
+
+    def _run_step(self, step: Callable[[], list[RequestOutput]]) -> list[RequestOutput] | None:
+        """The step's outputs, or None when it raised (its requests then ended)."""
+        try:
+            return step()
+        except StepFailed as exc:  # the core already ended the step's requests
+            self._on_step_failure(exc)
+            for request_id in exc.request_ids:
+                self._fail(request_id, exc)
+        except Exception as exc:  # schedule() itself raised: nothing can be trusted
+            failure = StepFailed(f"{self.name}: engine step failed: {exc!r}")
+            failure.__cause__ = exc
+            self._on_step_failure(failure)
+            self.core.discard_in_flight()
+            self._abort_all(failure)
+        return None
 
     def _run_commands(self, block: bool) -> None:
         try:
@@ -294,6 +378,66 @@ class AsyncEngine:
             return
         self._last_probe_s = now
         self.core.add_request(Request(PROBE_REQUEST_ID, (2, 3, 4, 5), max_new_tokens=1))
+
+    # ---- the step watchdog ------------------------------------------------------------------
+    async def _watch_steps(self) -> None:
+        """Owned by this engine (`stop` cancels it): asks for a verdict on the step in progress
+        every quarter timeout, at most `WATCH_INTERVAL_S` apart (found hung within the timeout
+        plus that)."""
+        interval_s = min(WATCH_INTERVAL_S, self._watch.timeout_s / 4)
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                self._watch.declare(self._condemn)
+            except Exception:  # a bug here must not end the watch
+                log.exception("%s: the step watchdog failed; watching on", self.name)
+
+    def _condemn(self, elapsed_s: float) -> HungStep:
+        """The verdict on a hung step (asyncio thread, under the watch lock): every live stream
+        and every waiting call ends with `StepHung` now; calls that add work are dropped; the
+        engine thread aborts the ended requests if the step returns (`_after_hang`)."""
+        self.num_hung_steps += 1
+        step_ids, live = self.core.step_request_ids, tuple(self._streams)
+        error = self._hung_error(elapsed_s)
+        log.critical(
+            "%s: engine step hung for %.1f s (scheduler.step_timeout_s %g): a batch of %d "
+            "requests %s; ending %d live streams and %d waiting calls (UNAVAILABLE); health "
+            "NOT_SERVING", self.name, elapsed_s, self._watch.timeout_s, len(step_ids),
+            list(step_ids[:16]), len(live), len(self._pending),
+        )  # fmt: skip
+        for request_id in live:
+            self._fail(request_id, error)
+        for pending in self._pending:
+            pending.dropped = pending.adds_work
+            pending.loop.call_soon_threadsafe(_set_exception, pending.future, error)
+        return HungStep(elapsed_s, step_ids, tuple(dict.fromkeys(step_ids + live)))
+
+    def _hung_error(self, elapsed_s: float) -> StepHung:
+        return StepHung(
+            f"{self.name}: engine step hung for {elapsed_s:.0f} s (scheduler.step_timeout_s "
+            f"{self._watch.timeout_s:g}): this worker stopped serving; retry on another"
+        )
+
+    def _after_hang(self, hung: HungStep, took_s: float) -> None:
+        """A step declared hung returned after all (engine thread): its outputs are dropped
+        (the streams ended already), the requests ended for it are aborted once no step is in
+        flight, and health stays NOT_SERVING until a step succeeds (the idle probe): a step that
+        took this long proves nothing about the next one."""
+        self.num_step_failures += 1
+        self.consecutive_step_failures = MAX_CONSECUTIVE_STEP_FAILURES
+        self._ended_by_hang += hung.ended_request_ids
+        log.warning(
+            "%s: the step declared hung returned after %.1f s; dropped its outputs, ending %d "
+            "requests; NOT_SERVING until a step succeeds",
+            self.name, took_s, len(hung.ended_request_ids),
+        )  # fmt: skip
+
+    def _abort_ended_by_hang(self) -> None:
+        ended, self._ended_by_hang = self._ended_by_hang, ()
+        for request_id in ended:
+            self.core.abort(request_id)
+        if ended:
+            self._load = self.core.load()
 
     def _abort_all(self, exc: BaseException | None = None) -> None:
         for request_id in list(self.core.scheduler.request_ids()):

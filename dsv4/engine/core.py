@@ -100,6 +100,9 @@ class EngineCore:
         self.async_scheduling = False
         self._launched: LaunchedStep | None = None  # the step running ahead, to finish next
         self.num_steps_ahead = 0  # steps launched before the previous one's tokens were read
+        # the requests of the step executing now (the step watchdog names them if it hangs;
+        # read from another thread: replaced whole, never mutated)
+        self.step_request_ids: tuple[str, ...] = ()
 
     # ---- requests in -----------------------------------------------------------------------
     def add_request(self, request: Request, *, prefill_only: bool = False) -> None:
@@ -173,6 +176,7 @@ class EngineCore:
         if batch.is_empty:
             return []
         request_ids = [r.request_id for r in batch.requests]
+        self.step_request_ids = tuple(request_ids)
         try:
             return self._execute(batch, launched, ahead, request_ids)
         except Exception as exc:

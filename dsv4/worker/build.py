@@ -283,8 +283,9 @@ def _build(
         logger.info("%s: %d of %d routed experts per layer in host memory, %d cache slots",
                     name, offload.num_offloaded, model_cfg.n_routed_experts,
                     offload.cache_slots)  # fmt: skip
-    return WorkerRuntime(config, model_cfg, AsyncEngine(core, name), layout, transport, codec,
-                         limits, ranks, served_offload)  # fmt: skip
+    engine = AsyncEngine(core, name, step_timeout_s=config.scheduler.step_timeout_s)
+    return WorkerRuntime(config, model_cfg, engine, layout, transport, codec, limits, ranks,
+                         served_offload)  # fmt: skip
 
 
 def options_spec_tokens(config: ServeConfig) -> int:

@@ -13,7 +13,8 @@ loop.
 - With `security.tls_cert_path`, the port is TLS (mutual when `require_client_cert`).
 - A request that does not parse ends INVALID_ARGUMENT (`dsv4.serving.rpc_guard`), never UNKNOWN.
 - Health follows the engine (`follow_engine_health`): NOT_SERVING while the engine cannot
-  step (thread gone, or its last steps all failed), so liveness restarts a worker stuck so.
+  step (thread gone, a step hung past `scheduler.step_timeout_s`, or its last steps all failed),
+  so liveness restarts a worker stuck so.
 """
 
 from __future__ import annotations
@@ -146,8 +147,8 @@ async def follow_engine_health(
 ) -> None:
     """Keep health SERVING exactly while `can_serve()` (the engine can step); runs until
     cancelled (the worker's main task owns it and cancels it before a drain's NOT_SERVING).
-    A worker whose engine thread died or whose steps keep failing says NOT_SERVING, so
-    readiness stops traffic and liveness restarts it if it stays so."""
+    A worker whose engine thread died, whose step hangs or whose steps keep failing says
+    NOT_SERVING, so readiness stops traffic and liveness restarts it if it stays so."""
     serving: bool | None = None
     while True:
         now = can_serve()
