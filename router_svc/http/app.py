@@ -31,7 +31,13 @@ from dsv4.types import StreamChunk
 from router_svc.admission import AUTHORIZATION_KEY, check_api_key
 from router_svc.http.call import InProcessCall
 from router_svc.http.chat import ChatTemplate
-from router_svc.http.protocol import ApiError, OpenAIRequest, bad_request, parse_request
+from router_svc.http.protocol import (
+    ApiError,
+    OpenAIRequest,
+    bad_request,
+    check_unicode,
+    parse_request,
+)
 from router_svc.http.responses import SSE_DONE, Reply, sse_event
 from router_svc.pool import WorkerPool
 from router_svc.servicer import RouterServicer
@@ -193,9 +199,11 @@ class HttpFront:
 
     async def _body(self, request: web.Request) -> Any:
         try:
-            return await request.json()
+            body = await request.json()
         except (ValueError, UnicodeDecodeError) as exc:
             raise bad_request("body", f"the request body is not valid JSON: {exc}") from exc
+        check_unicode(body)
+        return body
 
     def _prompt(self, parsed: OpenAIRequest) -> str | tuple[int, ...]:
         if parsed.prompt is not None:

@@ -71,13 +71,36 @@ class ApiError(Exception):
         )
 
     def body(self) -> dict[str, Any]:
-        kind = ERROR_TYPE.get(self.status, "server_error")
+        client_fault = 400 <= self.status < 500
+        kind = ERROR_TYPE.get(
+            self.status, "invalid_request_error" if client_fault else "server_error"
+        )
         error = {"message": self.message, "type": kind, "param": self.param, "code": self.code}
         return {"error": error}
 
 
 def bad_request(param: str, message: str) -> ApiError:
     return ApiError(400, message, param=param, code="invalid_argument")
+
+
+def check_unicode(body: Any) -> None:
+    """JSON's `\\ud800` escapes decode to lone UTF-16 surrogates, which no UTF-8 text (the
+    tokenizer's, protobuf's) can hold: refuse them here, naming where, instead of failing deep
+    inside. Walks the decoded body iteratively (any depth json.loads accepted)."""
+    todo: list[tuple[str, Any]] = [("body", body)]
+    while todo:
+        path, value = todo.pop()
+        if isinstance(value, str):
+            for i, ch in enumerate(value):
+                if 0xD800 <= ord(ch) <= 0xDFFF:
+                    param = path.split(".")[1].split("[")[0] if "." in path else "body"
+                    raise bad_request(param, f"{path.removeprefix('body.')} holds a lone UTF-16 "
+                                      f"surrogate (U+{ord(ch):04X}) at character {i}: send valid "
+                                      "Unicode text")  # fmt: skip
+        elif isinstance(value, dict):
+            todo.extend((f"{path}.{k}", v) for k, v in value.items())
+        elif isinstance(value, list):
+            todo.extend((f"{path}[{i}]", v) for i, v in enumerate(value))
 
 
 @dataclass(frozen=True)

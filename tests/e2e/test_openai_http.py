@@ -176,6 +176,14 @@ def test_bad_input_gets_openai_error_objects(cluster, client) -> None:
     assert status == 400 and body["error"]["param"] == "stream_options"
     status, _, body = http_get(cluster.http_url + "/nowhere")
     assert status == 404 and set(body["error"]) == {"message", "type", "param", "code"}
+    # JSON escapes of lone UTF-16 surrogates: no UTF-8 text holds them (was a 500)
+    for raw, param in ((b'{"prompt": "a\\ud800b", "max_tokens": 2}', "prompt"),
+                       (b'{"prompt": "a", "stop": ["\\udfff"]}', "stop")):  # fmt: skip
+        status, body = http_post(cluster.http_url + "/completions", raw)
+        assert status == 400 and body["error"]["param"] == param, body
+        assert "surrogate" in body["error"]["message"]
+    status, _, body = http_get(cluster.http_url + "/completions")  # aiohttp's own 405
+    assert status == 405 and body["error"]["type"] == "invalid_request_error"
 
 
 def test_client_disconnect_mid_stream_frees_the_blocks(cluster, client) -> None:
