@@ -22,7 +22,7 @@ from kernels.metadata import (
     token_to_req_indices,
     window_slot_table,
 )
-from kernels.expert_slots import copy_fetched, resolve_slots
+from kernels.expert_slots import copy_fetched, prefetch_slots, resolve_slots
 from kernels.moe import combine_rows, expert_rows, moe_experts
 from kernels.moe_align import moe_align
 from kernels.norm_rope import norm_rope, rope
@@ -58,6 +58,7 @@ __all__ = [
     "moe_experts",
     "norm_rope",
     "registry",
+    "prefetch_slots",
     "resolve",
     "resolve_slots",
     "ring_offsets",
