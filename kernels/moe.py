@@ -107,16 +107,25 @@ def moe_experts(
     w2_scale: torch.Tensor | None = None,
     limit: float | None = None,
     *,
+    skip: bool = False,
     tune: dict | None = None,
 ) -> torch.Tensor:
     """Routed experts: x [T, D] bf16, expert_ids [T, K] int, weights [T, K] fp32, w13/w2 (and
-    scales) in `format` (see the module doc) -> y [T, D] fp32 = sum_k w * expert(x). `tune`:
-    config overrides (BLOCK_M/N/K, GROUP_M, num_warps, num_stages, SWAP_AB, DEQUANT,
-    CHUNK_EXPERTS, DOT_SCALED; GEMV and moe_gemv.gemv_config's keys)."""
+    scales) in `format` (see the module doc) -> y [T, D] fp32 = sum_k w * expert(x). `skip`:
+    pairs with a negative id add nothing and cost no GEMM tile (an expert-parallel rank's
+    pairs of the other ranks' experts). `tune`: config overrides (BLOCK_M/N/K, GROUP_M,
+    num_warps, num_stages, SWAP_AB, DEQUANT, CHUNK_EXPERTS, DOT_SCALED; GEMV and
+    moe_gemv.gemv_config's keys)."""
     y = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
     if expert_ids.numel() == 0:
         return y
-    rows = expert_rows(x, expert_ids, w13, w2, format, w13_scale, w2_scale, limit, tune=tune)
+    # skipped pairs' rows are never written: zeros, so that the combine adds exactly 0 for them
+    # whatever their weight (0 * an uninitialised NaN would not be 0)
+    rows = None
+    if skip:
+        rows = torch.zeros(expert_ids.numel(), x.shape[1], dtype=torch.bfloat16, device=x.device)
+    rows = expert_rows(x, expert_ids, w13, w2, format, w13_scale, w2_scale, limit,
+                       rows=rows, skip=skip, tune=tune)  # fmt: skip
     return _combine(rows, weights, y, expert_ids.shape[1])
 
 
@@ -249,13 +258,18 @@ def moe_experts_ref(
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
     limit: float | None = None,
+    *,
+    skip: bool = False,
 ) -> torch.Tensor:
     """Reference (and the slow path): the model's loop over experts of `swiglu`, with each
-    expert's weights dequantised first, to x's dtype (an fp32 model on CPU stays fp32)."""
+    expert's weights dequantised first, to x's dtype (an fp32 model on CPU stays fp32).
+    `skip`: pairs with a negative id add nothing."""
     inter = w13.shape[1] // 2
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     ids = expert_ids.long()
     for e in ids.unique().tolist():
+        if skip and e < 0:
+            continue
         token_idx, slot = torch.where(ids == e)
         s13, s2 = (None if s is None else s[e] for s in (w13_scale, w2_scale))
         w13_e = dequantize_expert(w13[e], s13, format, x.dtype)

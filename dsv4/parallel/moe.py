@@ -24,17 +24,16 @@ def local_expert_ids(num_experts: int, group: ParallelGroup) -> list[int]:
 
 
 def local_expert_pairs(
-    weights: torch.Tensor, ids: torch.Tensor, group: ParallelGroup, num_experts: int
+    weights: torch.Tensor, ids: torch.Tensor, group: ParallelGroup
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Routed pairs (weights [T, K] fp32, global expert ids [T, K]) -> the same pairs on this
     rank's stacked experts: expert e (held by rank e % W) is its slot e // W. A pair of another
-    rank's expert keeps slot min(e // W, last) with weight 0: the grouped GEMM has no "skip"
-    id, so it is computed and its finite output multiplied by 0; spreading those pairs over the slots rather than one keeps the GEMM's tiles balanced. No
-    host sync (CUDA-graph capturable)."""
+    rank's expert gets id -1 and weight 0: `moe_experts(..., skip=True)` computes no tile for it
+    and adds nothing, so a rank's GEMMs cost its own pairs only (~1/W of the routed work).
+    No host sync (CUDA-graph capturable)."""
     world = group.world_size
-    last = len(range(group.rank, num_experts, world)) - 1
     owned = ids % world == group.rank
-    slots = torch.clamp(ids // world, max=last)
+    slots = torch.where(owned, ids // world, torch.full_like(ids, -1))
     return torch.where(owned, weights, torch.zeros_like(weights)), slots
 
 

@@ -6,7 +6,8 @@ reference forward:
 - after attention: the fp32 all-reduce of the rank's heads' share of the output projection;
 - after the MoE: the fp32 all-reduce of the rank's experts' share (and its shared-expert slice);
 - with expert parallelism, right after routing: the routed pairs in this rank's expert slots
-  (`local_expert_pairs`), the other ranks' pairs weighted 0.
+  (`local_expert_pairs`), the other ranks' pairs id -1 and weight 0, which the grouped GEMM
+  skips (`skips_pairs`): each rank computes only its own experts' pairs.
 Each all-reduce is bounded by the group timeout (`model.collective_timeout_s`), like the
 reference forward's. CUDA graphs capture them only over NCCL (`can_capture`).
 """
@@ -24,16 +25,19 @@ from dsv4.runner.paged.collectives import PagedCollectives
 
 @dataclass(frozen=True)
 class RankCollectives(PagedCollectives):
-    """This rank's hooks; `num_experts`: the routed experts of a layer (all ranks together)."""
+    """This rank's hooks."""
 
     group: ParallelGroup
     expert_parallel: bool
-    num_experts: int
 
     @property
     def can_capture(self) -> bool:
         # gloo's all-reduce is a host call on host tensors: a CUDA graph cannot hold it
         return self.group.is_single or self.group.backend == "nccl"
+
+    @property
+    def skips_pairs(self) -> bool:
+        return self.expert_parallel
 
     def after_attention(self, y: torch.Tensor) -> torch.Tensor:
         return self.group.all_reduce_fp32(y)
@@ -46,13 +50,11 @@ class RankCollectives(PagedCollectives):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.expert_parallel:  # every expert on every rank, sliced: ids are slots
             return weights, ids
-        return local_expert_pairs(weights, ids, self.group, self.num_experts)
+        return local_expert_pairs(weights, ids, self.group)
 
 
-def rank_collectives(
-    group: ParallelGroup, *, expert_parallel: bool, num_experts: int
-) -> PagedCollectives:
+def rank_collectives(group: ParallelGroup, *, expert_parallel: bool) -> PagedCollectives:
     """The hooks for `group` (the identity `ONE_RANK` hooks' equal for one rank)."""
     if group.is_single:
         return PagedCollectives()
-    return RankCollectives(group, expert_parallel, num_experts)
+    return RankCollectives(group, expert_parallel)

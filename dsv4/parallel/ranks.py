@@ -215,12 +215,12 @@ class RankedEngineCore(EngineCore):
 
 
 def rank_zero_setup(
-    ranks: RankGroup, options: EngineOptions, *, expert_parallel: bool, num_experts: int
+    ranks: RankGroup, options: EngineOptions, *, expert_parallel: bool
 ) -> PagedCollectives:
     """Send the followers the engine options (before rank 0 builds its runner: graph captures
     run on every rank at once) and return rank 0's paged-forward hooks."""
     ranks.send(EngineSetup(options))
-    return rank_collectives(ranks.group, expert_parallel=expert_parallel, num_experts=num_experts)
+    return rank_collectives(ranks.group, expert_parallel=expert_parallel)
 
 
 def rank_zero_core(core: EngineCore, ranks: RankGroup) -> EngineCore:

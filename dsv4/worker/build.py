@@ -244,7 +244,7 @@ def _build(
     if ranks is not None:  # the followers build the same runner at the same time
         from dsv4.parallel.ranks import rank_zero_setup
 
-        collectives = rank_zero_setup(ranks, engine_options, num_experts=model_cfg.n_routed_experts,
+        collectives = rank_zero_setup(ranks, engine_options,
                                       expert_parallel=config.model.expert_parallel)  # fmt: skip
     core = build_engine_core(model, engine_options, collectives=collectives)
     if ranks is not None:  # before the warm-up: its steps run on every rank

@@ -59,8 +59,7 @@ def build_follower_runner(config: ServeConfig, group, pipe) -> ModelRunner:
         raise SystemExit(EXIT_ORPHANED)  # rank 0 failed before sizing its pool
     # rank 0 counts expert popularity (the routing is the same on every rank)
     options = dataclasses.replace(setup.options, device=config.model.device, routing_stats=False)
-    collectives = rank_collectives(group, expert_parallel=expert_parallel,
-                                   num_experts=model_cfg.n_routed_experts)  # fmt: skip
+    collectives = rank_collectives(group, expert_parallel=expert_parallel)
     return build_model_runner(model, options, collectives)
 
 

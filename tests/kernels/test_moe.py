@@ -51,6 +51,31 @@ def test_moe_experts_matches_ref(num_tokens, fmt):
         _check(num_tokens, 64, 32, 4, 2, fmt, limit=10.0, tune={"GEMV": False})
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "mxfp4"])
+@pytest.mark.parametrize("tune", [None, {"GEMV": False}])
+def test_skipped_pairs_add_nothing(fmt, tune):
+    """`skip`: pairs with id -1 (an expert-parallel rank's pairs of other ranks' experts) add
+    exactly nothing, whatever their weight, and the rest equals the call without them."""
+    if tune and fmt != "mxfp4":
+        pytest.skip("the GEMV path is MXFP4's")
+    w13, w2, s13, s2 = _weights(4, 64, 32, fmt, seed=7)
+    g = torch.Generator(DEVICE).manual_seed(8)
+    x = torch.randn(6, 64, generator=g, device=DEVICE).bfloat16()
+    ids = torch.randint(0, 4, (6, 3), generator=g, device=DEVICE, dtype=torch.int32)
+    weights = torch.rand(6, 3, generator=g, device=DEVICE)
+    dropped = torch.rand(6, 3, generator=g, device=DEVICE) < 0.5
+    dropped[0] = True  # a token with every pair skipped
+    kept_w = torch.where(dropped, torch.zeros_like(weights), weights)
+    skipped = torch.where(dropped, torch.full_like(ids, -1), ids)
+    args = (w13, w2, fmt, s13, s2, 10.0)
+    got = moe_experts(x, skipped, weights, *args, skip=True, tune=tune)  # weights NOT zeroed
+    want = moe_experts(x, ids, kept_w, *args, tune=tune)
+    ref = moe_experts_ref(x, skipped, kept_w, *args, skip=True)
+    assert torch.equal(got[0], torch.zeros_like(got[0]))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
+
+
 def test_moe_experts_clamp_and_no_limit():
     _check(5, 64, 32, 4, 2, "bf16", limit=0.5, seed=3)  # the clamp is active on most values
     _check(5, 64, 32, 4, 2, "bf16", limit=None, seed=4)

@@ -138,7 +138,7 @@ def test_tensor_parallel_experts_at_world_size_one_equal_unsharded_exactly() -> 
 
 def test_expert_parallel_pairs_on_local_slots_sum_to_the_one_rank_experts() -> None:
     """`local_expert_pairs`: each rank's grouped GEMM on its own experts (others' pairs
-    weighted 0) gives its share; the shares sum to the one-rank output."""
+    id -1, weight 0, skipped) gives its share; the shares sum to the one-rank output."""
     from dsv4.parallel.moe import local_expert_pairs
     from kernels.moe import moe_experts_ref
 
@@ -153,8 +153,8 @@ def test_expert_parallel_pairs_on_local_slots_sum_to_the_one_rank_experts() -> N
     total = torch.zeros_like(whole)
     for rank in range(world):
         held = list(range(rank, num_experts, world))
-        w, slots = local_expert_pairs(weights, ids, ParallelGroup(rank, world), num_experts)
+        w, slots = local_expert_pairs(weights, ids, ParallelGroup(rank, world))
         assert int(slots.max()) < len(held)
-        assert torch.equal(w != 0, ids % world == rank)
-        total += moe_experts_ref(x, slots, w, w13[held], w2[held])
+        assert torch.equal(w != 0, ids % world == rank) and torch.equal(slots < 0, w == 0)
+        total += moe_experts_ref(x, slots, w, w13[held], w2[held], skip=True)
     torch.testing.assert_close(total, whole, atol=1e-5, rtol=1e-5)

@@ -8,7 +8,8 @@ those points:
 - `after_attention(y)`: y [T, D], the rank's heads' share of the output projection;
 - `after_moe(y)`: y [T, D] fp32, the rank's experts' (and shared-expert slice's) share;
 - `local_experts(weights, ids)`: right after routing, (weights [T, K] fp32, ids [T, K] global
-  expert ids) -> the same pairs on this rank's stacked experts.
+  expert ids) -> the same pairs on this rank's stacked experts; with `skips_pairs`, the pairs
+  of experts other ranks hold come back as id -1 (weight 0) and the grouped GEMM skips them.
 `ONE_RANK` is the identity; `dsv4.parallel.paged.RankCollectives` sums over the group.
 """
 
@@ -27,6 +28,11 @@ class PagedCollectives:
     def can_capture(self) -> bool:
         """Whether a CUDA graph may capture the hooks (one rank: nothing to capture)."""
         return True
+
+    @property
+    def skips_pairs(self) -> bool:
+        """Whether `local_experts` marks pairs to skip with id -1 (expert parallelism)."""
+        return False
 
     def after_attention(self, y: torch.Tensor) -> torch.Tensor:
         return y

@@ -215,7 +215,8 @@ class PagedForward:
             w13, w2 = experts.w13_all, experts.w2_all
         y = self._ops["moe_experts"](u.contiguous(), ids, w, w13, w2, experts.format,
                                      experts.w13_scale, experts.w2_scale,
-                                     limit=cfg.swiglu_limit)  # [T, D] fp32  # fmt: skip
+                                     limit=cfg.swiglu_limit,
+                                     skip=self.collectives.skips_pairs)  # [T, D] fp32  # fmt: skip
         if moe.shared_experts is not None and not fuse:
             y += moe.shared_experts(u).float()
         return self.collectives.after_moe(y).to(u.dtype)  # the sum over the ranks' experts
