@@ -4,7 +4,9 @@ Flow: the prefill leg (prefill_leg.py: choose (P, D), P.Prefill, retries on anot
 stream the first token at once (TTFT) -> D.Decode(request, first token, handle, pull policy),
 relaying D's stream through `OutputTracker` (text, stop strings, limits). A D that fails before
 its first message (UNAVAILABLE-like, or RESOURCE_EXHAUSTED) is replaced by another compatible D
-with the same handle, at most `max_prefill_retries` times. A D that dies mid-stream (error,
+with the same handle, at most `max_prefill_retries` times; when every D refused as full, the
+full ones are tried again while P's lease, the deadline and `decode_full_wait_s` allow
+(decode_room.py). A D that dies mid-stream (error,
 stream closed without a last message, or marked down by the pool's probes) ends the request
 with UNAVAILABLE at once, or, with `migrate_on_decode_failure`, re-prefills prompt + tokens so
 far on another pair (request id `<id>.m<n>`, at most `max_migrations` times) and continues the
@@ -19,6 +21,7 @@ workers). Runs on the router's event loop; `abort` and `fail_worker` may be call
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
@@ -40,6 +43,7 @@ from router_svc.accounting import RequestAccount
 from router_svc.choice import choose_colocated, choose_decode, explain_no_route
 from router_svc.clients import CallInterrupted, WorkerCallError
 from router_svc.deadline import Deadline
+from router_svc.decode_room import RETRY_INTERVAL_S, DecodeRoomWait
 from router_svc.flow_settings import FlowDeps
 from router_svc.live import ActiveCall, RequestAborted
 from router_svc.output import OutputStep, OutputTracker
@@ -183,16 +187,27 @@ class RequestFlow:
             handle=prefill.handle if prefill else None,
             pull_failure_policy=self._settings.pull_failure_policy,
         )
-        num_replacements, full_reason = 0, ""
+        num_replacements, full_reason, full = 0, "", set[str]()
+        room_wait: DecodeRoomWait | None = None
         while True:
             self._active.check_aborted()
-            decode = prefill_view if prefill is None and num_replacements == 0 else None
+            decode = (
+                prefill_view if prefill is None and num_replacements == len(full) == 0 else None
+            )
             try:
                 decode = decode or self._pick_decode(prefill_view, prefill)
             except Unavailable as exc:
-                if full_reason:  # the D's left were full: overload (retry later), not an outage
+                if not full_reason:
+                    raise
+                # the D's left were full: load, not an outage; wait for room while it pays
+                room_wait = room_wait or self._room_wait(prefill)
+                if not room_wait.may_retry(time.monotonic()):
                     raise _all_full(full_reason) from exc
-                raise
+                await asyncio.sleep(RETRY_INTERVAL_S)
+                self._excluded.decode -= full
+                full.clear()
+                self._deps.metrics.decode_full_retries.inc()
+                continue
             has_streamed, is_full = False, False
             try:
                 async with aclosing(self._relay(decode, decode_request)) as chunks:
@@ -222,9 +237,23 @@ class RequestFlow:
                 raise lost
             self._abort_decode()  # D may hold the request although it never answered
             self._excluded.decode.add(decode.address)
+            if is_full:  # tried again once no D is left (`_room_wait`): not a replacement
+                full.add(decode.address)
+                continue
             num_replacements += 1
             if num_replacements > self._settings.max_prefill_retries:
-                raise _all_full(reason) if is_full else lost
+                raise lost
+
+    def _room_wait(self, prefill: PrefillResult | None) -> DecodeRoomWait:
+        lease = prefill.handle.lease_expires_at_unix_ms if prefill else None
+        return DecodeRoomWait.start(
+            wait_s=self._settings.decode_full_wait_s,
+            deadline=self._deadline,
+            lease_expires_at_unix_ms=lease,
+            pull_timeout_s=self._settings.pull_timeout_s,
+            now_s=time.monotonic(),
+            now_unix_s=time.time(),
+        )
 
     async def _relay(
         self, decode: WorkerView, decode_request: DecodeRequest

@@ -21,6 +21,8 @@ class FlowSettings:
     migrate_on_decode_failure: bool = False
     max_migrations: int = 1
     control_timeout_s: float = 2.0  # background Release / Abort calls
+    decode_full_wait_s: float = 30.0  # every D full: wait for room this long at most
+    pull_timeout_s: float = 10.0  # a D's pull must start this long before P's lease expires
 
     @classmethod
     def from_config(cls, cfg: ServeConfig) -> FlowSettings:
@@ -30,6 +32,8 @@ class FlowSettings:
             max_prefill_retries=r.max_prefill_retries,
             pull_failure_policy=PullFailurePolicy(cfg.transfer.pull_failure_policy),
             migrate_on_decode_failure=r.migrate_on_decode_failure,
+            decode_full_wait_s=r.decode_full_wait_s,
+            pull_timeout_s=cfg.transfer.pull_timeout_s,
         )
 
 

@@ -327,6 +327,9 @@ class RouterSection(Section):
     default_max_new_tokens: int = setting(256, "max_new_tokens when unset", min=1)
     max_new_tokens_limit: int = setting(0, "largest max_new_tokens; 0: max_model_len", min=0)
     migrate_on_decode_failure: bool = setting(False, "re-run on another pair when D dies")
+    decode_full_wait_s: float = setting(
+        30.0, "every decode worker full: wait this long for room (bounded by P's lease)", min=0.0
+    )
     http_port: int = setting(0, "OpenAI-compatible HTTP port (/v1/...); 0: off", **PORT)
 
     def check(self) -> None:

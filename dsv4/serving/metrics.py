@@ -174,6 +174,7 @@ class RouterMetrics:
     prefill_retries: Counter
     migrations: Counter
     decode_failures: Counter
+    decode_full_retries: Counter
     workers: Gauge
     in_flight: Gauge
 
@@ -194,6 +195,7 @@ class RouterMetrics:
             prefill_retries=Counter("dsv4_router_prefill_retries", "Prefill attempts repeated on another P", registry=r),
             migrations=Counter("dsv4_router_migrations", "Requests re-run on another pair after D died mid-stream", registry=r),
             decode_failures=Counter("dsv4_router_decode_failures", "Decode calls lost to a failing D (replaced, migrated or failed)", registry=r),
+            decode_full_retries=Counter("dsv4_router_decode_full_retries", "Rounds of decode hand-offs tried again after every decode worker refused as full (router.decode_full_wait_s)", registry=r),
             workers=Gauge("dsv4_router_workers", "Workers the router knows, by role and health", ("role", "health"), registry=r),
             in_flight=Gauge("vllm:num_requests_running", "Generate calls admitted and not finished", MODEL_LABEL, registry=r).labels(**m),
         )  # fmt: skip

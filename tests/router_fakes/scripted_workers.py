@@ -11,6 +11,7 @@ fail, hang or close its stream early. Requests are validated with `dsv4.wire`, a
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 
 import grpc
@@ -52,6 +53,8 @@ class WorkerScript:
     is_draining: bool = False
     info_mode: str = "ok"  # "ok" | "fail" (UNAVAILABLE) | "hang"
     fail_code: grpc.StatusCode | None = None  # Prefill / Decode answer this at once
+    fail_calls: int | None = None  # D: only its first `fail_calls` Decode calls fail so
+    lease_ttl_s: float = 0.0  # P: the handle's lease lasts this long (0: already expired)
     delay_s: float = 0.0  # before P answers / before D's first message
     token_delay_s: float = 0.0  # between D's messages
     fail_after: int | None = None  # D: `fail_after_code` after this many tokens
@@ -177,7 +180,9 @@ class ScriptedPrefillWorker(_ScriptedBase, worker_pb2_grpc.PrefillWorkerServicer
             layout_hash=self.script.layout_hash,
             num_tokens=gen.num_prompt_tokens,
             lease_id=f"lease-{gen.request_id}",
-            lease_expires_at_unix_ms=0,
+            lease_expires_at_unix_ms=int((time.time() + self.script.lease_ttl_s) * 1000)
+            if self.script.lease_ttl_s
+            else 0,
         )
         first = next_token(gen.num_prompt_tokens, self.script.vocab_size)
         return wire.prefill_result_to_proto(PrefillResult(first_token_id=first, handle=handle))
@@ -214,7 +219,9 @@ class ScriptedDecodeWorker(_ScriptedBase, worker_pb2_grpc.DecodeWorkerServicer):
             await context.abort(*to_grpc_status(exc))
         self.log.requests.append(decode)
         s, req = self.script, decode.request
-        if s.fail_code is not None:
+        if s.fail_code is not None and (
+            s.fail_calls is None or len(self.log.requests) <= s.fail_calls
+        ):
             await context.abort(s.fail_code, f"scripted {s.fail_code.name}")
         start = 0 if decode.needs_local_prefill else 1  # position 0 is P's first token
         max_new_tokens = req.sampling.max_new_tokens

@@ -395,6 +395,49 @@ def test_decode_process_killed_mid_stream_gives_unavailable_fast() -> None:
     run(body())
 
 
+def test_a_full_decode_pool_is_waited_for_while_the_lease_lasts() -> None:
+    """The only D refuses 3 hand-offs as full, then has room: the request waits (P's lease
+    has 30 s left) and gets every token, instead of failing after its first token."""
+
+    async def body() -> None:
+        full_thrice = WorkerScript(fail_code=grpc.StatusCode.RESOURCE_EXHAUSTED, fail_calls=3)
+        prefill = ScriptedPrefillWorker("p0", WorkerScript(lease_ttl_s=30.0))
+        async with cluster([prefill], [ScriptedDecodeWorker("d0", full_thrice)]) as c:
+            messages = await collect(c.stub, gen_request(5))
+            assert tokens_of(messages) == expected_tokens(PROMPT, 5)
+            assert len(c.decodes[0].log.requests) == 4
+            retries = c.server.registry.get_sample_value("dsv4_router_decode_full_retries_total")
+            assert retries == 3
+            assert c.prefills[0].log.released == []  # D finished: the lease was D's to free
+
+    run(body())
+
+
+def test_the_wait_for_decode_room_ends_before_the_lease_would() -> None:
+    """A lease with 1.2 s left and a 1 s pull timeout: the router gives up ~0.2 s after the
+    first refusal with RESOURCE_EXHAUSTED, P's lease released; `decode_full_wait_s` 0 gives
+    up at once even with a long lease."""
+
+    async def body(lease_ttl_s: float, **config: Any) -> tuple[float, int]:
+        full = WorkerScript(fail_code=grpc.StatusCode.RESOURCE_EXHAUSTED)
+        prefill = ScriptedPrefillWorker("p0", WorkerScript(lease_ttl_s=lease_ttl_s))
+        async with cluster([prefill], [ScriptedDecodeWorker("d0", full)], **config) as c:
+            start = time.monotonic()
+            code, details = await status_of(collect(c.stub, gen_request(4)))
+            took_s = time.monotonic() - start
+            assert (
+                code == grpc.StatusCode.RESOURCE_EXHAUSTED
+                and "no decode worker has room" in details
+            )
+            await eventually(lambda: c.prefills[0].log.released == _lease_ids(c.prefills[0]))
+            return took_s, len(c.decodes[0].log.requests)
+
+    took_s, calls = run(body(1.2, transfer__pull_timeout_s=1.0, transfer__lease_ttl_s=2.0))
+    assert 0.1 <= took_s < 1.2 and calls >= 2, (took_s, calls)
+    took_s, calls = run(body(30.0, router__decode_full_wait_s=0.0))
+    assert took_s < 1.0 and calls == 1, (took_s, calls)
+
+
 def test_every_decode_worker_full_is_resource_exhausted_with_a_retry_hint() -> None:
     """Overload, not an outage: the client may retry (seen under `make soak` at 5 req/s)."""
 
