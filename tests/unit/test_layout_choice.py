@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from dsv4.commands.cluster import ClusterSpec
-from dsv4.commands.layout import NO_CARD, LayoutChoice, choose_layout, laid_out
+from dsv4.commands.layout import NO_CARD, LayoutChoice, choose_layout, laid_out, plan_layout
 from dsv4.config import ServeConfig, load_config
 from dsv4.config.model import ModelConfig, tiny_config
 from dsv4.config.resolve import resolve_auto
@@ -123,3 +123,22 @@ def test_laid_out_spec() -> None:
     one = laid_out(spec, LayoutChoice("colocated", 0.9, "r"))
     assert (one.num_prefill, one.num_decode) == (0, 1)
     assert one.decode_args == ("--x", "1", "--role", "colocated")
+
+
+def test_plan_layout_reads_the_workers_flags(tmp_path) -> None:
+    """`dsv4 up`'s own path: the card and F come from the flags the workers get (a CPU card of
+    --device-memory-gib G; a configured --memory-fraction 0.5 is split, 0.25 each)."""
+    from dsv4.model.tiny import write_model_spec
+
+    model_dir = str(write_model_spec(tmp_path, TINY))
+    flags = ("--device", "cpu", "--device-memory-gib", "8", "--max-model-len", "512",
+             "--max-num-batched-tokens", "2048")  # fmt: skip
+    spec = ClusterSpec(model_dir=model_dir, service_args=(*flags, "--memory-fraction", "0.5"))
+    laid, choice = plan_layout(spec, "auto")
+    assert (choice.layout, choice.memory_fraction) == ("disaggregated", 0.25)
+    assert laid.prefill_args == laid.decode_args == ("--memory-fraction", "0.25")
+    laid, choice = plan_layout(ClusterSpec(model_dir=model_dir, service_args=flags[:2]), "auto")
+    assert (laid, choice.reason) == (
+        ClusterSpec(model_dir=model_dir, service_args=flags[:2]),
+        NO_CARD,
+    )
