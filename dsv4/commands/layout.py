@@ -29,6 +29,7 @@ from dsv4.commands.cluster import ClusterSpec, service_config
 from dsv4.config import ServeConfig
 from dsv4.config.model import ModelConfig
 from dsv4.config.resolve import resolve_auto
+from dsv4.errors import UsageError
 from dsv4.plan import MemoryPlan, PlanDoesNotFit, plan_memory
 from dsv4.worker.fit import GIB, device_plan, planned_model_config, size_text, startup_request
 
@@ -63,6 +64,8 @@ def choose_layout(
     """The layout of `num_prefill` P + `num_decode` D workers (resolved configs, as their
     start-up sees them) on one card of `card_bytes` (0: none to plan). Pure arithmetic; raises
     `PlanDoesNotFit` (one line) for a layout that cannot fit."""
+    if requested not in LAYOUTS:
+        raise UsageError(f"--layout {requested}: give one of {', '.join(LAYOUTS)}")
     fraction = decode.cache.memory_fraction
     if not card_bytes:
         return LayoutChoice(COLOCATED if requested == COLOCATED else DISAGGREGATED, 0.0, NO_CARD)

@@ -11,6 +11,7 @@ from dsv4.commands.layout import NO_CARD, LayoutChoice, choose_layout, laid_out,
 from dsv4.config import ServeConfig, load_config
 from dsv4.config.model import ModelConfig, tiny_config
 from dsv4.config.resolve import resolve_auto
+from dsv4.errors import UsageError
 from dsv4.plan import PlanDoesNotFit, shape_config
 from dsv4.worker.fit import GIB, startup_plan
 
@@ -79,6 +80,11 @@ def test_no_card_plans_nothing_and_keeps_the_default() -> None:
     assert choose("auto", cfg, 0) == LayoutChoice("disaggregated", 0.0, NO_CARD)
     assert choose("disaggregated", cfg, 0).memory_fraction == 0.0
     assert choose("colocated", cfg, 0) == LayoutChoice("colocated", 0.0, NO_CARD)
+
+
+def test_an_unknown_layout_is_a_usage_error() -> None:
+    with pytest.raises(UsageError, match="--layout sideways"):
+        choose("sideways", config(CPU), 1 << 40)
 
 
 def test_too_many_workers_for_the_fraction_are_refused() -> None:
