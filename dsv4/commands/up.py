@@ -3,6 +3,11 @@
 `up` runs a `LocalCluster` until Ctrl-C / SIGTERM (exit 0) or until a service dies (exit 1).
 `demo` is `up` + a short `dsv4 loadtest` (16 requests at 4/s, random 32-128 input and 10-38
 output tokens) + its printed report + shutdown; exit 0 when every request succeeded.
+
+Both lay the workers out on their card first (`--layout`, `dsv4.commands.layout`): P and D side by
+side, or one colocated worker; the plan line says which and why (not printed when there is no
+card to plan and no layout was asked for: the CPU default). A layout that cannot fit is one line
+on stderr and exit 1.
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ from dsv4.commands.cluster import (
     LocalCluster,
     ensure_tiny_checkpoint,
 )
+from dsv4.commands.layout import LAYOUTS, LayoutChoice, plan_layout
 from dsv4.errors import Dsv4Error, UsageError
+from dsv4.plan import PlanDoesNotFit
 
 
 def add_up_args(parser: argparse.ArgumentParser) -> None:
@@ -28,6 +35,12 @@ def add_up_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="bind address of every service")
     parser.add_argument("--num-prefill", type=int, default=1, help="prefill workers (N)")
     parser.add_argument("--num-decode", type=int, default=1, help="decode workers (M)")
+    parser.add_argument(
+        "--layout", choices=LAYOUTS, default="auto",
+        help="one card: disaggregated (P and D share it, each --memory-fraction F/(N+M)), "
+        "colocated (one worker doing both) or auto (disaggregated when each worker holds the "
+        "model at its share without offload, else colocated; the plan line says why)",
+    )  # fmt: skip
     parser.add_argument("--model", default="tiny", help="checkpoint dir, or tiny (written once)")
     parser.add_argument("--layers", default="", help="tiny only: compress ratios, e.g. 0,4")
     parser.add_argument("--redis", default="", help="Redis registry URL (default: static lists)")
@@ -91,7 +104,13 @@ def _check_up_args(args: argparse.Namespace) -> None:
         )
 
 
-def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
+def cluster_from_args(args: argparse.Namespace) -> tuple[ClusterSpec, LayoutChoice]:
+    """The cluster to start, laid out on its card (`dsv4.commands.layout`); raises
+    `PlanDoesNotFit` for a layout that cannot fit."""
+    return plan_layout(_spec_from_args(args), args.layout)
+
+
+def _spec_from_args(args: argparse.Namespace) -> ClusterSpec:
     _check_up_args(args)
     model = args.model
     if model == "tiny":
@@ -111,7 +130,9 @@ def _ranks_args(ranks: int) -> tuple[str, ...]:
 
 def cmd_up(args: argparse.Namespace) -> int:
     """Run until Ctrl-C / SIGTERM (exit 0) or until a service dies (exit 1)."""
-    spec = spec_from_args(args)
+    spec = _laid_out(args)
+    if spec is None:
+        return 1
     signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         with LocalCluster(spec) as cluster:
@@ -136,7 +157,9 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """up + `dsv4 loadtest` (random 32-128 input, 10-38 output tokens) + report + shutdown."""
-    spec = spec_from_args(args)
+    spec = _laid_out(args)
+    if spec is None:
+        return 1
     signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         with LocalCluster(spec) as cluster:
@@ -151,6 +174,19 @@ def cmd_demo(args: argparse.Namespace) -> int:
     except Dsv4Error as exc:
         _say(f"dsv4 demo: {exc.message}")
         return 1
+
+
+def _laid_out(args: argparse.Namespace) -> ClusterSpec | None:
+    """The spec, after the plan line (printed unless nothing was planned or asked); None after
+    a one-line refusal on stderr (exit 1: the layout cannot fit, as `dsv4 plan` exits)."""
+    try:
+        spec, choice = cluster_from_args(args)
+    except PlanDoesNotFit as exc:
+        sys.stderr.write(f"dsv4 {args.command}: error: {' '.join(exc.message.split())}\n")
+        return None
+    if choice.memory_fraction or args.layout != "auto":
+        _say(choice.line)
+    return spec
 
 
 def _metrics_and_logs(cluster: LocalCluster) -> str:

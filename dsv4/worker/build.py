@@ -50,7 +50,7 @@ from dsv4.scheduler.request import Request
 from dsv4.text.tokenizer import TextCodec
 from dsv4.transfer import KVTransport, make_transport
 from dsv4.types import GenerateRequest, KVLayoutInfo, RequestLimits
-from dsv4.worker.fit import max_decode_tokens
+from dsv4.worker.fit import max_decode_tokens, planned_model_config
 from dsv4.worker.offload import WorkerOffload, apply_offload, startup_offload
 from kernels.backend import KernelBackendConfig
 
@@ -100,15 +100,6 @@ class WorkerRuntime:
             stop_token_ids=frozenset(sampling.stop_token_ids),
             priority=-request.priority,  # the wire says larger first, the scheduler lower first
         )
-
-
-def planned_model_config(config: ServeConfig) -> ModelConfig:
-    """The model's config, read before any weight is loaded."""
-    if config.model.path == "tiny":
-        from dsv4.config.model import tiny_config
-
-        return tiny_config()
-    return ModelConfig.from_file(config.model.model_dir)
 
 
 def load_weights(

@@ -5,6 +5,9 @@ instead of running out of memory halfway through the load (issue 11). With a hos
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+
 from dsv4.cache.packing import CacheOptions
 from dsv4.config import ServeConfig
 from dsv4.config.model import ModelConfig
@@ -18,6 +21,16 @@ from dsv4.plan import (
 )
 
 GIB = 1 << 30
+logger = logging.getLogger(__name__)
+
+
+def planned_model_config(config: ServeConfig) -> ModelConfig:
+    """The model's config, read before any weight is loaded."""
+    if config.model.path == "tiny":
+        from dsv4.config.model import tiny_config
+
+        return tiny_config()
+    return ModelConfig.from_file(config.model.model_dir)
 
 
 def max_decode_tokens(config: ServeConfig) -> int:
@@ -41,10 +54,70 @@ def startup_plan(config: ServeConfig, model_cfg: ModelConfig, gpu_total_bytes: i
 
     When offloading would fit the device but not the host budget, the refusal is one line
     with the shortfall; otherwise it is the plan's message."""
+    plan = plan_memory(startup_request(config, model_cfg, gpu_total_bytes))
+    host_gib = config.model.host_memory_gib
+    if not plan.fits and plan.offloaded_per_layer and plan.needed_bytes <= plan.usable_bytes:
+        if host_gib:  # offload fits the device: the host budget alone is short
+            raise PlanDoesNotFit(host_shortfall(plan, host_gib))
+        raise PlanDoesNotFit(f"{plan.message} With expert offload it {host_shortfall(plan, 0)}.")
+    return check_fits(plan)
+
+
+def device_plan(
+    config: ServeConfig, model_cfg: ModelConfig, total: int
+) -> tuple[ServeConfig, MemoryPlan]:
+    """(config, plan) of a worker on a device of `total` bytes, as its start-up takes them:
+    with offload on the paged forward the captured decode batch first shrinks until the plan
+    fits (`fit_graph_batch`). Raises `PlanDoesNotFit` in one line."""
+    if config.features.forward == "paged" and config.model.host_memory_gib:
+        config = fit_graph_batch(config, model_cfg, total)
+    return config, startup_plan(config, model_cfg, total)
+
+
+def fit_graph_batch(config: ServeConfig, model_cfg: ModelConfig, total: int) -> ServeConfig:
+    """The paged forward's expert pool holds a captured decode step's misses in its slots
+    (`max_decode_tokens` x top-k a layer), which the plan counts: halve the captured batch
+    (`features.cuda_graph_max_batch`) until the plan fits. Larger decode steps run eagerly,
+    fetching in rounds; a plan that fits at no batch is left to refuse as it does."""
+    f = config.features
+    batch = min(config.scheduler.max_num_seqs, f.cuda_graph_max_batch)
+    while batch > 1:
+        trial = dataclasses.replace(config, features=dataclasses.replace(
+            f, cuda_graph_max_batch=batch))  # fmt: skip
+        try:
+            startup_plan(trial, model_cfg, total)
+        except PlanDoesNotFit:
+            batch //= 2
+            continue
+        if batch < min(config.scheduler.max_num_seqs, f.cuda_graph_max_batch):
+            logger.info("expert offload: decode graphs up to batch %d (the pool's slots hold "
+                        "a captured step's misses; larger batches run eagerly)", batch)  # fmt: skip
+        return trial
+    return dataclasses.replace(config, features=dataclasses.replace(f, cuda_graph_max_batch=1))
+
+
+def host_shortfall(plan: MemoryPlan, host_memory_gib: float) -> str:
+    """The refusal of a plan whose offload fits the device but not the pinned host budget."""
+    return (
+        f"needs {size_text(plan.host_bytes)} of pinned host memory for"
+        f" {plan.offloaded_per_layer} of {plan.experts_per_layer} experts x"
+        f" {plan.num_moe_layers} layers; --host-memory-gib gives {host_memory_gib:g}"
+    )
+
+
+def size_text(nbytes: int) -> str:
+    """GiB with one decimal (MiB below 0.1 GiB, where one decimal of GiB says nothing)."""
+    return f"{nbytes / GIB:.1f} GiB" if nbytes >= GIB // 10 else f"{nbytes / (1 << 20):.1f} MiB"
+
+
+def startup_request(
+    config: ServeConfig, model_cfg: ModelConfig, gpu_total_bytes: int
+) -> PlanRequest:
+    """`startup_plan`'s request: its plan's numbers even where the plan does not fit."""
     spec = config.speculative
     ranks = config.model.tensor_parallel_size  # one GPU per rank: the plan of one of them
     on_cuda = config.model.device.startswith("cuda")
-    request = PlanRequest(
+    return PlanRequest(
         model=model_cfg,
         num_gpus=ranks,
         gpus_per_node=ranks,
@@ -74,24 +147,3 @@ def startup_plan(config: ServeConfig, model_cfg: ModelConfig, gpu_total_bytes: i
             index_dtype=config.cache.indexer_key_dtype,
         ),
     )
-    plan = plan_memory(request)
-    host_gib = config.model.host_memory_gib
-    if not plan.fits and plan.offloaded_per_layer and plan.needed_bytes <= plan.usable_bytes:
-        if host_gib:  # offload fits the device: the host budget alone is short
-            raise PlanDoesNotFit(host_shortfall(plan, host_gib))
-        raise PlanDoesNotFit(f"{plan.message} With expert offload it {host_shortfall(plan, 0)}.")
-    return check_fits(plan)
-
-
-def host_shortfall(plan: MemoryPlan, host_memory_gib: float) -> str:
-    """The refusal of a plan whose offload fits the device but not the pinned host budget."""
-    return (
-        f"needs {size_text(plan.host_bytes)} of pinned host memory for"
-        f" {plan.offloaded_per_layer} of {plan.experts_per_layer} experts x"
-        f" {plan.num_moe_layers} layers; --host-memory-gib gives {host_memory_gib:g}"
-    )
-
-
-def size_text(nbytes: int) -> str:
-    """GiB with one decimal (MiB below 0.1 GiB, where one decimal of GiB says nothing)."""
-    return f"{nbytes / GIB:.1f} GiB" if nbytes >= GIB // 10 else f"{nbytes / (1 << 20):.1f} MiB"

@@ -17,7 +17,6 @@ inside the captured decode graphs. Either way the counters feed the `ExpertColle
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +33,7 @@ from dsv4.plan import MemoryPlan, PlanDoesNotFit
 from dsv4.plan.residency import ResidencyError
 from dsv4.plan.residency import read_residency as load_residency
 from dsv4.runner.paged import ExpertPool, PoolOptions, PoolStats, pool_experts
-from dsv4.worker.fit import GIB, size_text, startup_plan
+from dsv4.worker.fit import GIB, device_plan, size_text
 from kernels.backend import KernelBackendConfig
 
 logger = logging.getLogger(__name__)
@@ -122,32 +121,8 @@ def startup_offload(
         return config, None, None
     total = int(m.device_memory_gib * GIB) or torch.cuda.get_device_properties(
         torch.device(m.device)).total_memory  # fmt: skip
-    if config.features.forward == "paged" and m.host_memory_gib:
-        config = fit_graph_batch(config, model_cfg, total)
-    plan = startup_plan(config, model_cfg, total)
+    config, plan = device_plan(config, model_cfg, total)
     return config, plan, expert_offload(config, plan, model_cfg, dtype)
-
-
-def fit_graph_batch(config: ServeConfig, model_cfg: ModelConfig, total: int) -> ServeConfig:
-    """The paged forward's expert pool holds a captured decode step's misses in its slots
-    (`max_decode_tokens` x top-k a layer), which the plan counts: halve the captured batch
-    (`features.cuda_graph_max_batch`) until the plan fits. Larger decode steps run eagerly,
-    fetching in rounds; a plan that fits at no batch is left to refuse as it does."""
-    f = config.features
-    batch = min(config.scheduler.max_num_seqs, f.cuda_graph_max_batch)
-    while batch > 1:
-        trial = dataclasses.replace(config, features=dataclasses.replace(
-            f, cuda_graph_max_batch=batch))  # fmt: skip
-        try:
-            startup_plan(trial, model_cfg, total)
-        except PlanDoesNotFit:
-            batch //= 2
-            continue
-        if batch < min(config.scheduler.max_num_seqs, f.cuda_graph_max_batch):
-            logger.info("expert offload: decode graphs up to batch %d (the pool's slots hold "
-                        "a captured step's misses; larger batches run eagerly)", batch)  # fmt: skip
-        return trial
-    return dataclasses.replace(config, features=dataclasses.replace(f, cuda_graph_max_batch=1))
 
 
 def expert_offload(

@@ -21,6 +21,7 @@ MODEL = "{model}"  # a config-only tiny checkpoint (config.json + tokenizer.json
 GEN = ["generate", "--model", MODEL, "--prompt-ids", "1,2"]
 ICS = ["indexcache-search", "--model", MODEL]
 PLAN = ["plan", "--shape", "pro", "--gpu-mem", "80"]
+UP_CARD = ["up", "--model", MODEL, "--device", "cpu", "--device-memory-gib"]
 
 # (argv, what the one line must contain: the flag, or the path the user gave)
 BAD = [
@@ -82,6 +83,10 @@ BAD = [
     (["up", "--port", "99999"], "--port"),
     (["up", "--http-port", "-1"], "--http-port"),
     (["up", "--model", "/nonexistent/ckpt"], "--model"),
+    (["up", "--layout", "sideways"], "--layout"),
+    # a card of 10 MiB holds neither P + D nor one colocated worker (exit 1, as `dsv4 plan`)
+    ([*UP_CARD, "0.01"], "--layout auto: neither 2 workers"),
+    ([*UP_CARD, "0.01", "--layout", "colocated"], "--layout colocated: does not fit"),
     (["demo", "--request-rate", "abc"], "--request-rate"),
 ]
 
@@ -114,6 +119,11 @@ def test_bad_invocation_is_one_line_naming_the_flag(
     assert len(lines) == 1, err
     assert "Traceback" not in err and names in lines[0], err
     assert lines[0].startswith("dsv4"), err
+
+
+def test_a_layout_that_does_not_fit_exits_1_as_dsv4_plan_does(model_dir: str, capsys) -> None:
+    code, err = run([a.format(model=model_dir) for a in (*UP_CARD, "0.01")], capsys)
+    assert code == 1 and err.startswith("dsv4 up: error: --layout auto: neither"), err
 
 
 def test_a_bug_is_one_line_with_how_to_get_its_traceback(monkeypatch, capsys) -> None:
