@@ -311,10 +311,12 @@ def split_secret(service_args: tuple[str, ...]) -> tuple[tuple[str, ...], str]:
 
 def configured_secret(service_args: tuple[str, ...]) -> str:
     """The shared secret the services would read from the environment or a `--config` YAML."""
-    return _service_config(service_args, os.environ).security.shared_secret
+    return service_config(service_args, os.environ).security.shared_secret
 
 
-def _service_config(service_args: tuple[str, ...], env: Mapping[str, str]) -> ServeConfig:
+def service_config(service_args: tuple[str, ...], env: Mapping[str, str]) -> ServeConfig:
+    """The config a service started with `service_args` reads (argparse: a repeated flag's last
+    value wins), before `resolve_auto`."""
     import argparse
 
     from dsv4.config import add_config_args, config_from_args
@@ -330,7 +332,7 @@ def channel_credentials(service_args: tuple[str, ...]) -> object:
     `--tls-ca`, and with `--require-client-cert` the services' own key pair as client cert."""
     import grpc
 
-    s = _service_config(service_args, {}).security
+    s = service_config(service_args, {}).security
     if not s.tls_cert_path:
         return None
     root = Path(s.tls_ca_path).read_bytes() if s.tls_ca_path else None
