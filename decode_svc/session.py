@@ -1,6 +1,7 @@
 """One Decode call on a decode worker, from the KV pull to the last streamed chunk.
 
-Disaggregated (handle + first token): adopt blocks (waiting a bounded time for free ones) ->
+Disaggregated (handle + first token): adopt blocks (waiting a bounded time for free ones, else
+RESOURCE_EXHAUSTED, leaving P's lease to the router's retry on another D or to its TTL) ->
 pull P's blocks into them (an owned task polling the transport; a cancelled call lets the
 transfer finish before the blocks are freed) -> Release on P (best effort, background) ->
 activate and stream. A failed pull, by policy: FAIL ends the call UNAVAILABLE; RECOMPUTE frees
@@ -173,7 +174,8 @@ class DecodeSession:
         them), waits up to `ADOPT_WAIT_S` for running requests to finish, then refuses with
         RESOURCE_EXHAUSTED and a retry hint: an admitted request always makes progress (the
         scheduler preempts by recompute when decodes outgrow the pool), a refused one is
-        told at once, nothing waits on blocks for a lease's lifetime."""
+        told at once, nothing waits on blocks for a lease's lifetime. The refusal leaves P's
+        lease alone: the KV is still good for another D (the router's retry)."""
         pull_timeout_s = self._deps.runtime.config.transfer.pull_timeout_s
         lease_left_s = handle.lease_expires_at_unix_ms / 1000.0 - time.time()
         give_up_s = time.monotonic() + min(ADOPT_WAIT_S, max(0.0, lease_left_s - pull_timeout_s))
@@ -187,8 +189,10 @@ class DecodeSession:
                 self._release_on_prefill(handle)
                 raise
             except OutOfBlocks as exc:
-                if time.monotonic() >= give_up_s or self._live.is_aborted:
+                if self._live.is_aborted:  # the request is over: P may free its KV now
                     self._release_on_prefill(handle)
+                if time.monotonic() >= give_up_s or self._live.is_aborted:
+                    # no room: P's lease stays for the router's retry on another D (or its TTL)
                     raise ResourceExhausted(
                         f"decode worker {self._deps.worker_id} has no free KV blocks for "
                         f"{handle.num_tokens} tokens ({exc.message})",

@@ -315,8 +315,8 @@ def configured_secret(service_args: tuple[str, ...]) -> str:
 
 
 def service_config(service_args: tuple[str, ...], env: Mapping[str, str]) -> ServeConfig:
-    """The config a service started with `service_args` and `env` reads (flags it does not
-    know are left aside)."""
+    """The config a service started with `service_args` and `env` reads (argparse: a repeated
+    flag's last value wins; flags it does not know are left aside), before `resolve_auto`."""
     import argparse
 
     from dsv4.config import add_config_args, config_from_args

@@ -2,7 +2,8 @@
 sampling that cannot produce a token gets a status at once (through the router and straight
 at the prefill worker) and the next request is served; a decode worker with 40 KV blocks and
 five concurrent 100-token / 200-new-token requests finishes them all, preempting by
-recompute, and refuses a sixth within a second with RESOURCE_EXHAUSTED; nothing leaks."""
+recompute, and refuses a sixth within a second with RESOURCE_EXHAUSTED, keeping P's lease of
+it (the router would retry it on another D, or release it); nothing leaks."""
 
 from __future__ import annotations
 
@@ -14,8 +15,15 @@ import pytest
 from e2e_cluster import assert_no_worker_leaks, generate, greedy
 
 from dsv4.commands.cluster import free_port, is_serving
+from dsv4.rpc.v1 import worker_pb2
 from dsv4.types import FinishReason, GenerateRequest, SamplingParams
-from tests.services.worker_cluster import WORKER_ARGS, Workers, start_cluster, tiny_checkpoint
+from tests.services.worker_cluster import (
+    METADATA,
+    WORKER_ARGS,
+    Workers,
+    start_cluster,
+    tiny_checkpoint,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 NUM_BLOCKS = 40  # 6 ring + 1 per 128 positions: five 100-token prompts take 35, then outgrow 40
@@ -91,7 +99,13 @@ def test_decode_out_of_blocks_preempts_or_refuses_at_once_and_leaks_nothing(clus
                 [m async for m in workers.decode_stream(request, prefill)]
             assert refused.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
             assert "retry after" in (refused.value.details() or "")
-            return time.monotonic() - started_s
+            refused_after_s = time.monotonic() - started_s
+            # D left P's lease alone (another D may still pull it): release it like the router
+            release = worker_pb2.ReleaseRequest(
+                lease_id=prefill.handle.lease_id, request_id="sixth"
+            )
+            assert (await workers.prefill.Release(release, metadata=METADATA)).was_found
+            return refused_after_s
         finally:
             await workers.close()
 

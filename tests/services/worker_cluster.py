@@ -12,7 +12,13 @@ from pathlib import Path
 import grpc
 
 from dsv4 import wire
-from dsv4.commands.cluster import ClusterSpec, LocalCluster, ensure_tiny_checkpoint
+from dsv4.cache.layout import KVLayout
+from dsv4.commands.cluster import (
+    ClusterSpec,
+    LocalCluster,
+    ensure_tiny_checkpoint,
+    service_config,
+)
 from dsv4.rpc.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from dsv4.types import DecodeRequest, GenerateRequest, PullFailurePolicy, SamplingParams
 from dsv4.worker.server import TOKEN_METADATA_KEY
@@ -45,6 +51,26 @@ def start_cluster(model_dir: Path, **spec: object) -> LocalCluster:
     cluster = LocalCluster(ClusterSpec(model_dir=str(model_dir), grace_s=5.0, **spec))  # type: ignore[arg-type]
     cluster.start(ready_timeout_s=120.0)
     return cluster
+
+
+def worker_kv(model_dir: Path, service_args: Sequence[str]) -> tuple[KVLayout, int]:
+    """(KV layout, number of blocks) of a worker started with `service_args` (argparse: a
+    repeated flag's last value wins), from a runtime built the way the worker builds its own."""
+    from dsv4.worker.build import build_worker_runtime
+
+    config = service_config(("--model", str(model_dir), *service_args), {})
+    runtime = build_worker_runtime(config, with_transport=False, name="layout")
+    return runtime.layout, runtime.engine.core.kv.num_blocks
+
+
+def num_blocks_at_once(
+    layout: KVLayout, prompts: Sequence[Sequence[int]], max_new_tokens: int
+) -> int:
+    """KV blocks `prompts` hold when they all run at once at full length: per request the
+    scheduler's own bound (`check_fits`), ring blocks + token blocks for prompt +
+    max_new_tokens + draft slots. A pool this big never refuses nor preempts them."""
+    num_draft = layout.options.num_speculative_tokens
+    return sum(layout.num_blocks_for_request(len(p) + max_new_tokens + num_draft) for p in prompts)
 
 
 def greedy(max_new_tokens: int) -> SamplingParams:
