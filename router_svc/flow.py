@@ -224,7 +224,8 @@ class RequestFlow:
                 if not is_full:
                     self._deps.pool.report_suspect(decode.address)
                 reason = f"{exc.code.name}: {exc.details}"
-                full_reason = reason if is_full else full_reason
+                # D's own retry hint is not the client's: the router gives its own
+                full_reason = reason.partition(" (retry after")[0] if is_full else full_reason
             except CallInterrupted as exc:
                 self._active.check_aborted()
                 reason = exc.reason
