@@ -1,6 +1,6 @@
 """Numerics of the served weight formats on the trained tiny model (issue 21 item 3).
 
-    dsv4 train-tiny /tmp/trained --steps 80 --minutes 30
+    dsv4 train-tiny /tmp/trained --steps 240 --minutes 30
     python -m benchmarks.formats_numerics --model /tmp/trained \
         --out benchmarks/results/formats-numerics-tiny-trained-cpu.json
 
@@ -17,13 +17,14 @@ worker loads them (`dsv4.model.weights.load_model` with the `features.*` switche
   the switch's worst case.
 - `bf16_vs_fp32`: the yardstick: the same (trained) weights computed in bf16 against fp32.
 - `v4_storage`: what storing the trained bf16 weights in V4's formats costs: the trained
-  checkpoint re-stored with FP8 linears and MXFP4 experts (dequantised at load) against it.
+  checkpoint re-stored with FP8 linears and MXFP4 experts (dequantised at load) against it;
+  `v4_storage_linears` / `v4_storage_experts`: the FP8 linears alone, the MXFP4 experts alone.
 
 Metrics, candidate against reference, over `--prompts` windows of `--prompt-len` tokens of the
-held-out stdlib module (teacher-forced, the reference forward): layer 0's output streams
-(the same embedding goes in on both sides, so one layer's error alone): max abs error and
-relative L2 error (||y - y_ref|| / ||y_ref||); the logits: max abs, relative L2, mean
-KL(p_ref || p) in nats, argmax agreement. `greedy_agree`: each prompt's `--tokens` greedy
+held-out stdlib module (teacher-forced, the reference forward): layer 0's output streams (the
+same embedding goes in on both sides, so one layer's error alone): max abs error and relative
+L2 error (||y - y_ref|| / ||y_ref||), beside the reference's largest |y|; the logits: max abs,
+relative L2, mean KL(p_ref || p) in nats, argmax agreement. `greedy_agree`: each prompt's `--tokens` greedy
 tokens through a worker's engine built by `build_worker_runtime` with the path's switches,
 the fraction kept: the tokens before the first one that differs from the reference's, summed
 over prompts, over prompts x tokens.
@@ -82,23 +83,30 @@ PATHS: dict[str, tuple[Side, Side]] = {
     "w8a8_bf16": (V4_LINEARS_BF16, Side("v4", "bf16", "checkpoint", linear_activations="fp8")),
     "bf16_vs_fp32": (Side("trained"), Side("trained", "bf16")),
     "v4_storage": (Side("trained"), V4),
+    "v4_storage_linears": (Side("trained"), Side("v4_linears")),
+    "v4_storage_experts": (Side("trained"), Side("v4_experts")),
 }
 
 
 def prepare_checkpoints(model: Path | None, work: Path, train_steps: int,
                         dry_run: bool) -> dict[str, Path]:  # fmt: skip
     """{"trained": the `dsv4 train-tiny` checkpoint (`model`, else trained into `work`, or a
-    random tiny one for a dry run), "v4": its weights re-stored as FP8 linears + MXFP4 experts}."""
+    random tiny one for a dry run), and its weights re-stored in V4's formats: "v4" (FP8 linears
+    + MXFP4 experts, as V4-Flash ships), "v4_linears" / "v4_experts" (one of the two)}."""
     trained = model or work / ("random" if dry_run else "trained")
     if model is None and not (trained / "config.json").exists():
         if dry_run:
             write_checkpoint(trained, tiny_config(), seed=0)
         else:
             train_tiny(trained, minutes=60.0, steps=train_steps)
-    v4 = work / "v4"
     weights, cfg = load_model(trained)
-    save_checkpoint(weights, cfg.with_overrides(linear_dtype="fp8", expert_dtype="fp4"), v4)
-    return {"trained": trained, "v4": v4}
+    checkpoints = {"trained": trained}
+    for name, linears, experts in (("v4", "fp8", "fp4"), ("v4_linears", "fp8", "bf16"),
+                                   ("v4_experts", "bf16", "fp4")):  # fmt: skip
+        checkpoints[name] = work / name
+        formats = cfg.with_overrides(linear_dtype=linears, expert_dtype=experts)
+        save_checkpoint(weights, formats, checkpoints[name])
+    return checkpoints
 
 
 def load_side(side: Side, checkpoints: dict[str, Path]) -> torch.nn.Module:
@@ -139,9 +147,11 @@ def logit_metrics(ref: torch.Tensor, got: torch.Tensor) -> dict[str, float]:
 
 
 def greedy_tokens(side: Side, checkpoints: dict[str, Path], prompts: list[list[int]],
-                  tokens: int) -> list[list[int]]:  # fmt: skip
-    """Greedy continuations from a worker's engine built with `side`'s switches."""
+                  tokens: int, forward: str) -> list[list[int]]:  # fmt: skip
+    """Greedy continuations from a worker's engine built with `side`'s switches (`forward`:
+    `features.forward`; the cache in the served formats, bf16 KV rows on the CPU)."""
     overrides = {
+        "features.forward": forward,
         "model.path": str(checkpoints[side.checkpoint]), "model.dtype": side.dtype,
         "model.device": "cpu", "features.linear_weights": side.linear_weights,
         "features.expert_weights": side.expert_weights,
@@ -170,7 +180,7 @@ def heldout_prompts(num: int, length: int, vocab_size: int) -> list[list[int]]:
 
 
 def measure(paths: list[str], checkpoints: dict[str, Path], prompts: list[list[int]],
-            tokens: int, device: str) -> list[dict]:  # fmt: skip
+            tokens: int, forward: str, device: str) -> list[dict]:  # fmt: skip
     """One `formats_numerics` record a path; each side's outputs and tokens computed once."""
     ids = torch.tensor(prompts)
     outputs: dict[Side, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -181,15 +191,17 @@ def measure(paths: list[str], checkpoints: dict[str, Path], prompts: list[list[i
         for side in PATHS[name]:
             if side not in outputs:
                 outputs[side] = forward_outputs(load_side(side, checkpoints), ids)
-                greedy[side] = greedy_tokens(side, checkpoints, prompts, tokens)
+                greedy[side] = greedy_tokens(side, checkpoints, prompts, tokens, forward)
         ref, got = PATHS[name]
         layer_max, layer_rel = compare(outputs[ref][0], outputs[got][0])
         record = {
             "name": "formats_numerics", "path": name, "reference": ref.label(),
             "candidate": got.label(), "layer_max_err": layer_max, "layer_rel_err": layer_rel,
             **logit_metrics(outputs[ref][1], outputs[got][1]),
+            "layer_ref_absmax": outputs[ref][0].abs().max().item(),
+            "logits_ref_absmax": outputs[ref][1].abs().max().item(),
             "greedy_agree": kept_fraction(greedy[ref], greedy[got]), "prompts": len(prompts),
-            "prompt_len": len(prompts[0]), "tokens": tokens, "device": device,
+            "prompt_len": len(prompts[0]), "tokens": tokens, "forward": forward, "device": device,
             "seconds": round(time.monotonic() - started, 1),
         }  # fmt: skip
         print(json.dumps(record), flush=True)
@@ -203,14 +215,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", type=Path, help="a `dsv4 train-tiny` checkpoint (default: "
                     "trained into --work-dir for --train-steps, once)")  # fmt: skip
     ap.add_argument("--work-dir", type=Path, default=Path("/tmp/dsv4-formats-numerics"))
-    ap.add_argument("--train-steps", type=int, default=80, help="steps, not minutes: the same "
-                    "model on any machine (`dsv4 train-tiny DIR --steps 80`)")  # fmt: skip
-    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--train-steps", type=int, default=240, help="steps, not minutes: the same "
+                    "model on any machine (`dsv4 train-tiny DIR --steps 240`)")  # fmt: skip
+    ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=32, help="greedy tokens a prompt")
     ap.add_argument(
         "--paths", default=",".join(PATHS), help="comma-separated, of: " + ", ".join(PATHS)
     )
+    ap.add_argument("--forward", default="paged", choices=("paged", "reference"),
+                    help="the greedy engine's features.forward (paged: as served on CUDA)")  # fmt: skip
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dry-run", action="store_true",
                     help="a random tiny checkpoint, 2 prompts x 16 tokens, 4 greedy tokens")  # fmt: skip
@@ -225,8 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     checkpoints = prepare_checkpoints(args.model, args.work_dir, args.train_steps, args.dry_run)
     vocab = ModelConfig.from_file(checkpoints["trained"]).vocab_size
     prompts = heldout_prompts(args.prompts, args.prompt_len, vocab)
-    device = f"cpu ({platform.processor() or platform.machine()}, {args.threads} threads)"
-    records = measure(paths, checkpoints, prompts, args.tokens, device)
+    device = f"cpu ({platform.machine()}, {args.threads} threads, torch {torch.__version__})"
+    records = measure(paths, checkpoints, prompts, args.tokens, args.forward, device)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(records, indent=1) + "\n")
     return 0

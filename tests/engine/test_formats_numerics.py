@@ -11,6 +11,7 @@ layer 0 3.6%, its logits 14%, argmax agreement 94% (2 x 16 tokens).
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -57,6 +58,19 @@ def test_w8a8_error_is_bounded_and_nonzero(records) -> None:
     assert 0.0 < record["logits_rel_err"] < 0.25
     assert record["kl_nats"] < 0.03
     assert record["argmax_agree"] >= 0.8
+
+
+def test_committed_cpu_run_meets_the_documented_bounds() -> None:
+    """benchmarks/results/formats-numerics-tiny-trained-cpu.json (docs/BENCHMARKS.md): the exact
+    paths are exact on the trained model, and W8A8 costs no more greedy agreement than bf16."""
+    path = Path(__file__).parents[2] / "benchmarks/results/formats-numerics-tiny-trained-cpu.json"
+    got = {r["path"]: r for r in json.loads(path.read_text())}
+    assert set(got) == set(fn.PATHS)
+    for exact in ("fp8_linears", "mxfp4_experts"):
+        assert got[exact]["logits_max_err"] == 0.0 and got[exact]["greedy_agree"] == 1.0
+    for w8a8 in ("w8a8", "w8a8_bf16"):
+        assert got[w8a8]["layer_rel_err"] < 0.03 and got[w8a8]["greedy_agree"] >= 0.9
+        assert got[w8a8]["kl_nats"] < 10 * max(got["bf16_vs_fp32"]["kl_nats"], 1e-4)
 
 
 def _linear(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
