@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +47,7 @@ from benchmarks.runtime_tokens import runtime_greedy_tokens
 from dsv4.commands.train_tiny import HELDOUT_MODULE, save_checkpoint, stdlib_tokens, train_tiny
 from dsv4.config import load_config
 from dsv4.config.model import ModelConfig, tiny_config
+from dsv4.errors import Dsv4Error
 from dsv4.model.fp8 import set_linear_activations_
 from dsv4.model.tiny import write_checkpoint
 from dsv4.model.weights import load_model
@@ -236,11 +238,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         args.prompts, args.prompt_len, args.tokens = 2, 16, 4
     torch.set_num_threads(args.threads)
-    checkpoints = prepare_checkpoints(args.model, args.work_dir, args.train_steps, args.dry_run)
-    vocab = ModelConfig.from_file(checkpoints["trained"]).vocab_size
-    prompts = heldout_prompts(args.prompts, args.prompt_len, vocab)
-    device = f"cpu ({platform.machine()}, {args.threads} threads, torch {torch.__version__})"
-    records = measure(paths, checkpoints, prompts, args.tokens, args.forward, device)
+    try:
+        checkpoints = prepare_checkpoints(args.model, args.work_dir, args.train_steps, args.dry_run)
+        vocab = ModelConfig.from_file(checkpoints["trained"]).vocab_size
+        prompts = heldout_prompts(args.prompts, args.prompt_len, vocab)
+        device = f"cpu ({platform.machine()}, {args.threads} threads, torch {torch.__version__})"
+        records = measure(paths, checkpoints, prompts, args.tokens, args.forward, device)
+    except Dsv4Error as exc:  # a bad --model or setting: one line, no traceback
+        print(f"formats_numerics: {exc}", file=sys.stderr)
+        return 2
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(records, indent=1) + "\n")
     return 0

@@ -98,3 +98,12 @@ def test_metrics_can_fail() -> None:
     moved = fn.logit_metrics(ref, torch.tensor([[2.0, 0.0, 0.0], [3.0, 1.0, 0.0]]))
     assert moved["kl_nats"] > 0.1 and moved["argmax_agree"] == 0.5
     assert fn.compare(ref, ref + 0.5) == (0.5, pytest.approx((1.5 / 5) ** 0.5))
+
+
+def test_a_bad_model_dir_is_one_line(tmp_path, capsys) -> None:
+    out = tmp_path / "o.json"
+    argv = ["--model", str(tmp_path / "missing"), "--out", str(out), "--work-dir", str(tmp_path)]
+    assert fn.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--model" in err and "Traceback" not in err
+    assert not out.exists()
