@@ -222,9 +222,13 @@ class WorkerMetrics:
         step_counters: object,
         model_name: str = "",
         expert_stats: Callable[[], object] | None = None,
+        step_failures: Callable[[], int] = lambda: 0,
+        hung_steps: Callable[[], int] = lambda: 0,
     ) -> WorkerMetrics:
         """`load()` returns an `EngineLoad` (dsv4.engine.core); callbacks run at scrape time.
-        `expert_stats()`: the offloaded experts' `ExpertStats` (None: no expert offload)."""
+        `expert_stats()`: the offloaded experts' `ExpertStats` (None: no expert offload).
+        `step_failures()` / `hung_steps()`: the engine's failed steps (raised, or declared hung
+        and then returned) and the steps its watchdog declared hung."""
         r = registry
         info = Gauge(
             "dsv4_worker_info",
@@ -248,6 +252,8 @@ class WorkerMetrics:
         )
         hit.set_function(index_cache_hit_ratio)
         r.register(StepCollector(step_counters))  # an EngineCore's StepCounters
+        r.register(CallbackCounter("dsv4_engine_step_failures_total", "Engine steps that failed their requests (raised, or hung past scheduler.step_timeout_s and then returned)", step_failures))  # fmt: skip
+        r.register(CallbackCounter("dsv4_engine_hung_steps_total", "Engine steps the step watchdog declared hung (scheduler.step_timeout_s): the worker went NOT_SERVING", hung_steps))  # fmt: skip
         r.register(EngineGauges(model_name, load))
         if expert_stats is not None:
             r.register(ExpertCollector(expert_stats))

@@ -146,6 +146,8 @@ def worker_metrics(
         step_counters=runtime.engine.core.step_counters,
         model_name=runtime.config.model.path,
         expert_stats=runtime.offload.stats if runtime.offload is not None else None,
+        step_failures=lambda: runtime.engine.num_step_failures,
+        hung_steps=lambda: runtime.engine.num_hung_steps,
     )
 
 

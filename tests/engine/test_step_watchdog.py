@@ -221,6 +221,11 @@ def test_a_worker_whose_step_hangs_says_not_serving_and_ends_its_streams_unavail
             request = DecodeRequest(GenerateRequest(rid, tuple(PROMPT), greedy))
             return stub.Decode(wire.decode_request_to_proto(request))
 
+        def hung_and_failed() -> tuple[float | None, float | None]:
+            """The worker's /metrics series (what an operator alerts on)."""
+            sample = service.registry.get_sample_value
+            return sample("dsv4_engine_hung_steps_total"), sample("dsv4_engine_step_failures_total")
+
         async def serving() -> bool:
             await asyncio.sleep(0.05)  # a few rounds of the health follower
             reply = await health_stub.Check(health_pb2.HealthCheckRequest(service=name))
@@ -246,10 +251,12 @@ def test_a_worker_whose_step_hangs_says_not_serving_and_ends_its_streams_unavail
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await asyncio.wait_for(decode("b", 2).read(), 1.0)
             assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
+            assert hung_and_failed() == (1.0, 0.0)  # declared hung; the step has not returned
 
             runner.release.set()  # the step returns; the idle engine's probe brings it back
             await wait_until(lambda: engine.can_step, "SERVING again", 10.0)
             assert await serving()
+            assert hung_and_failed() == (1.0, 1.0)  # it returned: its requests had failed
             info = await stub.Info(worker_pb2.InfoRequest())
             assert not info.is_draining and info.num_running_requests == 0
             assert info.num_free_blocks == info.num_total_blocks
