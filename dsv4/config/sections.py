@@ -232,8 +232,8 @@ class FeatureSwitches(Section):
     )  # fmt: skip
     linear_activations: str = setting(
         "bf16", "with linear_weights checkpoint: bf16 (exact) or fp8 (W8A8 at 3-64 rows: x "
-        "rounded to e4m3 per 1x128 group, FP8 x FP8 MMA; ~2.6% relative error of a linear's "
-        "output, 2.7% of a layer's)",
+        "rounded to e4m3 per 1x128 group, FP8 x FP8 MMA; relative error ~2.6 percent of a "
+        "linear's output, 2.7 of a layer's)",
         choices=("bf16", "fp8"),
     )  # fmt: skip
     batched_sampling: bool = setting(
