@@ -177,8 +177,8 @@ class DecodeSession:
         told at once, nothing waits on blocks for a lease's lifetime. The refusal leaves P's
         lease alone: the KV is still good for another D (the router's retry)."""
         pull_timeout_s = self._deps.runtime.config.transfer.pull_timeout_s
-        lease_left_s = handle.lease_expires_at_unix_ms / 1000.0 - time.time()
-        give_up_s = time.monotonic() + min(ADOPT_WAIT_S, max(0.0, lease_left_s - pull_timeout_s))
+        pull_window_s = handle.pull_window_s(pull_timeout_s, time.time())
+        give_up_s = time.monotonic() + min(ADOPT_WAIT_S, max(0.0, pull_window_s))
         while True:
             adopting = asyncio.ensure_future(self._engine.adopt(engine_request))
             try:

@@ -133,6 +133,15 @@ def to_grpc_status(exc: BaseException) -> tuple[Any, str]:
     if isinstance(exc, Dsv4Error):
         message = exc.message
         if exc.retry_after_s is not None:
-            message = f"{message} (retry after {exc.retry_after_s:.1f} s)"
+            message = f"{message}{RETRY_HINT} {exc.retry_after_s:.1f} s)"
         return getattr(grpc.StatusCode, exc.grpc_code), message
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+
+
+RETRY_HINT = " (retry after"  # how `to_grpc_status` ends a message with a retry hint
+
+
+def without_retry_hint(message: str) -> str:
+    """A status message without the retry hint `to_grpc_status` appended (to quote another
+    service's refusal inside a message that carries its own hint)."""
+    return message.partition(RETRY_HINT)[0]

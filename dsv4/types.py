@@ -135,6 +135,11 @@ class KVHandle:
     transport_metadata: bytes = field(default=b"", repr=False)
     serialized_descriptors: bytes = field(default=b"", repr=False)
 
+    def pull_window_s(self, pull_timeout_s: float, now_unix_s: float) -> float:
+        """Seconds left to start a pull of up to `pull_timeout_s` that ends before the lease
+        expires (negative: too late)."""
+        return self.lease_expires_at_unix_ms / 1000.0 - now_unix_s - pull_timeout_s
+
 
 @dataclass(frozen=True, slots=True)
 class PrefillTimings:

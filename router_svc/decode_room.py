@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dsv4.types import KVHandle
 from router_svc.deadline import Deadline
 
 RETRY_INTERVAL_S = 0.1  # each refusal already took the D's own short wait (ADOPT_WAIT_S)
@@ -33,16 +34,17 @@ class DecodeRoomWait:
         *,
         wait_s: float,
         deadline: Deadline,
-        lease_expires_at_unix_ms: int | None,
+        handle: KVHandle | None,
         pull_timeout_s: float,
         now_s: float,
         now_unix_s: float,
     ) -> DecodeRoomWait:
-        """From the first full refusal; `lease_expires_at_unix_ms` None: no lease (colocated)."""
+        """From the first full refusal; `handle` None: no lease (colocated)."""
         give_up_at_s = min(now_s + wait_s, deadline.expires_at_s)
-        if lease_expires_at_unix_ms is not None:
-            lease_left_s = lease_expires_at_unix_ms / 1000.0 - now_unix_s - pull_timeout_s
-            give_up_at_s = min(give_up_at_s, now_s + lease_left_s)
+        if handle is not None:
+            give_up_at_s = min(
+                give_up_at_s, now_s + handle.pull_window_s(pull_timeout_s, now_unix_s)
+            )
         return cls(give_up_at_s)
 
     def may_retry(self, now_s: float) -> bool:

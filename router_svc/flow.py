@@ -30,7 +30,7 @@ from contextlib import aclosing
 
 import grpc
 
-from dsv4.errors import ResourceExhausted, Unavailable
+from dsv4.errors import ResourceExhausted, Unavailable, without_retry_hint
 from dsv4.types import (
     DecodeRequest,
     FinishReason,
@@ -187,13 +187,12 @@ class RequestFlow:
             handle=prefill.handle if prefill else None,
             pull_failure_policy=self._settings.pull_failure_policy,
         )
-        num_replacements, full_reason, full = 0, "", set[str]()
+        num_attempts, num_replacements, full_reason, full = 0, 0, "", set[str]()
         room_wait: DecodeRoomWait | None = None
         while True:
             self._active.check_aborted()
-            decode = (
-                prefill_view if prefill is None and num_replacements == len(full) == 0 else None
-            )
+            # a colocated request's first call goes to the worker its prefill leg chose
+            decode = prefill_view if prefill is None and num_attempts == 0 else None
             try:
                 decode = decode or self._pick_decode(prefill_view, prefill)
             except Unavailable as exc:
@@ -209,6 +208,7 @@ class RequestFlow:
                 self._deps.metrics.decode_full_retries.inc()
                 continue
             has_streamed, is_full = False, False
+            num_attempts += 1
             try:
                 async with aclosing(self._relay(decode, decode_request)) as chunks:
                     async for chunk in chunks:
@@ -225,7 +225,7 @@ class RequestFlow:
                     self._deps.pool.report_suspect(decode.address)
                 reason = f"{exc.code.name}: {exc.details}"
                 # D's own retry hint is not the client's: the router gives its own
-                full_reason = reason.partition(" (retry after")[0] if is_full else full_reason
+                full_reason = without_retry_hint(reason) if is_full else full_reason
             except CallInterrupted as exc:
                 self._active.check_aborted()
                 reason = exc.reason
@@ -246,11 +246,10 @@ class RequestFlow:
                 raise lost
 
     def _room_wait(self, prefill: PrefillResult | None) -> DecodeRoomWait:
-        lease = prefill.handle.lease_expires_at_unix_ms if prefill else None
         return DecodeRoomWait.start(
             wait_s=self._settings.decode_full_wait_s,
             deadline=self._deadline,
-            lease_expires_at_unix_ms=lease,
+            handle=prefill.handle if prefill else None,
             pull_timeout_s=self._settings.pull_timeout_s,
             now_s=time.monotonic(),
             now_unix_s=time.time(),
