@@ -15,6 +15,10 @@
 #   pool    the expert pool (issue 22): its GPU tests (registered host rows, the copy kernel and
 #           the prefetch stream inside captured graphs), then offload_serve_check on the
 #           4-layer slice (paged, paged + prefetch, reference; uniform and zipf1).
+#   cand    issue 21's candidates: GPU parity tests of the MXFP4 and FP8 kernels, then the MXFP4
+#           MoE candidates and the FP8 linear candidates against bf16 (one process each);
+#   attn    issue 25's attention / indexer variants: GPU parity tests, then their A/B;
+#   probes  issue 25's e2e_probe records (benchmarks.e2e, both modes).
 # DECODE_ARGS and E2E_ARGS add arguments to the decode and end-to-end benchmarks.
 # Each part has its own time limit and writes under $OUT, so a failing part leaves the others'.
 #   pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl .whl-fi/*.whl \
@@ -59,6 +63,29 @@ tail -3 "$logs/fresh-tests.txt"
 run_into 60 "$logs/align-bench.log" python3 -m benchmarks.bench_kernels_moe --only moe_align \
     --out "$out/kernels-align-h200.json"
 grep -E "^moe_align|Error" "$logs/align-bench.log" | cut -c1-200
+}
+has cand && {
+run_into "${T_CAND_TESTS:-120}" "$logs/cand-tests.txt" python3 -m pytest -q -p no:cacheprovider \
+    -m gpu tests/kernels/test_moe_mxfp4.py tests/kernels/test_fp8_w8a8.py tests/kernels/test_fp8_linear.py
+tail -3 "$logs/cand-tests.txt"
+run_into "${T_MXFP4:-230}" "$logs/cand-bench.log" python3 -m benchmarks.bench_kernels_moe_mxfp4 \
+    --limit-s "${MXFP4_LIMIT_S:-170}" --out "$out/moe-mxfp4-candidates-h200.json"
+run_into "${T_FP8:-260}" "$logs/cand-bench.log" python3 -m benchmarks.bench_fp8_linear_vs_bf16 \
+    --deadline-s "${FP8_DEADLINE_S:-200}" --out "$out/fp8-linear-candidates-h200.json"
+grep -E "^(deadline|moe_mxfp4_vs_bf16)|Error|rc=" "$logs/cand-bench.log" | cut -c1-200
+}
+has attn && {
+run_into "${T_ATTN_TESTS:-100}" "$logs/attn-tests.txt" python3 -m pytest -q -p no:cacheprovider \
+    -m gpu tests/kernels/test_sparse_attention_heads.py tests/kernels/test_indexer_fused.py
+tail -3 "$logs/attn-tests.txt"
+run_into "${T_ATTN:-240}" "$logs/attn-bench.log" python3 -m benchmarks.bench_kernels_attention \
+    --variants --out "$out/attention-variants-h200.json"
+tail -25 "$logs/attn-bench.log" | cut -c1-200
+}
+has probes && {
+run_into "${T_PROBES:-330}" "$logs/probes.log" python3 -m benchmarks.e2e \
+    --out "$out/e2e-probes-h200.json" --work-dir /tmp/e2e ${PROBE_ARGS:-}
+tail -8 "$logs/probes.log" | cut -c1-300
 }
 has decode && {
 timeout "${T_DECODE:-200}" python3 -m benchmarks.bench_decode_graphs --out "$out/decode-graphs-h200.json" \
