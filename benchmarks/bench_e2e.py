@@ -226,7 +226,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hf-decode-steps", type=int, default=32)
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--num-warmups", type=int, default=2, help="per loadtest run")
-    ap.add_argument("--extra-service-args", nargs="*", default=[])
+    # one flag an occurrence, "=" form (argparse reads a bare "--flag" as its own option):
+    # --extra-service-args=--async-scheduling --extra-service-args=--greedy-in-graph
+    ap.add_argument("--extra-service-args", action="extend", nargs="*", default=[])
     ap.add_argument("--expert-weights", choices=("bf16", "checkpoint"), default="bf16",
                     help="routed experts served in bf16 or as the checkpoint's MXFP4")  # fmt: skip
     ap.add_argument("--linear-weights", choices=("bf16", "checkpoint"), default="bf16",
@@ -250,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     summary: dict = {"model": {"layers": args.layers, "experts": cfg.n_routed_experts,
                                "expert_weights": args.expert_weights,
                                "linear_weights": args.linear_weights, "hidden": cfg.hidden_size,
-                               "dry_run": args.dry_run}}  # fmt: skip
+                               "dry_run": args.dry_run},
+                     "service_args": list(args.extra_service_args)}  # fmt: skip
     for mode in args.modes.split(","):
         try:
             summary[mode] = run_mode(mode, spec_dir, out, args)
@@ -288,6 +291,7 @@ def probe_records(summary: dict) -> list[dict]:
                           "completed": run.get("completed"), "failed": run.get("failed"),
                           "cuda_graphs": result.get("cuda_graphs"), "sampling": "greedy",
                           "model": summary.get("model", {}),
+                          "service_args": summary.get("service_args", []),
                           "error": run.get("error") or result.get("error")})  # fmt: skip
     return found
 
