@@ -193,6 +193,8 @@ class LayerPool:
         self.join_prefetch()
         rows = self.ops["resolve_slots"](ids, self.slots)
         if self.num_slots:
+            # stamps of their own (counters [COUNTERS], fetch [S]): the copy ends with the last
+            # of its grid's programs, which only the next launch on the stream sees begin
             self.ops["copy_wait_start"](self.counters)
             self.ops["copy_fetched"](self.fetch, self.parts, self.host, self.num_resident)
             self.ops["copy_wait_end"](self.counters, self.fetch)
