@@ -13,6 +13,11 @@ one step per call, as a worker serves (the token read each step is the served sy
 - copy_floor_us: bytes_fetched / 55 GB/s (the pinned host -> device floor of the H100/H200);
 - compute_us: the same shape served all-resident (paged forward), where the plan fits the
   device without offload, else null; copy_wait_us = time_us - compute_us (null with it);
+- copy_wait_measured_us: the time the compute stream waited for expert copies, per timed step,
+  as the pool's device clock stamps measured it (`PoolStats.copy_wait_ns`: joining prefetches
+  and copying misses; on CPU the copies' own time); null for the reference forward, whose
+  stores are not timed. copy_wait_us is what offload cost in all; this is the part of it spent
+  waiting for copies (the rest: resolving slots, the pool's longer expert GEMM inputs);
 - baseline_time_us: the reference forward's offload on the same inputs (null when skipped or
   for the reference's own records); speedup = baseline_time_us / time_us;
 - graph_max_batch: the captured decode batch the worker chose (its pool's slots fit the plan);
@@ -59,10 +64,12 @@ def _drain(core) -> None:
 
 def _traffic(runtime, steps: int) -> dict:
     if runtime.offload is None:
-        return dict(hit_rate=None, bytes_fetched=0, prefetches=0)
+        return dict(hit_rate=None, bytes_fetched=0, prefetches=0, copy_wait_measured_us=None)
     stats, per_step = runtime.offload.stats(), max(steps, 1)
+    wait_ns = getattr(stats, "copy_wait_ns", None)  # the paged pool's only
     return dict(hit_rate=stats.hit_rate, bytes_fetched=stats.bytes_fetched // per_step,
-                prefetches=stats.prefetches / per_step)  # fmt: skip
+                prefetches=stats.prefetches / per_step,
+                copy_wait_measured_us=None if wait_ns is None else wait_ns / per_step / 1e3)  # fmt: skip
 
 
 def tpot(runtime, batch: int, prompt_len: int, steps: int) -> dict:

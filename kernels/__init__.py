@@ -22,7 +22,13 @@ from kernels.metadata import (
     token_to_req_indices,
     window_slot_table,
 )
-from kernels.expert_slots import copy_fetched, prefetch_slots, resolve_slots
+from kernels.expert_slots import (
+    copy_fetched,
+    copy_wait_end,
+    copy_wait_start,
+    prefetch_slots,
+    resolve_slots,
+)
 from kernels.moe import combine_rows, expert_rows, moe_experts
 from kernels.moe_align import moe_align
 from kernels.norm_rope import norm_rope, rope
@@ -39,6 +45,8 @@ __all__ = [
     "combine_rows",
     "compressor_step",
     "copy_fetched",
+    "copy_wait_end",
+    "copy_wait_start",
     "dispatch",
     "expert_rows",
     "fp8_grouped_linear",

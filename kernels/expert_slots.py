@@ -13,6 +13,12 @@ them with whatever the routing chose (docs/architecture.md#expert-pool):
   the row, not by S x the row, so a step with few misses launches few idle programs.
   The host storage is pinned, so its address is a device address (UVA): the copy is plain
   loads over PCIe, inside the graph, with no cudaMemcpy for the host to issue.
+- `copy_wait_start` / `copy_wait_end`: one program of one warp each, a read of the GPU's
+  global nanosecond timer (`%globaltimer`) and a store into the layer's counters row. A kernel
+  reads the timer when the stream starts it, i.e. once everything before it on the stream (and
+  every stream it was made to wait for) is done, so the pair around a wait times the wait, in
+  a captured graph too. The timer is inline PTX, which the CPU interpreter cannot run: on CPU
+  tensors these two call their references.
 """
 
 from __future__ import annotations
@@ -20,8 +26,11 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import globaltimer
 
 from dsv4.ops.expert_slots import (
+    COPY_WAIT_MARK,
+    COPY_WAIT_NS,
     COUNTERS,
     ERR_NO_HOST_ROW,
     ERR_OVERFLOW,
@@ -33,6 +42,8 @@ from dsv4.ops.expert_slots import (
     STEP,
     SlotTable,
     copy_fetched_ref,
+    copy_wait_end_ref,
+    copy_wait_start_ref,
     prefetch_slots_ref,
     resolve_slots_ref,
 )
@@ -225,6 +236,59 @@ def copy_fetched(
                             CHUNK=_CHUNK, BLOCK_B=_BLOCK_B, num_warps=4)  # fmt: skip
 
 
+@triton.jit
+def _copy_wait_start_kernel(cnt_ptr, MARK: tl.constexpr):
+    tl.store(cnt_ptr + MARK, globaltimer())
+
+
+@triton.jit(**sizes_vary("S"))
+def _copy_wait_end_kernel(
+    cnt_ptr, fetch_ptr, S,
+    MARK: tl.constexpr, WAIT: tl.constexpr, IF_FETCHED: tl.constexpr, BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    now = globaltimer()  # first: the wait ended when this program started
+    waited = now - tl.load(cnt_ptr + MARK)
+    if IF_FETCHED:  # fetch [S] int32: only a step that copied a row waited for one
+        j = tl.arange(0, BLOCK_S)
+        copied = tl.max(tl.load(fetch_ptr + j, mask=j < S, other=-1), 0) >= 0
+        waited = tl.where(copied, waited, 0)
+    tl.store(cnt_ptr + WAIT, tl.load(cnt_ptr + WAIT) + waited)
+
+
+def clock_launches(counters: torch.Tensor, fetch: torch.Tensor | None = None) -> tuple:
+    """(kernel, args, keywords) of `copy_wait_start` and of `copy_wait_end`, one program of one
+    warp each: counters [COUNTERS] int64 (the layer's row), fetch [S] int32 or None (then the
+    end adds unconditionally and reads no fetch: the counters stand in for its pointer)."""
+    assert counters.numel() == COUNTERS and counters.dtype == torch.int64
+    slots = 0 if fetch is None else fetch.numel()
+    assert slots <= MAX_SLOTS
+    start = (_copy_wait_start_kernel, (counters,), dict(MARK=COPY_WAIT_MARK, num_warps=1))
+    end = (_copy_wait_end_kernel, (counters, counters if fetch is None else fetch, slots),
+           dict(MARK=COPY_WAIT_MARK, WAIT=COPY_WAIT_NS, IF_FETCHED=fetch is not None,
+                BLOCK_S=max(16, triton.next_power_of_2(slots)), num_warps=1))  # fmt: skip
+    return start, end
+
+
+def copy_wait_start(counters: torch.Tensor) -> None:
+    """`copy_wait_start_ref` on the GPU's timer: one tiny launch (the reference on CPU)."""
+    if not counters.is_cuda:  # the interpreter has no GPU timer
+        copy_wait_start_ref(counters)
+        return
+    kernel, args, keywords = clock_launches(counters)[0]
+    kernel[(1,)](*args, **keywords)
+
+
+def copy_wait_end(counters: torch.Tensor, fetch: torch.Tensor | None = None) -> None:
+    """`copy_wait_end_ref` on the GPU's timer: one tiny launch (the reference on CPU)."""
+    if not counters.is_cuda:  # the interpreter has no GPU timer
+        copy_wait_end_ref(counters, fetch)
+        return
+    kernel, args, keywords = clock_launches(counters, fetch)[1]
+    kernel[(1,)](*args, **keywords)
+
+
 register_op("resolve_slots", resolve_slots, resolve_slots_ref, family="expert_slots")
 register_op("prefetch_slots", prefetch_slots, prefetch_slots_ref, family="expert_slots")
 register_op("copy_fetched", copy_fetched, copy_fetched_ref, family="expert_slots")
+register_op("copy_wait_start", copy_wait_start, copy_wait_start_ref, family="expert_slots")
+register_op("copy_wait_end", copy_wait_end, copy_wait_end_ref, family="expert_slots")

@@ -111,6 +111,13 @@ def cases():
     for parts in (2, 4):
         out.append(_case("kernels.expert_slots", "_copy_kernel", copy,
                          dict(NUM_PARTS=parts, CHUNK=1 << 15, BLOCK_B=4096)))  # fmt: skip
+    # the pool's clock stamps around a layer's waits for copies (COPY_WAIT_MARK 8, _NS 7)
+    out.append(_case("kernels.expert_slots", "_copy_wait_start_kernel", {"cnt_ptr": "*i64"},
+                     dict(MARK=8)))  # fmt: skip
+    for if_fetched in (False, True):
+        out.append(_case("kernels.expert_slots", "_copy_wait_end_kernel",
+                         {"cnt_ptr": "*i64", "fetch_ptr": "*i32" if if_fetched else "*i64"},
+                         dict(MARK=8, WAIT=7, IF_FETCHED=if_fetched, BLOCK_S=256)))  # fmt: skip
     return out
 
 

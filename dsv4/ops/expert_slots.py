@@ -1,4 +1,4 @@
-"""The expert pool's slot table (docs/architecture.md#expert-pool): references of the two kernels
+"""The expert pool's slot table (docs/architecture.md#expert-pool): references of the kernels
 of `kernels/expert_slots.py`, torch only.
 
 A MoE layer's pool holds R resident experts in device rows [0, R) and S cache slots in rows
@@ -21,19 +21,32 @@ ahead of the layer on a copy stream: its misses take slots as far as they go (no
 error: a prediction is a hint), it counts `prefetches` instead of hits / fetches, and it
 stamps its slots with the coming step (`step + 1`) without advancing the step, so the layer's
 own `resolve_slots` sees them as just used and finds the experts it was predicted to use.
+
+`copy_wait_start` / `copy_wait_end` time the compute stream's waits for expert copies into
+`copy_wait_ns`: start stamps a clock into the row's `copy_wait_mark`, end adds the time since
+that stamp (the kernels read the GPU's global nanosecond timer when they run, so they time
+the stream inside a captured graph too). These references have no GPU timer and no streams:
+they read the host's monotonic clock when called, so on the CPU, where every op runs to its
+end before the next starts, they time the critical copy itself (`copy_fetched` between the
+two); on a GPU they would time only the launches (use the kernels there).
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
 
 COUNTER_NAMES = ("resident_hits", "cache_hits", "fetches", "bytes_fetched", "step", "errors",
-                 "prefetches")  # fmt: skip
-COUNTERS = 8  # a row of int64 per layer (one spare)
+                 "prefetches", "copy_wait_ns", "copy_wait_mark")  # fmt: skip
+COUNTERS = 10  # a row of int64 per layer (one spare)
 STEP, ERRORS = COUNTER_NAMES.index("step"), COUNTER_NAMES.index("errors")
 PREFETCHES = COUNTER_NAMES.index("prefetches")  # experts copied ahead of their layer
+# nanoseconds the compute stream waited for this layer's copies (a sum), and the clock stamp
+# where the current wait began (a time, not a count: never summed)
+COPY_WAIT_NS = COUNTER_NAMES.index("copy_wait_ns")
+COPY_WAIT_MARK = COUNTER_NAMES.index("copy_wait_mark")
 # error bits (counters[ERRORS], kept until ExpertPool.check clears them): the step's experts did not all reach the device
 ERR_OVERFLOW = 1  # more misses than evictable cache slots (the pool was sized too small)
 ERR_STALE = 2  # table[e] names a row whose owner is not e
@@ -144,3 +157,19 @@ def copy_fetched_ref(
     for d, s in zip(dst, src):  # as bytes: index_put has no float8_e8m0fnu
         bytes_of = lambda t: t.view(torch.uint8)  # noqa: E731
         bytes_of(d)[num_resident + slots] = bytes_of(s)[rows.to(s.device)].to(d.device)
+
+
+def copy_wait_start_ref(counters: torch.Tensor) -> None:
+    """counters [COUNTERS] int64: a wait for copies begins now (`copy_wait_mark` = the host's
+    monotonic clock, ns; see the module doc for what this clock times)."""
+    counters[COPY_WAIT_MARK] = time.monotonic_ns()
+
+
+def copy_wait_end_ref(counters: torch.Tensor, fetch: torch.Tensor | None = None) -> None:
+    """counters [COUNTERS] int64: `copy_wait_ns` += now - `copy_wait_mark`. With fetch [S]
+    int32 (the slots `copy_fetched` just filled), only if it copied a row: a step whose
+    experts were all on the device waited for no copy."""
+    waited = time.monotonic_ns() - counters[COPY_WAIT_MARK]
+    if fetch is not None:  # on the device, no host sync: a zero when nothing was copied
+        waited = waited * (fetch >= 0).any()
+    counters[COPY_WAIT_NS] += waited

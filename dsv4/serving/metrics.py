@@ -119,7 +119,7 @@ class EngineGauges(Collector):
 class ExpertCollector(Collector):
     """Expert offload (`dsv4.worker.offload`): the stores' `ExpertStats` or the paged expert
     pool's `PoolStats`, read at scrape time from `stats()` (plain int counters in host memory;
-    a worker without offload registers none of these)."""
+    a worker without offload registers none of these; the copy wait is the pool's alone)."""
 
     def __init__(self, stats: Callable[[], object]) -> None:
         self._stats = stats
@@ -135,6 +135,11 @@ class ExpertCollector(Collector):
             ("dsv4_expert_cpu_computes", "Offloaded experts computed on the CPU instead (CPU fallbacks)", s.cpu_computes),  # type: ignore[attr-defined]
         ):  # fmt: skip
             yield CounterMetricFamily(name, documentation, value=value)
+        # the paged pool's only: its kernels time the compute stream's waits on the device (the
+        # reference forward's stores copy synchronously, untimed, and export no such series)
+        wait_ns = getattr(s, "copy_wait_ns", None)
+        if wait_ns is not None:
+            yield CounterMetricFamily("dsv4_expert_copy_wait_seconds", "Time the compute stream waited for expert copies (joining prefetches, copying misses)", value=wait_ns / 1e9)  # fmt: skip
 
 
 def scrape(url: str, timeout_s: float = 5.0) -> dict[str, float]:

@@ -6,6 +6,7 @@ load-time offload split; the slot table stays consistent and the stats count the
 from __future__ import annotations
 
 import copy
+import time
 
 import pytest
 import torch
@@ -64,11 +65,11 @@ def test_pooled_bf16_experts_equal_all_resident_bit_for_bit() -> None:
     e, r = CFG.n_routed_experts, CFG.n_routed_experts - 5
     row = pool.layers[0].row_bytes
     assert stats.fetches > 0 and stats.bytes_fetched == stats.fetches * row
-    assert stats.resident_hits > 0 and 0 < stats.hit_rate < 1
+    assert stats.resident_hits > 0 and 0 < stats.hit_rate < 1 and stats.copy_wait_ns > 0
     assert pool.layers[0].weights.w13.shape[0] == r + 4 and pool.layers[0].host[0].shape[0] == e - r
     assert_no_leaks(pool)
     pool.reset_stats()
-    assert pool.stats().uses == 0
+    assert pool.stats().uses == 0 and pool.stats().copy_wait_ns == 0
 
 
 def test_pooled_mxfp4_experts_from_the_offload_split_equal_all_resident() -> None:
@@ -255,6 +256,73 @@ def test_pooled_experts_on_the_gpu_equal_resident_with_graphs(fmt, prefetch) -> 
             assert_no_leaks(core)
     assert outs[0] == outs[1] == outs[2] == outs[3]
     assert pool.stats().fetches > 0 and (pool.stats().prefetches > 0) == prefetch
+    assert pool.stats().copy_wait_ns > 0
+    assert_no_leaks(pool)
+
+
+def test_copy_wait_counts_the_steps_that_copy_and_not_the_hits() -> None:
+    """On CPU the stamps (the host clock) time a step's copy of its misses into `copy_wait_ns`;
+    a step whose experts are all on the device adds nothing, nor does a predicted routing
+    prefetched ahead (on CPU it runs in order: no stream to join, no wait)."""
+    _, pool = _pooled(random_model(CFG, seed=14))
+    layer = pool.layers[0]
+    cold = [e for e, row in enumerate(layer.table.tolist()) if row < 0]
+    ids = torch.tensor([cold[:2]])
+    layer.resolve(ids)
+    pool.mirror()
+    fetched = pool.stats()
+    assert fetched.fetches == 2 and fetched.copy_wait_ns > 0
+    layer.resolve(ids)  # both in their slots now
+    layer.prefetch(torch.tensor([cold[2:4]]))
+    layer.resolve(torch.tensor([cold[2:4]]))  # prefetched: cache hits
+    pool.mirror()
+    hits = pool.stats()
+    assert (hits.cache_hits, hits.fetches, hits.prefetches) == (4, 2, 2)
+    assert hits.copy_wait_ns == fetched.copy_wait_ns
+    pool.reset_stats()
+    assert pool.stats().copy_wait_ns == 0
+    assert_no_leaks(pool)
+
+
+@pytest.mark.gpu
+def test_copy_wait_is_stamped_inside_a_captured_graph() -> None:
+    """One layer's pool on the GPU, in a captured graph: a prefetch on the copy stream joined
+    by the layer, then its own misses copied. Cycling three pairs of cold experts through its
+    four slots makes every replay miss, so each replay waits for copies: `copy_wait_ns` grows,
+    and by less than the replays' wall time."""
+    kernels = KernelBackendConfig(default="triton")
+    model = random_model(CFG, seed=15, dtype=torch.bfloat16, device="cuda")
+    pool = pool_experts(model, PoolOptions((6,), cache_slots=1, max_decode_tokens=2), "cuda",
+                        kernels)  # fmt: skip
+    layer = pool.layers[0]
+    cold = [e for e, row in enumerate(layer.table.tolist()) if row < 0]
+    pairs = [cold[0:2], cold[2:4], cold[4:6]]
+    ids = torch.tensor([pairs[0]], device="cuda")
+    predicted = ids[:, :1].clone()  # the first of each pair comes by prefetch
+
+    def step() -> None:
+        layer.prefetch(predicted)
+        layer.resolve(ids)
+
+    step()  # compile every kernel before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    pool.reset_stats()
+    torch.cuda.synchronize()
+    start = time.perf_counter_ns()
+    for i in range(1, 13):
+        ids.copy_(torch.tensor([pairs[i % 3]]))
+        predicted.copy_(ids[:, :1])
+        graph.replay()
+    torch.cuda.synchronize()
+    wall_ns = time.perf_counter_ns() - start
+    pool.mirror()
+    torch.cuda.synchronize()
+    stats = pool.stats()
+    assert stats.fetches == 12 and stats.prefetches == 12, stats
+    assert 0 < stats.copy_wait_ns < wall_ns, (stats.copy_wait_ns, wall_ns)
     assert_no_leaks(pool)
 
 

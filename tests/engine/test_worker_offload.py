@@ -177,6 +177,7 @@ def test_paged_worker_with_offload_serves_the_resident_tokens_through_its_expert
     assert served_tokens(runtime) == expected
     stats = served.stats()
     assert stats.fetches > 0 and stats.bytes_fetched == stats.fetches * layers[0].row_bytes
+    assert stats.copy_wait_ns > 0  # the copies of those fetches, timed (the host clock here)
     assert_no_leaks(served.pool)
     cpu = build_worker_runtime(load_config({**BUDGET, **OFFLOAD}), with_transport=False)
     assert cpu.config.features.forward == "reference" and cpu.offload.stores  # auto on CPU
@@ -220,14 +221,16 @@ def test_offload_metrics_are_exported() -> None:
     assert registry.get_sample_value("dsv4_expert_bytes_fetched_total") == 3000
     assert registry.get_sample_value("dsv4_expert_fetches_total") == 3
     assert registry.get_sample_value("dsv4_expert_cpu_computes_total") == 0
+    assert registry.get_sample_value("dsv4_expert_copy_wait_seconds_total") is None  # untimed
     from dsv4.runner.paged import PoolStats  # the paged forward's pool: the same series
 
     pooled = CollectorRegistry()
-    pooled.register(ExpertCollector(lambda: PoolStats(6, 1, 3, 3000)))
+    pooled.register(ExpertCollector(lambda: PoolStats(6, 1, 3, 3000, copy_wait_ns=2_500_000)))
     assert pooled.get_sample_value("dsv4_expert_hit_rate") == 0.7
     assert pooled.get_sample_value("dsv4_expert_cache_hit_rate") == 0.25
     assert pooled.get_sample_value("dsv4_expert_fetches_total") == 3
     assert pooled.get_sample_value("dsv4_expert_bytes_fetched_total") == 3000
+    assert pooled.get_sample_value("dsv4_expert_copy_wait_seconds_total") == 0.0025
 
 
 def test_apply_offload_moves_a_model_loaded_whole_like_the_split_load() -> None:
@@ -278,6 +281,10 @@ def test_offload_benchmark_runs_on_cpu_and_writes_the_record_contract(tmp_path) 
     assert all(r["compute_us"] is not None for r in paged)  # the tiny model fits resident
     assert any(r["prefetches"] > 0 for r in paged if r["expert_prefetch"])
     assert all(r["prefetches"] == 0 for r in records if not r["expert_prefetch"])
+    # measured by the pool's stamps: a step that copied its misses waited for them
+    assert all(r["copy_wait_measured_us"] is None for r in records if r not in paged)
+    assert all((r["copy_wait_measured_us"] > 0) == (r["bytes_fetched"] > 0)
+               for r in paged if not r["expert_prefetch"])  # fmt: skip
 
 
 def test_paged_offload_halves_the_captured_batch_until_the_pools_slots_fit() -> None:

@@ -1,14 +1,20 @@
 """The expert pool's slot kernels (`resolve_slots`, `prefetch_slots`, `copy_fetched`) against
 their references (dsv4/ops/expert_slots.py), exactly: every output and every piece of updated
 state, step after step, with repeated ids, skipped pairs, more misses than slots, a corrupted
-table and predicted routings placed ahead of their step."""
+table and predicted routings placed ahead of their step. The clock stamps (`copy_wait_start`,
+`copy_wait_end`) time real waits: the references on the host clock here, the kernels on the
+GPU's timer (a GPU test; their sm_90 compile is checked in test_sm90_compile.py)."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 import torch
 
 from dsv4.ops.expert_slots import (
+    COPY_WAIT_MARK,
+    COPY_WAIT_NS,
     COUNTERS,
     ERR_OVERFLOW,
     ERR_STALE,
@@ -17,10 +23,18 @@ from dsv4.ops.expert_slots import (
     STEP,
     SlotTable,
     copy_fetched_ref,
+    copy_wait_end_ref,
+    copy_wait_start_ref,
     prefetch_slots_ref,
     resolve_slots_ref,
 )
-from kernels.expert_slots import copy_fetched, prefetch_slots, resolve_slots
+from kernels.expert_slots import (
+    copy_fetched,
+    copy_wait_end,
+    copy_wait_start,
+    prefetch_slots,
+    resolve_slots,
+)
 from tests.kernels.conftest import DEVICE
 
 E, R, S, ROW_BYTES = 12, 4, 3, 96
@@ -254,6 +268,60 @@ def test_resolve_and_copy_from_pinned_host_inside_a_captured_graph() -> None:
             assert torch.equal(a.cpu(), b)
         for a, b in zip(dst, ref_dst):
             assert torch.equal(a.cpu(), b)
+
+
+def test_the_copy_wait_references_add_the_time_since_their_mark() -> None:
+    """A join's end adds the time since the start; a copy's end (with the fetch list) only when
+    a row was copied. Only the two clock columns change."""
+    counters = torch.zeros(COUNTERS, dtype=torch.int64)
+    before = time.monotonic_ns()
+    copy_wait_start_ref(counters)
+    assert before <= counters[COPY_WAIT_MARK] <= time.monotonic_ns()
+    time.sleep(0.002)
+    copy_wait_end_ref(counters)
+    joined = int(counters[COPY_WAIT_NS])
+    assert 2_000_000 <= joined < time.monotonic_ns() - before
+    copy_wait_start_ref(counters)
+    time.sleep(0.001)
+    copy_wait_end_ref(counters, torch.full((S,), -1, dtype=torch.int32))  # nothing copied
+    assert counters[COPY_WAIT_NS] == joined
+    copy_wait_start_ref(counters)
+    time.sleep(0.001)
+    copy_wait_end_ref(counters, torch.tensor([-1, 5, -1], dtype=torch.int32))
+    assert counters[COPY_WAIT_NS] >= joined + 1_000_000
+    others = [i for i in range(COUNTERS) if i not in (COPY_WAIT_NS, COPY_WAIT_MARK)]
+    assert not counters[others].any()
+
+
+@pytest.mark.gpu
+def test_the_clock_kernels_time_a_wait_on_the_stream() -> None:
+    """`copy_wait_start`, a ~10 ms spin on the stream, `copy_wait_end`: the GPU's timer gives
+    the spin's time, within the CUDA events around the three; an end with no fetched row adds
+    nothing, one with a fetched row adds its wait."""
+    counters = torch.zeros(COUNTERS, dtype=torch.int64, device=DEVICE)
+    no_fetch = torch.full((S,), -1, dtype=torch.int32, device=DEVICE)
+    copy_wait_start(counters)  # compile and load both before timing
+    copy_wait_end(counters, no_fetch)
+    copy_wait_end(counters)
+    torch.cuda.synchronize()
+    counters.zero_()
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+    events[0].record()
+    copy_wait_start(counters)
+    torch.cuda._sleep(20_000_000)  # cycles: ~10 ms at the H100's / H200's clocks
+    copy_wait_end(counters)
+    events[1].record()
+    torch.cuda.synchronize()
+    waited, spun = int(counters[COPY_WAIT_NS]), events[0].elapsed_time(events[1]) * 1e6
+    assert 0.9 * spun < waited <= spun + 20_000, (waited, spun)
+    copy_wait_start(counters)
+    copy_wait_end(counters, no_fetch)
+    assert int(counters[COPY_WAIT_NS]) == waited
+    copy_wait_start(counters)
+    torch.cuda._sleep(2_000_000)
+    copy_wait_end(counters, torch.tensor([-1, 0, -1], dtype=torch.int32, device=DEVICE))
+    assert int(counters[COPY_WAIT_NS]) > waited
+    assert counters[COPY_WAIT_MARK] > 0 and not counters[:COPY_WAIT_NS].any()
 
 
 def test_the_paged_forward_on_the_slot_kernels_equals_all_resident() -> None:

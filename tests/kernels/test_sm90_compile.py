@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernels.sm90_build import RECORDED, Launch, compile_recorded
+from dsv4.ops.expert_slots import COUNTERS
+from tests.kernels.sm90_build import RECORDED, Launch, compile_recorded, launch_of
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the kernels compile as they run")
@@ -32,3 +33,19 @@ def test_a_rejected_kernel_is_reported():
                  (("AS_FLOAT", True),), (("num_warps", 1),))  # fmt: skip
     failures = compile_recorded([bad])
     assert len(failures) == 1 and "fp32 and uint8" in failures[0], failures  # the two returns
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the kernels compile as they run")
+def test_the_clock_kernels_the_interpreter_cannot_run_compile_for_sm90():
+    """The expert pool's `copy_wait_start` / `copy_wait_end` read the GPU's timer (inline PTX),
+    which the interpreter cannot execute, so no CPU test records them: their launches (the end
+    with and without a fetch list, at V4-Flash's 256-expert bound of slots) compile here."""
+    from kernels.expert_slots import clock_launches
+
+    counters = torch.zeros(COUNTERS, dtype=torch.int64)
+    fetch = torch.full((256,), -1, dtype=torch.int32)
+    pairs = (*clock_launches(counters), clock_launches(counters, fetch)[1])
+    launches = [launch_of(kernel, args, keywords) for kernel, args, keywords in pairs]
+    assert None not in launches and len({launch.name for launch in launches}) == 2
+    failures = compile_recorded(launches)
+    assert not failures, "\n".join(failures)

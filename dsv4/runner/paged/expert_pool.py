@@ -43,7 +43,7 @@ from dsv4.runner.paged.pool_storage import drop_experts_, empty_rows, expert_row
 from kernels.backend import KernelBackendConfig, resolve
 
 logger = logging.getLogger(__name__)
-STAT_COLUMNS = (*COUNTER_NAMES[:4], "prefetches")
+STAT_COLUMNS = (*COUNTER_NAMES[:4], "prefetches", "copy_wait_ns")
 _STAT_INDEX = [COUNTER_NAMES.index(name) for name in STAT_COLUMNS]
 
 
@@ -87,6 +87,9 @@ class PoolStats:
     bytes_fetched: int = 0  # every copy, prefetches included
     prefetches: int = 0  # copied ahead of their layer, on the copy stream (pre-gating)
     cpu_computes: int = 0  # never on the paged forward (the ExpertCollector's series)
+    # the compute stream's waits for copies, ns: a layer joining its prefetch, and a step's
+    # own copy of its misses (`LayerPool.resolve`); on CPU, the copies' own time
+    copy_wait_ns: int = 0
 
     @property
     def hits(self) -> int:
@@ -141,7 +144,7 @@ class LayerPool:
                                self.fetch, self.num_resident, self.row_bytes)  # fmt: skip
         self.ops = {name: resolve(name, kernels, device) for name in
                     ("resolve_slots", "prefetch_slots", "copy_fetched", "expert_rows",
-                     "combine_rows")}  # fmt: skip
+                     "combine_rows", "copy_wait_start", "copy_wait_end")}  # fmt: skip
         # a prefetch in flight on the owner's copy stream: its ids, kept alive until joined
         self._prefetching: torch.Tensor | None = None
 
@@ -170,19 +173,31 @@ class LayerPool:
         self.ops["copy_fetched"](self.fetch, self.parts, self.host, self.num_resident)
 
     def join_prefetch(self) -> None:
-        """The compute stream waits for this layer's prefetch (if one is in flight)."""
+        """The compute stream waits for this layer's prefetch (if one is in flight), timed into
+        `copy_wait_ns`: the start stamp runs once the compute stream reached the join, the end
+        stamp once the copy stream's prefetch is done too (a layer with no prefetch in flight
+        launches neither)."""
         if self._prefetching is None:
             return
         assert self.owner_pool is not None and self.owner_pool.copy_stream is not None
+        self.ops["copy_wait_start"](self.counters)
         torch.cuda.current_stream(self._prefetching.device).wait_stream(self.owner_pool.copy_stream)
+        self.ops["copy_wait_end"](self.counters)
         self._prefetching = None
 
     def resolve(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids [T, K] logical (-1: skipped) -> device rows [T, K] int32, the misses copied in."""
+        """ids [T, K] logical (-1: skipped) -> device rows [T, K] int32, the misses copied in.
+        The copy is on the compute stream's critical path, so it is timed into `copy_wait_ns`
+        (two one-program stamps around it, counted only when it copied a row); the placement
+        (`resolve_slots`) is compute, not a wait, and stays outside the stamps."""
         self.join_prefetch()
         rows = self.ops["resolve_slots"](ids, self.slots)
         if self.num_slots:
+            # stamps of their own (counters [COUNTERS], fetch [S]): the copy ends with the last
+            # of its grid's programs, which only the next launch on the stream sees begin
+            self.ops["copy_wait_start"](self.counters)
             self.ops["copy_fetched"](self.fetch, self.parts, self.host, self.num_resident)
+            self.ops["copy_wait_end"](self.counters, self.fetch)
         return rows
 
     def rows(self, u: torch.Tensor, rows_of: torch.Tensor, limit: float | None,
@@ -225,7 +240,9 @@ class LayerPool:
 
 class ExpertPool:
     """Every MoE layer's pool; counters [L, COUNTERS] int64 on the device, mirrored to a host
-    copy after each step (`mirror`) so `stats` and `check` never touch the device."""
+    copy after each step (`mirror`) so `stats` and `check` never touch the device. Besides the
+    expert uses, a row times its layer's waits for copies (`copy_wait_ns`, stamped on the
+    device by `LayerPool.join_prefetch` and `resolve`)."""
 
     def __init__(self, layers: tuple[LayerPool, ...], counters: torch.Tensor) -> None:
         self.layers, self.counters = layers, counters
