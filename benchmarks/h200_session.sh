@@ -15,6 +15,7 @@
 #   pool    the expert pool (issue 22): its GPU tests (registered host rows, the copy kernel and
 #           the prefetch stream inside captured graphs), then offload_serve_check on the
 #           4-layer slice (paged, paged + prefetch, reference; uniform and zipf1).
+#   pooltests  the pool part's GPU tests alone;
 #   cand    issue 21's candidates: GPU parity tests of the MXFP4 and FP8 kernels, then the MXFP4
 #           MoE candidates and the FP8 linear candidates against bf16 (one process each);
 #   attn    issue 25's attention / indexer variants: GPU parity tests, then their A/B;
@@ -131,10 +132,12 @@ if has fi; then
         --out "$out/kernels-hash-h200.json"
     grep -E "^(sample|hash_route)|Error|error" "$logs/fi-bench.log" | cut -c1-220
 fi
-has pool && {
+if has pool || has pooltests; then
 run_into "${T_POOL_TESTS:-150}" "$logs/pool-tests.txt" python3 -m pytest -q -p no:cacheprovider \
     -m gpu tests/engine/test_expert_pool.py tests/kernels/test_expert_slots.py
 tail -3 "$logs/pool-tests.txt"
+fi
+has pool && {
 run_into "${T_POOL:-420}" "$logs/pool-serve.log" python3 -m benchmarks.offload_serve_check \
     --out "$out/offload-serve-h200.json" ${POOL_ARGS:-}
 grep -E '"(equal|name|time_us|expert_prefetch)"|Error' "$logs/pool-serve.log" | head -40 | cut -c1-160

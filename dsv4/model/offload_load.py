@@ -10,6 +10,7 @@ load_model`) then fill each expert through `store.parts(e)`, as they fill the st
 
 from __future__ import annotations
 
+import mmap
 import weakref
 from dataclasses import dataclass
 
@@ -68,18 +69,25 @@ def host_blobs(rows: int, nbytes: int, pin: bool, mapped: bool = False) -> torch
     it through its device address (the paged forward's expert pool copies that way).
 
     Registered with cudaHostRegister rather than `pin_memory=True`: torch's pinned allocator
-    rounds every allocation up to a power of two (a 0.8 GiB layer would pin 1 GiB)."""
-    blobs = torch.empty(rows, nbytes, dtype=torch.uint8)
-    if pin and blobs.numel():
-        cudart = torch.cuda.cudart()
-        ptr = blobs.data_ptr()
-        flags = 3 if mapped else 0  # cudaHostRegisterPortable | cudaHostRegisterMapped
-        status = cudart.cudaHostRegister(ptr, blobs.numel(), flags)
-        if int(status) != 0:  # e.g. the locked-memory limit (ulimit -l) is below the budget
-            raise ResourceExhausted(f"cannot pin {blobs.numel() / (1 << 30):.2f} GiB of host "
-                                    f"memory for offloaded experts (cudaHostRegister: {status}): "
-                                    "raise the locked-memory limit (ulimit -l)")  # fmt: skip
-        weakref.finalize(blobs, cudart.cudaHostUnregister, ptr)
+    rounds every allocation up to a power of two (a 0.8 GiB layer would pin 1 GiB). The memory
+    is an anonymous mmap that the tensor holds through the buffer protocol, and the
+    registration ends when that region is freed, i.e. after the last view of it: callers keep
+    only views (rows, dtype views), and a finalizer on this tensor object would unregister the
+    memory as soon as it went out of scope (it did: the pool's kernels then found the host
+    rows unregistered, and the offload store's copies ran from pageable memory)."""
+    if not (pin and rows * nbytes):
+        return torch.empty(rows, nbytes, dtype=torch.uint8)
+    region = mmap.mmap(-1, rows * nbytes)  # page-aligned, zero pages mapped on first touch
+    blobs = torch.frombuffer(region, dtype=torch.uint8).view(rows, nbytes)
+    cudart = torch.cuda.cudart()
+    ptr = blobs.data_ptr()
+    flags = 3 if mapped else 0  # cudaHostRegisterPortable | cudaHostRegisterMapped
+    status = cudart.cudaHostRegister(ptr, blobs.numel(), flags)
+    if int(status) != 0:  # e.g. the locked-memory limit (ulimit -l) is below the budget
+        raise ResourceExhausted(f"cannot pin {blobs.numel() / (1 << 30):.2f} GiB of host "
+                                f"memory for offloaded experts (cudaHostRegister: {status}): "
+                                "raise the locked-memory limit (ulimit -l)")  # fmt: skip
+    weakref.finalize(region, cudart.cudaHostUnregister, ptr)
     return blobs
 
 
