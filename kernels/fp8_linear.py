@@ -7,16 +7,18 @@ in registers right after its load: an fp32 multiply by its block's scale, one ca
 `fp8_linear_ref` (dequantise the weight, then F.linear) up to summation order. BLOCK_K divides
 128, so every K step reads one scale column.
 
-Three paths, by row count (each reachable through `tune` for the sweeps and tests):
-- T <= GEMV_MAX_ROWS (decode): `kernels/fp8_gemv.py`, CUDA-core FMAs with no MMA;
-- T >= DEQUANT_MIN_ROWS: the weight dequantised once (`kernels/fp8_dequant.py`), then cuBLAS:
-  the reference's own computation, so its output is equal, not just close;
-- between them, the tiled `tl.dot` kernel below: a weight-streaming GEMV-like tile with K split
-  across S programs for decode sizes (fp32 partials [S, T, G, N] added in split order by
-  `_fp8_linear_reduce_kernel`: deterministic, no atomics), a grouped-order tiled GEMM for
-  prefill sizes. S and the tiles are functions of (T, N, K, G) only. With the measured
-  thresholds (GEMV to 2 rows, dequantise from 1) no row count lands here by default: it is
-  reached through `tune` ({"GEMV": False, "DEQUANT": False}), kept for the sweeps.
+Three paths, by row count (`exact_path`, measured; each reachable through `tune` for the sweeps
+and tests):
+- the GEMV (`kernels/fp8_gemv.py`, CUDA-core FMAs with no MMA) at 1 row, and at 2 for narrow
+  linears, as the row-tile config (few weight rows a program, K whole where the grid fills);
+- the tiled `tl.dot` kernel below at 2-64 rows (narrow linears: to 16): a weight-streaming
+  tile, the dequantised weight on the MMA's left (SWAP_AB), the block scale on the dot's sums
+  (POST_SCALE, exact for UE8M0 scales), K split across S programs whose fp32 partials the last
+  program of a tile adds in split order (kernels/fp8_splitk.py: deterministic, no atomics;
+  without REDUCE "kernel", `_fp8_linear_reduce_kernel` does it in a second launch); a
+  grouped-order tiled GEMM at prefill sizes (reached through `tune`);
+- above: the weight dequantised once (`kernels/fp8_dequant.py`), then cuBLAS: the reference's
+  own computation, so its output is equal, not just close.
 `activations="fp8"` (W8A8, its own switch: x rounded to e4m3 per 1x128 group, so not exact)
 sends GEMV_MAX_ROWS < T <= W8A8_MAX_ROWS to kernels/fp8_w8a8.py (FP8 x FP8 wgmma); the other
 row counts keep the exact paths, which measured faster there.
@@ -24,12 +26,10 @@ row counts keep the exact paths, which measured faster there.
 z[:, g] = o[:, g] @ W[g*N:(g+1)*N]^T, in one launch (scale rows follow the global weight row,
 so a group need not start on a 128-row block).
 
-On the H200 the tiled kernel ran at 0.33-0.63x of cuBLAS on the bf16 weight at 1-16 rows,
-0.03-0.20x at 64 and 0.12-0.20x at 1024+, whatever its tiles, SWAP_AB or POST_SCALE; dequantise
-+ cuBLAS ran at 0.45-0.66x at 1-64 rows and 0.75-1.0x from 1024 (benchmarks/results/
-kernels-linear-h200.json, docs/BENCHMARKS.md). Issue 21's pass (weights rotated past L2,
-benchmarks/results/kernels-fp8-linear-vs-bf16-h200.json): the 1-row GEMV at 0.81-1.24x, W8A8
-at 16 rows 0.76-1.44x, dequantise + cuBLAS 0.64-0.97x at 1024-8192 rows. No host sync and no
+Measured (docs/BENCHMARKS.md): on the H200 before issue 21, the tiled kernel with its first
+tiles ran at 0.33-0.63x of cuBLAS on the bf16 weight at 1-16 rows; issue 21's candidates on an
+H100 (constants below) made every row count from 1 to 16 at least as fast as bf16 but shared_w2
+and wkv / wq_a at 4-16 rows (0.91-0.99x), and 1 row 1.52-2.09x. No host sync and no
 data-dependent allocation: CUDA-graph capturable.
 """
 
@@ -69,18 +69,43 @@ POST_SCALE_DEFAULT = False
 # (as Marlin/Machete-style mixed-input kernels place it); decode's few token rows become the
 # MMA's N side. Off until timed on a GPU (`tune`).
 SWAP_AB_DEFAULT = False
-# From this many rows the weight is dequantised to x's dtype in one pass and the product runs in
-# cuBLAS: +3 bytes of traffic per weight element (~25 us for wq_b's 32M on an H200). Measured
-# faster than the tiled kernel at every row count from 1 to 8192 (`tune`: "DEQUANT").
-DEQUANT_MIN_ROWS = 1
-# Up to this many rows the GEMV (kernels/fp8_gemv.py) runs instead (`tune`: "GEMV"). On the
-# H200 it ran at 0.79-1.02x of cuBLAS on the bf16 weight at 1 row (wq_a, wq_b, wo_b) and
-# 0.77-0.79x at 2, where dequantise + cuBLAS ran at 0.39-0.65x; at 4 rows they tie.
-GEMV_MAX_ROWS = FP8_GEMV_MAX_ROWS  # 2 (dsv4.ops.limits: the planner counts the bf16 copy above)
+# The exact paths by row count (bf16 activations), from issue 21's A/B of the candidates on an
+# H100 (benchmarks/results/fp8-linear-candidates-h100.json: the eight V4-Flash linears, weights
+# rotated past L2, one CUDA graph a path; speedup = cuBLAS on the bf16 weight / the FP8 path):
+# - 1 row: the row-tile GEMV (`gemv_rowtile_config`, ROWTILE_STEP_BYTES a step), 1.52-2.09x
+#   (the previous GEMV 1.16-1.46x);
+# - 2 rows: the row-tile GEMV for narrow linears (N x G <= NARROW_N: wkv 1.67x, wq_a 1.26x), the
+#   tiled kernel with the weight tile on the MMA's left, the block scale on the dot's sums and
+#   the split-K partials added in its own launch (TILED_DECODE) for the others (0.96-1.42x,
+#   where the GEMV and dequantise + cuBLAS ran at 0.71-0.93x);
+# - 3-16 rows: that tiled kernel, 0.91-1.45x (dequantise + cuBLAS: 0.38-0.75x);
+# - 17-64 rows: the tiled kernel for wide linears (0.69-1.13x at 64, dequantise: 0.40-0.66x),
+#   dequantise + cuBLAS for narrow ones (wkv 0.76x, wq_a 0.71x; tiled 0.60x, 0.53x);
+# - above: dequantise + cuBLAS (0.59-0.96x at 1024-8192): the reference's own computation.
+# Each is reachable through `tune` ("GEMV", "STEP_BYTES", "DEQUANT", the tiled keys).
+ROWTILE_STEP_BYTES = 8192
+NARROW_N = 1024
+NARROW_TILED_MAX_ROWS = 16
+TILED_MAX_ROWS = 64
+TILED_DECODE = {"SWAP_AB": True, "POST_SCALE": True, "REDUCE": "kernel"}
+# Up to this many rows the GEMV may run (the planner counts a bf16 copy of the largest FP8 linear
+# above it: dsv4.ops.limits).
+GEMV_MAX_ROWS = FP8_GEMV_MAX_ROWS  # 2
 # With `activations="fp8"` (W8A8, its own switch: x rounded to e4m3 per 1x128 group) the rows
 # above GEMV_MAX_ROWS up to this many run kernels/fp8_w8a8.py; above it, dequantise + cuBLAS,
 # which ran ahead of the W8A8 GEMM at 1024 and 8192 rows on the H200 (and is exact).
 W8A8_MAX_ROWS = 64
+
+
+def exact_path(rows: int, n: int, groups: int) -> str:
+    """The measured fastest exact path for `rows` rows of a linear with N x G output columns:
+    "rowtile" (the GEMV), "tiled" (`_fp8_linear_kernel` with TILED_DECODE) or "dequant"."""
+    narrow = n * groups <= NARROW_N
+    if rows == 1 or (rows <= GEMV_MAX_ROWS and narrow):
+        return "rowtile"
+    if rows <= (NARROW_TILED_MAX_ROWS if narrow else TILED_MAX_ROWS):
+        return "tiled"
+    return "dequant"
 
 
 @triton.jit(**sizes_vary("T", "split_len"))
@@ -180,8 +205,11 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, tune: di
     if rows == 0:
         return y
     tune = dict(tune or {})
-    if tune.pop("GEMV", rows <= GEMV_MAX_ROWS):  # decode rows: CUDA-core FMAs, no MMA
-        step_bytes = tune.pop("STEP_BYTES", 0)  # issue 21's row-tile candidate (fp8_gemv.py)
+    path = exact_path(rows, n, groups)
+    if tune.pop("GEMV", path == "rowtile"):  # decode rows: CUDA-core FMAs, no MMA
+        # an explicit GEMV without STEP_BYTES: the first GEMV's config (the sweeps' baseline)
+        default_step = ROWTILE_STEP_BYTES if path == "rowtile" and "STEP_BYTES" not in tune else 0
+        step_bytes = tune.pop("STEP_BYTES", default_step)
         cfg = (gemv_rowtile_config(rows, n, k, groups, x.device, step_bytes) if step_bytes
                else gemv_config(rows, n, k, groups, x.device))  # fmt: skip
         launch_gemv(x, weight, scale, y, {**cfg, **tune})
@@ -190,13 +218,14 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, tune: di
     if tune.pop("W8A8", w8a8):  # x quantised per 1x128 group, FP8 x FP8 MMA
         launch_w8a8(x, weight, scale, y, {**w8a8_config(rows, n, k, groups, x.device), **tune})
         return y
-    if tune.pop("DEQUANT", rows >= DEQUANT_MIN_ROWS):  # dequantise once, then cuBLAS
+    if tune.pop("DEQUANT", path == "dequant"):  # dequantise once, then cuBLAS
         w = fp8_dequantize(weight, scale, x.dtype)
         if groups == 1:
             return F.linear(x.view(rows, k), w).view(rows, 1, n)
         # the bf16 model's product; einsum's output is a permuted bmm result, the caller views it
         return torch.einsum("tgk,gnk->tgn", x, w.view(groups, n, k)).contiguous()
-    cfg = {**_config(rows, n, k, groups, x.device), **tune}
+    decode = TILED_DECODE if path == "tiled" else {}
+    cfg = {**_config(rows, n, k, groups, x.device), **decode, **tune}
     swap_ab = bool(cfg.pop("SWAP_AB", SWAP_AB_DEFAULT))
     assert FP8_BLOCK % cfg["BLOCK_K"] == 0, "a K step must sit in one scale block"
     split_len, splits = split_k(k, cfg["BLOCK_K"], cfg.pop("splits"))

@@ -180,9 +180,14 @@ def test_gemv_rowtile_config_fills_the_gpu_without_splitting(monkeypatch):
 
 
 def test_row_count_picks_the_path(monkeypatch):
-    """GEMV up to GEMV_MAX_ROWS, dequantise + F.linear from DEQUANT_MIN_ROWS (the reference's
-    own computation: equal, not just close), the tiled kernel between them."""
+    """`exact_path`: the GEMV at 1 row (and 2 for narrow linears), the tiled kernel to 16 rows
+    (narrow) or 64 (wide), dequantise + F.linear above (the reference's own computation: equal,
+    not just close)."""
     fp8 = importlib.import_module("kernels.fp8_linear")
+    assert [fp8.exact_path(r, 1024, 1) for r in (1, 2, 3, 16, 17)] == \
+        ["rowtile", "rowtile", "tiled", "tiled", "dequant"]  # fmt: skip
+    assert [fp8.exact_path(r, 1024, 8) for r in (1, 2, 64, 65)] == \
+        ["rowtile", "tiled", "tiled", "dequant"]  # fmt: skip
     calls = []
     for name in ("fp8_dequantize", "launch_gemv", "_fp8_linear_kernel"):
         real = getattr(fp8, name)
@@ -190,21 +195,24 @@ def test_row_count_picks_the_path(monkeypatch):
             monkeypatch.setattr(fp8, name, _Recording(real, calls))
         else:
             monkeypatch.setattr(fp8, name, lambda *a, _f=real, _n=name: calls.append(_n) or _f(*a))
-    monkeypatch.setattr(fp8, "GEMV_MAX_ROWS", 2)
-    monkeypatch.setattr(fp8, "DEQUANT_MIN_ROWS", 8)
-    w, s = _weight(130, 300, torch.float8_e8m0fnu, 41)
-    x = _x((8, 300), torch.bfloat16, 42)
+    w, s = _weight(130, 300, torch.float8_e8m0fnu, 41)  # narrow (130 <= NARROW_N)
+    x = _x((17, 300), torch.bfloat16, 42)
     assert torch.equal(fp8_linear(x, w, s), fp8_linear_ref(x, w, s))
     assert calls == ["fp8_dequantize"]
-    for rows, path in ((7, "_fp8_linear_kernel"), (2, "launch_gemv")):
+    for rows, path in ((16, "_fp8_linear_kernel"), (2, "launch_gemv"), (1, "launch_gemv")):
+        calls.clear()
+        assert_close(fp8_linear(x[:rows], w, s), fp8_linear_ref(x[:rows], w, s), "activation")
+        assert calls == [path]
+    monkeypatch.setattr(fp8, "NARROW_N", 64)  # the same weight as a wide linear
+    for rows, path in ((17, "_fp8_linear_kernel"), (2, "_fp8_linear_kernel")):
         calls.clear()
         assert_close(fp8_linear(x[:rows], w, s), fp8_linear_ref(x[:rows], w, s), "activation")
         assert calls == [path]
     calls.clear()
     wg, sg = _weight(2 * 40, 260, torch.float32, 43)
-    g = _x((2, 4, 2, 260), torch.bfloat16, 44)
+    g = _x((2, 33, 2, 260), torch.bfloat16, 44)  # 66 rows
     y = fp8_grouped_linear(g, wg, sg)
-    assert calls == ["fp8_dequantize"] and y.shape == (2, 4, 2, 40)
+    assert calls == ["fp8_dequantize"] and y.shape == (2, 33, 2, 40)
     assert_close(y, fp8_grouped_linear_ref(g, wg, sg), "activation")
 
 
