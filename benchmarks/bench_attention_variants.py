@@ -97,7 +97,7 @@ def _indexer(dev, sz, dry, g) -> list[dict]:
 
         def both(*a, v, f=fmt):
             return indexer_fused.indexer_logits_topk(*a, k, e, key_format=f, num_cols=n,
-                                                     variant=v)  # fmt: skip
+                                                     variant=v, radix=v)  # fmt: skip
 
         def logits(*a, v, f=fmt):
             return indexer.indexer_logits(*a, key_format=f, num_cols=n, write_tail=False, fast=v)

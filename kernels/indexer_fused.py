@@ -10,10 +10,16 @@ Logits (`fast=True`, the `FAST` constexpr of `_logits_kernel`; same programs and
 - MXFP4 keys: each nibble is placed straight into fp32 bits (a value times 2^-126, exact, the
   code for 0.5 a subnormal), then two multiplies: a few integer ops a value instead of the
   default's float select chain.
-Top-k (`radix=True`, the `RADIX` constexpr of `_topk_kernel`): the k-th largest score by an
+Top-k (`radix=True`, the `RADIX` constexpr of `_topk_kernel`; off in `indexer_logits_topk`
+unless asked for, RADIX_DEFAULT): the k-th largest score by an
 8-bit radix select (4 histogram rounds over the row) instead of up to 32 bitwise count rounds;
 it also knows how many ties to keep (no counting pass), and the compaction (ties to the lower
 index) runs one packed scan instead of two, at 8 warps (16 spill on sm_90).
+
+Measured (an H100, Triton 3.6, T = 64, 8192 keys; benchmarks/results/attention-variants-h100.json):
+the fast logits ran 1.08x (FP8 keys) and 1.84x (MXFP4 keys) of the default, the radix top-k
+0.64x: compiled by Triton 3.6 for sm_90 it takes 255 registers and spills 176 bytes at 8 warps
+(Triton 3.9 does not spill it), so the served variant is the fast logits with the default top-k.
 
 A per-program partial top-k was considered: a split of 1024 of 8192 keys keeps its own top 512,
 so a merge would still see half the keys, and the scores round trip costs 4 bytes a key against
@@ -26,24 +32,28 @@ from kernels.indexer import indexer_logits, indexer_logits_ref
 from kernels.indexer_select import indexer_topk, indexer_topk_ref
 from kernels.registry import register_op
 
+RADIX_DEFAULT = False  # the radix top-k ran 0.64x of the count rounds on the card (module doc)
+
 
 def indexer_logits_topk(q, weights, keys, block_table, token_to_req, lengths, k,
                         entries_per_block, *, key_format, num_cols, slots_per_block=None,
-                        slot_base=0, variant=True):  # fmt: skip
+                        slot_base=0, variant=True, radix=None):  # fmt: skip
     """q [T, H_I, d], weights [T, H_I], paged keys, block_table, token_to_req, lengths (as
     `indexer_logits`) -> (slots [T, k] int32 global slots of the top-k entries, -1 padded; lens
     [T] int32), as `indexer_topk(indexer_logits(...), ...)`. `num_cols`: the static score width
-    (most visible entries). `variant` False: the default kernels (the benchmark's baseline)."""
+    (most visible entries). `variant` False: the default kernels (the benchmark's baseline);
+    True: the fast logits, and the radix top-k when `radix` (default RADIX_DEFAULT)."""
     scores = indexer_logits(q, weights, keys, block_table, token_to_req, lengths,
                             key_format=key_format, num_cols=num_cols, write_tail=False,
                             fast=variant)  # fmt: skip
     return indexer_topk(scores, lengths, k, token_to_req, block_table, entries_per_block,
-                        slots_per_block=slots_per_block, slot_base=slot_base, radix=variant)  # fmt: skip
+                        slots_per_block=slots_per_block, slot_base=slot_base,
+                        radix=variant and (RADIX_DEFAULT if radix is None else radix))  # fmt: skip
 
 
 def indexer_logits_topk_ref(q, weights, keys, block_table, token_to_req, lengths, k,
                             entries_per_block, *, key_format, num_cols, slots_per_block=None,
-                            slot_base=0, variant=True):  # fmt: skip
+                            slot_base=0, variant=True, radix=None):  # fmt: skip
     scores = indexer_logits_ref(q, weights, keys, block_table, token_to_req, lengths,
                                 key_format=key_format, num_cols=num_cols)  # fmt: skip
     return indexer_topk_ref(scores, lengths, k, token_to_req, block_table, entries_per_block,

@@ -229,7 +229,7 @@ def _build(
         reference=reference,
         batched_sampling=f.batched_sampling,
         routing_stats=config.metrics.routing_stats,
-        async_scheduling=f.async_scheduling,
+        async_scheduling=engine_async_scheduling(config, ranks),
     )
     collectives = ONE_RANK
     if ranks is not None:  # the followers build the same runner at the same time
@@ -277,6 +277,14 @@ def _build(
     engine = AsyncEngine(core, name, step_timeout_s=config.scheduler.step_timeout_s)
     return WorkerRuntime(config, model_cfg, engine, layout, transport, codec, limits, ranks,
                          served_offload)  # fmt: skip
+
+
+def engine_async_scheduling(config: ServeConfig, ranks) -> bool:
+    """features.async_scheduling where its launched-ahead steps can run: in-graph greedy tokens
+    on one rank (rank 0 sends each step to its followers from `execute`, which a step launched
+    ahead bypasses). Elsewhere the switch is inert: steps run one after another."""
+    f = config.features
+    return f.async_scheduling and f.greedy_in_graph and f.cuda_graphs and ranks is None
 
 
 def options_spec_tokens(config: ServeConfig) -> int:

@@ -126,13 +126,19 @@ def test_abort_while_a_step_runs_ahead(tiny, slow) -> None:
     assert_no_leaks(core)
 
 
-def test_async_scheduling_switch_needs_greedy_graphs() -> None:
-    from dsv4.config.sections import FeatureSwitches
-    from dsv4.errors import ConfigError
+def test_async_scheduling_runs_only_where_its_steps_can() -> None:
+    """On by default; without graphs, greedy_in_graph or with several ranks it has no effect
+    (a prefill worker runs without graphs and the same defaults), never a config error."""
+    from dsv4.config import load_config
+    from dsv4.worker.build import engine_async_scheduling
 
-    FeatureSwitches(async_scheduling=True, greedy_in_graph=True).check()
-    with pytest.raises(ConfigError, match="greedy_in_graph"):
-        FeatureSwitches(async_scheduling=True).check()  # greedy_in_graph is off by default
+    assert load_config({}).features.async_scheduling
+    no_graphs = load_config({"features.cuda_graphs": False, "features.greedy_in_graph": False})
+    assert no_graphs.features.async_scheduling  # accepted, inert
+    assert engine_async_scheduling(load_config({}), ranks=None)
+    assert not engine_async_scheduling(load_config({}), ranks=object())
+    off = load_config({"features.greedy_in_graph": False})
+    assert not engine_async_scheduling(off, ranks=None)
 
 
 def test_async_engine_streams_with_steps_ahead(tiny, slow) -> None:
