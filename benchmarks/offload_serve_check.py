@@ -95,6 +95,11 @@ def serve(values: dict, new_tokens: int) -> dict:
     serve_s = time.perf_counter() - start
     record = {"load_and_warm_up_s": load_s, "serve_s": serve_s, "tokens": tokens,
               "forward": runtime.config.features.forward}  # fmt: skip
+    # progress on stderr as each run ends: a call that hits its time limit still says how far
+    # it got (the JSON is written at the end)
+    print(f"served ({'offloaded' if runtime.offload is not None else 'resident'}): load and "
+          f"warm-up {load_s:.1f} s, {len(PROMPTS)} prompts {serve_s:.1f} s", file=sys.stderr,
+          flush=True)  # fmt: skip
     if runtime.config.model.device.startswith("cuda"):
         record["max_allocated_gib"] = torch.cuda.max_memory_allocated() / GIB
     if runtime.offload is not None:

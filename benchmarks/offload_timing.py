@@ -26,6 +26,7 @@ one step per call, as a worker serves (the token read each step is the served sy
 
 from __future__ import annotations
 
+import sys
 import time
 
 import torch
@@ -165,7 +166,11 @@ def timing_records(model_dir, args) -> list[dict]:
         for run, (forward, prefetch) in runs.items():
             values = {**overrides(model_dir, args.device, forward, **shape), **offload,
                       "model.random_routing": routing, "features.expert_prefetch": prefetch}  # fmt: skip
+            started = time.perf_counter()
             times[run] = measure(values, args)
+            print(f"timed {run} ({routing}): {time.perf_counter() - started:.1f} s "
+                  f"{ {key: round(t['time_us']) for key, t in times[run].items()} }",
+                  file=sys.stderr, flush=True)  # fmt: skip
         resident = {**paged, "model.random_routing": routing}
         compute = measure(resident, args) if resident_fits(resident) else {}
         for run, (forward, _) in runs.items():
