@@ -280,11 +280,12 @@ def _build(
 
 
 def engine_async_scheduling(config: ServeConfig, ranks) -> bool:
-    """features.async_scheduling where its launched-ahead steps can run: in-graph greedy tokens
-    on one rank (rank 0 sends each step to its followers from `execute`, which a step launched
+    """features.async_scheduling where its launched-ahead steps can run: decode graphs with
+    in-graph greedy tokens on one rank (rank 0 sends each step to its followers from `execute`, which a step launched
     ahead bypasses). Elsewhere the switch is inert: steps run one after another."""
     f = config.features
-    return f.async_scheduling and f.greedy_in_graph and f.cuda_graphs and ranks is None
+    graphs = graph_options(config)  # None: no decode graphs (CPU, a prefill worker, eager)
+    return f.async_scheduling and graphs is not None and graphs.greedy_argmax and ranks is None
 
 
 def options_spec_tokens(config: ServeConfig) -> int:

@@ -135,10 +135,14 @@ def test_async_scheduling_runs_only_where_its_steps_can() -> None:
     assert load_config({}).features.async_scheduling
     no_graphs = load_config({"features.cuda_graphs": False, "features.greedy_in_graph": False})
     assert no_graphs.features.async_scheduling  # accepted, inert
-    assert engine_async_scheduling(load_config({}), ranks=None)
-    assert not engine_async_scheduling(load_config({}), ranks=object())
-    off = load_config({"features.greedy_in_graph": False})
+    cuda = {"model.device": "cuda", "features.forward": "paged"}  # only read, never built here
+    assert engine_async_scheduling(load_config(cuda), ranks=None)
+    assert not engine_async_scheduling(load_config(cuda), ranks=object())
+    off = load_config({**cuda, "features.greedy_in_graph": False})
     assert not engine_async_scheduling(off, ranks=None)
+    assert not engine_async_scheduling(load_config({}), ranks=None)  # CPU: no decode graphs
+    prefill = load_config({**cuda, "worker.role": "prefill"})
+    assert not engine_async_scheduling(prefill, ranks=None)
 
 
 def test_async_engine_streams_with_steps_ahead(tiny, slow) -> None:
