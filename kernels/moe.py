@@ -158,17 +158,16 @@ def expert_rows(x: torch.Tensor, expert_ids: torch.Tensor, w13: torch.Tensor, w2
     dot_scaled, halves = tune.pop("DOT_SCALED", False), moe_mxfp4.halves_block(format)
     assert not dot_scaled or format == "mxfp4", format
     fmt = FMT_DOT_SCALED if dot_scaled else FMT_HALVES if halves else FORMATS.index(format)
+    path = served_path(num_pairs, num_experts, format)
     # prefill-sized MXFP4: the experts through a bf16 scratch, chunk by chunk (kernels/moe_dequant)
-    dequant = tune.pop(
-        "DEQUANT", fmt == 2 and use_dequant(num_pairs, num_experts, format, x.is_cuda)
-    )
+    dequant = tune.pop("DEQUANT", fmt == 2 and path == "dequant")
     chunk_experts = tune.pop("CHUNK_EXPERTS", None)  # the scratch's experts (default: 1 GiB)
     # decode-sized MXFP4: a batched GEMV on the CUDA cores (kernels/moe_gemv.py)
-    gemv = tune.pop("GEMV", GEMV_DEFAULT and not dequant and not tune.keys() & _MMA_KEYS
-                    and moe_gemv.use_gemv(num_pairs, num_experts, format))  # fmt: skip
+    gemv = tune.pop("GEMV", path == "gemv" and not dequant and not dot_scaled
+                    and not tune.keys() & _MMA_KEYS)  # fmt: skip
     if gemv:
-        assert format == "mxfp4" and not dequant, format
-        cfg = {**moe_gemv.gemv_config(num_pairs, num_experts, x.is_cuda), **tune}
+        assert format in moe_gemv.GEMV_FORMATS and not dequant, format
+        cfg = {**moe_gemv.gemv_config(num_pairs, num_experts, x.is_cuda, format), **tune}
     elif fmt >= FMT_DOT_SCALED:
         cfg = {**moe_mxfp4.mx_config(num_pairs, num_experts, x.is_cuda, halves), **tune}
     else:
@@ -183,7 +182,7 @@ def expert_rows(x: torch.Tensor, expert_ids: torch.Tensor, w13: torch.Tensor, w2
     sorted_ids, tile_e = _align(expert_ids, storage_rows, cfg["BLOCK_M"], skip)
     scales = (w13_scale, w2_scale)
     if gemv:
-        moe_gemv.gemv_gemms(x, sorted_ids, tile_e, w13, w2, scales, rows, topk, limit, cfg)
+        moe_gemv.gemv_gemms(x, sorted_ids, tile_e, w13, w2, scales, rows, topk, limit, cfg, format)
         return rows
     h = torch.empty(sorted_ids.numel(), inter, dtype=torch.bfloat16, device=x.device)
     gemms = (x, sorted_ids, tile_e, w13, w2, scales, h, rows, topk, limit)
@@ -192,6 +191,18 @@ def expert_rows(x: torch.Tensor, expert_ids: torch.Tensor, w13: torch.Tensor, w2
     else:
         grouped_gemms(*gemms, fmt, cfg, swap_ab)
     return rows
+
+
+def served_path(num_pairs: int, num_experts: int, format: str) -> str:
+    """The path `expert_rows` takes untuned: "gemv" (decode-sized MXFP4, the stored or the
+    "mxfp4_halves128" layout: kernels/moe_gemv.py), "dequant" (prefill-sized MXFP4 in the stored
+    layout: kernels/moe_dequant.py), else "mma" (this module's kernels; a "halves" layout above
+    the GEMV's sizes, whatever the size: kernels/moe_mxfp4.py)."""
+    if use_dequant(num_pairs, num_experts, format, True):  # one rule on CPU and GPU
+        return "dequant"
+    if GEMV_DEFAULT and moe_gemv.use_gemv(num_pairs, num_experts, format):
+        return "gemv"
+    return "mma"
 
 
 def _align(expert_ids: torch.Tensor, storage_rows: int, block_m: int, skip: bool):
