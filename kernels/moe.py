@@ -27,12 +27,16 @@ on the dequantised values, as the reference's dequantise-then-GEMM):
 - "mxfp4": int8 [E, rows, cols/2] packed e2m1 pairs (low nibble = even column), UE8M0 scales
   [E, rows, cols/32]. The even and odd columns of the x tile are loaded separately and meet the
   low and high nibbles in two half-K dots, so no nibble interleave is needed.
+- "mxfp4_halves64" / "mxfp4_halves128": the same codes re-packed per K block (kernels/
+  moe_mxfp4.py; the paged forward serves "mxfp4_halves128" by default, features.mxfp4_layout).
 Decode-sized MXFP4 steps (<= moe_gemv.GEMV_MAX_PAIRS_PER_EXPERT pairs an expert, 128 tokens of
-V4-Flash) run as a batched CUDA-core GEMV instead (kernels/moe_gemv.py: 1.6x bf16 experts at
-1-16 tokens on the H200, 3.1x this kernel at one token); tune GEMV=False keeps this kernel.
-Prefill-sized MXFP4 steps (>= DEQUANT_MIN_PAIRS_PER_EXPERT pairs an expert) instead dequantise
-the experts chunk by chunk into a bf16 scratch and run these GEMMs in bf16 (kernels/
-moe_dequant.py): on the H200 3x faster at 8192 tokens than the per-element nibble decode.
+V4-Flash), stored or halves128, run as a batched CUDA-core GEMV instead (kernels/moe_gemv.py:
+1.6x bf16 experts at 1-16 tokens on the H200, 3.1x this kernel at one token); tune GEMV=False
+keeps this kernel. Prefill-sized stored MXFP4 steps (>= DEQUANT_MIN_PAIRS_PER_EXPERT pairs an
+expert) instead dequantise the experts chunk by chunk into a bf16 scratch and run these GEMMs in
+bf16 (kernels/moe_dequant.py): on the H200 3x faster at 8192 tokens than the per-element nibble
+decode. The halves layouts take this module's kernel (FMT 4) above the GEMV at every size (H100:
+1.44x the scratch path at 8192 tokens). `served_path` says which path a size takes.
 
 Shared expert: fused only behind `features.fuse_shared_expert` (bf16 experts, decode-sized
 steps: the paged forward routes every token to slot E of the stacked storage). In checkpoints it
