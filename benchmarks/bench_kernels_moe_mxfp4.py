@@ -7,10 +7,14 @@ V4-Flash experts (D 4096, I 2048, E 256, top-6), random routing, tokens 1 / 16 /
 8192. Timing as benchmarks/bench_kernels_moe_gemv.py: one CUDA graph over ROTATE routings of the
 same size (8 at decode sizes, 2 from 1024 tokens), replayed, median per call; every path runs
 on the same inputs in this process. Paths (kernels/moe_mxfp4.py):
-- "served": today's MXFP4 path at that size (GEMV to 128 tokens, in-register MMA, dequantise
-  to a bf16 scratch from ~2K tokens);
+- "served": the served MXFP4 path at that size on the layout served by default,
+  "mxfp4_halves128" (repacked once here, as at load): the GEMV to 128 tokens, the halves MMA
+  kernel above;
+- "stored": the stored-layout path (features.mxfp4_layout=stored; the A/B baseline: GEMV to
+  128 tokens, in-register MMA, dequantise to a bf16 scratch from ~2K tokens);
 - "dot_scaled": tl.dot_scaled on the stored layout (tune DOT_SCALED);
-- "halves64" / "halves128": the re-packed layouts (repacked once here, as at load).
+- "halves64" / "halves128": the halves MMA kernel (tune GEMV False) on the re-packed layouts;
+- "gemv_halves128": the GEMV on the halves128 layout (tune GEMV True), decode sizes only.
 Each candidate is timed at every config of CONFIGS[size] (the first: `mx_config`'s default).
 Records (a JSON list):
 - "moe_mxfp4_vs_bf16": {name, tokens, path, time_us (the path's best config), bf16_us, speedup
@@ -40,18 +44,28 @@ CONFIGS = {
     "8192": ({}, {"BLOCK_M": 32}, {"BLOCK_M": 128}, {"SWAP_AB": False, "BLOCK_M": 128}),
 }
 
+# the GEMV path (kernels/moe_gemv.py) is timed up to its served bound (128 tokens of V4-Flash)
+GEMV_MAX_TOKENS = 128
+GEMV_CONFIGS = ({}, {"BLOCK_M": 1}, {"BLOCK_M": 2})
+
 
 def _size_class(tokens: int) -> str:
     return "decode" if tokens <= 64 else "1024" if tokens <= 2048 else "8192"
 
 
 def _paths(w_fp4, dry: bool) -> dict:
-    """path -> (weights (w13, w2, s13, s2), format, base tune)."""
+    """path -> (weights (w13, w2, s13, s2), format, base tune, GEMV path: only at decode sizes).
+    The candidates' base tune GEMV False keeps them on their MMA kernels at every size."""
     w13, w2, s13, s2 = w_fp4
-    paths = {"served": (w_fp4, "mxfp4", None), "dot_scaled": (w_fp4, "mxfp4", {"DOT_SCALED": True})}
+    paths = {"stored": (w_fp4, "mxfp4", None, False),
+             "dot_scaled": (w_fp4, "mxfp4", {"DOT_SCALED": True}, False)}  # fmt: skip
     for block_k in moe_mxfp4.HALVES_BLOCKS:
-        halves = (moe_mxfp4.repack_halves(w13, block_k), moe_mxfp4.repack_halves(w2, block_k))
-        paths[f"halves{block_k}"] = ((*halves, s13, s2), f"mxfp4_halves{block_k}", {})
+        halves = (moe_mxfp4.repack_halves(w13, block_k), moe_mxfp4.repack_halves(w2, block_k), s13,
+                  s2)  # fmt: skip
+        paths[f"halves{block_k}"] = (halves, f"mxfp4_halves{block_k}", {"GEMV": False}, False)
+    served = paths["halves128"][0]
+    paths["served"] = (served, "mxfp4_halves128", None, False)
+    paths["gemv_halves128"] = (served, "mxfp4_halves128", {"GEMV": True}, True)
     return paths
 
 
@@ -69,9 +83,12 @@ def run(dry: bool, limit_s: float) -> list[dict]:
         bf16_us = _time_us(lambda *a: moe.moe_experts(*a), bf16_steps, dry)
         print(f"T={t:5d} bf16 {bf16_us:9.2f} us", flush=True)
         ref = moe.moe_experts_ref(*fp4_steps[0])
-        for path, (weights, fmt, base) in paths.items():
+        for path, (weights, fmt, base, gemv) in paths.items():
+            if gemv and t > GEMV_MAX_TOKENS:
+                continue
             steps = [(s[0], s[1], s[2], *weights[:2], fmt, *weights[2:], s[8]) for s in fp4_steps]
-            configs = [{}] if path == "served" else CONFIGS[_size_class(t)]
+            configs = (GEMV_CONFIGS if gemv else [{}] if path in ("served", "stored")
+                       else CONFIGS[_size_class(t)])  # fmt: skip
             timed = []
             for cfg in configs[:1] if dry else configs:
                 tune = {**(base or {}), **cfg} or None

@@ -27,12 +27,16 @@ on the dequantised values, as the reference's dequantise-then-GEMM):
 - "mxfp4": int8 [E, rows, cols/2] packed e2m1 pairs (low nibble = even column), UE8M0 scales
   [E, rows, cols/32]. The even and odd columns of the x tile are loaded separately and meet the
   low and high nibbles in two half-K dots, so no nibble interleave is needed.
+- "mxfp4_halves64" / "mxfp4_halves128": the same codes re-packed per K block (kernels/
+  moe_mxfp4.py; the paged forward serves "mxfp4_halves128" by default, features.mxfp4_layout).
 Decode-sized MXFP4 steps (<= moe_gemv.GEMV_MAX_PAIRS_PER_EXPERT pairs an expert, 128 tokens of
-V4-Flash) run as a batched CUDA-core GEMV instead (kernels/moe_gemv.py: 1.6x bf16 experts at
-1-16 tokens on the H200, 3.1x this kernel at one token); tune GEMV=False keeps this kernel.
-Prefill-sized MXFP4 steps (>= DEQUANT_MIN_PAIRS_PER_EXPERT pairs an expert) instead dequantise
-the experts chunk by chunk into a bf16 scratch and run these GEMMs in bf16 (kernels/
-moe_dequant.py): on the H200 3x faster at 8192 tokens than the per-element nibble decode.
+V4-Flash), stored or halves128, run as a batched CUDA-core GEMV instead (kernels/moe_gemv.py:
+1.6x bf16 experts at 1-16 tokens on the H200, 3.1x this kernel at one token); tune GEMV=False
+keeps this kernel. Prefill-sized stored MXFP4 steps (>= DEQUANT_MIN_PAIRS_PER_EXPERT pairs an
+expert) instead dequantise the experts chunk by chunk into a bf16 scratch and run these GEMMs in
+bf16 (kernels/moe_dequant.py): on the H200 3x faster at 8192 tokens than the per-element nibble
+decode. The halves layouts take this module's kernel (FMT 4) above the GEMV at every size (H100:
+1.44x the scratch path at 8192 tokens). `served_path` says which path a size takes.
 
 Shared expert: fused only behind `features.fuse_shared_expert` (bf16 experts, decode-sized
 steps: the paged forward routes every token to slot E of the stacked storage). In checkpoints it
@@ -158,17 +162,16 @@ def expert_rows(x: torch.Tensor, expert_ids: torch.Tensor, w13: torch.Tensor, w2
     dot_scaled, halves = tune.pop("DOT_SCALED", False), moe_mxfp4.halves_block(format)
     assert not dot_scaled or format == "mxfp4", format
     fmt = FMT_DOT_SCALED if dot_scaled else FMT_HALVES if halves else FORMATS.index(format)
+    path = served_path(num_pairs, num_experts, format)
     # prefill-sized MXFP4: the experts through a bf16 scratch, chunk by chunk (kernels/moe_dequant)
-    dequant = tune.pop(
-        "DEQUANT", fmt == 2 and use_dequant(num_pairs, num_experts, format, x.is_cuda)
-    )
+    dequant = tune.pop("DEQUANT", fmt == 2 and path == "dequant")
     chunk_experts = tune.pop("CHUNK_EXPERTS", None)  # the scratch's experts (default: 1 GiB)
     # decode-sized MXFP4: a batched GEMV on the CUDA cores (kernels/moe_gemv.py)
-    gemv = tune.pop("GEMV", GEMV_DEFAULT and not dequant and not tune.keys() & _MMA_KEYS
-                    and moe_gemv.use_gemv(num_pairs, num_experts, format))  # fmt: skip
+    gemv = tune.pop("GEMV", path == "gemv" and not dequant and not dot_scaled
+                    and not tune.keys() & _MMA_KEYS)  # fmt: skip
     if gemv:
-        assert format == "mxfp4" and not dequant, format
-        cfg = {**moe_gemv.gemv_config(num_pairs, num_experts, x.is_cuda), **tune}
+        assert format in moe_gemv.GEMV_FORMATS and not dequant, format
+        cfg = {**moe_gemv.gemv_config(num_pairs, num_experts, x.is_cuda, format), **tune}
     elif fmt >= FMT_DOT_SCALED:
         cfg = {**moe_mxfp4.mx_config(num_pairs, num_experts, x.is_cuda, halves), **tune}
     else:
@@ -183,7 +186,7 @@ def expert_rows(x: torch.Tensor, expert_ids: torch.Tensor, w13: torch.Tensor, w2
     sorted_ids, tile_e = _align(expert_ids, storage_rows, cfg["BLOCK_M"], skip)
     scales = (w13_scale, w2_scale)
     if gemv:
-        moe_gemv.gemv_gemms(x, sorted_ids, tile_e, w13, w2, scales, rows, topk, limit, cfg)
+        moe_gemv.gemv_gemms(x, sorted_ids, tile_e, w13, w2, scales, rows, topk, limit, cfg, format)
         return rows
     h = torch.empty(sorted_ids.numel(), inter, dtype=torch.bfloat16, device=x.device)
     gemms = (x, sorted_ids, tile_e, w13, w2, scales, h, rows, topk, limit)
@@ -192,6 +195,18 @@ def expert_rows(x: torch.Tensor, expert_ids: torch.Tensor, w13: torch.Tensor, w2
     else:
         grouped_gemms(*gemms, fmt, cfg, swap_ab)
     return rows
+
+
+def served_path(num_pairs: int, num_experts: int, format: str) -> str:
+    """The path `expert_rows` takes untuned: "gemv" (decode-sized MXFP4, the stored or the
+    "mxfp4_halves128" layout: kernels/moe_gemv.py), "dequant" (prefill-sized MXFP4 in the stored
+    layout: kernels/moe_dequant.py), else "mma" (this module's kernels; a "halves" layout above
+    the GEMV's sizes, whatever the size: kernels/moe_mxfp4.py)."""
+    if use_dequant(num_pairs, num_experts, format, True):  # one rule on CPU and GPU
+        return "dequant"
+    if GEMV_DEFAULT and moe_gemv.use_gemv(num_pairs, num_experts, format):
+        return "gemv"
+    return "mma"
 
 
 def _align(expert_ids: torch.Tensor, storage_rows: int, block_m: int, skip: bool):

@@ -27,8 +27,24 @@ summation order (the powers of two fit fp32 for s <= 128, resp. 192: weights up 
 6 * 2^65, far above any checkpoint's).
 
 The activation operand is permuted to match (`permute_columns`): xp [rows, 8, K/8] fp32 with
-xp[r, c, j] = x[r, 8j + c], so the values met by code c of word j are contiguous in j and load
-as wide as the weights. The first kernel writes h in that order too, for the second.
+xp[r, c, j] = x[r, col(c, j)] (`column_map`), so the values met by code c of word j are
+contiguous in j and load as wide as the weights. The first kernel writes h in that order too,
+for the second.
+
+Two weight layouts, one kernel each way (constexpr HALVES, chosen by the format):
+- "mxfp4" (as stored): col(c, j) = 8j + c; a word lies in one 32-column scale group.
+- "mxfp4_halves128" (kernels/moe_mxfp4.py `repack_halves`, the layout the MMA kernel reads
+  above this path's sizes, so one copy of the experts serves every size): in each 128-column
+  block byte t of the block holds column t (low nibble) and 64 + t (high nibble). Word j is
+  block b = j // 16, m = j % 16, its bytes t = 0..3 columns 128b + 4m + t and 128b + 64 + 4m +
+  t; code c = 4 lane + q is byte 2 lane + q // 2, the low nibble when q is even, so
+      col(c, j) = 128b + 64 (q % 2) + 4m + 2 lane + q // 2.
+  A word now meets two scale groups, 4b + m // 8 (its even codes) and 4b + 2 + m // 8 (odd):
+  POST_SCALE keeps two sums a word, each times its own power of two (one more multiply a word
+  and row; the step's 16 scale bytes a row still load at once and split in registers).
+  Compiled for sm_90 (tools/moe_sass.py, gemv13 m1): 95 registers and 0.391 warp instructions
+  a weight byte against 0.375 for the stored layout. The numerics are unchanged: every product
+  exact in fp32, only the summation order differs from the dequantise-then-GEMM reference.
 
 Steps (no host sync, CUDA-graph capturable): `moe_align` with BLOCK_M rows a tile; the x
 permute (one launch); `_gemv13_kernel` (gate and up rows of a tile share the x values; SwiGLU
@@ -73,53 +89,92 @@ def _lanes(w, q: tl.constexpr):
 
 
 @triton.jit
+def _word_scales(s_rows, n_ok, k0, K, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
+                 POST_SCALE: tl.constexpr, HALVES: tl.constexpr):  # fmt: skip
+    """The UE8M0 scales of the BLOCK_W words from column k0 as fp32 powers of two, [BLOCK_N,
+    BLOCK_W] each: (the low nibbles', the high nibbles') (the same tensor for the stored layout,
+    where a word lies in one 32-column group). 2^126 * 2^(s - 127) on each weight; POST_SCALE:
+    2^-64 * 2^126 * 2^(s - 127) on the sum of a word's products (x is then x * 2^64: the
+    products e2m1 * 2^-126 * x * 2^64 stay normal)."""
+    bias: tl.constexpr = 62 if POST_SCALE else 126
+    if HALVES:  # block b's groups 4b, 4b + 1 (low nibbles), 4b + 2, 4b + 3 (high): one load
+        g = k0 // 32 + tl.arange(0, BLOCK_W // 4)
+        sm = (g < K // 32)[None, :] & (n_ok[:, None])
+        sb = tl.load(s_rows[:, None] + g[None, :], mask=sm, other=0).to(tl.int32) & 0xFF
+        sb = ((sb + bias) << 23).to(tl.float32, bitcast=True)
+        # [BLOCK_N, blocks, low / high, m // 8] -> the halves last, split
+        sb = tl.permute(tl.reshape(sb, [BLOCK_N, BLOCK_W // 16, 2, 2]), (0, 1, 3, 2))
+        lo, hi = tl.split(sb)  # [BLOCK_N, BLOCK_W // 16, 2]: a word octet's scale each
+        lo = tl.reshape(tl.broadcast_to(tl.reshape(lo, [BLOCK_N, BLOCK_W // 8, 1]),
+                                        [BLOCK_N, BLOCK_W // 8, 8]), [BLOCK_N, BLOCK_W])  # fmt: skip
+        hi = tl.reshape(tl.broadcast_to(tl.reshape(hi, [BLOCK_N, BLOCK_W // 8, 1]),
+                                        [BLOCK_N, BLOCK_W // 8, 8]), [BLOCK_N, BLOCK_W])  # fmt: skip
+    else:
+        g = k0 // 32 + tl.arange(0, BLOCK_W // 4)  # scale groups: 4 words each
+        sm = (g < K // 32)[None, :] & (n_ok[:, None])
+        sb = tl.load(s_rows[:, None] + g[None, :], mask=sm, other=0).to(tl.int32) & 0xFF
+        lo = ((sb + bias) << 23).to(tl.float32, bitcast=True)
+        lo = tl.reshape(tl.broadcast_to(lo[:, :, None], [BLOCK_N, BLOCK_W // 4, 4]),
+                        [BLOCK_N, BLOCK_W])  # fmt: skip
+        hi = lo
+    return lo, hi
+
+
+@triton.jit
+def _fma_pair(acc, lo, hi, at_lo, at_hi, mask, FIRST: tl.constexpr):
+    """acc + lo * x[at_lo] + hi * x[at_hi] (FIRST: without acc), fp32 [BLOCK_N, BLOCK_W]."""
+    x_lo = tl.load(at_lo, mask=mask, other=0.0)
+    if FIRST:
+        acc = lo * x_lo
+    else:
+        acc += lo * x_lo
+    return acc + hi * tl.load(at_hi, mask=mask, other=0.0)
+
+
+@triton.jit
 def _gemv_step(acc0, acc1, w_rows, s_rows, x0, x1, ok0, ok1, n_ok, k0, K, stride_xc,
                BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, TWO: tl.constexpr,
-               POST_SCALE: tl.constexpr):  # fmt: skip
+               POST_SCALE: tl.constexpr, HALVES: tl.constexpr):  # fmt: skip
     """acc0/acc1 [BLOCK_N, BLOCK_W] += the products of the 8*BLOCK_W columns from k0 with the
     permuted activation rows at x0 / x1 (scalar pointers; x1 only when TWO; ok0 / ok1 [BLOCK_N,
     BLOCK_W] whether the row is a pair): weight words at w_rows [BLOCK_N] (int32 pointers),
-    UE8M0 scales at s_rows."""
+    UE8M0 scales at s_rows. HALVES: the words in the "mxfp4_halves128" layout (module doc)."""
     j = k0 // 8 + tl.arange(0, BLOCK_W)  # word index
     # NOTE: masked per 4-word scale group (K is a multiple of 32), so the mask is constant over
     # each thread's 16-byte load and the load vectorises
     j_ok = (j // 4) * 32 < K
     wm = n_ok[:, None] & j_ok[None, :]
     w = tl.load(w_rows[:, None] + j[None, :], mask=wm, other=0)
-    g = k0 // 32 + tl.arange(0, BLOCK_W // 4)  # scale groups: 4 words each
-    sm = (g < K // 32)[None, :] & (n_ok[:, None])
-    sb = tl.load(s_rows[:, None] + g[None, :], mask=sm, other=0).to(tl.int32) & 0xFF
-    # 2^126 * 2^(s - 127) on each weight; POST_SCALE: 2^-64 * 2^126 * 2^(s - 127) on the sum of
-    # a word's 8 products (x is then x * 2^64: the products e2m1 * 2^-126 * x * 2^64 stay normal)
-    scale = ((sb + (62 if POST_SCALE else 126)) << 23).to(tl.float32, bitcast=True)
-    scale = tl.reshape(tl.broadcast_to(scale[:, :, None], [BLOCK_N, BLOCK_W // 4, 4]),
-                       [BLOCK_N, BLOCK_W])  # fmt: skip
+    s_even, s_odd = _word_scales(s_rows, n_ok, k0, K, BLOCK_N, BLOCK_W, POST_SCALE, HALVES)
     # NOTE: x loads [BLOCK_N, BLOCK_W] (every row's threads load the same values, from L1) in
     # the weight tile's layout: loaded [BLOCK_W] and broadcast, each went through shared memory
     # with a barrier (compiled for sm_90)
     xj = j[None, :] + 0 * ok0.to(tl.int32)
-    word0, word1 = acc0, acc1
+    # POST_SCALE: a word's sums of products; HALVES two, by code parity q % 2 (the low / high
+    # nibbles: each its own scale group)
+    even0, even1, odd0, odd1 = acc0, acc1, acc0, acc1
     for q in tl.static_range(4):
         lo, hi = _lanes(w, q)
         if not POST_SCALE:
-            lo, hi = lo * scale, hi * scale
+            s = s_even if q % 2 == 0 else s_odd
+            lo, hi = lo * s, hi * s
         at_lo, at_hi = q * stride_xc + xj, (q + 4) * stride_xc + xj
-        x_lo = tl.load(x0 + at_lo, mask=wm & ok0, other=0.0)
-        if POST_SCALE and q == 0:  # the word's sum starts at its first product
-            word0 = lo * x_lo
+        # a POST_SCALE word sum starts at its first products (q 0; HALVES' odd sum: q 1)
+        if HALVES and POST_SCALE and q % 2 == 1:
+            odd0 = _fma_pair(odd0, lo, hi, x0 + at_lo, x0 + at_hi, wm & ok0, q == 1)
+            if TWO:
+                odd1 = _fma_pair(odd1, lo, hi, x1 + at_lo, x1 + at_hi, wm & ok1, q == 1)
         else:
-            word0 += lo * x_lo
-        word0 += hi * tl.load(x0 + at_hi, mask=wm & ok0, other=0.0)
-        if TWO:
-            x_lo = tl.load(x1 + at_lo, mask=wm & ok1, other=0.0)
-            if POST_SCALE and q == 0:
-                word1 = lo * x_lo
-            else:
-                word1 += lo * x_lo
-            word1 += hi * tl.load(x1 + at_hi, mask=wm & ok1, other=0.0)
-    if POST_SCALE:
-        return acc0 + word0 * scale, acc1 + word1 * scale
-    return word0, word1
+            even0 = _fma_pair(even0, lo, hi, x0 + at_lo, x0 + at_hi, wm & ok0,
+                              POST_SCALE and q == 0)  # fmt: skip
+            if TWO:
+                even1 = _fma_pair(even1, lo, hi, x1 + at_lo, x1 + at_hi, wm & ok1,
+                                  POST_SCALE and q == 0)  # fmt: skip
+    if not POST_SCALE:
+        return even0, even1
+    if HALVES:
+        return acc0 + even0 * s_even + odd0 * s_odd, acc1 + even1 * s_even + odd1 * s_odd
+    return acc0 + even0 * s_even, acc1 + even1 * s_even
 
 
 @triton.jit(**sizes_vary("num_pairs"))
@@ -131,7 +186,7 @@ def _gemv13_kernel(
     stride_xt, stride_xc, stride_we, stride_wn, stride_se, stride_sn, stride_ht, stride_hc,
     limit,
     TOPK: tl.constexpr, HAS_LIMIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_W: tl.constexpr, POST_SCALE: tl.constexpr,
+    BLOCK_W: tl.constexpr, POST_SCALE: tl.constexpr, HALVES: tl.constexpr,
 ):  # fmt: skip
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(tile_e_ptr + pid_m)
@@ -152,16 +207,16 @@ def _gemv13_kernel(
         g1, u0, u1 = g0, g0, g0
         for k0 in range(0, D, 8 * BLOCK_W):
             g0, g1 = _gemv_step(g0, g1, gate_w, gate_s, x0, x1, ok0, ok1, n_ok, k0, D, stride_xc,
-                                BLOCK_N, BLOCK_W, BLOCK_M == 2, POST_SCALE)  # fmt: skip
+                                BLOCK_N, BLOCK_W, BLOCK_M == 2, POST_SCALE, HALVES)  # fmt: skip
             u0, u1 = _gemv_step(u0, u1, up_w, up_s, x0, x1, ok0, ok1, n_ok, k0, D, stride_xc,
-                                BLOCK_N, BLOCK_W, BLOCK_M == 2, POST_SCALE)  # fmt: skip
+                                BLOCK_N, BLOCK_W, BLOCK_M == 2, POST_SCALE, HALVES)  # fmt: skip
         _swiglu_store(g0, u0, hp_ptr + pid_m * BLOCK_M * stride_ht, n,
                       n_ok & (n * 0 + p0 < num_pairs), stride_hc, limit, HAS_LIMIT,
-                      POST_SCALE)  # fmt: skip
+                      POST_SCALE, HALVES)  # fmt: skip
         if BLOCK_M == 2:
             _swiglu_store(g1, u1, hp_ptr + (pid_m * BLOCK_M + 1) * stride_ht, n,
                           n_ok & (n * 0 + p1 < num_pairs), stride_hc, limit, HAS_LIMIT,
-                          POST_SCALE)  # fmt: skip
+                          POST_SCALE, HALVES)  # fmt: skip
 
 
 @triton.jit
@@ -174,7 +229,7 @@ def _row_ok(p0, p1, num_pairs, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
 
 @triton.jit
 def _swiglu_store(acc_g, acc_u, h_row, n, mask, stride_hc, limit, HAS_LIMIT: tl.constexpr,
-                  POST_SCALE: tl.constexpr):  # fmt: skip
+                  POST_SCALE: tl.constexpr, HALVES: tl.constexpr):  # fmt: skip
     g = bf16_rne(tl.sum(acc_g, axis=1))  # [BLOCK_N]: F.linear's bf16 outputs
     u = bf16_rne(tl.sum(acc_u, axis=1))
     if HAS_LIMIT:
@@ -183,8 +238,14 @@ def _swiglu_store(acc_g, acc_u, h_row, n, mask, stride_hc, limit, HAS_LIMIT: tl.
     h = bf16_rne(g / (1.0 + tl.exp(-g)) * u)
     if POST_SCALE:  # the second GEMV's activation, times 2^64 (exact)
         h = h * 18446744073709551616.0
-    # column n of h sits at [c = n % 8, n // 8] of the row's permuted [8, I/8]
-    tl.store(h_row + (n % 8) * stride_hc + n // 8, h, mask=mask)
+    # column n of h at [c, j] of the row's permuted [8, I/8], col(c, j) = n (`column_map`)
+    if HALVES:  # n = 128b + 64h + 4m + 2 lane + t: c = 4 lane + 2t + h, j = 16b + m
+        r = n % 128
+        c = 4 * ((r % 4) // 2) + 2 * (r % 2) + r // 64
+        j = 16 * (n // 128) + (r % 64) // 4
+    else:  # n = 8j + c
+        c, j = n % 8, n // 8
+    tl.store(h_row + c * stride_hc + j, h, mask=mask)
 
 
 @triton.jit(**sizes_vary("num_pairs"))
@@ -195,7 +256,7 @@ def _gemv2_kernel(
     num_pairs, D, INTER,
     stride_ht, stride_hc, stride_we, stride_wn, stride_se, stride_sn, stride_out,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
-    POST_SCALE: tl.constexpr,
+    POST_SCALE: tl.constexpr, HALVES: tl.constexpr,
 ):  # fmt: skip
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(tile_e_ptr + pid_m)
@@ -214,7 +275,7 @@ def _gemv2_kernel(
         for k0 in range(0, INTER, 8 * BLOCK_W):
             acc0, acc1 = _gemv_step(acc0, acc1, w_rows, s_rows, h0, h1, ok0, ok1, n_ok, k0, INTER,
                                     stride_hc, BLOCK_N, BLOCK_W, BLOCK_M == 2,
-                                    POST_SCALE)  # fmt: skip
+                                    POST_SCALE, HALVES)  # fmt: skip
         out0 = bf16_rne(tl.sum(acc0, axis=1))
         tl.store(out_ptr + p0.to(tl.int64) * stride_out + n, out0.to(out_ptr.dtype.element_ty),
                  mask=n_ok & (n * 0 + p0 < num_pairs))  # fmt: skip
@@ -225,16 +286,23 @@ def _gemv2_kernel(
                      mask=n_ok & (n * 0 + p1 < num_pairs))  # fmt: skip
 
 
+# the formats this path reads: the stored layout and the re-packed "halves" one of K block 128
+# (kernels/moe_mxfp4.py), which the MMA kernel serves above the GEMV's sizes
+GEMV_FORMATS = ("mxfp4", "mxfp4_halves128")
+HALVES_BLOCK = 128
+
+
 def use_gemv(num_pairs: int, num_experts: int, format: str) -> bool:
     """Whether `moe_experts` takes this path: MXFP4 experts at decode sizes."""
-    return format == "mxfp4" and num_pairs <= GEMV_MAX_PAIRS_PER_EXPERT * num_experts
+    return format in GEMV_FORMATS and num_pairs <= GEMV_MAX_PAIRS_PER_EXPERT * num_experts
 
 
-def gemv_config(num_pairs: int, num_experts: int, on_gpu: bool) -> dict:
+def gemv_config(num_pairs: int, num_experts: int, on_gpu: bool, format: str = "mxfp4") -> dict:
     """BLOCK_M: rows a tile (the tile's weights are upcast once for all of them); BLOCK_N:
     weight rows a program of w13 (gate and up rows each), BLOCK_N2 of w2; BLOCK_W: 32-bit words a row a K step."""
-    if not on_gpu:  # interpreter: few, large programs
-        return dict(BLOCK_M=2, BLOCK_N=16, BLOCK_N2=16, BLOCK_W=8, num_warps=4)
+    if not on_gpu:  # interpreter: few, large programs (halves: a whole 128-column block a step)
+        block_w = 8 if format == "mxfp4" else 16
+        return dict(BLOCK_M=2, BLOCK_N=16, BLOCK_N2=16, BLOCK_W=block_w, num_warps=4)
     # NOTE: BLOCK_M is 1 or 2 (two accumulators; a 3-D [M, N, W] one compiled for sm_90 to a
     # shared-memory layout conversion on every step)
     # H200 sweep (bench_kernels_moe_gemv): this config was the best or within 0.1% at 1, 16 and 64
@@ -243,18 +311,39 @@ def gemv_config(num_pairs: int, num_experts: int, on_gpu: bool) -> dict:
     return dict(BLOCK_M=block_m, BLOCK_N=8, BLOCK_N2=16, BLOCK_W=64, num_warps=4)
 
 
-def permute_columns(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-    """x [R, K] -> xp [R, 8, K/8] fp32 with xp[r, c, j] = x[r, 8j + c] * scale (one launch;
-    `scale` a power of two: exact)."""
+def column_map(k: int, halves: bool = False) -> torch.Tensor:
+    """col [8, K/8] int64: the column code c of word j upcasts (module doc). Stored layout:
+    8j + c. Halves: word j of block b = j // 16, m = j % 16 holds bytes t = 2 lane + q // 2
+    (lane = c // 4, q = c % 4) of columns 128b + 4m + t (low nibble, q even) and 128b + 64 +
+    4m + t (high nibble, q odd)."""
+    c = torch.arange(8)[:, None]
+    j = torch.arange(k // 8)[None, :]
+    if not halves:
+        return 8 * j + c
+    lane, q = c // 4, c % 4
+    return HALVES_BLOCK * (j // 16) + 64 * (q % 2) + 4 * (j % 16) + 2 * lane + q // 2
+
+
+def permute_columns(x: torch.Tensor, scale: float = 1.0, halves: bool = False) -> torch.Tensor:
+    """x [R, K] -> xp [R, 8, K/8] fp32 with xp[r, c, j] = x[r, col(c, j)] * scale (`column_map`;
+    one launch; `scale` a power of two: exact)."""
     rows, k = x.shape
     out = torch.empty(rows, 8, k // 8, dtype=torch.float32, device=x.device)
-    torch.mul(x.unflatten(1, (k // 8, 8)).transpose(1, 2), scale, out=out)
+    if halves:  # col = 128b + 64h + 4m + 2 lane + t -> [c = 4 lane + 2t + h, j = 16b + m]
+        src = x.view(rows, k // HALVES_BLOCK, 2, 16, 2, 2).permute(0, 4, 5, 2, 1, 3)
+        torch.mul(src, scale, out=out.view(rows, 2, 2, 2, k // HALVES_BLOCK, 16))
+    else:
+        torch.mul(x.unflatten(1, (k // 8, 8)).transpose(1, 2), scale, out=out)
     return out
 
 
-def unpermute_columns(xp: torch.Tensor) -> torch.Tensor:
+def unpermute_columns(xp: torch.Tensor, halves: bool = False) -> torch.Tensor:
     """Inverse of `permute_columns`: [R, 8, K/8] -> [R, K]."""
-    return xp.transpose(1, 2).reshape(xp.shape[0], -1)
+    rows, k = xp.shape[0], 8 * xp.shape[2]
+    if halves:
+        src = xp.view(rows, 2, 2, 2, k // HALVES_BLOCK, 16).permute(0, 4, 3, 5, 1, 2)
+        return src.reshape(rows, k)
+    return xp.transpose(1, 2).reshape(rows, -1)
 
 
 def _words(w: torch.Tensor) -> torch.Tensor:
@@ -264,12 +353,17 @@ def _words(w: torch.Tensor) -> torch.Tensor:
     return w.view(torch.int32)
 
 
-def gemv_gemms(x, sorted_ids, tile_e, w13, w2, scales, rows, topk, limit, cfg: dict) -> None:
+def gemv_gemms(x, sorted_ids, tile_e, w13, w2, scales, rows, topk, limit, cfg: dict,
+               format: str = "mxfp4") -> None:  # fmt: skip
     """h = SwiGLU(W13_e x) and rows [T*K, D] = W2_e h over the expert-sorted pairs, MXFP4
-    experts (kernels/moe.py layout: int8 [E, rows, cols/2], UE8M0 scales [E, rows, cols/32])."""
+    experts (kernels/moe.py layout: int8 [E, rows, cols/2], UE8M0 scales [E, rows, cols/32];
+    `format` one of GEMV_FORMATS)."""
     num_pairs, dim = rows.shape
     inter = w13.shape[1] // 2
-    assert dim % 32 == 0 and inter % 32 == 0, (dim, inter)
+    assert format in GEMV_FORMATS, format
+    halves = format != "mxfp4"
+    block = HALVES_BLOCK if halves else 32
+    assert dim % block == 0 and inter % block == 0, (dim, inter, format)
     cfg = dict(cfg)
     block_m, block_w = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_W")
     assert block_m in (1, 2), block_m
@@ -277,9 +371,10 @@ def gemv_gemms(x, sorted_ids, tile_e, w13, w2, scales, rows, topk, limit, cfg: d
     w13w, w2w = _words(w13), _words(w2)
     s13, s2 = (s.view(torch.uint8) for s in scales)
     post_scale = bool(cfg.pop("POST_SCALE", POST_SCALE_DEFAULT))
-    xp = permute_columns(x, 2.0**64 if post_scale else 1.0)
+    assert not halves or block_w % 16 == 0, block_w  # whole 128-column blocks (their scales)
+    xp = permute_columns(x, 2.0**64 if post_scale else 1.0, halves)
     hp = torch.empty(sorted_ids.numel(), 8, inter // 8, dtype=torch.float32, device=x.device)
-    blocks = dict(BLOCK_M=block_m, BLOCK_W=block_w, POST_SCALE=post_scale, **cfg)
+    blocks = dict(BLOCK_M=block_m, BLOCK_W=block_w, POST_SCALE=post_scale, HALVES=halves, **cfg)
     _gemv13_kernel[(tile_e.numel(), triton.cdiv(inter, block_n))](
         xp, sorted_ids, tile_e, w13w, s13, hp,
         num_pairs, dim, inter,

@@ -12,7 +12,7 @@ the even / odd columns back into the MMA operand.
   layout the op takes). On sm_90 Triton's compiler upcasts the packed codes to bf16 itself,
   in the MMA operand's register layout (no shuffle), and runs the bf16 MMA.
 - "halves" (format "mxfp4_halves64" / "mxfp4_halves128", FMT 4): the codes re-packed once at
-  load (`repack_halves`) so that within each BLOCK_K-column block byte j holds column k0 + j
+  load (`repack_halves`, with its inverse in dsv4/ops/quant.py: the layout's torch reference) so that within each BLOCK_K-column block byte j holds column k0 + j
   (low nibble) and column k0 + BLOCK_K/2 + j (high nibble). The low nibbles of a K step are then
   one [BLOCK_K/2]-column tile and the high nibbles the next, each met by a contiguous slice of
   x in its own tl.dot: no interleave on either side. A code c = s e1 e0 m becomes fp32 by two
@@ -27,39 +27,16 @@ dequantise-then-GEMM reference up to fp32 summation order.
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
-# K blocks a "halves" layout may be packed in (one format name each: a kernel's K step is the
-# layout's block, so the two must agree)
-HALVES_BLOCKS = (64, 128)
+from dsv4.ops.quant import HALVES_BLOCKS
+from dsv4.ops.quant import halves_block as halves_block  # re-exported: the kernels' callers
+from dsv4.ops.quant import repack_halves as repack_halves
+from dsv4.ops.quant import unpack_halves as unpack_halves
+
+# the layout and its names live with the formats' torch reference (dsv4/ops/quant.py)
 HALVES_FORMATS = tuple(f"mxfp4_halves{b}" for b in HALVES_BLOCKS)
-
-
-def halves_block(format: str) -> int | None:
-    """The K block of a "halves" format name; None for any other format."""
-    return int(format.removeprefix("mxfp4_halves")) if format in HALVES_FORMATS else None
-
-
-def repack_halves(packed: torch.Tensor, block_k: int) -> torch.Tensor:
-    """Stored MXFP4 codes [..., cols/2] int8 (low nibble = even column) -> the "halves" layout
-    of the same shape: in each block of block_k columns, byte j = column j | column block_k/2 + j
-    << 4. Done once at load; cols must be a multiple of block_k."""
-    assert block_k in HALVES_BLOCKS and packed.shape[-1] % (block_k // 2) == 0, packed.shape
-    raw = packed.view(torch.uint8)
-    codes = torch.stack((raw & 15, raw >> 4), dim=-1).flatten(-2)  # [..., cols], column order
-    blocks = codes.unflatten(-1, (-1, 2, block_k // 2))  # [..., cols / block_k, 2, block_k / 2]
-    out = blocks[..., 0, :] | (blocks[..., 1, :] << 4)
-    return out.flatten(-2).view(torch.int8)
-
-
-def unpack_halves(packed: torch.Tensor, block_k: int) -> torch.Tensor:
-    """Inverse of `repack_halves`: the "halves" layout -> the stored MXFP4 layout."""
-    raw = packed.view(torch.uint8).unflatten(-1, (-1, block_k // 2))
-    codes = torch.stack((raw & 15, raw >> 4), dim=-2).flatten(-2)  # [..., cols], column order
-    out = codes[..., 0::2] | (codes[..., 1::2] << 4)  # [..., cols / block_k, block_k / 2]
-    return out.flatten(-2).view(torch.int8)
 
 
 @triton.jit

@@ -58,10 +58,12 @@ def cases():
             out.append(_mma_case(f"dot_scaled bk{bk} {tag}", 3, bm, bn, bk, warps, True))
             out.append(_mma_case(f"halves{bk} {tag}", 4, bm, bn, bk, warps, True))
             out.append(_mma_case(f"halves{bk} smem {tag}", 4, bm, bn, bk, warps, False))
-    for bm in (1, 2):
-        consts = dict(TOPK=6, HAS_LIMIT=True, BLOCK_M=bm, BLOCK_N=8, BLOCK_W=64, POST_SCALE=True)
-        out.append((f"gemv13 m{bm}", moe_gemv._gemv13_kernel, GEMV_PTRS, consts,
-                    dict(num_warps=4), 2 * 8 * 64 * 4))  # fmt: skip
+    # the stored layout and the re-packed "mxfp4_halves128" one (kernels/moe_gemv.py HALVES)
+    for halves, bm in ((False, 1), (False, 2), (True, 1), (True, 2)):
+        consts = dict(TOPK=6, HAS_LIMIT=True, BLOCK_M=bm, BLOCK_N=8, BLOCK_W=64, POST_SCALE=True,
+                      HALVES=halves)  # fmt: skip
+        out.append((f"gemv13{' halves' if halves else ''} m{bm}", moe_gemv._gemv13_kernel,
+                    GEMV_PTRS, consts, dict(num_warps=4), 2 * 8 * 64 * 4))  # fmt: skip
     return out
 
 

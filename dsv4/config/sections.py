@@ -226,6 +226,10 @@ class FeatureSwitches(Section):
         "slower than bf16 on an H200)",
         choices=("bf16", "checkpoint"),
     )  # fmt: skip
+    mxfp4_layout: str = setting(
+        "halves128", "paged forward, MXFP4 experts: halves128 (re-packed once in place: the "
+        "GEMV to 128 tokens, the halves MMA kernel above; issue 21) or stored (the A/B baseline)",
+        choices=("halves128", "stored"))  # fmt: skip
     linear_weights: str = setting(
         "bf16", "attention/shared-expert/MTP linears: bf16 or checkpoint (FP8 as stored, ~1/2 "
         "of the bytes; slower than bf16 on an H200)", choices=("bf16", "checkpoint"),

@@ -18,7 +18,7 @@ router runs through the model's hot ops (`dsv4.model.hot_ops`).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -29,11 +29,15 @@ from dsv4.errors import ConfigError
 from dsv4.model.hot_ops import REFERENCE_OPS, HotOps
 from dsv4.model.layers import linear, linear_fp32
 from dsv4.ops.moe import gated_silu, swiglu
-from dsv4.ops.quant import MXFP4_BLOCK, dequantize
+from dsv4.ops.quant import MXFP4_BLOCK, dequantize, halves_block, repack_halves, unpack_halves
 
 # ModelConfig.expert_dtype of a checkpoint -> the `kernels.moe` format its experts are served in
 SERVED_FORMATS = {"fp4": "mxfp4", "fp8": "fp8"}
 FP8_BLOCK = 128  # the grouped GEMM's FP8 scale block
+# `features.mxfp4_layout` -> the format MXFP4 experts are served in on the paged forward: the
+# re-packed "halves" layout of K block 128 (kernels/moe_gemv.py to 128 tokens, the halves MMA
+# kernel above) or the checkpoint's own (the A/B baseline)
+MXFP4_LAYOUTS = {"halves128": "mxfp4_halves128", "stored": "mxfp4"}
 
 
 class Gate(nn.Module):
@@ -186,7 +190,8 @@ class ExpertWeights:
       in slot E of the same storage (`w13_all` [E + 1, 2I, D], `w2_all`), so the grouped GEMM
       can run it as one more expert (`w13`, `w2` are then views of the first E slots);
     - "mxfp4": int8 w13 [E, 2I, D/2], w2 [E, D, I/2] (packed e2m1 pairs, low nibble = even
-      column), UE8M0 `w13_scale` [E, 2I, D/32], `w2_scale` [E, D, I/32];
+      column), UE8M0 `w13_scale` [E, 2I, D/32], `w2_scale` [E, D, I/32]; "mxfp4_halves128":
+      the same codes re-packed row by row (`dsv4.ops.quant.repack_halves`, `mxfp4_layout_`);
     - "fp8": e4m3 w13, w2 of the bf16 shapes, 128x128 block scales (UE8M0 or fp32)
       `w13_scale` [E, 2I/128, ceil(D/128)], `w2_scale` [E, ceil(D/128), ceil(I/128)].
     The quantised formats never hold the shared expert (it is dequantised: another format)."""
@@ -310,4 +315,33 @@ def quantized_experts_(
     w13, w2, s13, s2 = (torch.empty(s, dtype=t, device=device) for s, t in zip(shapes, dtypes))
     moe.experts = nn.ModuleList()  # the stacked storage is the only copy
     moe.stacked_experts = ExpertWeights(w13, w2, format=fmt, w13_scale=s13, w2_scale=s2)
+    return moe.stacked_experts
+
+
+def halves_fit(dim: int, inter: int) -> bool:
+    """Whether experts of hidden size `dim` and intermediate size `inter` re-pack into
+    "mxfp4_halves128" (both the rows of w13 and of w2 in whole 128-column blocks)."""
+    return dim % 128 == 0 and inter % 128 == 0
+
+
+def mxfp4_layout_(moe: MoE, layout: str) -> ExpertWeights | None:
+    """Hold the layer's stacked MXFP4 experts in `layout` (a key of MXFP4_LAYOUTS): re-packed
+    in place, one expert at a time (no second copy), and `moe.stacked_experts` renamed to the
+    format. The reference forward reads either (`ExpertWeights.dequantized` unpacks). Other
+    formats, experts already in `layout`, and dimensions not multiples of 128 (`halves_fit`)
+    are left as they are. Returns the storage."""
+    if layout not in MXFP4_LAYOUTS:
+        raise ConfigError("features.mxfp4_layout", layout, f"use one of {sorted(MXFP4_LAYOUTS)}")
+    stacked, want = moe.stacked_experts, MXFP4_LAYOUTS[layout]
+    if stacked is None or stacked.format not in MXFP4_LAYOUTS.values() or stacked.format == want:
+        return stacked
+    if want != "mxfp4" and not halves_fit(moe.cfg.hidden_size, moe.cfg.moe_intermediate_size):
+        return stacked  # rows of whole 128-column blocks only: served as stored
+    with torch.no_grad():
+        for w in (stacked.w13, stacked.w2):
+            for e in range(w.shape[0]):
+                unpacked = w[e] if stacked.format == "mxfp4" else unpack_halves(
+                    w[e], halves_block(stacked.format))  # fmt: skip
+                w[e].copy_(unpacked if want == "mxfp4" else repack_halves(unpacked, 128))
+    moe.stacked_experts = replace(stacked, format=want)
     return moe.stacked_experts

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from dsv4.errors import ConfigError
-from dsv4.model.moe import MoE
+from dsv4.model.moe import MoE, mxfp4_layout_
 from dsv4.ops.moe import swiglu
 from dsv4.ops.quant import E2M1_MAGNITUDES, MXFP4_BLOCK, mxfp4_quantize
 
@@ -360,7 +360,8 @@ def offload_moe(
     used first; default 0..E-1) stay on the device, the rest go to host memory. The `experts`
     modules (or the MXFP4 stacked storage of `features.expert_weights=checkpoint`, packed as
     stored) are dropped (their memory freed); `moe.expert_store` serves the forward."""
-    cfg, stacked = moe.cfg, moe.stacked_experts
+    # the blobs hold MXFP4 as stored: a paged forward's re-packing is undone in place first
+    cfg, stacked = moe.cfg, mxfp4_layout_(moe, "stored")
     native = stacked is not None and stacked.is_quantized
     if native and (stacked.format, fmt) != ("mxfp4", "mxfp4"):
         raise ConfigError("features.expert_weights", "checkpoint",

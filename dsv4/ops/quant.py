@@ -108,13 +108,49 @@ def mxfp4_dequantize(
     return (values * scale_e8m0.float()[..., None]).view(out_dim, in_dim).to(dtype)
 
 
+# K blocks the re-packed MXFP4 "halves" layouts come in (format "mxfp4_halves<block>"): the
+# MMA kernel's K step is the block (kernels/moe_mxfp4.py); the decode GEMV reads 128
+HALVES_BLOCKS = (64, 128)
+
+
+def halves_block(fmt: str) -> int | None:
+    """The K block of a "halves" format name ("mxfp4_halves64" / "mxfp4_halves128"); None for
+    any other format."""
+    names = {f"mxfp4_halves{b}": b for b in HALVES_BLOCKS}
+    return names.get(fmt)
+
+
+def repack_halves(packed: torch.Tensor, block_k: int) -> torch.Tensor:
+    """Stored MXFP4 codes [..., cols/2] int8 (low nibble = even column) -> the "halves" layout
+    of the same shape: in each block of block_k columns, byte j = column j | column block_k/2 + j
+    << 4. Row by row (a row slice of a repacked tensor is the repacked row slice); cols must be
+    a multiple of block_k."""
+    assert block_k in HALVES_BLOCKS and packed.shape[-1] % (block_k // 2) == 0, packed.shape
+    raw = packed.view(torch.uint8)
+    codes = torch.stack((raw & 15, raw >> 4), dim=-1).flatten(-2)  # [..., cols], column order
+    blocks = codes.unflatten(-1, (-1, 2, block_k // 2))  # [..., cols / block_k, 2, block_k / 2]
+    out = blocks[..., 0, :] | (blocks[..., 1, :] << 4)
+    return out.flatten(-2).view(torch.int8)
+
+
+def unpack_halves(packed: torch.Tensor, block_k: int) -> torch.Tensor:
+    """Inverse of `repack_halves`: the "halves" layout -> the stored MXFP4 layout."""
+    raw = packed.view(torch.uint8).unflatten(-1, (-1, block_k // 2))
+    codes = torch.stack((raw & 15, raw >> 4), dim=-2).flatten(-2)  # [..., cols], column order
+    out = codes[..., 0::2] | (codes[..., 1::2] << 4)  # [..., cols / block_k, block_k / 2]
+    return out.flatten(-2).view(torch.int8)
+
+
 def dequantize(
     weight: torch.Tensor, scale: torch.Tensor | None, fmt: str, dtype: torch.dtype
 ) -> torch.Tensor:
     """A weight in a `kernels.moe` format -> `dtype`: "bf16" (dense, cast), "fp8" (e4m3 with
-    128x128 block scales, UE8M0 or fp32) or "mxfp4" (packed e2m1 pairs, UE8M0 per 32)."""
+    128x128 block scales, UE8M0 or fp32), "mxfp4" (packed e2m1 pairs, UE8M0 per 32) or a
+    "halves" re-packing of it ("mxfp4_halves64" / "mxfp4_halves128": unpacked first)."""
     if fmt == "fp8":
         return fp8_block_dequantize(weight, scale, 128, dtype)
+    if halves_block(fmt):
+        weight, fmt = unpack_halves(weight, halves_block(fmt)), "mxfp4"
     if fmt == "mxfp4":
         return mxfp4_dequantize(weight, scale, dtype)
     return weight.to(dtype)

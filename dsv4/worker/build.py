@@ -187,7 +187,8 @@ def _build(
     set_linear_activations_(model, config.features.linear_activations)  # W8A8 switch
     served_offload = apply_offload(model, offload, config.features.forward,
                                    kernels=kernel_config(config),
-                                   max_decode_tokens=max_decode_tokens(config))  # fmt: skip
+                                   max_decode_tokens=max_decode_tokens(config),
+                                   mxfp4_layout=config.features.mxfp4_layout)  # fmt: skip
     if ranks is not None:
         from dsv4.parallel import shard_model
 
@@ -349,7 +350,8 @@ def paged_options(config: ServeConfig) -> PagedOptions | None:
                              skip_topk=f.skip_topk, fuse_shared_expert=f.fuse_shared_expert,
                              attention_all_heads=f.attention_all_heads,
                              indexer_variants=f.indexer_variants,
-                             expert_prefetch=f.expert_prefetch)  # fmt: skip
+                             expert_prefetch=f.expert_prefetch,
+                             mxfp4_layout=f.mxfp4_layout)  # fmt: skip
     return PagedOptions(metadata, switches, graph_options(config))
 
 

@@ -147,14 +147,16 @@ def expert_offload(
     return ExpertOffload(k, plan.cache_slots, hot, planned_layers=planned)
 
 
-def pool_options(offload: ExpertOffload, model_cfg: ModelConfig,
-                 max_decode_tokens: int) -> PoolOptions:  # fmt: skip
+def pool_options(offload: ExpertOffload, model_cfg: ModelConfig, max_decode_tokens: int,
+                 mxfp4_layout: str = "halves128") -> PoolOptions:  # fmt: skip
     """The paged forward's pool per the plan: each layer's cold count and residency order,
-    the plan's cache slots, raised to fit `max_decode_tokens` (max batch x (1 + drafts))."""
+    the plan's cache slots, raised to fit `max_decode_tokens` (max batch x (1 + drafts)), MXFP4
+    rows in `mxfp4_layout` (`features.mxfp4_layout`)."""
     e, layers = model_cfg.n_routed_experts, num_moe_layers(model_cfg)
     cold = tuple(offload.offloaded(i, e) for i in range(layers))
     order = tuple(tuple(offload.order(i, e)) for i in range(layers))
-    return PoolOptions(cold, order, offload.cache_slots, max_decode_tokens, offload.planned_layers)
+    return PoolOptions(cold, order, offload.cache_slots, max_decode_tokens, offload.planned_layers,
+                       mxfp4_layout)  # fmt: skip
 
 
 def apply_offload(
@@ -164,6 +166,7 @@ def apply_offload(
     *,
     kernels: KernelBackendConfig | None = None,
     max_decode_tokens: int = 1,
+    mxfp4_layout: str = "halves128",
 ) -> WorkerOffload | None:
     """Serve `model` with `offload` on the `forward_kind` forward: the one call site that picks
     the expert path. Reference: the stores the loader built (a MoE layer loaded whole is
@@ -173,7 +176,7 @@ def apply_offload(
         return None
     if forward_kind == "paged":
         cfg = model.cfg
-        options = pool_options(offload, cfg, max_decode_tokens)
+        options = pool_options(offload, cfg, max_decode_tokens, mxfp4_layout)
         device = model.embed.weight.device
         pool = pool_experts(model, options, device, kernels or KernelBackendConfig())
         slots = {layer.num_slots for layer in pool.layers}

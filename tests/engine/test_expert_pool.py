@@ -220,13 +220,17 @@ def test_the_reference_forward_refuses_pooled_experts() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("fmt", "prefetch"), [("bf16", False), ("mxfp4", False), ("bf16", True)])
+@pytest.mark.parametrize(("fmt", "prefetch"), [("bf16", False), ("mxfp4", False), ("bf16", True),
+                                               ("mxfp4_halves128", False)])  # fmt: skip
 def test_pooled_experts_on_the_gpu_equal_resident_with_graphs(fmt, prefetch) -> None:
     """The Triton kernels on the GPU: cold experts in pinned host memory, fetched by the copy
     kernel inside captured decode graphs (6 of 8 cold, 4 slots, batches of 2) and in rounds for
     prefills; eager logits bit for bit, and the greedy tokens with and without graphs. With
-    `prefetch`, the graphs also hold the copy stream's fork and join."""
+    `prefetch`, the graphs also hold the copy stream's fork and join. MXFP4 with I 64 is served
+    as stored; with I 128 re-packed (features.mxfp4_layout halves128), resident and pooled."""
     cfg, weights = (CFG, "bf16") if fmt == "bf16" else (FP4, "checkpoint")
+    if fmt == "mxfp4_halves128":
+        cfg = FP4.with_overrides(moe_intermediate_size=128)
     kernels = KernelBackendConfig(default="triton")
     resident = random_model(cfg, seed=5, dtype=torch.bfloat16, device="cuda",
                             expert_weights=weights)  # fmt: skip
@@ -234,6 +238,7 @@ def test_pooled_experts_on_the_gpu_equal_resident_with_graphs(fmt, prefetch) -> 
     options = PoolOptions((6,), cache_slots=1, max_decode_tokens=2)
     pool = pool_experts(pooled, options, "cuda", kernels)
     assert pool.layers[0].num_slots == 4, pool.layers[0].num_slots
+    assert pool.layers[0].weights.format == fmt
     # cold rows stay in host memory (registered with cudaHostRegister, which torch's
     # is_pinned() does not report): the copy kernel reads them through their device address
     assert pool.layers[0].host[0].device.type == "cpu"

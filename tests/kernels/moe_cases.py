@@ -55,3 +55,15 @@ def every_code_weights(dim: int, inter: int):
     s2 = s[(torch.arange(dim * inter // 32) + 2) % 5].view(1, dim, inter // 32)
     codes = tuple(t.view(torch.int8).to(DEVICE) for t in (w13, w2))
     return codes + tuple(t.view(torch.float8_e8m0fnu).to(DEVICE) for t in (s13, s2))
+
+
+def assert_graph_replay_equal(args: tuple, tune: dict) -> None:
+    """moe_experts(*args, tune=tune) captured in a CUDA graph and replayed equals the eager call
+    (no host sync, no allocation outside the graph's pool)."""
+    eager = moe_experts(*args, tune=tune)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe_experts(*args, tune=tune)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)

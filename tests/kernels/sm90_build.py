@@ -33,7 +33,7 @@ _TORCH_TO_TRITON = {
     torch.float8_e5m2: "fp8e5",
 }  # fmt: skip
 _LAUNCH_OPTIONS = ("num_warps", "num_stages")
-MAX_VARIANTS = 8  # constexpr sets kept per kernel and value of its FMT constexpr (if any)
+MAX_VARIANTS = 8  # constexpr sets kept per kernel and value of its FMT / HALVES constexprs
 MAX_KERNEL_VARIANTS = 32  # and per kernel: kernels.moe_gemm's GEMMs take five FMT values
 
 
@@ -93,9 +93,11 @@ RECORDED: dict[tuple[str, str], list[Launch]] = {}
 
 
 def _fmt(launch: Launch):
-    """A launch's FMT constexpr (None without one): each weight format compiles its own code,
-    so one format's tests do not use up the variants another's would record."""
-    return dict(launch.constexprs).get("FMT")
+    """A launch's weight-format constexprs, FMT (kernels.moe_gemm) and HALVES (kernels.moe_gemv)
+    (None without them): each format or layout compiles its own code, so one format's tests do
+    not use up the variants another's would record."""
+    consts = dict(launch.constexprs)
+    return consts.get("FMT"), consts.get("HALVES")
 
 
 def record_launches() -> None:

@@ -17,6 +17,7 @@ from kernels import moe_gemv
 from kernels.moe import moe_experts, moe_experts_ref
 from tests.kernels.moe_cases import (
     DEVICE,
+    assert_graph_replay_equal,
     assert_moe_close,
     check_step,
     every_code_weights,
@@ -95,14 +96,9 @@ def test_gemv_cuda_graph_replay_gpu():
     weights = _weights(8, 256, 128, "mxfp4", seed=2)
     x = torch.randn(4, 256, device=DEVICE).bfloat16()
     ids, w = routing(4, 8, 2, 2)
-    args = (x, ids, w, *weights[:2], "mxfp4", *weights[2:], 10.0)
-    eager = moe_experts(*args, tune={"GEMV": True})
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = moe_experts(*args, tune={"GEMV": True})
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, eager)
+    assert_graph_replay_equal(
+        (x, ids, w, *weights[:2], "mxfp4", *weights[2:], 10.0), {"GEMV": True}
+    )
 
 
 def test_quantised_weights_round_trip():  # the test's weights are the quantiser's own format

@@ -110,3 +110,19 @@ def test_dequant_rejects_mismatched_scales() -> None:
     codes, fscales = fp8_block_quantize(torch.randn(4, 4), block_size=2)
     with pytest.raises(ValueError, match="fp8 scale shape"):
         fp8_block_dequantize(codes, fscales[:1], 2, torch.float32)
+
+
+@pytest.mark.parametrize("block_k", [64, 128])
+def test_halves_layouts_dequantise_to_the_stored_values(block_k: int) -> None:
+    """The re-packed "halves" layouts (dsv4.ops.quant.repack_halves) hold the same codes:
+    dequantised they equal the stored layout's values, and unpacking restores the bytes."""
+    from dsv4.ops.quant import dequantize, repack_halves, unpack_halves
+
+    gen = torch.Generator().manual_seed(3)
+    q, s = mxfp4_quantize(torch.randn(6, 256, generator=gen))
+    halves = repack_halves(q, block_k)
+    assert not torch.equal(halves, q) and torch.equal(unpack_halves(halves, block_k), q)
+    want = dequantize(q, s, "mxfp4", torch.float32)
+    assert torch.equal(dequantize(halves, s, f"mxfp4_halves{block_k}", torch.float32), want)
+    rows = dequantize(halves[2:4], s[2:4], f"mxfp4_halves{block_k}", torch.float32)
+    assert torch.equal(rows, want[2:4])  # row slices: the parts a loader views

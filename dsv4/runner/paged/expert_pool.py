@@ -61,6 +61,7 @@ class PoolOptions:
     cache_slots: int = 1
     max_decode_tokens: int = 1
     planned_layers: int = 0
+    mxfp4_layout: str = "halves128"  # MXFP4 rows: `dsv4.model.moe.MXFP4_LAYOUTS`
 
     def cold(self, layer: int) -> int:
         return self.num_offloaded[min(layer, len(self.num_offloaded) - 1)]
@@ -314,7 +315,7 @@ def pool_experts(model: DeepseekV4, options: PoolOptions, device: torch.device |
                               f"{MAX_SLOTS} experts a layer (this model: {num})")  # fmt: skip
         if not 0 <= options.cold(i) <= num:
             raise ValueError(f"layer {i}: {options.cold(i)} cold experts of {num}")
-        source = expert_rows_of(moe)
+        source = expert_rows_of(moe, options.mxfp4_layout)
         resident = options.resident_ids(i, num)
         cold = [e for e in range(num) if e not in set(resident)]
         slots = options.slots(i, num, top_k) if cold else 0

@@ -72,7 +72,7 @@ class PagedForward:
         self.kernels = kernels
         self.metadata = metadata
         self.switches = switches
-        self.weights = prepare_weights(model)
+        self.weights = prepare_weights(model, switches.mxfp4_layout)
         if switches.fuse_shared_expert:
             _check_fusable(model, self.weights)
         self.device = model.embed.weight.device

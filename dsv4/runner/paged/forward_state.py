@@ -38,6 +38,9 @@ class PagedSwitches:
     # (its router on this layer's hidden state; a hash layer's exactly) and an offloaded next
     # layer copies the predicted misses in on the pool's copy stream while this layer computes
     expert_prefetch: bool = False
+    # MXFP4 experts re-packed once into the "mxfp4_halves128" layout (kernels/moe_gemv.py to
+    # 128 tokens, the halves MMA kernel above: issue 21); "stored": the checkpoint's layout
+    mxfp4_layout: str = "halves128"
 
 
 @dataclass

@@ -18,16 +18,18 @@ import torch
 from torch import nn
 
 from dsv4.errors import ConfigError
-from dsv4.model.moe import MoE
+from dsv4.model.moe import MXFP4_LAYOUTS, MoE, halves_fit, mxfp4_layout_
 from dsv4.model.offload import OffloadedExperts
 from dsv4.model.offload_load import host_blobs
+from dsv4.ops.quant import repack_halves
 
 Parts = tuple[torch.Tensor, ...]  # (w13, w2) or (w13, w2, w13_scale, w2_scale) of one expert
 
 
 @dataclass(frozen=True)
 class ExpertRows:
-    """One layer's experts as pool rows: `format` ("bf16": the model dtype, "mxfp4", "fp8")
+    """One layer's experts as pool rows: `format` ("bf16": the model dtype, "mxfp4",
+    "mxfp4_halves128", "fp8")
     and `parts(e)`, expert e's parts in the stacked layout (views or fresh tensors)."""
 
     format: str
@@ -35,19 +37,27 @@ class ExpertRows:
     num_experts: int
 
 
-def expert_rows_of(moe: MoE) -> ExpertRows:
-    """The layer's experts as pool rows, from its offload store or its stacked storage."""
+def expert_rows_of(moe: MoE, mxfp4_layout: str = "halves128") -> ExpertRows:
+    """The layer's experts as pool rows, from its offload store or its stacked storage; MXFP4
+    experts in `mxfp4_layout` (`dsv4.model.moe.MXFP4_LAYOUTS`: an offload store's rows, kept as
+    stored, are re-packed an expert at a time as they are read, the stacked storage in place),
+    so the device rows and the host rows the pool copies from share one layout."""
     num = moe.cfg.n_routed_experts
     store = moe.expert_store
     if isinstance(store, OffloadedExperts):
-        fmt = "mxfp4" if store.fmt.is_mxfp4 else "bf16"
+        fmt = MXFP4_LAYOUTS[mxfp4_layout] if store.fmt.is_mxfp4 else "bf16"
+        if not halves_fit(moe.cfg.hidden_size, moe.cfg.moe_intermediate_size):
+            fmt = "mxfp4" if store.fmt.is_mxfp4 else fmt  # `mxfp4_layout_`'s rule
 
         def from_store(e: int) -> Parts:
             views = store.parts(e)
             (w1, s1), (w2, s2), (w3, s3) = views["w1"], views["w2"], views["w3"]
             if fmt == "bf16":
                 return _stack_rows(w1, w3), w2
-            return _stack_rows(w1, w3), w2, _stack_rows(s1, s3), s2
+            w13 = _stack_rows(w1, w3)
+            if fmt != "mxfp4":  # row by row: w1's rows then w3's, as stacked
+                w13, w2 = repack_halves(w13, 128), repack_halves(w2, 128)
+            return w13, w2, _stack_rows(s1, s3), s2
 
         return ExpertRows(fmt, from_store, num)
     if store is not None:
@@ -58,6 +68,7 @@ def expert_rows_of(moe: MoE) -> ExpertRows:
         from dsv4.model.moe import stack_experts_
 
         stacked = stack_experts_(moe)
+    stacked = mxfp4_layout_(moe, mxfp4_layout)
     tensors = [t for t in (stacked.w13, stacked.w2, stacked.w13_scale, stacked.w2_scale)
                if t is not None]  # fmt: skip
     return ExpertRows(stacked.format, lambda e: tuple(t[e] for t in tensors), num)

@@ -22,19 +22,20 @@ import torch
 
 from dsv4.errors import ConfigError
 from dsv4.model.deepseek_v4 import DeepseekV4
-from dsv4.model.moe import ExpertWeights, MoE, routed_modules, stack_experts_
+from dsv4.model.moe import ExpertWeights, MoE, mxfp4_layout_, routed_modules, stack_experts_
 from dsv4.runner.paged.expert_pool import LayerPool
 
 
-def stack_experts(moe: MoE) -> ExpertWeights:
+def stack_experts(moe: MoE, mxfp4_layout: str = "halves128") -> ExpertWeights:
     """The layer's stacked experts: built with the model (`random_model`), by an earlier paged
-    forward over the same model (a benchmark's A/B variant), or stacked here once."""
+    forward over the same model (a benchmark's A/B variant), or stacked here once. MXFP4 ones
+    in `mxfp4_layout` (`features.mxfp4_layout`: re-packed in place once, `mxfp4_layout_`)."""
     if moe.expert_store is not None:
         raise ConfigError("forward", "paged", "offloaded experts reach the paged forward "
                           "through an expert pool: dsv4.runner.paged.pool_experts")  # fmt: skip
     cached = moe.stacked_experts
     if cached is not None and cached.is_quantized:  # loaded stacked: the only copy
-        return cached
+        return mxfp4_layout_(moe, mxfp4_layout)
     if cached is not None and cached.w13.data_ptr() == routed_modules(moe)[0].w1.weight.data_ptr():
         return cached
     stacked = stack_experts_(moe)
@@ -65,8 +66,9 @@ def _stacked_fp32(comp) -> CompressorWeights:
     return CompressorWeights(proj, comp.ape.float().contiguous())
 
 
-def prepare_weights(model: DeepseekV4) -> tuple[LayerWeights, ...]:
-    """Per layer id: the main layers, then the MTP layer when the model has one."""
+def prepare_weights(model: DeepseekV4, mxfp4_layout: str = "halves128") -> tuple[LayerWeights, ...]:
+    """Per layer id: the main layers, then the MTP layer when the model has one (`mxfp4_layout`:
+    `stack_experts`')."""
     out = []
     for block in (*model.layers, *model.mtp):
         attn = block.attn
@@ -75,7 +77,7 @@ def prepare_weights(model: DeepseekV4) -> tuple[LayerWeights, ...]:
         gate = block.ffn.gate
         bias = None if gate.is_hash else gate.bias.float().contiguous()
         pool = block.ffn.expert_pool
-        experts = pool.weights if pool is not None else stack_experts(block.ffn)
+        experts = pool.weights if pool is not None else stack_experts(block.ffn, mxfp4_layout)
         out.append(LayerWeights(experts, comp, idx, gate.weight.float().contiguous(), bias,
                                 attn.attn_sink.float().contiguous(), pool))  # fmt: skip
     return tuple(out)
