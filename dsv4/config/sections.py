@@ -227,9 +227,10 @@ class FeatureSwitches(Section):
         choices=("bf16", "checkpoint"),
     )  # fmt: skip
     mxfp4_layout: str = setting(
-        "halves128", "paged forward, MXFP4 experts: halves128 (re-packed once in place: the "
-        "GEMV to 128 tokens, the halves MMA kernel above; issue 21) or stored (the A/B baseline)",
-        choices=("halves128", "stored"))  # fmt: skip
+        "stored", "paged forward, MXFP4 experts: stored (as the checkpoint) or halves128 "
+        "(re-packed once in place: the GEMV to 128 tokens, the halves MMA kernel above; its MMA "
+        "ran 1.9x bf16 at 64 tokens and 1.6x at 1024 on an H100, its GEMV is untimed; issue 21)",
+        choices=("stored", "halves128"))  # fmt: skip
     linear_weights: str = setting(
         "bf16", "attention/shared-expert/MTP linears: bf16 or checkpoint (FP8 as stored, ~1/2 "
         "of the bytes; slower than bf16 on an H200)", choices=("bf16", "checkpoint"),

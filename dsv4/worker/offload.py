@@ -148,7 +148,7 @@ def expert_offload(
 
 
 def pool_options(offload: ExpertOffload, model_cfg: ModelConfig, max_decode_tokens: int,
-                 mxfp4_layout: str = "halves128") -> PoolOptions:  # fmt: skip
+                 mxfp4_layout: str = "stored") -> PoolOptions:  # fmt: skip
     """The paged forward's pool per the plan: each layer's cold count and residency order,
     the plan's cache slots, raised to fit `max_decode_tokens` (max batch x (1 + drafts)), MXFP4
     rows in `mxfp4_layout` (`features.mxfp4_layout`)."""
@@ -166,7 +166,7 @@ def apply_offload(
     *,
     kernels: KernelBackendConfig | None = None,
     max_decode_tokens: int = 1,
-    mxfp4_layout: str = "halves128",
+    mxfp4_layout: str = "stored",
 ) -> WorkerOffload | None:
     """Serve `model` with `offload` on the `forward_kind` forward: the one call site that picks
     the expert path. Reference: the stores the loader built (a MoE layer loaded whole is

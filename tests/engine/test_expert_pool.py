@@ -37,8 +37,9 @@ def _prompts(vocab: int) -> dict[str, list[int]]:
             "b": torch.randint(2, vocab, (23,), generator=gen).tolist()}  # fmt: skip
 
 
-def _lockstep(resident, pooled, **core) -> tuple[list, list]:
-    cores = [make_core(m, budget=64, paged={}, max_num_seqs=2, **core) for m in (resident, pooled)]
+def _lockstep(resident, pooled, paged=None, **core) -> tuple[list, list]:
+    cores = [make_core(m, budget=64, paged=paged or {}, max_num_seqs=2, **core)
+             for m in (resident, pooled)]  # fmt: skip
 
     for core_ in cores:
         for rid, prompt in _prompts(resident.cfg.vocab_size).items():
@@ -235,20 +236,22 @@ def test_pooled_experts_on_the_gpu_equal_resident_with_graphs(fmt, prefetch) -> 
     resident = random_model(cfg, seed=5, dtype=torch.bfloat16, device="cuda",
                             expert_weights=weights)  # fmt: skip
     pooled = copy.deepcopy(resident)
-    options = PoolOptions((6,), cache_slots=1, max_decode_tokens=2)
+    layout = "halves128" if fmt == "mxfp4_halves128" else "stored"
+    options = PoolOptions((6,), cache_slots=1, max_decode_tokens=2, mxfp4_layout=layout)
     pool = pool_experts(pooled, options, "cuda", kernels)
     assert pool.layers[0].num_slots == 4, pool.layers[0].num_slots
     assert pool.layers[0].weights.format == fmt
     # cold rows stay in host memory (registered with cudaHostRegister, which torch's
     # is_pinned() does not report): the copy kernel reads them through their device address
     assert pool.layers[0].host[0].device.type == "cpu"
-    steps, _ = _lockstep(resident, pooled, kernels=kernels, kv="fp8", index="mxfp4")
+    switches = {"switches": PagedSwitches(mxfp4_layout=layout)}
+    steps, _ = _lockstep(resident, pooled, switches, kernels=kernels, kv="fp8", index="mxfp4")
     assert all(torch.equal(a, b) for a, b in steps)
     gen = torch.Generator().manual_seed(2)
     prompts = [
         torch.randint(2, cfg.vocab_size, (n,), generator=gen).tolist() for n in (1, 130, 300)
     ]
-    outs, paged = [], {"switches": PagedSwitches(expert_prefetch=prefetch)}
+    outs, paged = [], {"switches": PagedSwitches(expert_prefetch=prefetch, mxfp4_layout=layout)}
     for model in (resident, pooled):
         for graphs in (None, GraphOptions(max_batch=2, max_model_len=1024)):
             core = make_core(model, kv="fp8", index="mxfp4", budget=512, paged=paged,

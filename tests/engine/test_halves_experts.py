@@ -1,5 +1,5 @@
-"""MXFP4 experts served in the re-packed "mxfp4_halves128" layout (`features.mxfp4_layout`,
-issue 21): the paged forward re-packs the loaded experts once, in place, and its logits equal
+"""MXFP4 experts served in the re-packed "mxfp4_halves128" layout (`features.mxfp4_layout
+halves128`, issue 21; the default stays the stored layout until the halves GEMV is timed): the paged forward re-packs the loaded experts once, in place, and its logits equal
 those of the same checkpoint dequantised at load and of the stored layout; the reference forward,
 the expert pool (from the load-time offload split) and a later offload still work.
 
@@ -47,14 +47,14 @@ def test_paged_forward_on_halves_equals_the_dequantised_load_and_the_stored_layo
     stored_bytes = native.layers[0].ffn.stacked_experts.w13.clone()
     want = run(make_core(dense, budget=64, paged={}), dense)
     assert _formats(native) == {"mxfp4"}
-    assert run(make_core(native, budget=64, paged={}), native) == want  # the default: halves128
+    halves = {"switches": PagedSwitches(mxfp4_layout="halves128")}
+    assert run(make_core(native, budget=64, paged=halves), native) == want
     assert _formats(native) == {"mxfp4_halves128"}
     assert not torch.equal(native.layers[0].ffn.stacked_experts.w13, stored_bytes)
     with torch.no_grad():  # the reference forward reads the re-packed storage
         ids = torch.arange(2, 42)[None]
         assert torch.equal(native(ids).logits, dense(ids).logits)
-    stored = {"switches": PagedSwitches(mxfp4_layout="stored")}
-    assert run(make_core(native, budget=64, paged=stored), native) == want  # the A/B baseline
+    assert run(make_core(native, budget=64, paged={}), native) == want  # the default: stored
     assert _formats(native) == {"mxfp4"}
     assert torch.equal(native.layers[0].ffn.stacked_experts.w13, stored_bytes)  # undone exactly
 
@@ -79,9 +79,10 @@ def test_pooled_halves_from_the_offload_split_equal_all_resident() -> None:
     order = tuple((7, 2, 5, 0, 1, 3, 4, 6) for _ in range(FP4.num_hidden_layers))
     split = random_model(FP4, seed=4, expert_weights="checkpoint",
                          offload=ExpertOffload(5, 2, order))  # fmt: skip
-    pool = pool_experts(split, PoolOptions((5,), order, 1, 2), "cpu", KernelBackendConfig())
+    options = PoolOptions((5,), order, 1, 2, mxfp4_layout="halves128")
+    pool = pool_experts(split, options, "cpu", KernelBackendConfig())
     assert {layer.weights.format for layer in pool.layers} == {"mxfp4_halves128"}
-    steps, _ = _lockstep(resident, split)
+    steps, _ = _lockstep(resident, split, {"switches": PagedSwitches(mxfp4_layout="halves128")})
     assert _formats(resident) == {"mxfp4_halves128"}
     assert steps and all(torch.equal(a, b) for a, b in steps)
 

@@ -61,7 +61,7 @@ class PoolOptions:
     cache_slots: int = 1
     max_decode_tokens: int = 1
     planned_layers: int = 0
-    mxfp4_layout: str = "halves128"  # MXFP4 rows: `dsv4.model.moe.MXFP4_LAYOUTS`
+    mxfp4_layout: str = "stored"  # MXFP4 rows: `dsv4.model.moe.MXFP4_LAYOUTS`
 
     def cold(self, layer: int) -> int:
         return self.num_offloaded[min(layer, len(self.num_offloaded) - 1)]

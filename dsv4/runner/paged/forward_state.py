@@ -40,7 +40,7 @@ class PagedSwitches:
     expert_prefetch: bool = False
     # MXFP4 experts re-packed once into the "mxfp4_halves128" layout (kernels/moe_gemv.py to
     # 128 tokens, the halves MMA kernel above: issue 21); "stored": the checkpoint's layout
-    mxfp4_layout: str = "halves128"
+    mxfp4_layout: str = "stored"
 
 
 @dataclass

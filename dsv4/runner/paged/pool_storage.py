@@ -37,7 +37,7 @@ class ExpertRows:
     num_experts: int
 
 
-def expert_rows_of(moe: MoE, mxfp4_layout: str = "halves128") -> ExpertRows:
+def expert_rows_of(moe: MoE, mxfp4_layout: str = "stored") -> ExpertRows:
     """The layer's experts as pool rows, from its offload store or its stacked storage; MXFP4
     experts in `mxfp4_layout` (`dsv4.model.moe.MXFP4_LAYOUTS`: an offload store's rows, kept as
     stored, are re-packed an expert at a time as they are read, the stacked storage in place),

@@ -26,7 +26,7 @@ from dsv4.model.moe import ExpertWeights, MoE, mxfp4_layout_, routed_modules, st
 from dsv4.runner.paged.expert_pool import LayerPool
 
 
-def stack_experts(moe: MoE, mxfp4_layout: str = "halves128") -> ExpertWeights:
+def stack_experts(moe: MoE, mxfp4_layout: str = "stored") -> ExpertWeights:
     """The layer's stacked experts: built with the model (`random_model`), by an earlier paged
     forward over the same model (a benchmark's A/B variant), or stacked here once. MXFP4 ones
     in `mxfp4_layout` (`features.mxfp4_layout`: re-packed in place once, `mxfp4_layout_`)."""
@@ -66,7 +66,7 @@ def _stacked_fp32(comp) -> CompressorWeights:
     return CompressorWeights(proj, comp.ape.float().contiguous())
 
 
-def prepare_weights(model: DeepseekV4, mxfp4_layout: str = "halves128") -> tuple[LayerWeights, ...]:
+def prepare_weights(model: DeepseekV4, mxfp4_layout: str = "stored") -> tuple[LayerWeights, ...]:
     """Per layer id: the main layers, then the MTP layer when the model has one (`mxfp4_layout`:
     `stack_experts`')."""
     out = []
