@@ -7,11 +7,10 @@ V4-Flash experts (D 4096, I 2048, E 256, top-6), random routing, tokens 1 / 16 /
 8192. Timing as benchmarks/bench_kernels_moe_gemv.py: one CUDA graph over ROTATE routings of the
 same size (8 at decode sizes, 2 from 1024 tokens), replayed, median per call; every path runs
 on the same inputs in this process. Paths (kernels/moe_mxfp4.py):
-- "served": the served MXFP4 path at that size on the layout served by default,
-  "mxfp4_halves128" (repacked once here, as at load): the GEMV to 128 tokens, the halves MMA
-  kernel above;
-- "stored": the stored-layout path (features.mxfp4_layout=stored; the A/B baseline: GEMV to
-  128 tokens, in-register MMA, dequantise to a bf16 scratch from ~2K tokens);
+- "halves128_served": the MXFP4 path at that size with features.mxfp4_layout=halves128
+  (repacked once here, as at load): the GEMV to 128 tokens, the halves MMA kernel above;
+- "stored": the path served by default (features.mxfp4_layout=stored: GEMV to 128 tokens,
+  in-register MMA, dequantise to a bf16 scratch from ~2K tokens);
 - "dot_scaled": tl.dot_scaled on the stored layout (tune DOT_SCALED);
 - "halves64" / "halves128": the halves MMA kernel (tune GEMV False) on the re-packed layouts;
 - "gemv_halves128": the GEMV on the halves128 layout (tune GEMV True), decode sizes only.
@@ -19,7 +18,7 @@ Each candidate is timed at every config of CONFIGS[size] (the first: `mx_config`
 Records (a JSON list):
 - "moe_mxfp4_vs_bf16": {name, tokens, path, time_us (the path's best config), bf16_us, speedup
   (bf16 / path), pct_roofline (the MXFP4 bytes of the experts hit, x and y, at 4.3 TB/s),
-  config}: one per (tokens, path), "served" included;
+  config}: one per (tokens, path), "stored" (the default) included;
 - "moe_mxfp4_candidate": {tokens, path, config, time_us} for every config timed;
 - "moe_mxfp4_numerics": each path's layer output against `moe_experts_ref` (dequantise, then
   the bf16 GEMMs) on the first step of each size: max abs, relative L2, max relative to max.
@@ -64,7 +63,7 @@ def _paths(w_fp4, dry: bool) -> dict:
                   s2)  # fmt: skip
         paths[f"halves{block_k}"] = (halves, f"mxfp4_halves{block_k}", {"GEMV": False}, False)
     served = paths["halves128"][0]
-    paths["served"] = (served, "mxfp4_halves128", None, False)
+    paths["halves128_served"] = (served, "mxfp4_halves128", None, False)
     paths["gemv_halves128"] = (served, "mxfp4_halves128", {"GEMV": True}, True)
     return paths
 
@@ -87,7 +86,7 @@ def run(dry: bool, limit_s: float) -> list[dict]:
             if gemv and t > GEMV_MAX_TOKENS:
                 continue
             steps = [(s[0], s[1], s[2], *weights[:2], fmt, *weights[2:], s[8]) for s in fp4_steps]
-            configs = (GEMV_CONFIGS if gemv else [{}] if path in ("served", "stored")
+            configs = (GEMV_CONFIGS if gemv else [{}] if path in ("halves128_served", "stored")
                        else CONFIGS[_size_class(t)])  # fmt: skip
             timed = []
             for cfg in configs[:1] if dry else configs:
