@@ -73,9 +73,9 @@ def test_every_code_and_scale(post_scale):
         assert_moe_close(y, moe_experts_ref(x, ids, one, w13, w2, FMT, s13, s2, None))
 
 
-@pytest.mark.parametrize("post_scale", [False, True])
-@pytest.mark.parametrize("block_m", [1, 2])
-@pytest.mark.parametrize("num_tokens", [1, 3])
+# each knob once under the interpreter (~12 s a case on 2 cores); the GPU test crosses them all
+@pytest.mark.parametrize(("num_tokens", "block_m", "post_scale"),
+                         [(1, 1, True), (1, 2, False), (3, 1, False), (3, 2, True)])  # fmt: skip
 def test_gemv_halves_matches_ref(num_tokens, block_m, post_scale):
     """BLOCK_W 32 (256 columns a step): w13's 384 columns end in a masked half step."""
     weights = _halves(_weights(5, 384, 256, "mxfp4", seed=num_tokens))
