@@ -172,9 +172,10 @@ def test_killed_rank_takes_its_worker_out_of_routing(model_dir, expected) -> Non
             time.sleep(0.05)
         assert time.monotonic() - killed_at < NOT_SERVING_WITHIN_S
         assert victim.process.wait(timeout=30) == 1  # the worker went down (exit 1)
-        # The router drops prefill-0 within NOT_SERVING_WITHIN_S of the kill (its health
-        # poll, or the first failed attempt, which is retried on prefill-1: tokens unchanged);
-        # from then on no request is sent to it (no retries), round after round.
+        # Until the router's probes mark prefill-0 DOWN (num_failures_to_down in a row; a
+        # failed attempt only probes it at once) a request may still pick it and be retried on
+        # prefill-1 (tokens unchanged), even after a round that happened to avoid it; within
+        # 2 x NOT_SERVING_WITHIN_S of the kill that stops, and three rounds in a row are clean.
         clean_rounds = 0
         while clean_rounds < 3:
             outcomes = asyncio.run(serve_prompts(cluster.router_address))
@@ -182,7 +183,7 @@ def test_killed_rank_takes_its_worker_out_of_routing(model_dir, expected) -> Non
             if all(o.chunks[-1].usage.num_prefill_retries == 0 for o in outcomes):
                 clean_rounds += 1
             else:
-                assert clean_rounds == 0, "a request went to prefill-0 after it was dropped"
+                clean_rounds = 0
                 assert time.monotonic() - killed_at < 2 * NOT_SERVING_WITHIN_S, "still routed"
         asyncio.run(assert_no_worker_leaks(cluster))
         assert [s.name for s in cluster.dead_services()] == ["prefill-0"]
