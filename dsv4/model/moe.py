@@ -324,19 +324,25 @@ def halves_fit(dim: int, inter: int) -> bool:
     return dim % 128 == 0 and inter % 128 == 0
 
 
+def mxfp4_format(cfg, layout: str) -> str:
+    """The format MXFP4 experts of `cfg` are served in under `layout` (a key of MXFP4_LAYOUTS):
+    experts whose dimensions are not multiples of 128 (`halves_fit`) stay "mxfp4"."""
+    if layout not in MXFP4_LAYOUTS:
+        raise ConfigError("features.mxfp4_layout", layout, f"use one of {sorted(MXFP4_LAYOUTS)}")
+    if not halves_fit(cfg.hidden_size, cfg.moe_intermediate_size):
+        return "mxfp4"
+    return MXFP4_LAYOUTS[layout]
+
+
 def mxfp4_layout_(moe: MoE, layout: str) -> ExpertWeights | None:
     """Hold the layer's stacked MXFP4 experts in `layout` (a key of MXFP4_LAYOUTS): re-packed
     in place, one expert at a time (no second copy), and `moe.stacked_experts` renamed to the
     format. The reference forward reads either (`ExpertWeights.dequantized` unpacks). Other
     formats, experts already in `layout`, and dimensions not multiples of 128 (`halves_fit`)
     are left as they are. Returns the storage."""
-    if layout not in MXFP4_LAYOUTS:
-        raise ConfigError("features.mxfp4_layout", layout, f"use one of {sorted(MXFP4_LAYOUTS)}")
-    stacked, want = moe.stacked_experts, MXFP4_LAYOUTS[layout]
+    stacked, want = moe.stacked_experts, mxfp4_format(moe.cfg, layout)
     if stacked is None or stacked.format not in MXFP4_LAYOUTS.values() or stacked.format == want:
         return stacked
-    if want != "mxfp4" and not halves_fit(moe.cfg.hidden_size, moe.cfg.moe_intermediate_size):
-        return stacked  # rows of whole 128-column blocks only: served as stored
     with torch.no_grad():
         for w in (stacked.w13, stacked.w2):
             for e in range(w.shape[0]):

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from dsv4.errors import ConfigError
-from dsv4.model.moe import MXFP4_LAYOUTS, MoE, halves_fit, mxfp4_layout_
+from dsv4.model.moe import MoE, mxfp4_format, mxfp4_layout_
 from dsv4.model.offload import OffloadedExperts
 from dsv4.model.offload_load import host_blobs
 from dsv4.ops.quant import repack_halves
@@ -45,9 +45,7 @@ def expert_rows_of(moe: MoE, mxfp4_layout: str = "stored") -> ExpertRows:
     num = moe.cfg.n_routed_experts
     store = moe.expert_store
     if isinstance(store, OffloadedExperts):
-        fmt = MXFP4_LAYOUTS[mxfp4_layout] if store.fmt.is_mxfp4 else "bf16"
-        if not halves_fit(moe.cfg.hidden_size, moe.cfg.moe_intermediate_size):
-            fmt = "mxfp4" if store.fmt.is_mxfp4 else fmt  # `mxfp4_layout_`'s rule
+        fmt = mxfp4_format(moe.cfg, mxfp4_layout) if store.fmt.is_mxfp4 else "bf16"
 
         def from_store(e: int) -> Parts:
             views = store.parts(e)
