@@ -285,8 +285,9 @@ def engine_async_scheduling(config: ServeConfig, ranks) -> bool:
     in-graph greedy tokens on one rank (rank 0 sends each step to its followers from `execute`, which a step launched
     ahead bypasses). Elsewhere the switch is inert: steps run one after another."""
     f = config.features
-    graphs = graph_options(config)  # None: no decode graphs (CPU, a prefill worker, eager)
-    return f.async_scheduling and graphs is not None and graphs.greedy_argmax and ranks is None
+    if not (f.async_scheduling and f.greedy_in_graph) or ranks is not None:
+        return False  # (graph_options would also warn again about several ranks' graphs)
+    return graph_options(config) is not None  # None: no decode graphs (CPU, prefill, eager)
 
 
 def options_spec_tokens(config: ServeConfig) -> int:
