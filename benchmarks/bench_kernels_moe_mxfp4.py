@@ -2,6 +2,7 @@
 
     python -m benchmarks.bench_kernels_moe_mxfp4 --out $OUT/moe-mxfp4-candidates-h200.json
     python -m benchmarks.bench_kernels_moe_mxfp4 --dry-run --out /tmp/c.json   # CPU: tiny shapes
+    python -m benchmarks.bench_kernels_moe_mxfp4 --paths stored,gemv_halves128 --out ...
 
 V4-Flash experts (D 4096, I 2048, E 256, top-6), random routing, tokens 1 / 16 / 64 / 1024 /
 8192. Timing as benchmarks/bench_kernels_moe_gemv.py: one CUDA graph over ROTATE routings of the
@@ -26,6 +27,7 @@ Records (a JSON list):
 
 from __future__ import annotations
 
+import argparse
 import time
 
 from benchmarks.bench_kernels_moe_gemv import _errors, _steps, _time_us, cli, setup
@@ -68,9 +70,10 @@ def _paths(w_fp4, dry: bool) -> dict:
     return paths
 
 
-def run(dry: bool, limit_s: float) -> list[dict]:
+def run(dry: bool, limit_s: float, only: frozenset[str] = frozenset()) -> list[dict]:
+    """The records of the module doc; `only`: these paths (all when empty)."""
     t0, dev, sizes, w_bf16, w_fp4 = setup(dry, GPU, DRY)
-    paths = _paths(w_fp4, dry)
+    paths = {p: v for p, v in _paths(w_fp4, dry).items() if not only or p in only}
     records = []
     for t in sizes["tokens"]:
         if time.monotonic() - t0 > limit_s:
@@ -130,7 +133,12 @@ def table(records: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return cli(argv, __doc__.split("\n")[0], run, table, "moe_mxfp4_numerics", 360.0)
+    pre = argparse.ArgumentParser(add_help=False)  # --paths here, the shared flags in `cli`
+    pre.add_argument("--paths", default="", help="comma-separated paths to time (default all)")
+    known, rest = pre.parse_known_args(argv)
+    only = frozenset(known.paths.split(",")) - {""}
+    return cli(rest, __doc__.split("\n")[0], lambda dry, limit: run(dry, limit, only), table,
+               "moe_mxfp4_numerics", 360.0)  # fmt: skip
 
 
 if __name__ == "__main__":

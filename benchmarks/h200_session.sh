@@ -19,7 +19,13 @@
 #   cand    issue 21's candidates: GPU parity tests of the MXFP4 and FP8 kernels, then the MXFP4
 #           MoE candidates and the FP8 linear candidates against bf16 (one process each);
 #   attn    issue 25's attention / indexer variants: GPU parity tests, then their A/B;
-#   probes  issue 25's e2e_probe records (benchmarks.e2e, both modes).
+#   probes  issue 25's e2e_probe records (benchmarks.e2e, both modes);
+#   halves  the halves128 GEMV (issue 21): its GPU parity test, then "stored" against
+#           "gemv_halves128" and "halves128_served" (bench_kernels_moe_mxfp4 --paths);
+#   full    issue 22 at full depth: offload_serve_check --layers 43, timing only, the card
+#           deciding the offload (FULL_ARGS picks runs / routings / batches), written to
+#           full-depth-<card>.json after each timed run.
+# Result files of the parts below that name the card say h100 or h200, from nvidia-smi.
 # DECODE_ARGS and E2E_ARGS add arguments to the decode and end-to-end benchmarks.
 # Each part has its own time limit and writes under $OUT, so a failing part leaves the others'.
 #   pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl .whl-fi/*.whl \
@@ -33,6 +39,7 @@ logs=/tmp/h200-logs
 mkdir -p "$out" "$logs"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$logs/gpu.txt"
 python3 -c "import torch, triton, grpc, google.protobuf as pb; print(torch.__version__, triton.__version__, grpc.__version__, pb.__version__)" >> "$logs/gpu.txt" 2>&1
+card=h100; grep -q H200 "$logs/gpu.txt" && card=h200
 parts=" ${PARTS:-decode e2e tests} "
 has() { [[ $parts == *" $1 "* ]]; }
 # run_into T LOG CMD...: CMD under `timeout T`, its output appended to LOG; prints its status
@@ -87,6 +94,22 @@ has probes && {
 run_into "${T_PROBES:-330}" "$logs/probes.log" python3 -m benchmarks.e2e \
     --out "$out/e2e-probes-h200.json" --work-dir /tmp/e2e ${PROBE_ARGS:-}
 tail -8 "$logs/probes.log" | cut -c1-300
+}
+has halves && {
+run_into "${T_HALVES_TESTS:-150}" "$logs/halves-tests.txt" python3 -m pytest -q -p no:cacheprovider \
+    -m gpu tests/kernels/test_moe_gemv_halves.py
+tail -3 "$logs/halves-tests.txt"
+run_into "${T_HALVES:-200}" "$logs/halves-bench.log" python3 -m benchmarks.bench_kernels_moe_mxfp4 \
+    --paths stored,gemv_halves128,halves128_served --limit-s "${HALVES_LIMIT_S:-120}" \
+    --out "$out/moe-mxfp4-halves-$card.json"
+grep -E "^\||Error|rc=" "$logs/halves-bench.log" | cut -c1-200
+}
+has full && {
+run_into "${T_FULL:-400}" "$logs/full.log" python3 -m benchmarks.offload_serve_check --layers 43 \
+    --no-check --offload-share 0 --host-memory-gib "${FULL_HOST_GIB:-100}" \
+    --out "$out/full-depth-$card.json" ${FULL_ARGS:-}
+grep -E "loaded in|warm-up|timed|Error|error|short|rc=" "$logs/full.log" | cut -c1-300
+tail -4 "$logs/full.log" | cut -c1-300
 }
 has decode && {
 timeout "${T_DECODE:-200}" python3 -m benchmarks.bench_decode_graphs --out "$out/decode-graphs-h200.json" \

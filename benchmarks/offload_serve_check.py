@@ -5,6 +5,8 @@ V4-Flash-shaped model (MXFP4 experts, FP8 linears as stored).
     python -m benchmarks.offload_serve_check --out $OUT/offload_serve.json            # 4 layers
     python -m benchmarks.offload_serve_check --layers 43 --no-baseline --host-memory-gib 60
     python -m benchmarks.offload_serve_check --shape tiny --device cpu                # rehearsal
+    python -m benchmarks.offload_serve_check --layers 43 --no-check --offload-share 0 \
+        --runs paged --routings uniform --max-seqs 16 --out $OUT/full.json  # the card decides
 
 Check: the offloaded worker on `--forward` (paged: the expert pool inside the decode graphs)
 serves the greedy prompts; with a baseline (default) the same model without offload serves the
@@ -14,7 +16,10 @@ minus `--offload-share` of the routed experts, so the plan offloads about that s
 Timing (`records`, benchmarks/offload_timing.py): `full_depth_tpot` per batch and routing
 (uniform, zipf1) for the paged forward with graphs (without and with `expert_prefetch`, field
 `expert_prefetch`) and the reference forward, each offloaded,
-and `full_depth_ttft` of a `--ttft-prompt`-token prompt; see that module for the fields.
+and `full_depth_ttft` of a `--ttft-prompt`-token prompt, `full_depth_prefill` of a
+`--prefill-prompt`-token one; see that module for the fields. `--offload-share 0` leaves the
+device budget to the card (the plan offloads what does not fit); `--out` is rewritten after
+each timed run, so a run cut off by a time limit keeps what it measured.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import logging
 import sys
 import tempfile
 import time
@@ -46,7 +52,9 @@ def overrides(model_dir: Path, device: str, forward: str, max_seqs: int = 2,
 
 def device_budget_gib(config, share: float) -> float:
     """The plan's device need minus `share` of the routed experts (so about that share is
-    offloaded), in GiB of device memory."""
+    offloaded), in GiB of device memory; 0 (share 0 on a GPU): the card's own memory."""
+    if share <= 0 and config.model.device.startswith("cuda"):
+        return 0.0
     from dsv4.worker.build import planned_model_config
     from dsv4.worker.fit import startup_plan
 
@@ -134,23 +142,41 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=int, default=8)
     parser.add_argument("--no-baseline", action="store_true",
                         help="no resident token check, no reference-forward timing")  # fmt: skip
+    parser.add_argument("--no-check", action="store_true",
+                        help="no token check at all (offloaded or resident): timing only")  # fmt: skip
     parser.add_argument("--no-timing", action="store_true")
     parser.add_argument(
         "--no-prefetch",
         action="store_true",
         help="skip the timing runs with features.expert_prefetch",
     )
+    parser.add_argument("--runs", default="",
+                        help="timed runs, from paged,paged_prefetch,reference ('': all that the "
+                             "--no-* flags leave)")  # fmt: skip
+    parser.add_argument("--max-seqs", type=int, default=0,
+                        help="the timed runtimes' max sequences (0: the largest batch)")  # fmt: skip
     parser.add_argument("--batches", default="1,16")
     parser.add_argument("--routings", default="uniform,zipf1")
     parser.add_argument("--prompt-len", type=int, default=64, help="the TPOT runs' prompts")
     parser.add_argument("--steps", type=int, default=16, help="timed decode steps")
     parser.add_argument("--ttft-prompt", type=int, default=1024)
+    parser.add_argument("--prefill-prompt", type=int, default=0,
+                        help="full_depth_prefill's prompt (tok_s); 0: none")  # fmt: skip
     parser.add_argument("--out", default="")
     return parser.parse_args(argv)
 
 
+def save(result: dict, out: str) -> None:
+    """`result` to `out` (when given): called after each run, so a cut-off call keeps them."""
+    if out:
+        Path(out).write_text(json.dumps(result, indent=1))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # the worker's start-up stages (weights, warm-up) in the log as they end
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(message)s")  # fmt: skip
     from dsv4.config import load_config
     from dsv4.model.tiny import write_model_spec
 
@@ -161,19 +187,24 @@ def main(argv: list[str] | None = None) -> int:
         budget = args.device_memory_gib or device_budget_gib(load_config(base), args.offload_share)
         offload = {**base, "model.device_memory_gib": budget,
                    "model.host_memory_gib": args.host_memory_gib}  # fmt: skip
-        result = {"shape": args.shape, "layers": args.layers, "device_memory_gib": budget,
-                  "offloaded": serve(offload, args.new_tokens)}  # fmt: skip
-        if not args.no_baseline:
-            result["baseline"] = serve(base, args.new_tokens)
-            result["equal"] = result["baseline"]["tokens"] == result["offloaded"]["tokens"]
+        result = {"shape": args.shape, "layers": args.layers, "device_memory_gib": budget}
+        if not args.no_check:
+            result["offloaded"] = serve(offload, args.new_tokens)
+            save(result, args.out)
+            if not args.no_baseline:
+                result["baseline"] = serve(base, args.new_tokens)
+                result["equal"] = result["baseline"]["tokens"] == result["offloaded"]["tokens"]
+                save(result, args.out)
         if not args.no_timing:
             from benchmarks.offload_timing import timing_records
 
-            result["records"] = timing_records(model_dir, args)
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
+            result["records"] = timing_records(
+                model_dir,
+                args,
+                on_run=lambda records: save({**result, "records": records}, args.out),
+            )
+    print(json.dumps(result, indent=1))
+    save(result, args.out)
     return 0 if result.get("equal", True) else 1
 
 

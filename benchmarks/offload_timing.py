@@ -6,8 +6,10 @@ the same random model at the same device budget, once per routing ("uniform": th
 gates; "zipf1": popularity ~ 1/rank, `dsv4.model.skew`). The engine core is driven directly,
 one step per call, as a worker serves (the token read each step is the served sync).
 
-`full_depth_tpot` (per decode batch) and `full_depth_ttft` (one `--ttft-prompt` prompt):
-- time_us: a decode step (TPOT) or the prompt to its first token (TTFT), wall clock;
+`full_depth_tpot` (per decode batch), `full_depth_ttft` (one `--ttft-prompt` prompt) and
+`full_depth_prefill` (one `--prefill-prompt` prompt, when given):
+- time_us: a decode step (TPOT) or the prompt to its first token (TTFT, prefill), wall clock;
+- tok_s (prefill only): prompt tokens per second of time_us;
 - hit_rate, bytes_fetched: the offload's counters over the timed steps (bytes per step,
   prefetched bytes included; `prefetches`: experts copied ahead of their layer per step);
 - copy_floor_us: bytes_fetched / 55 GB/s (the pinned host -> device floor of the H100/H200);
@@ -131,6 +133,10 @@ def measure(values: dict, args) -> dict[tuple[str, int], dict]:
     out = {("full_depth_tpot", b): tpot(runtime, b, args.prompt_len, args.steps)
            for b in (int(b) for b in args.batches.split(","))}  # fmt: skip
     out[("full_depth_ttft", 1)] = ttft(runtime, args.ttft_prompt)
+    if args.prefill_prompt:
+        first = ttft(runtime, args.prefill_prompt)
+        out[("full_depth_prefill", 1)] = {**first,
+                                          "tok_s": args.prefill_prompt / first["time_us"] * 1e6}  # fmt: skip
     features = runtime.config.features
     on_cuda = runtime.config.model.device.startswith("cuda")
     info = dict(forward=features.forward, expert_prefetch=features.expert_prefetch,
@@ -143,26 +149,48 @@ def measure(values: dict, args) -> dict[tuple[str, int], dict]:
     return {key: {**info, **timing} for key, timing in out.items()}
 
 
-def timing_records(model_dir, args) -> list[dict]:
-    """The records of the module doc, paged forward first."""
+RUNS = {
+    "paged": ("paged", False),
+    "paged_prefetch": ("paged", True),
+    "reference": ("reference", False),
+}  # run: (forward, expert_prefetch)
+
+
+def chosen_runs(args) -> dict[str, tuple[str, bool]]:
+    """`--runs` (comma-separated names of RUNS), else every run the --no-* flags leave."""
+    if args.runs:
+        names = args.runs.split(",")
+        unknown = [n for n in names if n not in RUNS]
+        if unknown:
+            raise SystemExit(f"--runs: unknown {unknown}; choose from {','.join(RUNS)}")
+        return {n: RUNS[n] for n in names}
+    skip = {n for n, off in (("paged_prefetch", args.no_prefetch),
+                             ("reference", args.no_baseline)) if off}  # fmt: skip
+    return {n: r for n, r in RUNS.items() if n not in skip}
+
+
+def prompt_len(name: str, args) -> int:
+    return {"full_depth_ttft": args.ttft_prompt,
+            "full_depth_prefill": args.prefill_prompt}.get(name, args.prompt_len)  # fmt: skip
+
+
+def timing_records(model_dir, args, on_run=None) -> list[dict]:
+    """The records of the module doc, paged forward first; `on_run(records)` after each timed
+    run with the records so far (a run's baseline and compute fields fill in once measured)."""
     from benchmarks.offload_serve_check import device_budget_gib, overrides
 
     batches = [int(b) for b in args.batches.split(",")]
-    step_tokens = max(args.ttft_prompt, 128)
-    max_len = -(-(args.ttft_prompt + args.prompt_len + args.steps + 64) // 256) * 256
-    shape = dict(max_seqs=max(batches), max_len=max_len, step_tokens=step_tokens)
+    longest = max(args.ttft_prompt, args.prefill_prompt)
+    step_tokens = max(longest, 128)
+    max_len = -(-(longest + args.prompt_len + args.steps + 64) // 256) * 256
+    shape = dict(max_seqs=args.max_seqs or max(batches), max_len=max_len, step_tokens=step_tokens)
     paged = overrides(model_dir, args.device, "paged", **shape)
     budget = args.device_memory_gib or device_budget_gib(load_config(paged), args.offload_share)
     offload = {"model.device_memory_gib": budget, "model.host_memory_gib": args.host_memory_gib}
-    # runs: the paged forward, with pre-gated prefetch (A/B), then the reference baseline
-    runs = {"paged": ("paged", False)}
-    if not args.no_prefetch:
-        runs["paged_prefetch"] = ("paged", True)
-    if not args.no_baseline:
-        runs["reference"] = ("reference", False)
-    records = []
+    runs = chosen_runs(args)  # the paged forward, with pre-gated prefetch (A/B), the reference
+    records: list[dict] = []
     for routing in args.routings.split(","):
-        times = {}
+        times: dict[str, dict] = {}
         for run, (forward, prefetch) in runs.items():
             values = {**overrides(model_dir, args.device, forward, **shape), **offload,
                       "model.random_routing": routing, "features.expert_prefetch": prefetch}  # fmt: skip
@@ -171,20 +199,70 @@ def timing_records(model_dir, args) -> list[dict]:
             print(f"timed {run} ({routing}): {time.perf_counter() - started:.1f} s "
                   f"{ {key: round(t['time_us']) for key, t in times[run].items()} }",
                   file=sys.stderr, flush=True)  # fmt: skip
+            if on_run is not None:
+                on_run(records + routing_records(times, {}, runs, routing, args))
         resident = {**paged, "model.random_routing": routing}
         compute = measure(resident, args) if resident_fits(resident) else {}
-        for run, (forward, _) in runs.items():
-            for (name, batch), t in times[run].items():
-                is_paged = forward == "paged"
-                base = times.get("reference", {}).get((name, batch)) if is_paged else None
-                c = compute.get((name, batch)) if is_paged else None
-                records.append(dict(
-                    name=name, batch=batch, routing=routing, mtp_k=0, layers=args.layers,
-                    prompt_len=args.ttft_prompt if name.endswith("ttft") else args.prompt_len,
-                    **t, copy_floor_us=t["bytes_fetched"] / (COPY_GB_PER_S * 1e3),
-                    compute_us=c["time_us"] if c else None,
-                    copy_wait_us=t["time_us"] - c["time_us"] if c else None,
-                    baseline_time_us=base["time_us"] if base else None,
-                    speedup=base["time_us"] / t["time_us"] if base else None,
-                ))  # fmt: skip
+        records += routing_records(times, compute, runs, routing, args)
     return records
+
+
+def routing_records(times: dict, compute: dict, runs: dict, routing: str, args) -> list[dict]:
+    """One routing's records from its timed runs `times` {run: {(name, batch): timing}} and
+    the all-resident `compute` ones ({} where it did not fit or has not run)."""
+    records = []
+    for run, timed in times.items():
+        is_paged = runs[run][0] == "paged"
+        for (name, batch), t in timed.items():
+            base = times.get("reference", {}).get((name, batch)) if is_paged else None
+            c = compute.get((name, batch)) if is_paged else None
+            records.append(dict(
+                name=name, batch=batch, routing=routing, mtp_k=0, layers=args.layers,
+                prompt_len=prompt_len(name, args),
+                **t, copy_floor_us=t["bytes_fetched"] / (COPY_GB_PER_S * 1e3),
+                compute_us=c["time_us"] if c else None,
+                copy_wait_us=t["time_us"] - c["time_us"] if c else None,
+                baseline_time_us=base["time_us"] if base else None,
+                speedup=base["time_us"] / t["time_us"] if base else None,
+            ))  # fmt: skip
+    return records
+
+
+def join_baseline(records: list[dict]) -> list[dict]:
+    """Fill the paged records' baseline_time_us and speedup from reference records of the same
+    (name, batch, routing, prompt_len), e.g. from a separate call (one 10-minute GPU call holds
+    a 43-layer runtime or two, not all three runs)."""
+
+    def key(r: dict) -> tuple:
+        return r["name"], r["batch"], r["routing"], r["prompt_len"]
+
+    reference = {key(r): r["time_us"] for r in records if r["forward"] == "reference"}
+    out = []
+    for r in records:
+        base = reference.get(key(r)) if r["forward"] == "paged" else None
+        if base is not None:
+            r = {**r, "baseline_time_us": base, "speedup": base / r["time_us"]}
+        out.append(r)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import json
+    from pathlib import Path
+
+    parser = argparse.ArgumentParser(description="join the records of offload_serve_check "
+                                     "calls (their `records`), baselines filled in")  # fmt: skip
+    parser.add_argument("inputs", nargs="+", help="offload_serve_check --out files")
+    parser.add_argument("--out", required=True, help="the joined list of records")
+    args = parser.parse_args(argv)
+    records = []
+    for path in args.inputs:
+        data = json.loads(Path(path).read_text())
+        records += data["records"] if isinstance(data, dict) else data
+    Path(args.out).write_text(json.dumps(join_baseline(records), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

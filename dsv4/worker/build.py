@@ -25,6 +25,7 @@ import dataclasses
 import logging
 import os
 import socket
+import time
 from dataclasses import dataclass
 
 import torch
@@ -183,7 +184,11 @@ def start_ranks(config: ServeConfig):
 def _build(
     config: ServeConfig, ranks, offload: ExpertOffload | None, *, with_transport: bool, name: str
 ) -> WorkerRuntime:
+    started = time.perf_counter()
     model, model_cfg, codec = load_weights(config, offload)
+    # stage times in the log: a slow start (a 43-layer model, offload, first JIT) says where
+    logger.info("%s: weights of %s loaded in %.1f s", name, config.model.path,
+                time.perf_counter() - started)  # fmt: skip
     set_linear_activations_(model, config.features.linear_activations)  # W8A8 switch
     served_offload = apply_offload(model, offload, config.features.forward,
                                    kernels=kernel_config(config),
@@ -250,8 +255,11 @@ def _build(
         # a prefill worker only samples first tokens: its warm-up needs no decode steps; a
         # colocated one also admits prompts beside a decoding request (mixed steps)
         mixed = tuple(n for n in lengths if n & (n - 1) == 0 or n == lengths[-1])
+        started = time.perf_counter()
         core.warm_up(lengths, num_new_tokens=1 if role == "prefill" else 4,
                      mixed_lengths=mixed if role == "colocated" else ())  # fmt: skip
+        logger.info("%s: warm-up (%d prompt lengths, graphs captured) in %.1f s", name,
+                    len(lengths), time.perf_counter() - started)  # fmt: skip
     if core.runner.routing_stats is not None:  # count served traffic only, not the warm-up
         core.runner.routing_stats.reset()
     if served_offload is not None:  # likewise the expert traffic (warm-up, graph capture)

@@ -265,13 +265,17 @@ def test_offload_benchmark_runs_on_cpu_and_writes_the_record_contract(tmp_path) 
     out = tmp_path / "offload.json"
     argv = ["--shape", "tiny", "--device", "cpu", "--batches", "2", "--steps", "1",
             "--routings", "zipf1", "--prompt-len", "8", "--ttft-prompt", "16",
-            "--new-tokens", "2", "--out", str(out)]  # fmt: skip
+            "--prefill-prompt", "24", "--new-tokens", "2", "--out", str(out)]  # fmt: skip
     assert main(argv) == 0
     result = json.loads(out.read_text())
     assert result["equal"] and result["offloaded"]["forward"] == "paged"
     records = result["records"]
     keys = {(r["name"], r["forward"], r["expert_prefetch"]) for r in records}
-    assert keys == {(n, f, p) for n in ("full_depth_tpot", "full_depth_ttft")
+    prefill = [r for r in records if r["name"] == "full_depth_prefill"]
+    assert all(
+        r["prompt_len"] == 24 and r["tok_s"] == pytest.approx(24e6 / r["time_us"]) for r in prefill
+    )
+    assert keys == {(n, f, p) for n in ("full_depth_tpot", "full_depth_ttft", "full_depth_prefill")
                     for f, p in (("paged", False), ("paged", True), ("reference", False))}  # fmt: skip
     for r in records:
         assert r.keys() >= RECORD_FIELDS and r["routing"] == "zipf1" and r["time_us"] > 0
@@ -285,6 +289,22 @@ def test_offload_benchmark_runs_on_cpu_and_writes_the_record_contract(tmp_path) 
     assert all(r["copy_wait_measured_us"] is None for r in records if r not in paged)
     assert all((r["copy_wait_measured_us"] > 0) == (r["bytes_fetched"] > 0)
                for r in paged if not r["expert_prefetch"])  # fmt: skip
+
+
+def test_joined_calls_fill_the_paged_records_baseline_from_the_reference_ones() -> None:
+    """Records of separate calls (paged in one, reference in another) joined by
+    (name, batch, routing, prompt_len); a paged record without its reference keeps None."""
+    from benchmarks.offload_timing import join_baseline
+
+    def rec(forward: str, batch: int, time_us: float) -> dict:
+        return dict(name="full_depth_tpot", batch=batch, routing="uniform", prompt_len=64,
+                    forward=forward, time_us=time_us, baseline_time_us=None, speedup=None)  # fmt: skip
+
+    joined = join_baseline(
+        [rec("paged", 1, 50.0), rec("paged", 16, 80.0), rec("reference", 1, 400.0)]
+    )
+    assert joined[0]["baseline_time_us"] == 400.0 and joined[0]["speedup"] == 8.0
+    assert joined[1]["speedup"] is None and joined[2]["speedup"] is None
 
 
 def test_paged_offload_halves_the_captured_batch_until_the_pools_slots_fit() -> None:
