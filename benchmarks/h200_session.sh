@@ -35,7 +35,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 out=${OUT:-benchmarks/results/session}
-logs=/tmp/h200-logs
+# under $OUT when the device tool gives one: a call killed at its limit still returns its logs
+logs=${OUT:+$OUT/logs}
+logs=${logs:-/tmp/h200-logs}
 mkdir -p "$out" "$logs"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$logs/gpu.txt"
 python3 -c "import torch, triton, grpc, google.protobuf as pb; print(torch.__version__, triton.__version__, grpc.__version__, pb.__version__)" >> "$logs/gpu.txt" 2>&1
@@ -171,7 +173,7 @@ timeout "${T_TESTS:-80}" python3 -m pytest -q -p no:cacheprovider -m gpu \
 echo "gpu tests rc=$?" | tee -a "$logs/gpu-tests.txt"
 tail -5 "$logs/gpu-tests.txt"
 }
-tar czf "$out/logs.tgz" -C /tmp --exclude=e2e/model h200-logs e2e 2>/dev/null
+tar czf "$out/logs.tgz" -C /tmp --exclude=e2e/model e2e 2>/dev/null
 python3 - "$out" <<'PY'
 import json, sys
 try:

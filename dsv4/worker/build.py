@@ -154,12 +154,15 @@ def build_worker_runtime(
         config, has_cuda=torch.cuda.is_available(), hostname=socket.gethostname(), pid=os.getpid()
     )
     # the plan (GPU, or model.device_memory_gib) before any weight: raises PlanDoesNotFit
-    config, _, offload = startup_offload(
+    config, plan, offload = startup_offload(
         config, planned_model_config(config), _DTYPES[config.model.dtype]
     )
+    # the step workspaces the engine allocates after the KV cache is sized (the plan's buffers)
+    reserve = plan.buffer_bytes if plan is not None else 0
     ranks = start_ranks(config)  # None for one rank; else followers load alongside
     try:
-        return _build(config, ranks, offload, with_transport=with_transport, name=name)
+        return _build(config, ranks, offload, with_transport=with_transport, name=name,
+                      reserve_bytes=reserve)  # fmt: skip
     except BaseException:
         if ranks is not None:
             ranks.close("start-up failed")
@@ -182,13 +185,19 @@ def start_ranks(config: ServeConfig):
 
 
 def _build(
-    config: ServeConfig, ranks, offload: ExpertOffload | None, *, with_transport: bool, name: str
+    config: ServeConfig,
+    ranks,
+    offload: ExpertOffload | None,
+    *,
+    with_transport: bool,
+    name: str,
+    reserve_bytes: int = 0,
 ) -> WorkerRuntime:
     started = time.perf_counter()
     model, model_cfg, codec = load_weights(config, offload)
     # stage times in the log: a slow start (a 43-layer model, offload, first JIT) says where
-    logger.info("%s: weights of %s loaded in %.1f s", name, config.model.path,
-                time.perf_counter() - started)  # fmt: skip
+    logger.info("%s: weights of %s loaded in %.1f s%s", name, config.model.path,
+                time.perf_counter() - started, device_memory_text(config))  # fmt: skip
     set_linear_activations_(model, config.features.linear_activations)  # W8A8 switch
     served_offload = apply_offload(model, offload, config.features.forward,
                                    kernels=kernel_config(config),
@@ -211,7 +220,7 @@ def _build(
     pattern = apply_features(model, model_cfg, config)
     options = cache_options(config, pattern)
     layout = KVLayout.build(model_cfg, options)
-    num_blocks = _num_blocks(config, layout)
+    num_blocks = _num_blocks(config, layout, reserve_bytes)
     s = config.scheduler
     scheduler_config = SchedulerConfig(
         max_num_batched_tokens=s.max_num_batched_tokens,
@@ -244,6 +253,7 @@ def _build(
         collectives = rank_zero_setup(ranks, engine_options,
                                       expert_parallel=config.model.expert_parallel)  # fmt: skip
     core = build_engine_core(model, engine_options, collectives=collectives)
+    logger.info("%s: engine built (%d KV blocks)%s", name, num_blocks, device_memory_text(config))
     if ranks is not None:  # before the warm-up: its steps run on every rank
         from dsv4.parallel.ranks import rank_zero_core
 
@@ -258,8 +268,8 @@ def _build(
         started = time.perf_counter()
         core.warm_up(lengths, num_new_tokens=1 if role == "prefill" else 4,
                      mixed_lengths=mixed if role == "colocated" else ())  # fmt: skip
-        logger.info("%s: warm-up (%d prompt lengths, graphs captured) in %.1f s", name,
-                    len(lengths), time.perf_counter() - started)  # fmt: skip
+        logger.info("%s: warm-up (%d prompt lengths, graphs captured) in %.1f s%s", name,
+                    len(lengths), time.perf_counter() - started, device_memory_text(config))  # fmt: skip
     if core.runner.routing_stats is not None:  # count served traffic only, not the warm-up
         core.runner.routing_stats.reset()
     if served_offload is not None:  # likewise the expert traffic (warm-up, graph capture)
@@ -275,9 +285,10 @@ def _build(
         config, vocab_size=model_cfg.vocab_size, max_model_len=config.model.max_model_len
     )
     logger.info(
-        "%s: model %s, %d KV blocks of %d B (%s KV), layout %s, transport %s",
+        "%s: model %s, %d KV blocks of %d B (%s KV), layout %s, transport %s%s",
         name, config.model.path, num_blocks, layout.block_stride_bytes, options.kv_dtype,
         layout.compat_hash[:12], transport.kind if transport else "none",
+        device_memory_text(config),
     )  # fmt: skip
     if offload is not None:
         logger.info("%s: %d of %d routed experts per layer in host memory, %d cache slots",
@@ -286,6 +297,17 @@ def _build(
     engine = AsyncEngine(core, name, step_timeout_s=config.scheduler.step_timeout_s)
     return WorkerRuntime(config, model_cfg, engine, layout, transport, codec, limits, ranks,
                          served_offload)  # fmt: skip
+
+
+def device_memory_text(config: ServeConfig) -> str:
+    """', X GiB allocated (peak Y)' on a CUDA device, for the start-up log: what the plan's
+    accounting must cover; '' elsewhere."""
+    if not config.model.device.startswith("cuda"):
+        return ""
+    dev = torch.device(config.model.device)
+    gib = 1 << 30
+    return (f", {torch.cuda.memory_allocated(dev) / gib:.2f} GiB allocated (peak "
+            f"{torch.cuda.max_memory_allocated(dev) / gib:.2f})")  # fmt: skip
 
 
 def engine_async_scheduling(config: ServeConfig, ranks) -> bool:
@@ -434,15 +456,20 @@ def apply_features(model: torch.nn.Module, model_cfg: ModelConfig, config: Serve
     return pattern
 
 
-def _num_blocks(config: ServeConfig, layout: KVLayout) -> int:
+def _num_blocks(config: ServeConfig, layout: KVLayout, reserve_bytes: int = 0) -> int:
+    """KV blocks: `cache.num_blocks`, else what `cache.memory_budget_bytes` holds, else on a
+    GPU `kv_budget_bytes` of its free memory."""
     c = config.cache
     if c.num_blocks:
         return c.num_blocks
     budget = c.memory_budget_bytes
     if not budget:
         if config.model.device.startswith("cuda"):
-            free_bytes, _ = torch.cuda.mem_get_info(torch.device(config.model.device))
-            budget = int(free_bytes * c.memory_fraction)
+            dev = torch.device(config.model.device)
+            free_bytes, _ = torch.cuda.mem_get_info(dev)
+            within = int(config.model.device_memory_gib * (1 << 30))
+            budget = kv_budget_bytes(free_bytes, c.memory_fraction, reserve_bytes,
+                                     within, torch.cuda.memory_reserved(dev))  # fmt: skip
         else:
             budget = CPU_DEFAULT_KV_BUDGET_BYTES
     num_blocks = layout.num_blocks_for_budget(budget)
@@ -451,3 +478,16 @@ def _num_blocks(config: ServeConfig, layout: KVLayout) -> int:
             "cache.memory_budget_bytes", budget, "too small for one request: raise it"
         )
     return num_blocks
+
+
+def kv_budget_bytes(free_bytes: int, fraction: float, reserve_bytes: int,
+                    within_bytes: int = 0, held_bytes: int = 0) -> int:  # fmt: skip
+    """The KV cache's bytes on a GPU: `fraction` of the free memory less `reserve_bytes`, the
+    step workspaces the engine allocates after the cache (the plan's buffers). Sized from all
+    of the free memory, the cache left a 43-layer offload worker's first 8K-token step 0.4 GiB
+    for a 1 GiB scratch on an H100. With a device budget (`within_bytes`,
+    `model.device_memory_gib`; `held_bytes` already taken) it stays inside that budget too."""
+    budget = int(free_bytes * fraction) - reserve_bytes
+    if within_bytes:
+        budget = min(budget, int(within_bytes * fraction) - held_bytes - reserve_bytes)
+    return max(budget, 0)

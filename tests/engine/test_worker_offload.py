@@ -321,3 +321,19 @@ def test_paged_offload_halves_the_captured_batch_until_the_pools_slots_fit() -> 
     assert offload.num_offloaded == plan.offloaded_per_layer < 8
     with pytest.raises(PlanDoesNotFit):
         startup_plan(config, planned_model_config(config), int(PAGED_DEVICE_GIB * GIB))
+
+
+def test_kv_budget_leaves_the_step_workspaces_and_stays_inside_a_device_budget() -> None:
+    """The H100 run it comes from: 12.8 GiB free after a 43-layer offload worker's weights;
+    the KV cache once took 90% of that and the first 8K-token step found no room for its
+    1 GiB dequantise scratch. The plan's buffers are held back now, and a
+    `model.device_memory_gib` budget caps the cache as well."""
+    from dsv4.worker.build import kv_budget_bytes
+
+    gib = 1 << 30
+    free, reserve = int(12.8 * gib), int(1.5 * gib)
+    assert kv_budget_bytes(free, 0.9, 0) == int(free * 0.9)
+    assert kv_budget_bytes(free, 0.9, reserve) == int(free * 0.9) - reserve
+    capped = kv_budget_bytes(free, 0.9, reserve, within_bytes=68 * gib, held_bytes=58 * gib)
+    assert capped == int(68 * gib * 0.9) - 58 * gib - reserve < int(free * 0.9) - reserve
+    assert kv_budget_bytes(free, 0.9, 20 * gib) == 0  # never negative: one request then refuses
