@@ -108,7 +108,7 @@ grep -E "^\||Error|rc=" "$logs/halves-bench.log" | cut -c1-200
 }
 has full && {
 run_into "${T_FULL:-400}" "$logs/full.log" python3 -m benchmarks.offload_serve_check --layers 43 \
-    --no-check --offload-share 0 --host-memory-gib "${FULL_HOST_GIB:-100}" \
+    --no-check --offload-share 0 --host-memory-gib "${FULL_HOST_GIB:-108}" --warm-up powers \
     --out "$out/full-depth-$card.json" ${FULL_ARGS:-}
 grep -E "loaded in|warm-up|timed|Error|error|short|rc=" "$logs/full.log" | cut -c1-300
 tail -4 "$logs/full.log" | cut -c1-300

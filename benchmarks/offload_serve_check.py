@@ -38,8 +38,9 @@ GIB = 1 << 30
 
 
 def overrides(model_dir: Path, device: str, forward: str, max_seqs: int = 2,
-              max_len: int = 512, step_tokens: int = 128) -> dict:  # fmt: skip
+              max_len: int = 512, step_tokens: int = 128, warm_up: str = "all") -> dict:  # fmt: skip
     return {
+        "scheduler.warm_up": warm_up,
         "model.path": f"random:{model_dir}", "model.device": device,
         "features.forward": forward, "features.expert_weights": "checkpoint",
         "features.linear_weights": "checkpoint", "model.max_model_len": max_len,
@@ -160,6 +161,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--prompt-len", type=int, default=64, help="the TPOT runs' prompts")
     parser.add_argument("--steps", type=int, default=16, help="timed decode steps")
     parser.add_argument("--ttft-prompt", type=int, default=1024)
+    parser.add_argument("--warm-up", default="all", choices=("all", "powers"),
+                        help="scheduler.warm_up of every runtime (powers: the measured prompt "
+                             "lengths are powers of two or --prompt-len)")  # fmt: skip
     parser.add_argument("--prefill-prompt", type=int, default=0,
                         help="full_depth_prefill's prompt (tok_s); 0: none")  # fmt: skip
     parser.add_argument("--out", default="")
@@ -183,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = model_config(args.shape, args.layers)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_model_spec(Path(tmp), cfg)
-        base = overrides(model_dir, args.device, args.forward)
+        base = overrides(model_dir, args.device, args.forward, warm_up=args.warm_up)
         budget = args.device_memory_gib or device_budget_gib(load_config(base), args.offload_share)
         offload = {**base, "model.device_memory_gib": budget,
                    "model.host_memory_gib": args.host_memory_gib}  # fmt: skip

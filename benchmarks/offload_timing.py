@@ -183,7 +183,8 @@ def timing_records(model_dir, args, on_run=None) -> list[dict]:
     longest = max(args.ttft_prompt, args.prefill_prompt)
     step_tokens = max(longest, 128)
     max_len = -(-(longest + args.prompt_len + args.steps + 64) // 256) * 256
-    shape = dict(max_seqs=args.max_seqs or max(batches), max_len=max_len, step_tokens=step_tokens)
+    shape = dict(max_seqs=args.max_seqs or max(batches), max_len=max_len, step_tokens=step_tokens,
+                 warm_up=args.warm_up)  # fmt: skip
     paged = overrides(model_dir, args.device, "paged", **shape)
     budget = args.device_memory_gib or device_budget_gib(load_config(paged), args.offload_share)
     offload = {"model.device_memory_gib": budget, "model.host_memory_gib": args.host_memory_gib}

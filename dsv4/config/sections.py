@@ -138,6 +138,13 @@ class SchedulerSection(Section):
     )
     chunk_area_budget: int = setting(0, "area budget per prefill chunk; 0: derived", min=0)
     prefill_chunk_group_size: int = setting(4, "requests per chunk when the plan is fixed", min=1)
+    # An offloading worker copies a layer's cold experts in for each warm-up prompt of more than
+    # ~100 tokens (they route to nearly all 256): at 43 layers on an H100 ~89 GB a prompt
+    warm_up: str = setting(
+        "all", "start-up prompt lengths: all = each size class in its four argument "
+        "specialisations; powers = powers of two only (a quarter of the prompts; other lengths "
+        "compile on first use)", choices=("all", "powers"),
+    )  # fmt: skip
     # The longest healthy step is a full 16K-token prefill chunk (a few s on an H200), plus
     # 1.5-3.3 s for a kernel compile the warm-up missed; collectives give up on their own after
     # model.collective_timeout_s (60 s). 120 s never fires on a healthy worker and still ends a

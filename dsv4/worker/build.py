@@ -260,7 +260,8 @@ def _build(
         core = rank_zero_core(core, ranks)
     if config.model.device.startswith("cuda"):
         s = config.scheduler
-        lengths = warm_up_lengths(s.max_num_batched_tokens, config.model.max_model_len)
+        lengths = warm_up_lengths(s.max_num_batched_tokens, config.model.max_model_len,
+                                  powers_only=s.warm_up == "powers")  # fmt: skip
         role = config.worker.role
         # a prefill worker only samples first tokens: its warm-up needs no decode steps; a
         # colocated one also admits prompts beside a decoding request (mixed steps)
@@ -386,7 +387,9 @@ def paged_options(config: ServeConfig) -> PagedOptions | None:
     return PagedOptions(metadata, switches, graph_options(config))
 
 
-def warm_up_lengths(budget: int, max_model_len: int) -> tuple[int, ...]:
+def warm_up_lengths(
+    budget: int, max_model_len: int, *, powers_only: bool = False
+) -> tuple[int, ...]:
     """Prompt lengths of the start-up requests, so that kernels compile before traffic.
 
     A Triton kernel compiles once per (block-size class, argument specialisation): our
@@ -396,13 +399,15 @@ def warm_up_lengths(budget: int, max_model_len: int) -> tuple[int, ...]:
     tokens / ratio-4 entries of (div, div), (odd, odd), (div, not), (odd, div); then that
     largest prompt, then (when longer) a max-length prompt whose chunks walk the context
     through its classes. Measured on the H200: after one 8696-token warm-up a 4459-token
-    prompt took 1.55 s, after power-of-two warm-ups only 8.6 s, instead of ~0.1 s warm."""
+    prompt took 1.55 s, after power-of-two warm-ups only 8.6 s, instead of ~0.1 s warm.
+    `powers_only` (`scheduler.warm_up=powers`): 2^p alone per class, for workers whose
+    warm-up prompts are costly (expert offload), and whose traffic then pays those compiles."""
     longest = max(1, max_model_len - 8)
     largest = min(budget, longest)
     lengths = {largest}
+    offsets = (0,) if powers_only else (0, 1, 16, 63)
     for p in range(4, largest.bit_length() + 1):
-        lengths.update(n for n in (1 << p, (1 << p) - 1, (1 << p) - 16, (1 << p) - 63)
-                       if 0 < n <= largest)  # fmt: skip
+        lengths.update(n for n in ((1 << p) - o for o in offsets) if 0 < n <= largest)
     return (*sorted(lengths), *((longest,) if longest > largest else ()))
 
 

@@ -38,3 +38,5 @@ def test_warm_up_covers_every_size_class_and_specialisation() -> None:
         assert combos == {(True, True), (False, False), (True, False), (False, True)}, p
     assert warm_up_lengths(2048, 131072)[-2:] == (2048, 131064)
     assert warm_up_lengths(8, 100) == (8, 92) and warm_up_lengths(64, 10) == (2,)
+    # scheduler.warm_up=powers: one prompt per class, plus the largest and the longest
+    assert warm_up_lengths(1000, 1280, powers_only=True) == (16, 32, 64, 128, 256, 512, 1000, 1272)
