@@ -16,6 +16,7 @@ minus `--offload-share` of the routed experts, so the plan offloads about that s
 Timing (`records`, benchmarks/offload_timing.py): `full_depth_tpot` per batch and routing
 (uniform, zipf1) for the paged forward with graphs (without and with `expert_prefetch`, field
 `expert_prefetch`) and the reference forward, each offloaded,
+`--mtp-k K` times them with MTP speculation (the TPOT per expected token),
 and `full_depth_ttft` of a `--ttft-prompt`-token prompt, `full_depth_prefill` of a
 `--prefill-prompt`-token one; see that module for the fields. `--offload-share 0` leaves the
 device budget to the card (the plan offloads what does not fit); `--out` is rewritten after
@@ -166,6 +167,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "lengths are powers of two or --prompt-len)")  # fmt: skip
     parser.add_argument("--prefill-prompt", type=int, default=0,
                         help="full_depth_prefill's prompt (tok_s); 0: none")  # fmt: skip
+    parser.add_argument("--mtp-k", type=int, default=0, choices=(0, 1, 2, 3),
+                        help="timed runs speculate with the MTP layer, K drafts a step")  # fmt: skip
+    parser.add_argument("--acceptance", default="0.837,0.672,0.573",
+                        help="cumulative acceptance per draft position for the MTP TPOT: the "
+                             "trained tiny model, greedy "
+                             "(benchmarks/results/mtp-acceptance-trained-tiny.json)")  # fmt: skip
     parser.add_argument("--out", default="")
     return parser.parse_args(argv)
 

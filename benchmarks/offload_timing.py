@@ -24,6 +24,13 @@ one step per call, as a worker serves (the token read each step is the served sy
   for the reference's own records); speedup = baseline_time_us / time_us;
 - graph_max_batch: the captured decode batch the worker chose (its pool's slots fit the plan);
   a larger batch's steps ran eagerly (cuda_graphs says only that graphs were on).
+
+MTP (`--mtp-k K`, K > 0): the worker speculates with its MTP layer (`speculative.method=mtp`),
+so a step verifies 1 + K tokens a sequence and runs the MTP layer's drafts, each through the
+offloaded experts. Random weights accept no draft and a spec step costs the same whatever is
+accepted, so `full_depth_tpot`'s time_us is the measured step (`step_time_us`) over
+`tokens_per_step` = 1 + the expected accepted drafts at the per-position acceptance of the
+trained tiny model (`--acceptance`, as benchmarks/bench_decode_graphs.py does).
 """
 
 from __future__ import annotations
@@ -75,12 +82,17 @@ def _traffic(runtime, steps: int) -> dict:
                 copy_wait_measured_us=None if wait_ns is None else wait_ns / per_step / 1e3)  # fmt: skip
 
 
-def tpot(runtime, batch: int, prompt_len: int, steps: int) -> dict:
+def tpot(runtime, batch: int, prompt_len: int, steps: int, tokens_per_step: float = 1.0) -> dict:
     """A decode step of `batch` requests, averaged over `steps` steps after every request's
-    prefill (the offload's counters reset first)."""
+    prefill (the offload's counters reset first); time_us = step / `tokens_per_step` (MTP:
+    the expected tokens a spec step yields, see the module doc)."""
     core = runtime.engine.core
+    drafts = runtime.config.speculative.num_speculative_tokens
+    spec = runtime.config.speculative.method == "mtp"
+    # room for every draft to be accepted: no request ends inside the timed steps
+    new_tokens = (steps + 4) * (1 + (drafts if spec else 0))
     _add(runtime, f"tpot{batch}", _prompts(runtime.model_config.vocab_size, batch, prompt_len),
-         steps + 4)  # fmt: skip
+         new_tokens)  # fmt: skip
     decoding: set[str] = set()
     while len(decoding) < batch:
         decoding.update(o.request_id for o in core.step() if o.new_token_ids)
@@ -91,8 +103,10 @@ def tpot(runtime, batch: int, prompt_len: int, steps: int) -> dict:
     for _ in range(steps):
         core.step()
     _sync()
-    elapsed = time.perf_counter() - start
-    out = dict(time_us=elapsed / steps * 1e6, **_traffic(runtime, steps))
+    step_us = (time.perf_counter() - start) / steps * 1e6
+    out = dict(time_us=step_us / tokens_per_step, **_traffic(runtime, steps))
+    if spec:
+        out.update(step_time_us=step_us, tokens_per_step=tokens_per_step)
     _drain(core)
     return out
 
@@ -130,7 +144,8 @@ def measure(values: dict, args) -> dict[tuple[str, int], dict]:
     from benchmarks.offload_serve_check import release
 
     runtime = build_worker_runtime(load_config(values), with_transport=False)
-    out = {("full_depth_tpot", b): tpot(runtime, b, args.prompt_len, args.steps)
+    per_step = tokens_per_spec_step(args)
+    out = {("full_depth_tpot", b): tpot(runtime, b, args.prompt_len, args.steps, per_step)
            for b in (int(b) for b in args.batches.split(","))}  # fmt: skip
     out[("full_depth_ttft", 1)] = ttft(runtime, args.ttft_prompt)
     if args.prefill_prompt:
@@ -147,6 +162,21 @@ def measure(values: dict, args) -> dict[tuple[str, int], dict]:
     del runtime
     release()
     return {key: {**info, **timing} for key, timing in out.items()}
+
+
+def tokens_per_spec_step(args) -> float:
+    """1 + the expected accepted drafts of `--mtp-k` drafts at `--acceptance` (1 without MTP)."""
+    rates = [float(r) for r in args.acceptance.split(",")]
+    if args.mtp_k > len(rates):
+        raise SystemExit(f"--acceptance gives {len(rates)} positions; --mtp-k is {args.mtp_k}")
+    return 1.0 + sum(rates[: args.mtp_k])
+
+
+def spec_values(args) -> dict:
+    """The worker's speculation settings for `--mtp-k` (none for 0)."""
+    if not args.mtp_k:
+        return {}
+    return {"speculative.method": "mtp", "speculative.num_speculative_tokens": args.mtp_k}
 
 
 RUNS = {
@@ -185,7 +215,7 @@ def timing_records(model_dir, args, on_run=None) -> list[dict]:
     max_len = -(-(longest + args.prompt_len + args.steps + 64) // 256) * 256
     shape = dict(max_seqs=args.max_seqs or max(batches), max_len=max_len, step_tokens=step_tokens,
                  warm_up=args.warm_up)  # fmt: skip
-    paged = overrides(model_dir, args.device, "paged", **shape)
+    paged = {**overrides(model_dir, args.device, "paged", **shape), **spec_values(args)}
     budget = args.device_memory_gib or device_budget_gib(load_config(paged), args.offload_share)
     offload = {"model.device_memory_gib": budget, "model.host_memory_gib": args.host_memory_gib}
     runs = chosen_runs(args)  # the paged forward, with pre-gated prefetch (A/B), the reference
@@ -194,7 +224,8 @@ def timing_records(model_dir, args, on_run=None) -> list[dict]:
         times: dict[str, dict] = {}
         for run, (forward, prefetch) in runs.items():
             values = {**overrides(model_dir, args.device, forward, **shape), **offload,
-                      "model.random_routing": routing, "features.expert_prefetch": prefetch}  # fmt: skip
+                      "model.random_routing": routing, "features.expert_prefetch": prefetch,
+                      **spec_values(args)}  # fmt: skip
             started = time.perf_counter()
             times[run] = measure(values, args)
             print(f"timed {run} ({routing}): {time.perf_counter() - started:.1f} s "
@@ -218,7 +249,7 @@ def routing_records(times: dict, compute: dict, runs: dict, routing: str, args) 
             base = times.get("reference", {}).get((name, batch)) if is_paged else None
             c = compute.get((name, batch)) if is_paged else None
             records.append(dict(
-                name=name, batch=batch, routing=routing, mtp_k=0, layers=args.layers,
+                name=name, batch=batch, routing=routing, mtp_k=args.mtp_k, layers=args.layers,
                 prompt_len=prompt_len(name, args),
                 **t, copy_floor_us=t["bytes_fetched"] / (COPY_GB_PER_S * 1e3),
                 compute_us=c["time_us"] if c else None,
@@ -231,11 +262,11 @@ def routing_records(times: dict, compute: dict, runs: dict, routing: str, args) 
 
 def join_baseline(records: list[dict]) -> list[dict]:
     """Fill the paged records' baseline_time_us and speedup from reference records of the same
-    (name, batch, routing, prompt_len), e.g. from a separate call (one 10-minute GPU call holds
-    a 43-layer runtime or two, not all three runs)."""
+    (name, batch, routing, prompt_len, mtp_k), e.g. from a separate call (one 10-minute GPU
+    call holds a 43-layer runtime or two, not all three runs)."""
 
     def key(r: dict) -> tuple:
-        return r["name"], r["batch"], r["routing"], r["prompt_len"]
+        return r["name"], r["batch"], r["routing"], r["prompt_len"], r.get("mtp_k", 0)
 
     reference = {key(r): r["time_us"] for r in records if r["forward"] == "reference"}
     out = []

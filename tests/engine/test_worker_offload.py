@@ -291,6 +291,26 @@ def test_offload_benchmark_runs_on_cpu_and_writes_the_record_contract(tmp_path) 
                for r in paged if not r["expert_prefetch"])  # fmt: skip
 
 
+def test_offload_benchmark_times_mtp_steps_per_expected_token(tmp_path) -> None:
+    """--mtp-k 2: the offloaded paged worker speculates (the MTP layer's experts in the pool
+    too); TPOT is the measured spec step over 1 + the expected accepted drafts."""
+    from benchmarks.offload_serve_check import main
+
+    out = tmp_path / "mtp.json"
+    argv = ["--shape", "tiny", "--device", "cpu", "--no-check", "--runs", "paged",
+            "--mtp-k", "2", "--offload-share", "0.15", "--batches", "2", "--steps", "2",
+            "--routings", "uniform", "--prompt-len", "8", "--ttft-prompt", "16",
+            "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    records = json.loads(out.read_text())["records"]
+    tpot = [r for r in records if r["name"] == "full_depth_tpot"]
+    assert len(tpot) == 1 and all(r["mtp_k"] == 2 for r in records)
+    (r,) = tpot
+    assert r["tokens_per_step"] == pytest.approx(1 + 0.837 + 0.672)
+    assert r["time_us"] == pytest.approx(r["step_time_us"] / r["tokens_per_step"])
+    assert r["hit_rate"] is not None and r["compute_us"] is not None
+
+
 def test_joined_calls_fill_the_paged_records_baseline_from_the_reference_ones() -> None:
     """Records of separate calls (paged in one, reference in another) joined by
     (name, batch, routing, prompt_len); a paged record without its reference keeps None."""
@@ -300,11 +320,13 @@ def test_joined_calls_fill_the_paged_records_baseline_from_the_reference_ones() 
         return dict(name="full_depth_tpot", batch=batch, routing="uniform", prompt_len=64,
                     forward=forward, time_us=time_us, baseline_time_us=None, speedup=None)  # fmt: skip
 
+    spec = {**rec("paged", 1, 20.0), "mtp_k": 2}  # MTP records join only MTP baselines
     joined = join_baseline(
-        [rec("paged", 1, 50.0), rec("paged", 16, 80.0), rec("reference", 1, 400.0)]
+        [rec("paged", 1, 50.0), rec("paged", 16, 80.0), rec("reference", 1, 400.0), spec]
     )
     assert joined[0]["baseline_time_us"] == 400.0 and joined[0]["speedup"] == 8.0
     assert joined[1]["speedup"] is None and joined[2]["speedup"] is None
+    assert joined[3]["speedup"] is None
 
 
 def test_paged_offload_halves_the_captured_batch_until_the_pools_slots_fit() -> None:
