@@ -3,7 +3,10 @@
 Each forward (paged with CUDA graphs: the expert pool, without and with
 `features.expert_prefetch`; reference: the offload stores) serves
 the same random model at the same device budget, once per routing ("uniform": the random
-gates; "zipf1": popularity ~ 1/rank, `dsv4.model.skew`). The engine core is driven directly,
+gates, the experts kept on the device in index order; "zipf1": popularity ~ 1/rank,
+`dsv4.model.skew`, with the most popular experts kept on the device: a residency file of the
+expected routing counts, what `dsv4 plan --routing-stats` writes once the worker's counts
+have converged; record field `residency`). The engine core is driven directly,
 one step per call, as a worker serves (the token read each step is the served sync).
 
 `full_depth_tpot` (per decode batch), `full_depth_ttft` (one `--ttft-prompt` prompt) and
@@ -37,14 +40,19 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 
 import torch
 
 from dsv4.config import load_config
+from dsv4.config.model import ModelConfig
+from dsv4.model.skew import zipf_expected_counts, zipf_layer_ranks
 from dsv4.plan import PlanDoesNotFit
+from dsv4.plan.residency import Residency, write_residency
 from dsv4.types import GenerateRequest, SamplingParams
 from dsv4.worker.build import build_worker_runtime, planned_model_config
 from dsv4.worker.fit import startup_plan
+from dsv4.worker.offload import num_moe_layers
 
 COPY_GB_PER_S = 55.0
 
@@ -139,6 +147,20 @@ def resident_fits(values: dict) -> bool:
         return False
 
 
+def routing_values(routing: str, values: dict, directory: Path) -> dict:
+    """The worker settings of `routing`: zipf1 also keeps each layer's most popular experts on
+    the device (a residency file of the expected counts, written under `directory`)."""
+    out = {"model.random_routing": routing}
+    if routing != "zipf1":
+        return out
+    config = load_config(values)
+    cfg = ModelConfig.from_file(config.model.model_dir)
+    ranks = zipf_layer_ranks(num_moe_layers(cfg), cfg.n_routed_experts, config.model.seed)
+    path = directory / "zipf1-residency.json"
+    write_residency(Residency.from_counts([zipf_expected_counts(r) for r in ranks]), path)
+    return {**out, "model.expert_residency": str(path)}
+
+
 def measure(values: dict, args) -> dict[tuple[str, int], dict]:
     """{(name, batch): timing} of one runtime built from `values`."""
     from benchmarks.offload_serve_check import release
@@ -155,6 +177,7 @@ def measure(values: dict, args) -> dict[tuple[str, int], dict]:
     features = runtime.config.features
     on_cuda = runtime.config.model.device.startswith("cuda")
     info = dict(forward=features.forward, expert_prefetch=features.expert_prefetch,
+                residency="popularity" if runtime.config.model.expert_residency else "index",
                 expert_weights=features.expert_weights,
                 linear_weights=features.linear_weights,
                 cuda_graphs=features.cuda_graphs and features.forward == "paged" and on_cuda,
@@ -224,8 +247,8 @@ def timing_records(model_dir, args, on_run=None) -> list[dict]:
         times: dict[str, dict] = {}
         for run, (forward, prefetch) in runs.items():
             values = {**overrides(model_dir, args.device, forward, **shape), **offload,
-                      "model.random_routing": routing, "features.expert_prefetch": prefetch,
-                      **spec_values(args)}  # fmt: skip
+                      **routing_values(routing, paged, Path(model_dir)),
+                      "features.expert_prefetch": prefetch, **spec_values(args)}  # fmt: skip
             started = time.perf_counter()
             times[run] = measure(values, args)
             print(f"timed {run} ({routing}): {time.perf_counter() - started:.1f} s "
@@ -281,7 +304,6 @@ def join_baseline(records: list[dict]) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     import argparse
     import json
-    from pathlib import Path
 
     parser = argparse.ArgumentParser(description="join the records of offload_serve_check "
                                      "calls (their `records`), baselines filled in")  # fmt: skip

@@ -30,6 +30,21 @@ def zipf_ranks(num_experts: int, gen: torch.Generator) -> torch.Tensor:
     return torch.randperm(num_experts, generator=gen).double() + 1
 
 
+def zipf_layer_ranks(num_layers: int, num_experts: int, seed: int) -> list[torch.Tensor]:
+    """Each MoE layer's ranks [E] (layers 0..L-1, then the MTP layer), from their own generator
+    of `seed`: `zipf_routing_` draws them so, and an offload benchmark reads them before the
+    model exists (`zipf_expected_counts`)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [zipf_ranks(num_experts, gen) for _ in range(num_layers)]
+
+
+def zipf_expected_counts(ranks: torch.Tensor, selections: int = 1_000_000) -> list[int]:
+    """counts [E]: a layer's selections per expert out of `selections` at exact 1/rank shares,
+    what the worker's routing statistics converge to (a residency file's counts)."""
+    share = (1.0 / ranks) / (1.0 / ranks).sum()
+    return [round(float(x)) for x in share * selections]
+
+
 def zipf_distance(scale: float, cfg: ModelConfig, logits: torch.Tensor) -> float:
     """Total variation between the selection shares with the bias -scale * log(rank) (expert i
     has rank i + 1 here) on gate logits [T, E] and the exact 1/rank shares."""
@@ -66,15 +81,16 @@ def zipf_table(cfg: ModelConfig, ranks: torch.Tensor, gen: torch.Generator) -> t
 @torch.no_grad()
 def zipf_routing_(model: torch.nn.Module, seed: int) -> None:
     """Re-bias every MoE layer of `model` (a `DeepseekV4`) for Zipf(1) expert popularity; the
-    draws come from their own CPU generator of `seed` (other weights keep their values)."""
+    draws come from their own CPU generators of `seed` (other weights keep their values): the
+    ranks (`zipf_layer_ranks`), then the scale and the hash tables."""
     from dsv4.model.moe import MoE
 
-    gen = torch.Generator().manual_seed(seed)
     moes = [m for m in model.modules() if isinstance(m, MoE)]
+    layer_ranks = zipf_layer_ranks(len(moes), moes[0].cfg.n_routed_experts, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
     scale = fit_zipf_scale(moes[0].cfg, gen)
-    for moe in moes:
+    for moe, ranks in zip(moes, layer_ranks):
         gate, cfg = moe.gate, moe.cfg
-        ranks = zipf_ranks(cfg.n_routed_experts, gen)
         if gate.is_hash:
             gate.tid2eid.copy_(zipf_table(cfg, ranks, gen))
         else:

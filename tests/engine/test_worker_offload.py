@@ -279,6 +279,7 @@ def test_offload_benchmark_runs_on_cpu_and_writes_the_record_contract(tmp_path) 
                     for f, p in (("paged", False), ("paged", True), ("reference", False))}  # fmt: skip
     for r in records:
         assert r.keys() >= RECORD_FIELDS and r["routing"] == "zipf1" and r["time_us"] > 0
+        assert r["residency"] == "popularity"  # the expected counts' hot experts stay
         assert r["copy_floor_us"] == r["bytes_fetched"] / 55e3
     paged = [r for r in records if r["forward"] == "paged"]
     assert all(r["speedup"] == r["baseline_time_us"] / r["time_us"] for r in paged)
@@ -309,6 +310,7 @@ def test_offload_benchmark_times_mtp_steps_per_expected_token(tmp_path) -> None:
     assert r["tokens_per_step"] == pytest.approx(1 + 0.837 + 0.672)
     assert r["time_us"] == pytest.approx(r["step_time_us"] / r["tokens_per_step"])
     assert r["hit_rate"] is not None and r["compute_us"] is not None
+    assert r["residency"] == "index"
 
 
 def test_joined_calls_fill_the_paged_records_baseline_from_the_reference_ones() -> None:
