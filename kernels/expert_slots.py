@@ -182,8 +182,9 @@ def _launch(ids: torch.Tensor, slots: SlotTable, prefetch: bool) -> torch.Tensor
 
 
 @triton.jit
-def _copy_part(dst_ptr, src_ptr, n, row, slot, c, CHUNK: tl.constexpr, BLOCK_B: tl.constexpr):
-    src = src_ptr + row.to(tl.int64) * n
+def _copy_part(dst_ptr, src_ptr, n, src_stride, row, slot, c,
+               CHUNK: tl.constexpr, BLOCK_B: tl.constexpr):  # fmt: skip
+    src = src_ptr + row.to(tl.int64) * src_stride  # host rows may be strided views of blobs
     dst = dst_ptr + slot.to(tl.int64) * n
     for b0 in range(c * CHUNK, tl.minimum(c * CHUNK + CHUNK, n), BLOCK_B):
         b = b0 + tl.arange(0, BLOCK_B)
@@ -192,25 +193,25 @@ def _copy_part(dst_ptr, src_ptr, n, row, slot, c, CHUNK: tl.constexpr, BLOCK_B: 
 
 @triton.jit(**sizes_vary("S"))
 def _copy_kernel(
-    fetch_ptr, d0, s0, n0, d1, s1, n1, d2, s2, n2, d3, s3, n3, R, S,
+    fetch_ptr, d0, s0, n0, t0, d1, s1, n1, t1, d2, s2, n2, t2, d3, s3, n3, t3, R, S,
     NUM_PARTS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_B: tl.constexpr,
 ):  # fmt: skip
     c = tl.program_id(0)
     for j in range(0, S):  # few fetches a step: the other slots cost one cached load each
         row = tl.load(fetch_ptr + j)
         if row >= 0:
-            _copy_part(d0, s0, n0, row, R + j, c, CHUNK, BLOCK_B)
+            _copy_part(d0, s0, n0, t0, row, R + j, c, CHUNK, BLOCK_B)
             if NUM_PARTS > 1:
-                _copy_part(d1, s1, n1, row, R + j, c, CHUNK, BLOCK_B)
+                _copy_part(d1, s1, n1, t1, row, R + j, c, CHUNK, BLOCK_B)
             if NUM_PARTS > 2:
-                _copy_part(d2, s2, n2, row, R + j, c, CHUNK, BLOCK_B)
+                _copy_part(d2, s2, n2, t2, row, R + j, c, CHUNK, BLOCK_B)
             if NUM_PARTS > 3:
-                _copy_part(d3, s3, n3, row, R + j, c, CHUNK, BLOCK_B)
+                _copy_part(d3, s3, n3, t3, row, R + j, c, CHUNK, BLOCK_B)
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor's bytes as [rows, row_bytes] uint8 (a view)."""
-    assert t.is_contiguous()
+    """A tensor's bytes as [rows, row_bytes] uint8 (a view): each row contiguous, rows at any
+    stride (a pool's host rows may be views into the offload store's expert blobs)."""
     return t.view(torch.uint8).view(t.shape[0], -1)
 
 
@@ -227,10 +228,11 @@ def copy_fetched(
     for d, s in zip(dst, src):
         db, sb = _bytes(d), _bytes(s)
         assert db.shape[1] == sb.shape[1] and d.dtype == s.dtype, (d.shape, s.shape)
-        parts.append((db, sb, db.shape[1]))
+        assert db.is_contiguous() and sb.stride(1) == 1
+        parts.append((db, sb, db.shape[1], sb.stride(0)))
     num_parts = len(parts)
     parts += [parts[0]] * (MAX_PARTS - num_parts)
-    chunks = triton.cdiv(max(n for _, _, n in parts), _CHUNK)
+    chunks = triton.cdiv(max(n for _, _, n, _ in parts), _CHUNK)
     flat = [a for part in parts for a in part]
     _copy_kernel[(chunks,)](fetch, *flat, num_resident, fetch.numel(), NUM_PARTS=num_parts,
                             CHUNK=_CHUNK, BLOCK_B=_BLOCK_B, num_warps=4)  # fmt: skip

@@ -107,7 +107,7 @@ def cases():
                               STEP_C=4, ERRORS_C=5, OVERFLOW=1, STALE=2, NO_HOST=4,
                               PREFETCH=prefetch, PREFETCHES_C=6)))  # fmt: skip
     copy = {f"{k}{i}": "*u8" for i in range(4) for k in ("d", "s")}
-    copy.update(fetch_ptr="*i32", n0=I64, n1=I64, n2=I64, n3=I64)
+    copy.update(fetch_ptr="*i32", **{f"{k}{i}": I64 for i in range(4) for k in ("n", "t")})
     for parts in (2, 4):
         out.append(_case("kernels.expert_slots", "_copy_kernel", copy,
                          dict(NUM_PARTS=parts, CHUNK=1 << 15, BLOCK_B=4096)))  # fmt: skip

@@ -46,24 +46,24 @@ class ExpertFormat:
 
     @classmethod
     def dense(cls, dim: int, inter: int, dtype: torch.dtype) -> ExpertFormat:
+        # w1 then w3: a layer's cold blobs double as the expert pool's stacked w13 host rows
+        # (`dsv4.runner.paged.pool_storage.adopt_host_rows`)
         parts = (
             ("w1", (inter, dim), dtype),
-            ("w2", (dim, inter), dtype),
             ("w3", (inter, dim), dtype),
+            ("w2", (dim, inter), dtype),
         )
         return cls(parts, dtype, False)
 
     @classmethod
     def mxfp4(cls, dim: int, inter: int, compute_dtype: torch.dtype) -> ExpertFormat:
-        parts: list[Part] = []
-        for name, (rows, cols) in (
-            ("w1", (inter, dim)),
-            ("w2", (dim, inter)),
-            ("w3", (inter, dim)),
-        ):
-            parts.append((name, (rows, cols // 2), torch.int8))
-            parts.append((f"{name}_scale", (rows, cols // MXFP4_BLOCK), torch.float8_e8m0fnu))
-        return cls(tuple(parts), compute_dtype, True)
+        # codes w1, w3, w2, then their scales in the same order: w1 | w3 and their scales sit
+        # side by side, as the expert pool's stacked w13 rows (see `dense`)
+        shapes = (("w1", (inter, dim)), ("w3", (inter, dim)), ("w2", (dim, inter)))
+        codes = [(name, (rows, cols // 2), torch.int8) for name, (rows, cols) in shapes]
+        scales = [(f"{name}_scale", (rows, cols // MXFP4_BLOCK), torch.float8_e8m0fnu)
+                  for name, (rows, cols) in shapes]  # fmt: skip
+        return cls((*codes, *scales), compute_dtype, True)
 
     @property
     def offsets(self) -> tuple[int, ...]:

@@ -227,12 +227,18 @@ def random_model(
             moe = moes[prefix]
             held = moe.stacked_experts if moe.expert_store is None else moe.expert_store
             weight, scale = held.parts(int(e))[part]
+            # a cold expert's host blob is pinned: drawn on the device, its copy need not wait
+            # (the draws of the next experts queue behind it; synchronised below)
+            async_copy = draw_on_device and weight.device.type == "cpu"
             if scale is None:  # a dense offloaded blob: rounds as .to(dtype), as modules do
-                weight.copy_(value)
+                weight.copy_(value, non_blocking=async_copy)
                 continue
             stored = encode_tensor(spec.name, value, "bf16", cfg)  # as the writer stores it
-            weight.copy_(stored[spec.name])
-            scale.copy_(stored[spec.name.removesuffix("weight") + "scale"])
+            weight.copy_(stored[spec.name], non_blocking=async_copy)
+            scale.copy_(stored[spec.name.removesuffix("weight") + "scale"],
+                        non_blocking=async_copy)  # fmt: skip
+    if draw_on_device and torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)  # the host blobs' copies have landed
     if routing == "zipf1":
         from dsv4.model.skew import zipf_routing_
 

@@ -80,8 +80,14 @@ def test_pooled_mxfp4_experts_from_the_offload_split_equal_all_resident() -> Non
     order = tuple((7, 2, 5, 0, 1, 3, 4, 6) for _ in range(CFG.num_hidden_layers))
     split = random_model(FP4, seed=4, expert_weights="checkpoint",
                          offload=ExpertOffload(5, 2, order))  # fmt: skip
+    store = split.layers[0].ffn.expert_store
+    blob = store.host[min(store.host)]
     pool = pool_experts(split, PoolOptions((5,), order, 1, 2), "cpu", KernelBackendConfig())
     assert pool.layers[0].weights.format == "mxfp4"
+    # the store's cold blobs are the pool's host rows (views, no host-to-host copy)
+    host = pool.layers[0].host
+    assert len(host) == 4 and host[0].data_ptr() == blob.data_ptr()
+    assert host[0].stride(0) * host[0].element_size() == store.fmt.nbytes
     assert sorted(e for e, r in enumerate(pool.layers[0].table.tolist()) if r >= 0) == [2, 5, 7]
     steps, _ = _lockstep(resident, split)
     assert all(torch.equal(a, b) for a, b in steps)
@@ -265,6 +271,27 @@ def test_pooled_experts_on_the_gpu_equal_resident_with_graphs(fmt, prefetch) -> 
     assert outs[0] == outs[1] == outs[2] == outs[3]
     assert pool.stats().fetches > 0 and (pool.stats().prefetches > 0) == prefetch
     assert pool.stats().copy_wait_ns > 0
+    assert_no_leaks(pool)
+
+
+@pytest.mark.gpu
+def test_the_gpu_pool_serves_the_adopted_pinned_store_rows() -> None:
+    """The load-time split on the GPU (cold blobs in registered host memory) becomes the pool
+    without a copy: the copy kernel reads the store's blobs at their row stride; logits equal
+    all-resident bit for bit."""
+    kernels = KernelBackendConfig(default="triton")
+    model = dict(seed=9, dtype=torch.bfloat16, device="cuda", expert_weights="checkpoint")
+    resident = random_model(FP4, **model)
+    split = random_model(FP4, **model, offload=ExpertOffload(6, 1))
+    store = split.layers[0].ffn.expert_store
+    blob = store.host[min(store.host)]
+    options = PoolOptions((6,), cache_slots=1, max_decode_tokens=2)
+    pool = pool_experts(split, options, "cuda", kernels)
+    assert pool.layers[0].host[0].data_ptr() == blob.data_ptr()
+    steps, _ = _lockstep(resident, split, kernels=kernels, kv="fp8", index="mxfp4")
+    assert all(torch.equal(a, b) for a, b in steps)
+    pool.mirror()
+    assert pool.stats().fetches > 0
     assert_no_leaks(pool)
 
 

@@ -231,6 +231,23 @@ def test_copy_fetched_matches_the_reference(dtypes) -> None:
         assert (d[R + 1].cpu().view(torch.uint8) == 0).all()
 
 
+def test_copy_fetched_reads_host_rows_at_a_stride() -> None:
+    """Host rows that are column slices of one [rows, blob] allocation (the pool adopting an
+    offload store's blobs): each part is read at the blob's row stride."""
+    gen = torch.Generator().manual_seed(2)
+    blobs = torch.randint(0, 255, (7, 96), generator=gen, dtype=torch.uint8).to(DEVICE)
+    src = (blobs[:, 0:40].view(7, 5, 8), blobs[:, 48:72].view(torch.bfloat16).view(7, 3, 4))
+    assert not src[0].is_contiguous()
+    dst = tuple(torch.zeros(R + S, *s.shape[1:], dtype=s.dtype, device=DEVICE) for s in src)
+    fetch = torch.tensor([-1, 6, 2], dtype=torch.int32, device=DEVICE)
+    expect = tuple(d.clone() for d in dst)
+    copy_fetched_ref(fetch, expect, src, R)
+    copy_fetched(fetch, dst, src, R)
+    for d, x, s in zip(dst, expect, src):
+        assert torch.equal(d.view(torch.uint8), x.view(torch.uint8))
+        assert torch.equal(d[R + 1], s[6]) and torch.equal(d[R + 2], s[2])
+
+
 @pytest.mark.gpu
 def test_resolve_and_copy_from_pinned_host_inside_a_captured_graph() -> None:
     """One graph: resolve the routing in a static buffer, copy the fetched rows from pinned

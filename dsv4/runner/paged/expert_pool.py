@@ -39,7 +39,13 @@ from dsv4.ops.expert_slots import (
     error_text,
 )
 from dsv4.runner.paged.expert_rounds import experts_in_rounds
-from dsv4.runner.paged.pool_storage import drop_experts_, empty_rows, expert_rows_of, fill_
+from dsv4.runner.paged.pool_storage import (
+    adopt_host_rows,
+    drop_experts_,
+    empty_rows,
+    expert_rows_of,
+    fill_,
+)
 from kernels.backend import KernelBackendConfig, resolve
 
 logger = logging.getLogger(__name__)
@@ -321,11 +327,13 @@ def pool_experts(model: DeepseekV4, options: PoolOptions, device: torch.device |
         slots = options.slots(i, num, top_k) if cold else 0
         like = source.parts(0)
         storage = empty_rows(like, len(resident) + slots, device)
-        host = empty_rows(like, len(cold), torch.device("cpu"), pin=device.type == "cuda")
+        adopted = adopt_host_rows(moe, source, cold)
+        host = adopted or empty_rows(like, len(cold), torch.device("cpu"),
+                                     pin=device.type == "cuda")  # fmt: skip
         with torch.no_grad():
             for row, e in enumerate(resident):
                 fill_(storage, row, source.parts(e))
-            for row, e in enumerate(cold):
+            for row, e in enumerate([] if adopted else cold):
                 fill_(host, row, source.parts(e))
         drop_experts_(moe)
         if device.type == "cuda":  # hand the layer's old storage back before the next one

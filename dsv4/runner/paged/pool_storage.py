@@ -7,10 +7,16 @@ whole, bf16 / MXFP4 / FP8) or as an offload store (`dsv4.model.offload.Offloaded
 resident blobs on the device, cold blobs in pinned host memory, dense or MXFP4). `ExpertRows`
 reads expert e's parts from either, and `fill_` copies them into a pool's device rows and its
 pinned host rows; the source is dropped afterwards, so the experts exist once.
+
+An offload store's cold blobs are already pinned host memory, one [K, nbytes] allocation a
+layer with w1 | w3 side by side (`ExpertFormat`): `adopt_host_rows` hands them to the pool as
+its host rows (strided views, no copy) wherever the pool's cold experts are the store's, so a
+43-layer model does not copy ~100 GB host to host at start-up nor hold it twice meanwhile.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -95,6 +101,39 @@ def fill_(dst: Parts, row: int, parts: Parts) -> None:
     on every device)."""
     for d, p in zip(dst, parts):
         d[row].view(torch.uint8).copy_(p.reshape(d.shape[1:]).view(torch.uint8))
+
+
+def adopt_host_rows(moe: MoE, rows: ExpertRows, cold: list[int]) -> Parts | None:
+    """The pool's host rows for experts `cold` (in that order) as views of the layer's offload
+    store blobs, or None where they cannot be: no store, another cold set, a re-packed MXFP4
+    layout, or blobs that are not evenly spaced rows of one allocation."""
+    store = moe.expert_store
+    if not (cold and isinstance(store, OffloadedExperts)) or rows.format not in ("bf16", "mxfp4"):
+        return None
+    if sorted(store.host) != cold:
+        return None
+    first, nbytes = store.host[cold[0]], store.fmt.nbytes
+    base = first.data_ptr()
+    if any(store.host[e].data_ptr() != base + i * nbytes for i, e in enumerate(cold)):
+        return None
+    blobs = first.as_strided((len(cold), nbytes), (nbytes, 1))  # [K, nbytes] uint8
+    # the pool's parts (w13, w2[, w13_scale, w2_scale]) as runs of the blob's named parts
+    groups = [("w1", "w3"), ("w2",)]
+    if rows.format == "mxfp4":
+        groups += [("w1_scale", "w3_scale"), ("w2_scale",)]
+    spans = {name: (off, math.prod(shape) * dtype.itemsize, dtype)
+             for (name, shape, dtype), off in zip(store.fmt.parts, store.fmt.offsets)}  # fmt: skip
+    like = rows.parts(cold[0])
+    out = []
+    for group, want in zip(groups, like):
+        start, _, dtype = spans[group[0]]
+        end = start
+        for name in group:
+            if spans[name][0] != end:  # not side by side in this format: copy instead
+                return None
+            end += spans[name][1]
+        out.append(blobs[:, start:end].view(dtype).view(len(cold), *want.shape))
+    return tuple(out)
 
 
 def drop_experts_(moe: MoE) -> None:
