@@ -31,6 +31,7 @@
 #   pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl .whl-fi/*.whl \
 #     && export PYTHONPATH=/tmp/site
 #   PARTS="fi e2e" bash benchmarks/h200_session.sh
+# Carry .triton-cache.tgz (a copy of an earlier call's $OUT/triton-cache.tgz) to skip compiles.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -39,6 +40,13 @@ out=${OUT:-benchmarks/results/session}
 logs=${OUT:+$OUT/logs}
 logs=${logs:-/tmp/h200-logs}
 mkdir -p "$out" "$logs"
+# Triton's compiled kernels from an earlier call (its $OUT/triton-cache.tgz, carried in as
+# .triton-cache.tgz): a 43-layer start-up otherwise compiles every kernel again (tens of seconds)
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
+mkdir -p "$TRITON_CACHE_DIR"
+[ -f .triton-cache.tgz ] && tar xzf .triton-cache.tgz -C "$TRITON_CACHE_DIR"
+save_triton_cache() { [ -n "${OUT:-}" ] && tar czf "$OUT/triton-cache.tgz" -C "$TRITON_CACHE_DIR" .; }
+trap save_triton_cache EXIT
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$logs/gpu.txt"
 python3 -c "import torch, triton, grpc, google.protobuf as pb; print(torch.__version__, triton.__version__, grpc.__version__, pb.__version__)" >> "$logs/gpu.txt" 2>&1
 card=h100; grep -q H200 "$logs/gpu.txt" && card=h200
