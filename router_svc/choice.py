@@ -9,6 +9,10 @@ Called by the request flow on the event loop, once per attempt. Rules:
   tried, so one odd P does not block the pool.
 - Colocated workers (one engine doing both) serve only when no disaggregated pair exists, e.g.
   a deployment without a prefill pool; the router then sends Decode without a handle.
+- A worker that failed its last probe (still HEALTHY until it fails `num_failures_to_down` in a
+  row, so one slow Info does not fail its streams) comes after every worker that answered: a
+  crashed worker gets no new requests in the seconds before it is marked DOWN unless it is the
+  only choice.
 - No route: `Unavailable`, whose message says which pools are empty, down or incompatible.
 """
 
@@ -34,16 +38,17 @@ class Route:
         return self.prefill is None
 
 
-def _prefill_order(w: WorkerView) -> tuple[int, int, str]:
-    return (w.num_queued_tokens, w.num_running_requests, w.address)
+def _prefill_order(w: WorkerView) -> tuple[bool, int, int, str]:
+    return (w.is_suspect, w.num_queued_tokens, w.num_running_requests, w.address)
 
 
-def _decode_order(w: WorkerView) -> tuple[int, int, str]:
-    return (-w.num_free_blocks, w.num_running_requests, w.address)
+def _decode_order(w: WorkerView) -> tuple[bool, int, int, str]:
+    return (w.is_suspect, -w.num_free_blocks, w.num_running_requests, w.address)
 
 
-def _colocated_order(w: WorkerView) -> tuple[int, int, int, str]:
-    return (w.num_queued_tokens, w.num_running_requests, -w.num_free_blocks, w.address)
+def _colocated_order(w: WorkerView) -> tuple[bool, int, int, int, str]:
+    return (w.is_suspect, w.num_queued_tokens, w.num_running_requests, -w.num_free_blocks,
+            w.address)  # fmt: skip
 
 
 def _usable(workers: Iterable[WorkerView], exclude: Set[str]) -> list[WorkerView]:

@@ -48,6 +48,11 @@ class WorkerView:
         return self.health is WorkerHealth.HEALTHY
 
     @property
+    def is_suspect(self) -> bool:
+        """Routable, but its last probe failed: chosen only when no worker that answered is."""
+        return self.is_routable and self.num_consecutive_failures > 0
+
+    @property
     def has_reported(self) -> bool:
         """True once Info answered at least once (the model facts are known)."""
         return self.vocab_size > 0

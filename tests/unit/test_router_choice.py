@@ -106,3 +106,17 @@ def test_describe_pool() -> None:
     workers = [w("a"), w("b", P, DOWN), w("c", P, WorkerHealth.UNKNOWN)]
     assert describe_pool(workers, "prefill") == "prefill: 1 healthy of 3 (1 down, 1 unknown)"
     assert describe_pool([], "decode") == "decode: 0 healthy of 0"
+
+
+def test_a_worker_that_failed_its_last_probe_is_chosen_only_when_nothing_else_is() -> None:
+    suspect_p = w("p-suspect", num_queued_tokens=0, num_consecutive_failures=1)
+    busy_p = w("p-busy", num_queued_tokens=900)
+    assert choose_prefill([suspect_p, busy_p]).address == "p-busy"
+    assert choose_prefill([suspect_p]).address == "p-suspect"  # still HEALTHY: not DOWN yet
+    suspect_d = w("d-suspect", D, num_free_blocks=900, num_consecutive_failures=2)
+    small_d = w("d-small", D, num_free_blocks=3)
+    assert choose_decode([suspect_d, small_d], "h1").address == "d-small"
+    route = choose_route(PoolSnapshot((suspect_p, busy_p, suspect_d, small_d)))
+    assert (route.prefill.address, route.decode.address) == ("p-busy", "d-small")
+    colocated = (w("c-suspect", C, num_consecutive_failures=1), w("c-ok", C, num_queued_tokens=50))
+    assert choose_route(PoolSnapshot(colocated)).decode.address == "c-ok"
