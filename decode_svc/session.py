@@ -116,6 +116,9 @@ class DecodeSession:
         engine_request = runtime.engine_request(self._request)
         engine_request.output_token_ids.append(first)
         dst_block_ids = await self._adopt(engine_request, handle)
+        if dst_block_ids is None:  # aborted while it waited for blocks
+            yield self._last(None, FinishReason.ABORT, 1)
+            return
         state = await self._pull_guarded(handle, dst_block_ids)
         try:
             self._release_on_prefill(handle)
@@ -169,13 +172,14 @@ class DecodeSession:
             return FinishReason.STOP
         return FinishReason.LENGTH if sampling.max_new_tokens <= 1 else None
 
-    async def _adopt(self, engine_request, handle: KVHandle) -> tuple[int, ...]:
-        """Blocks for the pulled prompt. When none are free (or preempted requests wait for
-        them), waits up to `ADOPT_WAIT_S` for running requests to finish, then refuses with
-        RESOURCE_EXHAUSTED and a retry hint: an admitted request always makes progress (the
-        scheduler preempts by recompute when decodes outgrow the pool), a refused one is
-        told at once, nothing waits on blocks for a lease's lifetime. The refusal leaves P's
-        lease alone: the KV is still good for another D (the router's retry)."""
+    async def _adopt(self, engine_request, handle: KVHandle) -> tuple[int, ...] | None:
+        """Blocks for the pulled prompt (None: the request was aborted while it waited). When
+        none are free (or preempted requests wait for them), waits up to `ADOPT_WAIT_S` for
+        running requests to finish, then refuses with RESOURCE_EXHAUSTED and a retry hint: an
+        admitted request always makes progress (the scheduler preempts by recompute when
+        decodes outgrow the pool), a refused one is told at once, nothing waits on blocks for
+        a lease's lifetime. The refusal leaves P's lease alone: the KV is still good for
+        another D (the router's retry); an abort while waiting releases it."""
         pull_timeout_s = self._deps.runtime.config.transfer.pull_timeout_s
         pull_window_s = handle.pull_window_s(pull_timeout_s, time.time())
         give_up_s = time.monotonic() + min(ADOPT_WAIT_S, max(0.0, pull_window_s))
@@ -189,9 +193,10 @@ class DecodeSession:
                 self._release_on_prefill(handle)
                 raise
             except OutOfBlocks as exc:
-                if self._live.is_aborted:  # the request is over: P may free its KV now
+                if self._live.is_aborted:  # the client ended it while it waited: P frees its KV
                     self._release_on_prefill(handle)
-                if time.monotonic() >= give_up_s or self._live.is_aborted:
+                    return None
+                if time.monotonic() >= give_up_s:
                     # no room: P's lease stays for the router's retry on another D (or its TTL)
                     raise ResourceExhausted(
                         f"decode worker {self._deps.worker_id} has no free KV blocks for "

@@ -1,7 +1,8 @@
 """A decode worker with no room refuses a hand-off and leaves P's lease alone, against real
 worker processes (no router): the refusal is RESOURCE_EXHAUSTED with a retry hint, P still
 holds the KV, and the same handle pulled later (the router's retry on another D) gives the
-single engine's tokens without recomputing; a handle nobody retries expires by P's TTL. Ends
+single engine's tokens without recomputing; a handle nobody retries expires by P's TTL; a
+request aborted while D waits for room ends ABORT and frees P's lease. Ends
 leak-free over Info: every block free, no leases.
 
 D is sized from the workers' own layout: room for one long "filler" request, and less than a
@@ -66,9 +67,22 @@ def test_refused_handoff_keeps_the_lease_for_a_retry_or_its_ttl(model_dir) -> No
                 await _read_all(w.decode_stream(request, prefill))
             assert refused.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
             assert "retry after" in (refused.value.details() or "")
+        aborted = GenerateRequest("aborted-waiting", tuple(PROMPTS[0]), greedy(MAX_NEW_TOKENS))
+        waiting = asyncio.ensure_future(
+            _read_all(w.decode_stream(aborted, await w.prefill_request(aborted)))
+        )
+        for _ in range(100):  # its session registers at once; it waits ADOPT_WAIT_S for blocks
+            if await w.abort_decode(aborted.request_id):
+                break
+            await asyncio.sleep(0.002)
+        else:
+            raise AssertionError("D never knew the waiting request")
+        assert (await waiting)[-1].finish_reason is FinishReason.ABORT
         await asyncio.sleep(0.3)  # a Release D had sent in the background lands by now
         info = await w.info("prefill")
-        assert info.num_leases == 2, "D released P's lease when it refused for lack of room"
+        assert info.num_leases == 2, (
+            "D released P's lease when it refused for lack of room, or kept an aborted one"
+        )
         assert not filling.done(), "the filler ended before the refusals were checked"
 
         assert await w.abort_decode("filler")
