@@ -17,7 +17,10 @@ one step per call, as a worker serves (the token read each step is the served sy
   prefetched bytes included; `prefetches`: experts copied ahead of their layer per step);
 - copy_floor_us: bytes_fetched / 55 GB/s (the pinned host -> device floor of the H100/H200);
 - compute_us: the same shape served all-resident (paged forward), where the plan fits the
-  device without offload, else null; copy_wait_us = time_us - compute_us (null with it);
+  device without offload; copy_wait_us = time_us - compute_us (`compute_source`
+  "all_resident"). Where all-resident does not fit (the 43-layer model on one card), the
+  step's own split: copy_wait_us = copy_wait_measured_us per token, compute_us = time_us -
+  copy_wait_us (`compute_source` "step_minus_wait"; null for the untimed reference stores);
 - copy_wait_measured_us: the time the compute stream waited for expert copies, per timed step,
   as the pool's device clock stamps measured it (`PoolStats.copy_wait_ns`: joining prefetches
   and copying misses; on CPU the copies' own time); null for the reference forward, whose
@@ -271,7 +274,7 @@ def routing_records(times: dict, compute: dict, runs: dict, routing: str, args) 
         for (name, batch), t in timed.items():
             base = times.get("reference", {}).get((name, batch)) if is_paged else None
             c = compute.get((name, batch)) if is_paged else None
-            records.append(dict(
+            records.append(fill_compute(dict(
                 name=name, batch=batch, routing=routing, mtp_k=args.mtp_k, layers=args.layers,
                 prompt_len=prompt_len(name, args),
                 **t, copy_floor_us=t["bytes_fetched"] / (COPY_GB_PER_S * 1e3),
@@ -279,8 +282,21 @@ def routing_records(times: dict, compute: dict, runs: dict, routing: str, args) 
                 copy_wait_us=t["time_us"] - c["time_us"] if c else None,
                 baseline_time_us=base["time_us"] if base else None,
                 speedup=base["time_us"] / t["time_us"] if base else None,
-            ))  # fmt: skip
+            )))  # fmt: skip
     return records
+
+
+def fill_compute(record: dict) -> dict:
+    """`compute_source` and, where no all-resident run measured compute_us, the step's own
+    split (the module doc): the measured wait per token (an MTP step yields tokens_per_step)."""
+    if record.get("compute_us") is not None:
+        return {**record, "compute_source": "all_resident"}
+    wait_us = record.get("copy_wait_measured_us")
+    if wait_us is None:
+        return {**record, "compute_source": None}
+    wait_us /= record.get("tokens_per_step", 1.0)
+    return {**record, "copy_wait_us": wait_us, "compute_us": record["time_us"] - wait_us,
+            "compute_source": "step_minus_wait"}  # fmt: skip
 
 
 def join_baseline(records: list[dict]) -> list[dict]:
@@ -313,7 +329,10 @@ def main(argv: list[str] | None = None) -> int:
     records = []
     for path in args.inputs:
         data = json.loads(Path(path).read_text())
-        records += data["records"] if isinstance(data, dict) else data
+        if isinstance(data, dict):  # offload_serve_check's output: its run facts go per record
+            facts = {k: data[k] for k in ("shape", "device_memory_gib") if k in data}
+            data = [{**facts, **r} for r in data["records"]]
+        records += [fill_compute(r) for r in data]
     Path(args.out).write_text(json.dumps(join_baseline(records), indent=1))
     return 0
 

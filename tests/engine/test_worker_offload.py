@@ -331,6 +331,33 @@ def test_joined_calls_fill_the_paged_records_baseline_from_the_reference_ones() 
     assert joined[3]["speedup"] is None
 
 
+def test_records_without_an_all_resident_run_split_the_step_by_its_measured_wait(
+    tmp_path,
+) -> None:
+    """43 layers do not fit all-resident: compute_us and copy_wait_us come from the step's own
+    measured wait (per token for MTP); the join tool writes a list with the run's facts."""
+    from benchmarks.offload_timing import fill_compute, main
+
+    base = dict(name="full_depth_tpot", batch=1, routing="uniform", prompt_len=64, mtp_k=0,
+                forward="paged", time_us=50.0, compute_us=None, copy_wait_us=None,
+                copy_wait_measured_us=30.0, baseline_time_us=None, speedup=None)  # fmt: skip
+    split = fill_compute(base)
+    assert (split["copy_wait_us"], split["compute_us"]) == (30.0, 20.0)
+    assert split["compute_source"] == "step_minus_wait"
+    spec = fill_compute({**base, "time_us": 20.0, "tokens_per_step": 2.5, "mtp_k": 2})
+    assert spec["copy_wait_us"] == 12.0 and spec["compute_us"] == 8.0
+    resident = fill_compute({**base, "compute_us": 40.0, "copy_wait_us": 10.0})
+    assert (resident["compute_us"], resident["compute_source"]) == (40.0, "all_resident")
+    untimed = fill_compute({**base, "forward": "reference", "copy_wait_measured_us": None})
+    assert untimed["compute_us"] is None and untimed["compute_source"] is None
+    run = tmp_path / "run.json"
+    run.write_text(json.dumps({"shape": "flash", "layers": 43, "device_memory_gib": 68.5,
+                               "records": [base]}))  # fmt: skip
+    assert main([str(run), "--out", str(tmp_path / "joined.json")]) == 0
+    (joined,) = json.loads((tmp_path / "joined.json").read_text())
+    assert joined["device_memory_gib"] == 68.5 and joined["compute_us"] == 20.0
+
+
 def test_paged_offload_halves_the_captured_batch_until_the_pools_slots_fit() -> None:
     """4 sequences x top-2 would need all 8 experts' slots: the captured decode batch halves to
     2 (4 slots), and the plan at that batch is the one served."""
