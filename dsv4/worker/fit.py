@@ -110,6 +110,15 @@ def size_text(nbytes: int) -> str:
     return f"{nbytes / GIB:.1f} GiB" if nbytes >= GIB // 10 else f"{nbytes / (1 << 20):.1f} MiB"
 
 
+def _makes_fp32_copies(config: ServeConfig, on_cuda: bool) -> bool:
+    """The paged forward copies compressor and router weights to fp32 at load: on a bf16/fp16
+    model only (an fp32 model's `.float()` is the tensor itself; dtype auto is bf16 on CUDA)."""
+    dtype = config.model.dtype
+    if dtype == "auto":
+        dtype = "bf16" if on_cuda else "fp32"
+    return config.features.forward == "paged" and dtype != "fp32"
+
+
 def startup_request(
     config: ServeConfig, model_cfg: ModelConfig, gpu_total_bytes: int
 ) -> PlanRequest:
@@ -134,6 +143,7 @@ def startup_request(
         cuda_graphs=config.features.cuda_graphs
         and config.features.forward == "paged"
         and on_cuda,  # as `graph_options` decides
+        paged_fp32_copies=_makes_fp32_copies(config, on_cuda),
         memory_fraction=config.cache.memory_fraction,
         # the paged forward's expert pool fetches a decode step's misses in one round: its
         # slots hold every expert such a step can miss (`dsv4.runner.paged.expert_pool`)
