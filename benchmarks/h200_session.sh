@@ -181,6 +181,8 @@ timeout "${T_TESTS:-80}" python3 -m pytest -q -p no:cacheprovider -m gpu \
 echo "gpu tests rc=$?" | tee -a "$logs/gpu-tests.txt"
 tail -5 "$logs/gpu-tests.txt"
 }
+# the end-to-end part's workers logs and summary (only when it ran)
+if has e2e; then
 tar czf "$out/logs.tgz" -C /tmp --exclude=e2e/model e2e 2>/dev/null
 python3 - "$out" <<'PY'
 import json, sys
@@ -200,3 +202,4 @@ for mode in ("disaggregated", "colocated"):
               "goodput", x.get("request_goodput"), x.get("handoff"))
 print("transformers", s.get("transformers"))
 PY
+fi
