@@ -40,7 +40,8 @@ from dsv4.parallel.step_broadcast import (
     read_message,
 )
 from dsv4.runner.model_runner import ModelRunner
-from dsv4.worker.build import apply_features, load_weights
+from dsv4.worker.build import load_weights
+from dsv4.worker.options import apply_features
 
 logger = logging.getLogger("dsv4.follower")
 

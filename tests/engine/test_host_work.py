@@ -130,7 +130,7 @@ def test_async_scheduling_runs_only_where_its_steps_can() -> None:
     """On by default; without graphs, greedy_in_graph or with several ranks it has no effect
     (a prefill worker runs without graphs and the same defaults), never a config error."""
     from dsv4.config import load_config
-    from dsv4.worker.build import engine_async_scheduling
+    from dsv4.worker.options import engine_async_scheduling
 
     assert load_config({}).features.async_scheduling
     no_graphs = load_config({"features.cuda_graphs": False, "features.greedy_in_graph": False})

@@ -379,7 +379,7 @@ def test_kv_budget_leaves_the_step_workspaces_and_stays_inside_a_device_budget()
     the KV cache once took 90% of that and the first 8K-token step found no room for its
     1 GiB dequantise scratch. The plan's buffers are held back now, and a
     `model.device_memory_gib` budget caps the cache as well."""
-    from dsv4.worker.build import kv_budget_bytes
+    from dsv4.worker.kv_budget import kv_budget_bytes
 
     gib = 1 << 30
     free, reserve = int(12.8 * gib), int(1.5 * gib)

@@ -97,7 +97,7 @@ def test_two_ranks_static_decode_graph_steps_equal_one_rank(one_rank, monkeypatc
     from dsv4.runner.paged.decode_graphs import GraphOptions
 
     static = GraphOptions(max_batch=4, max_model_len=1024, capture=False)
-    monkeypatch.setattr("dsv4.worker.build.graph_options", lambda config: static)
+    monkeypatch.setattr("dsv4.worker.options.graph_options", lambda config: static)
     tokens, _, replays = served_tokens("paged", 2, expert_parallel=True)
     assert tokens == one_rank
     assert replays > 0

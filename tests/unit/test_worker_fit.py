@@ -28,7 +28,7 @@ def test_warm_up_covers_every_size_class_and_specialisation() -> None:
     """Kernels compile once per next_power_of_2 class of tokens and entries and per "divisible
     by 16" specialisation of their integer arguments: the start-up requests visit each class
     with tokens and ratio-4 entries both divisible, both not, and mixed."""
-    from dsv4.worker.build import warm_up_lengths
+    from dsv4.worker.options import warm_up_lengths
 
     lengths = warm_up_lengths(16384, 8704)
     assert lengths[-1] == 8696 and max(lengths) == 8696 and len(set(lengths)) == len(lengths)
