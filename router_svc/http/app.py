@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import aclosing
+from contextlib import AsyncExitStack, aclosing
 from typing import Any
 
 from aiohttp import web
@@ -31,6 +31,7 @@ from dsv4.types import StreamChunk
 from router_svc.admission import AUTHORIZATION_KEY, check_api_key
 from router_svc.http.call import InProcessCall
 from router_svc.http.chat import ChatTemplate
+from router_svc.http.choices import choice_protos, first_chunks, merged_events, whole_answer
 from router_svc.http.protocol import (
     ApiError,
     OpenAIRequest,
@@ -224,8 +225,12 @@ class HttpFront:
             raise ApiError(404, f"model {parsed.model!r} is not served here: use {served!r} "
                            "(GET /v1/models)", param="model", code="model_not_found")  # fmt: skip
         request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
-        proto = parsed.to_proto(self._prompt(parsed), request_id)
+        prompt = self._prompt(parsed)
         metadata = [(AUTHORIZATION_KEY, request.headers.get("Authorization", ""))]
+        if parsed.n > 1:
+            return await self._choices(request, parsed, prompt, request_id, served, metadata,
+                                            is_chat=is_chat)  # fmt: skip
+        proto = parsed.to_proto(prompt, request_id)
         call = InProcessCall(self._servicer, proto, metadata=metadata, peer=peer_of(request))
         reply = Reply(is_chat, request_id, served or parsed.model, parsed.include_usage)
         async with aclosing(call.stream()) as chunks:
@@ -237,27 +242,53 @@ class HttpFront:
                 async for chunk in chunks:
                     reply.add(chunk)
                 return web.json_response(reply.whole(), headers={REQUEST_ID_HEADER: request_id})
-            return await self._sse(request, reply, first, chunks)
+            return await self._sse(request, request_id, _events(reply, first, chunks))
+
+    async def _choices(
+        self, request: web.Request, parsed: OpenAIRequest, prompt: str | tuple[int, ...],
+        request_id: str, served: str | None, metadata: list[tuple[str, str]], *, is_chat: bool,
+    ) -> web.StreamResponse:  # fmt: skip
+        """`n` > 1 (choices.py): n calls, the status once every choice has its first chunk."""
+        calls = [InProcessCall(self._servicer, proto, metadata=metadata, peer=peer_of(request))
+                 for proto in choice_protos(parsed, prompt, request_id)]  # fmt: skip
+        replies = [Reply(is_chat, request_id, served or parsed.model,
+                         parsed.include_usage, index=i, usage_chunk=False)
+                   for i in range(parsed.n)]  # fmt: skip
+        async with AsyncExitStack() as stack:
+            streams = [await stack.enter_async_context(aclosing(c.stream())) for c in calls]
+            firsts = await first_chunks(streams)
+            if not parsed.stream:
+                whole = await whole_answer(replies, firsts, streams)
+                return web.json_response(whole, headers={REQUEST_ID_HEADER: request_id})
+            return await self._sse(request, request_id, merged_events(replies, firsts, streams))
 
     async def _sse(
-        self, request: web.Request, reply: Reply, first: StreamChunk,
-        chunks: AsyncIterator[StreamChunk],
-    ) -> web.StreamResponse:  # fmt: skip
-        """Stream `first` and the rest as SSE events; an error after the first chunk is one
+        self, request: web.Request, request_id: str, events: AsyncIterator[bytes]
+    ) -> web.StreamResponse:
+        """Stream the events; an error raised while making them (after the first chunk) is one
         `{"error": ...}` event before `[DONE]` (what the openai client raises from)."""
-        headers = {**SSE_HEADERS, REQUEST_ID_HEADER: reply.request_id}
+        headers = {**SSE_HEADERS, REQUEST_ID_HEADER: request_id}
         response = web.StreamResponse(headers=headers)
         await response.prepare(request)
         try:
-            for event in reply.stream_events(first):
-                await response.write(event)
-            async for chunk in chunks:
-                for event in reply.stream_events(chunk):
+            async with aclosing(events):
+                async for event in events:
                     await response.write(event)
         except ApiError as exc:
             await response.write(sse_event(exc.body()))
         except ConnectionResetError:
-            return response  # the client left; the caller closes `chunks`, cancelling the call
+            return response  # the client left; the caller closes the streams, cancelling calls
         await response.write(SSE_DONE)
         await response.write_eof()
         return response
+
+
+async def _events(
+    reply: Reply, first: StreamChunk, chunks: AsyncIterator[StreamChunk]
+) -> AsyncIterator[bytes]:
+    """One choice's SSE events: `first`, then the rest of its chunks."""
+    for event in reply.stream_events(first):
+        yield event
+    async for chunk in chunks:
+        for event in reply.stream_events(chunk):
+            yield event

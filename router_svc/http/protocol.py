@@ -3,8 +3,9 @@
 Only shapes and types are checked here; values (temperature range, max_tokens against the
 context, stop strings, vocabulary) are checked by the router's own validation, the same rules
 as gRPC, whose message is then returned with the OpenAI parameter's name. Fields that would
-change the result and that this server does not implement (logprobs, n > 1, echo, tools,
-penalties, ...) are refused, never silently ignored. vLLM's extensions `top_k`, `ignore_eos` and
+change the result and that this server does not implement (logprobs, echo, tools,
+penalties, ...) are refused, never silently ignored. `n` (1 to MAX_CHOICES) asks for that many
+choices of one prompt (router_svc/http/choices.py). vLLM's extensions `top_k`, `ignore_eos` and
 `stop_token_ids` are accepted.
 
 Errors: `ApiError(status, message, param, code)`, rendered as
@@ -20,6 +21,7 @@ from typing import Any
 from dsv4.rpc.v1 import common_pb2, router_pb2
 
 INT32_MAX = 2**31 - 1
+MAX_CHOICES = 16  # `n`: each choice is its own Generate call (admission and rate limits count n)
 HTTP_STATUS = {
     "INVALID_ARGUMENT": 400, "FAILED_PRECONDITION": 400, "OUT_OF_RANGE": 400,
     "UNAUTHENTICATED": 401, "PERMISSION_DENIED": 403, "NOT_FOUND": 404,
@@ -113,6 +115,7 @@ class OpenAIRequest:
     sampling: common_pb2.SamplingParams
     stream: bool
     include_usage: bool
+    n: int = 1  # choices of the one prompt
 
     def to_proto(
         self, prompt: str | tuple[int, ...], request_id: str
@@ -226,8 +229,9 @@ def parse_request(body: Any, *, is_chat: bool) -> OpenAIRequest:
         raise bad_request("body", "the request body must be a JSON object")
     model = _typed(body, "model", (str,), "a string") or ""
     n = _typed(body, "n", (int,), "an integer")
-    if n is not None and n != 1:
-        raise bad_request("n", f"n = {n}: this server returns one choice per request (n = 1)")
+    n = 1 if n is None else n
+    if not 1 <= n <= MAX_CHOICES:
+        raise bad_request("n", f"n = {n}: must be in [1, {MAX_CHOICES}] (choices of one prompt)")
     for name, off in _OFF_ONLY:
         if body.get(name) not in off:
             raise bad_request(name, f"{name} is not supported by this server: leave it unset")
@@ -245,4 +249,5 @@ def parse_request(body: Any, *, is_chat: bool) -> OpenAIRequest:
         sampling=_sampling(body),
         stream=stream,
         include_usage=include_usage,
+        n=n,
     )

@@ -42,6 +42,8 @@ class Reply:
     request_id: str
     model: str
     include_usage: bool = False
+    index: int = 0  # the choice's index (n > 1: one Reply per choice)
+    usage_chunk: bool = True  # with include_usage: end with the usage chunk (n > 1: merged)
     created: int = field(default_factory=lambda: int(time.time()))
     text: list[str] = field(default_factory=list)
     num_tokens: int = 0
@@ -63,17 +65,31 @@ class Reply:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
                 "choices": choices}  # fmt: skip
 
+    @property
+    def kind(self) -> str:
+        """The object type of a whole answer."""
+        return "chat.completion" if self.is_chat else "text_completion"
+
+    @property
+    def chunk_kind(self) -> str:
+        """The object type of a streamed chunk."""
+        return "chat.completion.chunk" if self.is_chat else "text_completion"
+
+    def choice(self) -> dict[str, Any]:
+        """This choice of the non-streaming answer, after the last chunk."""
+        text = "".join(self.text)
+        out: dict[str, Any] = {"index": self.index, "logprobs": None,
+                               "finish_reason": self.finish_reason}  # fmt: skip
+        if self.is_chat:
+            out["message"] = {"role": "assistant", "content": text}
+        else:
+            out["text"] = text
+        return out
+
     def whole(self) -> dict[str, Any]:
         """The non-streaming answer, after the last chunk."""
-        text = "".join(self.text)
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": self.finish_reason}
-        if self.is_chat:
-            choice["message"] = {"role": "assistant", "content": text}
-            kind = "chat.completion"
-        else:
-            choice["text"] = text
-            kind = "text_completion"
-        return {**self._object(kind, [choice]), "usage": usage_object(self.usage, self.num_tokens)}
+        usage = usage_object(self.usage, self.num_tokens)
+        return {**self._object(self.kind, [self.choice()]), "usage": usage}
 
     def stream_events(self, chunk: StreamChunk) -> list[bytes]:
         """`add(chunk)` and the SSE events it makes (none for an empty middle chunk)."""
@@ -82,19 +98,21 @@ class Reply:
         if not chunk.text and chunk.finish_reason is None and not (is_first and self.is_chat):
             return []
         reason = self.finish_reason if chunk.finish_reason is not None else None
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": reason}
+        choice: dict[str, Any] = {"index": self.index, "logprobs": None, "finish_reason": reason}
         if self.is_chat:
             delta = {"role": "assistant"} if is_first else {}
             choice["delta"] = {**delta, "content": chunk.text} if chunk.text or is_first else delta
-            event = self._object("chat.completion.chunk", [choice])
         else:
             choice["text"] = chunk.text
-            event = self._object("text_completion", [choice])
+        event = self._object(self.chunk_kind, [choice])
         if self.include_usage:
             event["usage"] = None
         events = [sse_event(event)]
-        if chunk.finish_reason is not None and self.include_usage:
-            kind = "chat.completion.chunk" if self.is_chat else "text_completion"
+        if chunk.finish_reason is not None and self.include_usage and self.usage_chunk:
             usage = usage_object(self.usage, self.num_tokens)
-            events.append(sse_event({**self._object(kind, []), "usage": usage}))
+            events.append(sse_event(self.usage_event(usage)))
         return events
+
+    def usage_event(self, usage: dict[str, int]) -> dict[str, Any]:
+        """The last streamed chunk of an include_usage request: no choices, the usage."""
+        return {**self._object(self.chunk_kind, []), "usage": usage}

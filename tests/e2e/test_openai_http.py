@@ -148,10 +148,42 @@ def test_completion_streamed_and_whole_equal_the_grpc_answer(cluster, client) ->
     assert cut.choices[0].text == text[: text.index(stop)]
 
 
+def test_n_choices_whole_and_streamed(cluster, client) -> None:
+    """n = 3: three choices by index. Greedy ones all equal the gRPC answer; seeded sampled
+    ones reproduce choice by choice (seed + i each) and the stream interleaves the same texts
+    with one usage chunk counting the prompt once."""
+    model, prompt = served_model(client), "Readability counts."
+    text, num_prompt_tokens = grpc_text(cluster, prompt)
+    greedy3 = client.completions.create(model=model, prompt=prompt, n=3, **GREEDY)
+    assert [c.index for c in greedy3.choices] == [0, 1, 2]
+    assert [c.text for c in greedy3.choices] == [text] * 3
+    assert (greedy3.usage.prompt_tokens, greedy3.usage.completion_tokens) == (
+        num_prompt_tokens, 3 * MAX_TOKENS,
+    )  # fmt: skip
+    sampled = {"temperature": 1.0, "seed": 7, "max_tokens": MAX_TOKENS, "n": 3,
+               "extra_body": {"ignore_eos": True}}  # fmt: skip
+    whole = client.completions.create(model=model, prompt=prompt, **sampled)
+    again = client.completions.create(model=model, prompt=prompt, **sampled)
+    texts = [c.text for c in whole.choices]
+    assert texts == [c.text for c in again.choices] and len(set(texts)) > 1, texts
+    chunks = list(client.chat.completions.create(
+        model=model, messages=MESSAGES, stream=True, stream_options={"include_usage": True},
+        **sampled,
+    ))  # fmt: skip
+    chat_whole = client.chat.completions.create(model=model, messages=MESSAGES, **sampled)
+    streamed = {i: "" for i in range(3)}
+    for chunk in chunks[:-1]:
+        (choice,) = chunk.choices
+        streamed[choice.index] += choice.delta.content or ""
+    assert [streamed[i] for i in range(3)] == [c.message.content for c in chat_whole.choices]
+    assert chunks[-1].choices == [] and chunks[-1].usage == chat_whole.usage
+    assert chat_whole.usage.completion_tokens == 3 * MAX_TOKENS
+
+
 def test_bad_input_gets_openai_error_objects(cluster, client) -> None:
     model = served_model(client)
     cases = [
-        ({"n": 2}, "n"), ({"max_tokens": 0}, "max_tokens"), ({"temperature": -1.0}, "temperature"),
+        ({"n": 17}, "n"), ({"max_tokens": 0}, "max_tokens"), ({"temperature": -1.0}, "temperature"),
         ({"top_p": 2.0}, "top_p"), ({"logprobs": 2}, "logprobs"), ({"max_tokens": 10**9}, "max_tokens"),
     ]  # fmt: skip
     for extra, param in cases:
@@ -202,6 +234,20 @@ def test_client_disconnect_mid_stream_frees_the_blocks(cluster, client) -> None:
         time.sleep(0.1)
     metrics = scrape(cluster.http_url.removesuffix("/v1") + "/metrics")
     assert metrics['dsv4_router_requests_total{code="CANCELLED",method="Generate"}'] == 1
+    # n = 2: both choices' calls end when the client leaves
+    stream = client.completions.create(
+        model=model, prompt="The quick brown fox", stream=True, temperature=0.0, max_tokens=3000,
+        n=2, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    for _, chunk in zip(range(6), stream, strict=False):
+        assert chunk.choices[0].finish_reason is None
+    stream.close()
+    give_up_s = time.monotonic() + 5.0
+    while asyncio.run(worker_leaks(cluster)):
+        assert time.monotonic() < give_up_s, "a disconnected choice still holds blocks"
+        time.sleep(0.1)
+    metrics = scrape(cluster.http_url.removesuffix("/v1") + "/metrics")
+    assert metrics['dsv4_router_requests_total{code="CANCELLED",method="Generate"}'] == 3
 
 
 def _wait_http(router: ExtraRouter, url: str) -> None:

@@ -115,7 +115,7 @@ def test_request_bodies_become_router_protos() -> None:
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ([1], "body"), ({"prompt": "x", "n": 3}, "n"), ({"prompt": ["a", "b"]}, "prompt"),
+        ([1], "body"), ({"prompt": "x", "n": 17}, "n"), ({"prompt": "x", "n": 0}, "n"), ({"prompt": ["a", "b"]}, "prompt"),
         ({}, "prompt"), ({"prompt": "x", "temperature": "hot"}, "temperature"),
         ({"prompt": "x", "max_tokens": True}, "max_tokens"), ({"prompt": "x", "seed": -1}, "seed"),
         ({"prompt": "x", "stop": [1]}, "stop"), ({"prompt": "x", "echo": True}, "echo"),
@@ -138,3 +138,17 @@ def test_router_statuses_map_to_http_with_openai_names() -> None:
                  "INTERNAL")}  # fmt: skip
     assert statuses == {"UNAUTHENTICATED": 401, "RESOURCE_EXHAUSTED": 429, "UNAVAILABLE": 503,
                         "DEADLINE_EXCEEDED": 504, "INTERNAL": 500}  # fmt: skip
+
+
+def test_n_choices_are_calls_with_their_own_ids_and_consecutive_seeds() -> None:
+    from router_svc.http.choices import choice_protos
+
+    seeded = parse_request({"prompt": "x", "n": 3, "seed": 2**64 - 2, "temperature": 1.0},
+                           is_chat=False)  # fmt: skip
+    protos = choice_protos(seeded, "x", "r")
+    assert [m.request_id for m in protos] == ["r-0", "r-1", "r-2"]
+    assert [m.sampling.seed for m in protos] == [2**64 - 2, 2**64 - 1, 0]  # uint64 wraps
+    assert all(m.prompt == "x" and m.sampling.temperature == 1.0 for m in protos)
+    unseeded = choice_protos(parse_request({"prompt": [4, 5], "n": 2}, is_chat=False), (4, 5), "q")
+    assert not any(m.sampling.HasField("seed") for m in unseeded)
+    assert parse_request({"prompt": "x"}, is_chat=False).n == 1
