@@ -228,10 +228,7 @@ def test_client_disconnect_mid_stream_frees_the_blocks(cluster, client) -> None:
         assert chunk.choices[0].finish_reason is None
     assert asyncio.run(worker_leaks(cluster)), "the request should hold blocks while it runs"
     stream.close()  # the connection drops with ~3000 tokens still to go (tens of seconds)
-    give_up_s = time.monotonic() + 5.0
-    while asyncio.run(worker_leaks(cluster)):
-        assert time.monotonic() < give_up_s, "the disconnected request still holds blocks"
-        time.sleep(0.1)
+    _wait_until_freed(cluster, "the disconnected request")
     metrics = scrape(cluster.http_url.removesuffix("/v1") + "/metrics")
     assert metrics['dsv4_router_requests_total{code="CANCELLED",method="Generate"}'] == 1
     # n = 2: both choices' calls end when the client leaves
@@ -242,12 +239,16 @@ def test_client_disconnect_mid_stream_frees_the_blocks(cluster, client) -> None:
     for _, chunk in zip(range(6), stream, strict=False):
         assert chunk.choices[0].finish_reason is None
     stream.close()
-    give_up_s = time.monotonic() + 5.0
-    while asyncio.run(worker_leaks(cluster)):
-        assert time.monotonic() < give_up_s, "a disconnected choice still holds blocks"
-        time.sleep(0.1)
+    _wait_until_freed(cluster, "a disconnected choice")
     metrics = scrape(cluster.http_url.removesuffix("/v1") + "/metrics")
     assert metrics['dsv4_router_requests_total{code="CANCELLED",method="Generate"}'] == 3
+
+
+def _wait_until_freed(cluster, what: str, timeout_s: float = 5.0) -> None:
+    give_up_s = time.monotonic() + timeout_s
+    while asyncio.run(worker_leaks(cluster)):
+        assert time.monotonic() < give_up_s, f"{what} still holds blocks"
+        time.sleep(0.1)
 
 
 def _wait_http(router: ExtraRouter, url: str) -> None:
