@@ -63,3 +63,17 @@ def test_the_pattern_catches_each_outside_name() -> None:
     for name in OUTSIDE_DOCUMENTS:
         assert OUTSIDE_PATTERN.search(f"see {name} for details")
     assert not OUTSIDE_PATTERN.search("see docs/architecture.md#platform-notes and docs/model.md")
+
+
+def test_no_tracked_symlink_leaves_the_repo_or_points_at_itself() -> None:
+    """A tracked `.venv` symlink to itself (ignore rules with a trailing slash match only
+    directories) once failed CI's first `make` step; tracked links stay inside the clone."""
+    offenders = []
+    for name in _tracked_files():
+        path = REPO / name
+        if not path.is_symlink():
+            continue
+        target = (path.parent / path.readlink()).resolve(strict=False)
+        if target == path.absolute() or not target.is_relative_to(REPO) or not target.exists():
+            offenders.append(f"{name} -> {path.readlink()}")
+    assert not offenders, "tracked links must point at files of this repo:\n" + "\n".join(offenders)
