@@ -225,12 +225,12 @@ class HttpFront:
             raise ApiError(404, f"model {parsed.model!r} is not served here: use {served!r} "
                            "(GET /v1/models)", param="model", code="model_not_found")  # fmt: skip
         request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
-        prompt = self._prompt(parsed)
+        prompts = list(parsed.batch) or [self._prompt(parsed)]
         metadata = [(AUTHORIZATION_KEY, request.headers.get("Authorization", ""))]
-        if parsed.n > 1:
-            return await self._choices(request, parsed, prompt, request_id, served, metadata,
-                                            is_chat=is_chat)  # fmt: skip
-        proto = parsed.to_proto(prompt, request_id)
+        if parsed.num_choices > 1:
+            return await self._choices(request, parsed, prompts, request_id, served, metadata,
+                                       is_chat=is_chat)  # fmt: skip
+        proto = parsed.to_proto(prompts[0], request_id)
         call = InProcessCall(self._servicer, proto, metadata=metadata, peer=peer_of(request))
         reply = Reply(is_chat, request_id, served or parsed.model, parsed.include_usage)
         async with aclosing(call.stream()) as chunks:
@@ -245,22 +245,25 @@ class HttpFront:
             return await self._sse(request, request_id, _events(reply, first, chunks))
 
     async def _choices(
-        self, request: web.Request, parsed: OpenAIRequest, prompt: str | tuple[int, ...],
-        request_id: str, served: str | None, metadata: list[tuple[str, str]], *, is_chat: bool,
+        self, request: web.Request, parsed: OpenAIRequest,
+        prompts: list[str | tuple[int, ...]], request_id: str, served: str | None,
+        metadata: list[tuple[str, str]], *, is_chat: bool,
     ) -> web.StreamResponse:  # fmt: skip
-        """`n` > 1 (choices.py): n calls, the status once every choice has its first chunk."""
+        """Several choices (choices.py): a call each, the status once every choice has its
+        first chunk."""
         calls = [InProcessCall(self._servicer, proto, metadata=metadata, peer=peer_of(request))
-                 for proto in choice_protos(parsed, prompt, request_id)]  # fmt: skip
+                 for proto in choice_protos(parsed, prompts, request_id)]  # fmt: skip
         replies = [Reply(is_chat, request_id, served or parsed.model,
                          parsed.include_usage, index=i, usage_chunk=False)
-                   for i in range(parsed.n)]  # fmt: skip
+                   for i in range(len(calls))]  # fmt: skip
         async with AsyncExitStack() as stack:
             streams = [await stack.enter_async_context(aclosing(c.stream())) for c in calls]
             firsts = await first_chunks(streams)
             if not parsed.stream:
-                whole = await whole_answer(replies, firsts, streams)
+                whole = await whole_answer(replies, firsts, streams, parsed.n)
                 return web.json_response(whole, headers={REQUEST_ID_HEADER: request_id})
-            return await self._sse(request, request_id, merged_events(replies, firsts, streams))
+            events = merged_events(replies, firsts, streams, parsed.n)
+            return await self._sse(request, request_id, events)
 
     async def _sse(
         self, request: web.Request, request_id: str, events: AsyncIterator[bytes]

@@ -1,14 +1,16 @@
-"""`n` > 1: one OpenAI request answered with n choices of the same prompt.
+"""Several choices in one OpenAI request: `n` > 1, or a batch of prompts on /v1/completions.
 
-Each choice is its own in-process Generate call (`call.py`) with request id `{id}-{i}`; with a
-`seed`, choice i samples with seed + i, so the choices differ and each reproduces (greedy
-choices are equal, as in vLLM). Every call passes admission and the rate limit on its own, so
-a request of n choices counts n. The HTTP status is decided once every choice has its first
-chunk: an error before that is the request's status, and the other choices are cancelled
-(their blocks freed, as for a client that left). The whole answer lists the choices by index;
-its usage counts the prompt once and every choice's tokens. A stream interleaves the choices'
-chunks as they come, each with its index, then (with `include_usage`) one usage chunk; an error
-after the first chunks ends it with one error event, the other choices cancelled.
+Choice `k * n + i` is prompt k's i-th; each is its own in-process Generate call (`call.py`)
+with request id `{id}-{k * n + i}`. With a `seed`, a prompt's choice i samples with seed + i,
+so its choices differ, each reproduces, and a prompt's first choice is what the same request
+alone would answer (greedy choices are equal, as in vLLM). Every call passes admission and
+the rate limit on its own, so a request of c choices counts c. The HTTP status is decided once
+every choice has its first chunk: an error before that is the request's status, and the other
+choices are cancelled (their blocks freed, as for a client that left). The whole answer lists
+the choices by index; its usage counts each prompt once and every choice's tokens. A stream
+interleaves the choices' chunks as they come, each with its index, then (with
+`include_usage`) one usage chunk; an error after the first chunks ends it with one error
+event, the other choices cancelled.
 """
 
 from __future__ import annotations
@@ -27,15 +29,17 @@ SEED_MODULUS = 2**64  # SamplingParams.seed is a uint64
 
 
 def choice_protos(
-    parsed: OpenAIRequest, prompt: str | tuple[int, ...], request_id: str
+    parsed: OpenAIRequest, prompts: Sequence[str | tuple[int, ...]], request_id: str
 ) -> list[router_pb2.GenerateRequest]:
-    """One Generate request per choice: ids `{request_id}-{i}`, seeds seed + i when seeded."""
+    """One Generate request per choice, prompt by prompt: ids `{request_id}-{index}`, a
+    prompt's choice i seeded seed + i when seeded."""
     protos = []
-    for i in range(parsed.n):
-        msg = parsed.to_proto(prompt, f"{request_id}-{i}")
-        if msg.sampling.HasField("seed"):
-            msg.sampling.seed = (msg.sampling.seed + i) % SEED_MODULUS
-        protos.append(msg)
+    for k, prompt in enumerate(prompts):
+        for i in range(parsed.n):
+            msg = parsed.to_proto(prompt, f"{request_id}-{k * parsed.n + i}")
+            if msg.sampling.HasField("seed"):
+                msg.sampling.seed = (msg.sampling.seed + i) % SEED_MODULUS
+            protos.append(msg)
     return protos
 
 
@@ -59,10 +63,10 @@ async def first_chunks(streams: Sequence[AsyncIterator[StreamChunk]]) -> list[St
     return firsts  # type: ignore[return-value]
 
 
-def merged_usage(replies: Sequence[Reply]) -> dict[str, int]:
-    """The prompt once, every choice's completion tokens."""
+def merged_usage(replies: Sequence[Reply], n: int) -> dict[str, int]:
+    """Each prompt's tokens once (its choices are n in a row), every choice's completion."""
     per_choice = [usage_object(r.usage, r.num_tokens) for r in replies]
-    prompt = per_choice[0]["prompt_tokens"]
+    prompt = sum(u["prompt_tokens"] for u in per_choice[::n])
     completion = sum(u["completion_tokens"] for u in per_choice)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion}  # fmt: skip
@@ -70,7 +74,7 @@ def merged_usage(replies: Sequence[Reply]) -> dict[str, int]:
 
 async def whole_answer(
     replies: Sequence[Reply], firsts: Sequence[StreamChunk],
-    streams: Sequence[AsyncIterator[StreamChunk]],
+    streams: Sequence[AsyncIterator[StreamChunk]], n: int,
 ) -> dict[str, Any]:  # fmt: skip
     """The non-streaming answer: every choice read to its end, concurrently."""
 
@@ -81,12 +85,12 @@ async def whole_answer(
 
     await all_or_none(drain(*args) for args in zip(replies, firsts, streams))
     head = replies[0].whole()
-    return {**head, "choices": [r.choice() for r in replies], "usage": merged_usage(replies)}
+    return {**head, "choices": [r.choice() for r in replies], "usage": merged_usage(replies, n)}
 
 
 async def merged_events(
     replies: Sequence[Reply], firsts: Sequence[StreamChunk],
-    streams: Sequence[AsyncIterator[StreamChunk]],
+    streams: Sequence[AsyncIterator[StreamChunk]], n: int,
 ) -> AsyncIterator[bytes]:  # fmt: skip
     """SSE events of every choice as their chunks arrive; raises a choice's ApiError. A bounded
     queue keeps the in-process calls' backpressure: a slow client slows the choices."""
@@ -119,7 +123,7 @@ async def merged_events(
                 for event in replies[index].stream_events(item):
                     yield event
         if replies[0].include_usage:
-            yield sse_event(replies[0].usage_event(merged_usage(replies)))
+            yield sse_event(replies[0].usage_event(merged_usage(replies, n)))
     finally:
         for task in tasks:
             task.cancel()

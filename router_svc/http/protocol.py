@@ -4,8 +4,9 @@ Only shapes and types are checked here; values (temperature range, max_tokens ag
 context, stop strings, vocabulary) are checked by the router's own validation, the same rules
 as gRPC, whose message is then returned with the OpenAI parameter's name. Fields that would
 change the result and that this server does not implement (logprobs, echo, tools,
-penalties, ...) are refused, never silently ignored. `n` (1 to MAX_CHOICES) asks for that many
-choices of one prompt (router_svc/http/choices.py). vLLM's extensions `top_k`, `ignore_eos` and
+penalties, ...) are refused, never silently ignored. `n` asks for that many choices of each
+prompt, and /v1/completions takes a batch of prompts (strings or token-id lists); a request
+holds at most MAX_CHOICES choices in all (router_svc/http/choices.py). vLLM's extensions `top_k`, `ignore_eos` and
 `stop_token_ids` are accepted.
 
 Errors: `ApiError(status, message, param, code)`, rendered as
@@ -21,7 +22,7 @@ from typing import Any
 from dsv4.rpc.v1 import common_pb2, router_pb2
 
 INT32_MAX = 2**31 - 1
-MAX_CHOICES = 16  # `n`: each choice is its own Generate call (admission and rate limits count n)
+MAX_CHOICES = 64  # prompts x n: each choice is its own Generate call (admission counts each)
 HTTP_STATUS = {
     "INVALID_ARGUMENT": 400, "FAILED_PRECONDITION": 400, "OUT_OF_RANGE": 400,
     "UNAUTHENTICATED": 401, "PERMISSION_DENIED": 403, "NOT_FOUND": 404,
@@ -115,7 +116,12 @@ class OpenAIRequest:
     sampling: common_pb2.SamplingParams
     stream: bool
     include_usage: bool
-    n: int = 1  # choices of the one prompt
+    n: int = 1  # choices of each prompt
+    batch: tuple[str | tuple[int, ...], ...] = ()  # /v1/completions with several prompts
+
+    @property
+    def num_choices(self) -> int:
+        return max(1, len(self.batch)) * self.n
 
     def to_proto(
         self, prompt: str | tuple[int, ...], request_id: str
@@ -180,16 +186,20 @@ def _token_ids(value: Any, param: str) -> tuple[int, ...]:
     return tuple(value)
 
 
-def _prompt(body: dict[str, Any]) -> str | tuple[int, ...]:
+def _prompt(body: dict[str, Any]) -> str | tuple[int, ...] | tuple[str | tuple[int, ...], ...]:
+    """One prompt (a string or token ids), or a batch: a list of strings or of token-id lists
+    (a tuple of prompts, at least two)."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
         return prompt
-    if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
-        raise bad_request(
-            "prompt", "send one prompt per request (a batch of prompts is not supported)"
-        )
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        return tuple(prompt)
+    if isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
+        return tuple(_token_ids(p, "prompt") for p in prompt)
+    if isinstance(prompt, list) and any(isinstance(p, str | list) for p in prompt):
+        raise bad_request("prompt", "a batch of prompts is all strings or all token-id lists")
     if isinstance(prompt, list):
         return _token_ids(prompt, "prompt")
     raise bad_request("prompt", "prompt is required: a string or a list of token ids")
@@ -231,7 +241,7 @@ def parse_request(body: Any, *, is_chat: bool) -> OpenAIRequest:
     n = _typed(body, "n", (int,), "an integer")
     n = 1 if n is None else n
     if not 1 <= n <= MAX_CHOICES:
-        raise bad_request("n", f"n = {n}: must be in [1, {MAX_CHOICES}] (choices of one prompt)")
+        raise bad_request("n", f"n = {n}: must be in [1, {MAX_CHOICES}] (choices of each prompt)")
     for name, off in _OFF_ONLY:
         if body.get(name) not in off:
             raise bad_request(name, f"{name} is not supported by this server: leave it unset")
@@ -242,12 +252,22 @@ def parse_request(body: Any, *, is_chat: bool) -> OpenAIRequest:
     if options is not None and not isinstance(options, dict):
         raise bad_request("stream_options", "stream_options must be an object")
     include_usage = bool((options or {}).get("include_usage"))
+    prompt = None if is_chat else _prompt(body)
+    batch = prompt if isinstance(prompt, tuple) and not _is_token_ids(prompt) else ()
+    if len(batch) * n > MAX_CHOICES:
+        raise bad_request("prompt", f"{len(batch)} prompts x n = {n}: at most {MAX_CHOICES} "
+                          "choices a request")  # fmt: skip
     return OpenAIRequest(
         model=model,
-        prompt=None if is_chat else _prompt(body),
+        prompt=None if batch else prompt,  # type: ignore[arg-type]
         messages=_messages(body) if is_chat else (),
         sampling=_sampling(body),
         stream=stream,
         include_usage=include_usage,
         n=n,
+        batch=batch,  # type: ignore[arg-type]
     )
+
+
+def _is_token_ids(prompt: tuple[Any, ...]) -> bool:
+    return all(isinstance(t, int) for t in prompt)

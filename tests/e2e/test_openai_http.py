@@ -180,10 +180,28 @@ def test_n_choices_whole_and_streamed(cluster, client) -> None:
     assert chat_whole.usage.completion_tokens == 3 * MAX_TOKENS
 
 
+def test_a_batch_of_prompts_answers_each_in_order(cluster, client) -> None:
+    """prompt = [p0, p1] with n = 2: choices 0-1 answer p0 and 2-3 answer p1, each the gRPC
+    answer for its prompt (greedy), whole and streamed; usage counts each prompt once."""
+    model, prompts = served_model(client), ["Readability counts.", "Flat is better than nested."]
+    answers = [grpc_text(cluster, p) for p in prompts]
+    whole = client.completions.create(model=model, prompt=prompts, n=2, **GREEDY)
+    assert [c.index for c in whole.choices] == [0, 1, 2, 3]
+    assert [c.text for c in whole.choices] == [answers[0][0]] * 2 + [answers[1][0]] * 2
+    assert whole.usage.prompt_tokens == answers[0][1] + answers[1][1]
+    assert whole.usage.completion_tokens == 4 * MAX_TOKENS
+    streamed = ["", "", "", ""]
+    for chunk in client.completions.create(model=model, prompt=prompts, n=2, stream=True,
+                                           **GREEDY):  # fmt: skip
+        (choice,) = chunk.choices
+        streamed[choice.index] += choice.text
+    assert streamed == [c.text for c in whole.choices]
+
+
 def test_bad_input_gets_openai_error_objects(cluster, client) -> None:
     model = served_model(client)
     cases = [
-        ({"n": 17}, "n"), ({"max_tokens": 0}, "max_tokens"), ({"temperature": -1.0}, "temperature"),
+        ({"n": 65}, "n"), ({"max_tokens": 0}, "max_tokens"), ({"temperature": -1.0}, "temperature"),
         ({"top_p": 2.0}, "top_p"), ({"logprobs": 2}, "logprobs"), ({"max_tokens": 10**9}, "max_tokens"),
     ]  # fmt: skip
     for extra, param in cases:

@@ -115,7 +115,7 @@ def test_request_bodies_become_router_protos() -> None:
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ([1], "body"), ({"prompt": "x", "n": 17}, "n"), ({"prompt": "x", "n": 0}, "n"), ({"prompt": ["a", "b"]}, "prompt"),
+        ([1], "body"), ({"prompt": "x", "n": 65}, "n"), ({"prompt": "x", "n": 0}, "n"), ({"prompt": ["a", [1]]}, "prompt"), ({"prompt": ["a"] * 33, "n": 2}, "prompt"),
         ({}, "prompt"), ({"prompt": "x", "temperature": "hot"}, "temperature"),
         ({"prompt": "x", "max_tokens": True}, "max_tokens"), ({"prompt": "x", "seed": -1}, "seed"),
         ({"prompt": "x", "stop": [1]}, "stop"), ({"prompt": "x", "echo": True}, "echo"),
@@ -145,10 +145,27 @@ def test_n_choices_are_calls_with_their_own_ids_and_consecutive_seeds() -> None:
 
     seeded = parse_request({"prompt": "x", "n": 3, "seed": 2**64 - 2, "temperature": 1.0},
                            is_chat=False)  # fmt: skip
-    protos = choice_protos(seeded, "x", "r")
+    protos = choice_protos(seeded, ["x"], "r")
     assert [m.request_id for m in protos] == ["r-0", "r-1", "r-2"]
     assert [m.sampling.seed for m in protos] == [2**64 - 2, 2**64 - 1, 0]  # uint64 wraps
     assert all(m.prompt == "x" and m.sampling.temperature == 1.0 for m in protos)
-    unseeded = choice_protos(parse_request({"prompt": [4, 5], "n": 2}, is_chat=False), (4, 5), "q")
+    unseeded = choice_protos(
+        parse_request({"prompt": [4, 5], "n": 2}, is_chat=False), [(4, 5)], "q"
+    )
     assert not any(m.sampling.HasField("seed") for m in unseeded)
     assert parse_request({"prompt": "x"}, is_chat=False).n == 1
+
+
+def test_a_batch_of_prompts_is_prompt_by_prompt_choices() -> None:
+    from router_svc.http.choices import choice_protos
+
+    batch = parse_request({"prompt": ["a", "b"], "n": 2, "seed": 5}, is_chat=False)
+    assert batch.batch == ("a", "b") and batch.prompt is None and batch.num_choices == 4
+    protos = choice_protos(batch, batch.batch, "r")
+    assert [(m.request_id, m.prompt, m.sampling.seed) for m in protos] == [
+        ("r-0", "a", 5), ("r-1", "a", 6), ("r-2", "b", 5), ("r-3", "b", 6),
+    ]  # fmt: skip
+    ids = parse_request({"prompt": [[1, 2], [3]]}, is_chat=False)
+    assert ids.batch == ((1, 2), (3,)) and ids.num_choices == 2
+    single = parse_request({"prompt": [[1, 2]]}, is_chat=False)  # a batch of one
+    assert single.prompt == (1, 2) and single.batch == () and single.num_choices == 1
