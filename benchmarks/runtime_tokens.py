@@ -5,19 +5,24 @@ checks share it."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Sequence
 
 from dsv4.types import GenerateRequest, SamplingParams
 
 
 def runtime_greedy_tokens(
-    runtime, prompts: Sequence[Sequence[int]], new_tokens: int
-) -> list[list[int]]:
-    """Every prompt at once (one batch), `new_tokens` greedy tokens each (EOS ignored)."""
+    runtime, prompts: Sequence[Sequence[int]], new_tokens: int,
+    sampling: Sequence[dict] | None = None,
+) -> list[list[int]]:  # fmt: skip
+    """Every prompt at once (one batch), `new_tokens` greedy tokens each (EOS ignored);
+    `sampling[i]`: more SamplingParams fields for prompt i (e.g. penalties)."""
     greedy = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
+    extra = sampling or [{}] * len(prompts)
 
     async def one(i: int, prompt: Sequence[int]) -> list[int]:
-        request = runtime.engine_request(GenerateRequest(f"r{i}", tuple(prompt), greedy))
+        params = dataclasses.replace(greedy, **extra[i])
+        request = runtime.engine_request(GenerateRequest(f"r{i}", tuple(prompt), params))
         return [t async for out in runtime.engine.generate(request) for t in out.new_token_ids]
 
     async def run_all() -> list[list[int]]:

@@ -53,10 +53,19 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0  # off
+    frequency_penalty: float = 0.0  # off
+    repetition_penalty: float = 1.0  # off
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        """Any of the three penalties on: the logits depend on the tokens so far."""
+        return bool(self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)

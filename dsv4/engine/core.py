@@ -106,6 +106,7 @@ class EngineCore:
 
     # ---- requests in -----------------------------------------------------------------------
     def add_request(self, request: Request, *, prefill_only: bool = False) -> None:
+        self._check_penalties(request)
         if prefill_only:
             request.max_new_tokens = 1
         self.scheduler.add_request(request)
@@ -118,6 +119,7 @@ class EngineCore:
         `request.output_token_ids` must hold the first token sampled by the prefill worker.
         Raises `OutOfBlocks` when the blocks are not free (nothing is taken then)."""
         rid = request.request_id
+        self._check_penalties(request)
         if rid in self._adopted or self.scheduler.get_request(rid) is not None:
             raise InvalidRequest(f"request id {rid!r} is already in use")
         if len(request.output_token_ids) != 1:
@@ -128,6 +130,18 @@ class EngineCore:
         block_ids = self.kv.adopt(rid, request.num_prompt_tokens)
         self._adopted[rid] = request
         return block_ids
+
+    def _check_penalties(self, request: Request) -> None:
+        """A speculating engine verifies drafts on logits as they are: penalties would change
+        which drafts are right, so it refuses them instead of ignoring them."""
+        params = request.sampling_params
+        k = self.scheduler.config.num_speculative_tokens
+        if params is not None and params.has_penalties and k:
+            raise InvalidRequest(
+                f"request {request.request_id!r}: presence/frequency/repetition penalties are "
+                f"not supported with speculative decoding (this worker drafts {k} tokens); "
+                "leave them unset or serve without --spec-method"
+            )
 
     def activate(self, request_id: str) -> None:
         """The pulled KV has landed: decode from the first token."""

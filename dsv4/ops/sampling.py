@@ -1,11 +1,12 @@
-"""The sampling reference: one request's sampling parameters (`SamplingSpec`) and the
-distribution they leave of a logits row (temperature, top-k, top-p). The row-by-row sampler
-(dsv4/runner/sampler.py) samples from it and the batched kernels (kernels/sampling.py) must
-agree with it.
+"""The sampling reference: one request's sampling parameters (`SamplingSpec`), the penalties
+that shift a logits row by the tokens so far (`penalized_logits`), and the distribution they
+leave of it (temperature, top-k, top-p). The row-by-row sampler (dsv4/runner/sampler.py)
+samples from it and the batched kernels (kernels/sampling.py) must agree with it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -21,10 +22,38 @@ class SamplingSpec:
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     seed: int | None = None
+    presence_penalty: float = 0.0  # off
+    frequency_penalty: float = 0.0  # off
+    repetition_penalty: float = 1.0  # off
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature <= 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0)  # fmt: skip
+
+
+def penalized_logits(logits: torch.Tensor, spec: SamplingSpec, prompt_ids: Sequence[int],
+                     output_ids: Sequence[int]) -> torch.Tensor:  # fmt: skip
+    """[V] logits -> [V] fp32 with vLLM's (and OpenAI's) penalties: every token of the prompt
+    and the output so far has a positive logit divided by `repetition_penalty` and a negative
+    one multiplied by it; then each output token's logit loses `frequency_penalty` per
+    occurrence and `presence_penalty` once."""
+    out = logits.float().clone()
+    if spec.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted({*prompt_ids, *output_ids}), dtype=torch.long,
+                            device=out.device)  # fmt: skip
+        values = out[seen]
+        out[seen] = torch.where(values > 0, values / spec.repetition_penalty,
+                                values * spec.repetition_penalty)  # fmt: skip
+    if output_ids and (spec.frequency_penalty or spec.presence_penalty):
+        ids = torch.tensor(list(output_ids), dtype=torch.long, device=out.device)
+        counts = torch.bincount(ids, minlength=out.shape[-1]).float()
+        out -= spec.frequency_penalty * counts + spec.presence_penalty * (counts > 0).float()
+    return out
 
 
 def filtered_probs(logits: torch.Tensor, spec: SamplingSpec) -> torch.Tensor:

@@ -120,9 +120,11 @@ class ModelRunner:
             return LaunchedStep(batch, greedy=greedy, host=host, copied=copied)
         emitted = dict(result.chosen)
         if result.logits is not None:
-            params = {r.request_id: r.sampling_params for r in batch.requests}
-            specs = [sampling_spec(params[rid]) for rid in result.sample_ids]
-            tokens = self.sampler.sample(result.logits, list(result.sample_ids), specs)
+            requests = {r.request_id: r for r in batch.requests}
+            rows = [requests[rid] for rid in result.sample_ids]
+            specs = [sampling_spec(r.sampling_params) for r in rows]
+            histories = [r.token_history or ((), ()) for r in rows]
+            tokens = self.sampler.sample(result.logits, list(result.sample_ids), specs, histories)
             emitted.update((rid, (token,)) for rid, token in zip(result.sample_ids, tokens))
         self._check_step()  # the step's output was read on the host: its checks are complete
         output = StepOutput(

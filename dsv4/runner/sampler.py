@@ -11,14 +11,17 @@ when installed, else batched torch (`kernels.sampling`) — and one host copy re
 row's token. The row-by-row path copies each row's filtered 129K-entry distribution to the
 host for a CPU multinomial, so its cost grows with the batch (it inflated the served decode
 steps of the H200 e2e run at temperature 1, docs/BENCHMARKS.md). Seeded rows stay on their
-own CPU generators (batch independence).
+own CPU generators (batch independence). Rows with penalties first have their logits shifted
+by their prompt and output tokens (`penalized_logits`), then take the same paths.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from dsv4.ops.sampling import SamplingSpec, filtered_probs
+from dsv4.ops.sampling import SamplingSpec, filtered_probs, penalized_logits
 from kernels import sampling as sampling_kernels
 
 
@@ -42,11 +45,20 @@ class Sampler:
         return gen
 
     def sample(
-        self, logits: torch.Tensor, request_ids: list[str], specs: list[SamplingSpec]
-    ) -> list[int]:
-        """logits [B, V] (any device) -> B token ids. Greedy rows never touch a generator."""
+        self, logits: torch.Tensor, request_ids: list[str], specs: list[SamplingSpec],
+        histories: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None,
+    ) -> list[int]:  # fmt: skip
+        """logits [B, V] (any device) -> B token ids. Greedy rows never touch a generator.
+        `histories`: each row's (prompt ids, output ids so far), needed by rows with penalties."""
         if logits.shape[0] != len(specs) or len(specs) != len(request_ids):
             raise ValueError("one request id and one SamplingSpec per logits row")
+        penalized = [i for i, s in enumerate(specs) if s.has_penalties]
+        if penalized:
+            if histories is None or len(histories) != len(specs):
+                raise ValueError("rows with penalties need their (prompt, output) token ids")
+            logits = logits.to(torch.float32, copy=True)  # [B, V]; the caller's stays as is
+            for i in penalized:
+                logits[i] = penalized_logits(logits[i], specs[i], *histories[i])
         out: list[int] = []
         picked = logits.argmax(dim=-1) if logits.shape[0] else logits.new_empty(0).long()
         on = self.batched if self.batched is not None else logits.is_cuda

@@ -74,6 +74,9 @@ def sampling_spec(params: SamplingParams | None) -> SamplingSpec:
         top_p=float(params.top_p or 1.0),
         top_k=int(params.top_k or 0),
         seed=params.seed,
+        presence_penalty=float(params.presence_penalty),
+        frequency_penalty=float(params.frequency_penalty),
+        repetition_penalty=float(params.repetition_penalty),
     )
 
 

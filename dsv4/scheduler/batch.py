@@ -25,6 +25,8 @@ class ScheduledRequest:
     block_table: tuple[int, ...]  # token block ids (see dsv4.cache.layout)
     ring_block_ids: tuple[int, ...]
     sampling_params: SamplingParams | None = None  # None: greedy
+    # (prompt ids, output ids so far) of a request that samples with penalties, else None
+    token_history: tuple[tuple[int, ...], tuple[int, ...]] | None = None
 
     @property
     def num_tokens(self) -> int:

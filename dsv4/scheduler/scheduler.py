@@ -242,16 +242,21 @@ class Scheduler:
         self, request: Request, num_new: int, num_drafts: int, charge: int, step: _Step
     ) -> None:
         rid, start = request.request_id, request.num_computed_tokens
+        samples_token = start + num_new == request.num_tokens
+        params = request.sampling_params
         step.scheduled[rid] = ScheduledRequest(
             request_id=rid,
             token_ids=request.token_ids(start, start + num_new),
             start_position=start,
             is_prefill=not request.is_decoding,
             num_draft_tokens=num_drafts,
-            samples_token=start + num_new == request.num_tokens,
+            samples_token=samples_token,
             block_table=self.kv.block_table(rid),
             ring_block_ids=self.kv.ring_block_ids(rid),
-            sampling_params=request.sampling_params,
+            sampling_params=params,
+            token_history=(request.prompt_token_ids, tuple(request.output_token_ids))
+            if samples_token and params is not None and params.has_penalties
+            else None,
         )
         step.charged[rid] = charge
         step.budget -= charge

@@ -72,6 +72,9 @@ def sampling_to_proto(sampling: SamplingParams) -> common_pb2.SamplingParams:
         stop_token_ids=sampling.stop_token_ids,
         stop=sampling.stop_strings,
         ignore_eos=sampling.ignore_eos,
+        presence_penalty=sampling.presence_penalty,
+        frequency_penalty=sampling.frequency_penalty,
+        repetition_penalty=sampling.repetition_penalty,
     )
     if sampling.seed is not None:
         msg.seed = sampling.seed
@@ -94,7 +97,14 @@ def sampling_from_proto(
         ignore_eos=msg.ignore_eos,
         num_prompt_tokens=num_prompt_tokens,
         limits=limits,
+        presence_penalty=_given(msg, "presence_penalty", defaults.presence_penalty),
+        frequency_penalty=_given(msg, "frequency_penalty", defaults.frequency_penalty),
+        repetition_penalty=_given(msg, "repetition_penalty", defaults.repetition_penalty),
     )
+
+
+def _given(msg: common_pb2.SamplingParams, name: str, default: float) -> float:
+    return getattr(msg, name) if msg.HasField(name) else default
 
 
 # ---- usage and stream chunks ------------------------------------------------------------------

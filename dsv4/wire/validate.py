@@ -72,6 +72,9 @@ def check_sampling(
     ignore_eos: bool,
     num_prompt_tokens: int,
     limits: RequestLimits,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    repetition_penalty: float = 1.0,
 ) -> SamplingParams:
     """Validate sampling values and fill the default max_new_tokens (clipped to the context)."""
     if not math.isfinite(temperature) or temperature < 0:
@@ -98,6 +101,14 @@ def check_sampling(
             f"sampling.top_k = {top_k}: must be 0 (off) or in [1, {limits.vocab_size}] "
             "(the vocabulary size)"
         )
+    for name, value in (("presence_penalty", presence_penalty),
+                        ("frequency_penalty", frequency_penalty)):  # fmt: skip
+        if not -2.0 <= value <= 2.0:  # also rejects NaN
+            raise InvalidRequest(f"sampling.{name} = {value}: must be in [-2, 2]; 0 is off")
+    if not 0.0 < repetition_penalty <= 2.0:
+        raise InvalidRequest(
+            f"sampling.repetition_penalty = {repetition_penalty}: must be in (0, 2]; 1 is off"
+        )
     return SamplingParams(
         temperature=float(temperature),
         top_p=float(top_p),
@@ -107,6 +118,9 @@ def check_sampling(
         stop_token_ids=_check_stop_token_ids(stop_token_ids, limits),
         stop_strings=_check_stop_strings(stop_strings, limits),
         ignore_eos=bool(ignore_eos),
+        presence_penalty=float(presence_penalty),
+        frequency_penalty=float(frequency_penalty),
+        repetition_penalty=float(repetition_penalty),
     )
 
 

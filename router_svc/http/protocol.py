@@ -1,13 +1,14 @@
 """OpenAI request bodies -> `dsv4.v1.Router` GenerateRequest protos, and errors -> HTTP.
 
 Only shapes and types are checked here; values (temperature range, max_tokens against the
-context, stop strings, vocabulary) are checked by the router's own validation, the same rules
-as gRPC, whose message is then returned with the OpenAI parameter's name. Fields that would
-change the result and that this server does not implement (logprobs, echo, tools,
-penalties, ...) are refused, never silently ignored. `n` asks for that many choices of each
-prompt, and /v1/completions takes a batch of prompts (strings or token-id lists); a request
-holds at most MAX_CHOICES choices in all (router_svc/http/choices.py). vLLM's extensions `top_k`, `ignore_eos` and
-`stop_token_ids` are accepted.
+context, stop strings, penalty ranges, vocabulary) are checked by the router's own
+validation, the same rules as gRPC, whose message is then returned with the OpenAI
+parameter's name. Fields that would change the result and that this server does not
+implement (logprobs, echo, tools, ...) are refused, never silently ignored. `n` asks for that
+many choices of each prompt, and /v1/completions takes a batch of prompts (strings or
+token-id lists); a request holds at most MAX_CHOICES choices in all
+(router_svc/http/choices.py). OpenAI's `presence_penalty` and `frequency_penalty` and vLLM's
+extensions `repetition_penalty`, `top_k`, `ignore_eos` and `stop_token_ids` are accepted.
 
 Errors: `ApiError(status, message, param, code)`, rendered as
 `{"error": {"message", "type", "param", "code"}}`; gRPC code names map through `HTTP_STATUS`.
@@ -38,14 +39,16 @@ _PARAM_OF_FIELD = {
     "sampling.max_new_tokens": "max_tokens", "sampling.temperature": "temperature",
     "sampling.top_p": "top_p", "sampling.top_k": "top_k", "sampling.stop_token_ids":
     "stop_token_ids", "sampling.stop": "stop", "prompt": "prompt", "prompt_token_ids": "prompt",
-    "request_id": "X-Request-Id",
+    "request_id": "X-Request-Id", "sampling.presence_penalty": "presence_penalty",
+    "sampling.frequency_penalty": "frequency_penalty",
+    "sampling.repetition_penalty": "repetition_penalty",
 }  # fmt: skip
 _FIELD_AT_START = re.compile(r"(sampling\.\w+|prompt_token_ids|prompt|request_id)\b")
 # Parameters whose only supported value is "off": (name, the values that mean off).
 _OFF_ONLY = (
     ("logprobs", (None, False, 0)), ("top_logprobs", (None, 0)), ("echo", (None, False)),
     ("best_of", (None, 1)), ("suffix", (None, "")), ("logit_bias", (None, {})),
-    ("presence_penalty", (None, 0)), ("frequency_penalty", (None, 0)), ("tools", (None, [])),
+    ("tools", (None, [])),
     ("functions", (None, [])), ("response_format", (None, {"type": "text"})),
 )  # fmt: skip
 
@@ -153,7 +156,8 @@ def _int(body: dict[str, Any], name: str) -> int | None:
 
 def _sampling(body: dict[str, Any]) -> common_pb2.SamplingParams:
     msg = common_pb2.SamplingParams()
-    for name in ("temperature", "top_p"):
+    for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty"):  # fmt: skip
         if (value := _typed(body, name, (int, float), "a number")) is not None:
             setattr(msg, name, float(value))
     max_tokens = _int(body, "max_completion_tokens")

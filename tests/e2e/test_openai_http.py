@@ -27,7 +27,7 @@ from dsv4.config import ModelSection
 from dsv4.serving.metrics import scrape
 from router_svc.http import load_chat_template
 from router_svc.text_model import load_text_model
-from tests.services.worker_cluster import start_cluster, tiny_checkpoint
+from tests.services.worker_cluster import single_engine_outputs, start_cluster, tiny_checkpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 MAX_TOKENS = 8
@@ -198,11 +198,39 @@ def test_a_batch_of_prompts_answers_each_in_order(cluster, client) -> None:
     assert streamed == [c.text for c in whole.choices]
 
 
+def test_penalties_through_prefill_and_decode_equal_the_single_engine(
+    cluster, client, model_dir
+) -> None:
+    """Penalties cross the hand-off: P samples the first token with them, D goes on with the
+    first token in the history. The router's tokens equal one engine's; HTTP gives the same
+    text; the penalties changed the continuation."""
+    penalties = {"presence_penalty": -1.5, "frequency_penalty": -0.4, "repetition_penalty": 0.5}
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6, 7, 9]
+
+    async def routed() -> tuple[list[int], str]:
+        async with grpc.aio.insecure_channel(cluster.router_address) as channel:
+            outcome = await generate(channel, prompt, greedy(MAX_TOKENS, **penalties))
+        assert outcome.code is grpc.StatusCode.OK, outcome.details
+        return [t for c in outcome.chunks for t in c.token_ids], outcome.text
+
+    tokens, text = asyncio.run(routed())
+    (expected,) = single_engine_outputs(model_dir, [prompt], MAX_TOKENS, sampling=penalties)
+    assert tokens == expected
+    assert single_engine_outputs(model_dir, [prompt], MAX_TOKENS)[0] != expected
+    extra = {"ignore_eos": True, "repetition_penalty": 0.5}
+    http = client.completions.create(
+        model=served_model(client), prompt=prompt, temperature=0.0, max_tokens=MAX_TOKENS,
+        presence_penalty=-1.5, frequency_penalty=-0.4, extra_body=extra,
+    )  # fmt: skip
+    assert http.choices[0].text == text
+
+
 def test_bad_input_gets_openai_error_objects(cluster, client) -> None:
     model = served_model(client)
     cases = [
         ({"n": 65}, "n"), ({"max_tokens": 0}, "max_tokens"), ({"temperature": -1.0}, "temperature"),
         ({"top_p": 2.0}, "top_p"), ({"logprobs": 2}, "logprobs"), ({"max_tokens": 10**9}, "max_tokens"),
+        ({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": -3}, "frequency_penalty"),
     ]  # fmt: skip
     for extra, param in cases:
         with pytest.raises(openai.BadRequestError) as caught:

@@ -5,6 +5,7 @@ over Info (every block free, no leases)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -82,9 +83,11 @@ def single_engine_outputs(
     prompts: Sequence[Sequence[int]],
     max_new_tokens: int,
     overrides: dict[str, object] | None = None,
+    sampling: dict[str, float] | None = None,
 ) -> list[list[int]]:
     """The baseline: one engine built by `build_worker_runtime` with the workers' config
-    (plus `overrides`, e.g. the workers' `features.forward`)."""
+    (plus `overrides`, e.g. the workers' `features.forward`); greedy, with `sampling`'s
+    fields (e.g. penalties) on every request."""
     from dsv4.config import load_config
     from dsv4.worker.build import build_worker_runtime
 
@@ -97,7 +100,8 @@ def single_engine_outputs(
         try:
 
             async def one(i: int, prompt: Sequence[int]) -> list[int]:
-                request = GenerateRequest(f"base-{i}", tuple(prompt), greedy(max_new_tokens))
+                params = dataclasses.replace(greedy(max_new_tokens), **(sampling or {}))
+                request = GenerateRequest(f"base-{i}", tuple(prompt), params)
                 tokens: list[int] = []
                 async for out in runtime.engine.generate(runtime.engine_request(request)):
                     tokens.extend(out.new_token_ids)

@@ -116,5 +116,7 @@ class PagedStepForward:
 
 
 def _all_greedy(batch: ScheduledBatch) -> bool:
-    """Every request takes the sampler's greedy path (temperature 0: `SamplingSpec.is_greedy`)."""
-    return all(sampling_spec(r.sampling_params).is_greedy for r in batch.requests)
+    """Every request takes the sampler's greedy path (temperature 0: `SamplingSpec.is_greedy`)
+    on logits as they are (penalties shift them by the tokens so far: the sampler's)."""
+    specs = [sampling_spec(r.sampling_params) for r in batch.requests]
+    return all(s.is_greedy and not s.has_penalties for s in specs)
