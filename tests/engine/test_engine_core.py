@@ -87,9 +87,9 @@ def test_quantized_cache_logits_stay_close(tiny) -> None:
         captured = []
         original = core.runner.sampler.sample
 
-        def spy(stacked, ids, specs, _orig=original, _out=captured):
+        def spy(stacked, ids, specs, histories=None, _orig=original, _out=captured):
             _out.append(stacked.clone())
-            return _orig(stacked, ids, specs)
+            return _orig(stacked, ids, specs, histories)
 
         core.runner.sampler.sample = spy
         run_to_completion(core)
