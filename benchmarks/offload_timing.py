@@ -288,7 +288,11 @@ def routing_records(times: dict, compute: dict, runs: dict, routing: str, args) 
 
 def fill_compute(record: dict) -> dict:
     """`compute_source` and, where no all-resident run measured compute_us, the step's own
-    split (the module doc): the measured wait per token (an MTP step yields tokens_per_step)."""
+    split (the module doc): the measured wait per token (an MTP step yields tokens_per_step).
+    A record that has its `compute_source` already (the join tool reads written records) is
+    kept as it is."""
+    if "compute_source" in record:
+        return record
     if record.get("compute_us") is not None:
         return {**record, "compute_source": "all_resident"}
     wait_us = record.get("copy_wait_measured_us")

@@ -344,6 +344,7 @@ def test_records_without_an_all_resident_run_split_the_step_by_its_measured_wait
     split = fill_compute(base)
     assert (split["copy_wait_us"], split["compute_us"]) == (30.0, 20.0)
     assert split["compute_source"] == "step_minus_wait"
+    assert fill_compute(split) == split  # joining written records keeps their source
     spec = fill_compute({**base, "time_us": 20.0, "tokens_per_step": 2.5, "mtp_k": 2})
     assert spec["copy_wait_us"] == 12.0 and spec["compute_us"] == 8.0
     resident = fill_compute({**base, "compute_us": 40.0, "copy_wait_us": 10.0})
