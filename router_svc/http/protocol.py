@@ -190,14 +190,14 @@ def _token_ids(value: Any, param: str) -> tuple[int, ...]:
     return tuple(value)
 
 
-def _prompt(body: dict[str, Any]) -> str | tuple[int, ...] | tuple[str | tuple[int, ...], ...]:
-    """One prompt (a string or token ids), or a batch: a list of strings or of token-id lists
-    (a tuple of prompts, at least two)."""
+def _prompts(body: dict[str, Any]) -> tuple[str | tuple[int, ...], ...]:
+    """The request's prompts: one (a string or token ids; a list of one is one), or a batch of
+    strings or of token-id lists."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
-        return prompt
+        return (prompt,)
     if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
         return tuple(prompt)
     if isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
@@ -205,7 +205,7 @@ def _prompt(body: dict[str, Any]) -> str | tuple[int, ...] | tuple[str | tuple[i
     if isinstance(prompt, list) and any(isinstance(p, str | list) for p in prompt):
         raise bad_request("prompt", "a batch of prompts is all strings or all token-id lists")
     if isinstance(prompt, list):
-        return _token_ids(prompt, "prompt")
+        return (_token_ids(prompt, "prompt"),)
     raise bad_request("prompt", "prompt is required: a string or a list of token ids")
 
 
@@ -256,22 +256,18 @@ def parse_request(body: Any, *, is_chat: bool) -> OpenAIRequest:
     if options is not None and not isinstance(options, dict):
         raise bad_request("stream_options", "stream_options must be an object")
     include_usage = bool((options or {}).get("include_usage"))
-    prompt = None if is_chat else _prompt(body)
-    batch = prompt if isinstance(prompt, tuple) and not _is_token_ids(prompt) else ()
+    prompts = () if is_chat else _prompts(body)
+    batch = prompts if len(prompts) > 1 else ()
     if len(batch) * n > MAX_CHOICES:
         raise bad_request("prompt", f"{len(batch)} prompts x n = {n}: at most {MAX_CHOICES} "
                           "choices a request")  # fmt: skip
     return OpenAIRequest(
         model=model,
-        prompt=None if batch else prompt,  # type: ignore[arg-type]
+        prompt=prompts[0] if len(prompts) == 1 else None,
         messages=_messages(body) if is_chat else (),
         sampling=_sampling(body),
         stream=stream,
         include_usage=include_usage,
         n=n,
-        batch=batch,  # type: ignore[arg-type]
+        batch=batch,
     )
-
-
-def _is_token_ids(prompt: tuple[Any, ...]) -> bool:
-    return all(isinstance(t, int) for t in prompt)
