@@ -87,8 +87,8 @@ def sampling_from_proto(
     """Validate; unset optional fields take the defaults (max_new_tokens from `limits`)."""
     defaults = SamplingParams()
     return check_sampling(
-        temperature=msg.temperature if msg.HasField("temperature") else defaults.temperature,
-        top_p=msg.top_p if msg.HasField("top_p") else defaults.top_p,
+        temperature=_given(msg, "temperature", defaults.temperature),
+        top_p=_given(msg, "top_p", defaults.top_p),
         top_k=msg.top_k,
         max_new_tokens=msg.max_new_tokens if msg.HasField("max_new_tokens") else None,
         seed=msg.seed if msg.HasField("seed") else None,
