@@ -137,13 +137,16 @@ def expert_rows(x: torch.Tensor, expert_ids: torch.Tensor, w13: torch.Tensor, w2
                 format: str = "bf16", w13_scale: torch.Tensor | None = None,
                 w2_scale: torch.Tensor | None = None, limit: float | None = None, *,
                 rows: torch.Tensor | None = None, num_experts: int | None = None,
-                skip: bool = False, tune: dict | None = None) -> torch.Tensor:  # fmt: skip
+                skip: bool = False, used_rows: torch.Tensor | None = None,
+                tune: dict | None = None) -> torch.Tensor:  # fmt: skip
     """Steps 1-3 of the module doc: rows [T*K, D] bf16, rows[t*K + k] = bf16(W2_e h) of the
     pair's storage row e = expert_ids[t, k] (x [T, D] bf16; `rows` given: written in place).
     `num_experts`: the expert count the tile, GEMV / MMA and dequant choices read (default
     w13.shape[0]): an expert pool (dsv4/runner/paged/expert_pool.py) passes the model's E, not
     its storage rows, so its math is that of the all-resident call. `skip`: pairs with e < 0
-    are not computed (their rows keep what they held: an earlier round's)."""
+    are not computed (their rows keep what they held: an earlier round's). `used_rows` (int32
+    [U] on the device, distinct): every storage row a pair names, given by a caller that knows
+    them (a pool's round): the bf16-scratch path then dequantises only those, not all rows."""
     assert format in FORMATS, format
     assert x.dim() == 2 and x.dtype == torch.bfloat16 and x.stride(1) == 1
     dim = x.shape[1]
@@ -191,7 +194,7 @@ def expert_rows(x: torch.Tensor, expert_ids: torch.Tensor, w13: torch.Tensor, w2
     h = torch.empty(sorted_ids.numel(), inter, dtype=torch.bfloat16, device=x.device)
     gemms = (x, sorted_ids, tile_e, w13, w2, scales, h, rows, topk, limit)
     if dequant:
-        gemms_through_scratch(*gemms, format, cfg, chunk_experts)
+        gemms_through_scratch(*gemms, format, cfg, chunk_experts, used_rows)
     else:
         grouped_gemms(*gemms, fmt, cfg, swap_ab)
     return rows
@@ -295,10 +298,13 @@ def moe_experts_ref(
 
 
 def expert_rows_ref(x, expert_ids, w13, w2, format="bf16", w13_scale=None, w2_scale=None,
-                    limit=None, *, rows=None, num_experts=None, skip=False) -> torch.Tensor:  # fmt: skip
+                    limit=None, *, rows=None, num_experts=None, skip=False,
+                    used_rows=None) -> torch.Tensor:  # fmt: skip
     """Reference of `expert_rows`, computed as `moe_experts_ref` computes each expert (one call
     per storage row on its pairs' tokens, ascending), so `combine_rows_ref` of these rows is
-    `moe_experts_ref` bit for bit. Rows in x's dtype; pairs with a negative row are skipped."""
+    `moe_experts_ref` bit for bit. Rows in x's dtype; pairs with a negative row are skipped.
+    `used_rows` changes nothing here (it saves the kernel's dequantise work)."""
+    del used_rows
     inter, topk = w13.shape[1] // 2, expert_ids.shape[1]
     if rows is None:
         rows = torch.zeros(expert_ids.numel(), x.shape[1], dtype=x.dtype, device=x.device)

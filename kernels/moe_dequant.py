@@ -50,16 +50,20 @@ _BLOCK_R, _BLOCK_C = 32, 128
 @triton.jit(**sizes_vary("e0"))
 def _experts_dequant_kernel(
     # Pointers: w [E, rows, cols] e4m3 or [E, rows, cols/2] packed e2m1; its scales;
-    # output [e1 - e0, rows, cols] bf16
-    w_ptr, s_ptr, out_ptr,
+    # output [e1 - e0, rows, cols] bf16; with HAS_IDS the experts ids[e0:e1] (int32 [U])
+    w_ptr, s_ptr, out_ptr, ids_ptr,
     # Sizes, strides (elements)
     e0, rows, cols,
     stride_we, stride_wr, stride_se, stride_sr, stride_sc, stride_oe, stride_or,
     # Meta-parameters
     FMT: tl.constexpr, SCALE_E8M0: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    HAS_IDS: tl.constexpr,
 ):  # fmt: skip
     pid_c, pid_r, pid_e = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    e = (e0 + pid_e).to(tl.int64)
+    if HAS_IDS:
+        e = tl.load(ids_ptr + e0 + pid_e).to(tl.int64)
+    else:
+        e = (e0 + pid_e).to(tl.int64)
     r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     r_ok = r < rows
@@ -101,14 +105,19 @@ def dequantize_experts(
     e0: int = 0,
     e1: int | None = None,
     out: torch.Tensor | None = None,
+    ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Experts [e0, e1) of w [E, rows, cols(/2)] with its scales, in `format` ("fp8" or "mxfp4",
     layouts of kernels/moe.py) -> bf16 [e1 - e0, rows, cols], written to the first e1 - e0
-    experts of `out` ([>= e1 - e0, rows, cols] bf16, unit column stride) when given."""
+    experts of `out` ([>= e1 - e0, rows, cols] bf16, unit column stride) when given. `ids`
+    (int32 [U], on w's device): the experts ids[e0:e1] instead, in that order (read on the
+    device: no sync)."""
     assert format in DEQUANT_FORMATS, format
-    e1 = w.shape[0] if e1 is None else e1
+    count = w.shape[0] if ids is None else ids.numel()
+    e1 = count if e1 is None else e1
     rows, cols = w.shape[1], w.shape[2] * (2 if format == "mxfp4" else 1)
-    assert 0 <= e0 <= e1 <= w.shape[0] and w.stride(2) == 1
+    assert 0 <= e0 <= e1 <= count and w.stride(2) == 1
+    assert ids is None or (ids.dtype == torch.int32 and ids.is_contiguous()), ids
     if out is None:
         out = torch.empty(e1 - e0, rows, cols, dtype=torch.bfloat16, device=w.device)
     assert out.dtype == torch.bfloat16 and out.shape[0] >= e1 - e0 and out.stride(2) == 1
@@ -118,9 +127,9 @@ def dequantize_experts(
     s, e8m0, st = scale_args(scale, w)
     grid = (triton.cdiv(cols, _BLOCK_C), triton.cdiv(rows, _BLOCK_R), e1 - e0)
     _experts_dequant_kernel[grid](
-        w, s, out, e0, rows, cols, w.stride(0), w.stride(1), *st, out.stride(0), out.stride(1),
-        FMT=FORMATS.index(format), SCALE_E8M0=e8m0, BLOCK_R=_BLOCK_R, BLOCK_C=_BLOCK_C,
-        num_warps=4,
+        w, s, out, w if ids is None else ids, e0, rows, cols, w.stride(0), w.stride(1), *st,
+        out.stride(0), out.stride(1), FMT=FORMATS.index(format), SCALE_E8M0=e8m0,
+        BLOCK_R=_BLOCK_R, BLOCK_C=_BLOCK_C, HAS_IDS=ids is not None, num_warps=4,
     )  # fmt: skip
     return out[: e1 - e0]
 
@@ -131,13 +140,15 @@ def dequantize_experts_ref(
     format: str,
     e0: int = 0,
     e1: int | None = None,
+    ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Reference: `moe_gemm.dequantize_expert` of each expert in [e0, e1), stacked."""
-    e1 = w.shape[0] if e1 is None else e1
-    if e1 == e0:
+    """Reference: `moe_gemm.dequantize_expert` of each expert in [e0, e1) (of `ids`), stacked."""
+    experts = list(range(w.shape[0])) if ids is None else ids.tolist()
+    experts = experts[e0 : len(experts) if e1 is None else e1]
+    if not experts:
         cols = w.shape[2] * (2 if format == "mxfp4" else 1)
         return torch.empty(0, w.shape[1], cols, dtype=torch.bfloat16, device=w.device)
-    return torch.stack([dequantize_expert(w[e], scale[e], format) for e in range(e0, e1)])
+    return torch.stack([dequantize_expert(w[e], scale[e], format) for e in experts])
 
 
 def use_dequant(num_pairs: int, num_experts: int, format: str, on_gpu: bool) -> bool:
@@ -149,22 +160,34 @@ def use_dequant(num_pairs: int, num_experts: int, format: str, on_gpu: bool) -> 
 
 
 def gemms_through_scratch(x, sorted_ids, tile_e, w13, w2, scales, h, rows, topk, limit,
-                          format: str, cfg: dict, chunk_experts: int | None = None) -> None:  # fmt: skip
+                          format: str, cfg: dict, chunk_experts: int | None = None,
+                          used: torch.Tensor | None = None) -> None:  # fmt: skip
     """`moe_gemm.grouped_gemms` on `format` experts by way of a bf16 scratch: per chunk of experts
     [e0, e1), both weights dequantised, tile_e remapped to the chunk (others -1), the bf16 GEMMs
     (cfg: kernels.moe._config's bf16 tiles). `chunk_experts`: experts a chunk (default: as many as fit
-    in SCRATCH_BYTES)."""
+    in SCRATCH_BYTES). `used` (int32 [U] on the device, distinct): only these experts are
+    dequantised, chunk by chunk of `used`; it must hold every expert a tile of tile_e names (a
+    tile of another expert is not computed). An expert pool's round passes its few experts, so
+    it does not dequantise every row of its storage (kernels.moe.expert_rows `used_rows`)."""
     assert format in DEQUANT_FORMATS and None not in scales, format
-    num_experts, inter, dim = w13.shape[0], h.shape[1], rows.shape[1]
+    inter, dim = h.shape[1], rows.shape[1]
+    count = w13.shape[0] if used is None else used.numel()
     per_expert = 3 * inter * dim  # bf16 elements of one expert's w13 and w2
-    chunk = min(num_experts, chunk_experts or max(1, SCRATCH_BYTES // (2 * per_expert)))
+    chunk = max(1, min(count, chunk_experts or max(1, SCRATCH_BYTES // (2 * per_expert))))
     scratch = torch.empty(chunk * per_expert, dtype=torch.bfloat16, device=x.device)
     w13_bf16 = scratch[: chunk * 2 * inter * dim].view(chunk, 2 * inter, dim)
     w2_bf16 = scratch[chunk * 2 * inter * dim :].view(chunk, dim, inter)
-    for e0 in range(0, num_experts, chunk):
-        e1 = min(e0 + chunk, num_experts)
-        dequantize_experts(w13, scales[0], format, e0, e1, out=w13_bf16)
-        dequantize_experts(w2, scales[1], format, e0, e1, out=w2_bf16)
-        chunk_tile_e = torch.where((tile_e >= e0) & (tile_e < e1), tile_e - e0, -1)
+    for e0 in range(0, count, chunk):
+        e1 = min(e0 + chunk, count)
+        dequantize_experts(w13, scales[0], format, e0, e1, out=w13_bf16, ids=used)
+        dequantize_experts(w2, scales[1], format, e0, e1, out=w2_bf16, ids=used)
+        if used is None:
+            chunk_tile_e = torch.where((tile_e >= e0) & (tile_e < e1), tile_e - e0, -1)
+        else:  # storage row -> its place in the chunk, through a table of E + 1 rows
+            place = torch.full((w13.shape[0] + 1,), -1, dtype=tile_e.dtype, device=x.device)
+            place[used[e0:e1].long() + 1] = torch.arange(e1 - e0, dtype=tile_e.dtype,
+                                                         device=x.device)  # fmt: skip
+            place[0] = -1  # unused tiles (-1) stay unused, even if `used` held a -1
+            chunk_tile_e = place[tile_e.long().clamp(min=-1) + 1]
         grouped_gemms(x, sorted_ids, chunk_tile_e, w13_bf16, w2_bf16, (None, None), h, rows,
                       topk, limit, 0, cfg)  # fmt: skip

@@ -183,6 +183,45 @@ def test_double_buffered_rounds_prefetch_each_next_round_and_change_no_bit() -> 
     assert stats[1].fetches == 2 and stats[1].prefetches == 3  # rounds of 2, 2, 1 misses
 
 
+def test_rounds_on_the_scratch_path_dequantise_only_their_rows(monkeypatch) -> None:
+    """The Triton kernels (interpreted on CPU): a prefill-sized MXFP4 step (200 tokens x top-2
+    over 8 experts: the bf16-scratch path) in rounds, with and without lookahead, equals the
+    all-resident pool's one call bit for bit, and each round dequantises only the storage rows
+    it names (3 resident + 4 slots here: round 0 its on-device experts and misses, a later
+    round only its misses, where it used to dequantise all 7 rows every round)."""
+    import kernels.moe_dequant as moe_dequant
+
+    kernels = KernelBackendConfig(default="triton")
+    model = random_model(FP4, seed=17, dtype=torch.bfloat16, expert_weights="checkpoint")
+    gen = torch.Generator().manual_seed(6)
+    u = torch.randn(200, FP4.hidden_size, generator=gen).bfloat16()
+    ids = torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range(200)]).int()
+    w = torch.rand(200, 2, generator=gen)
+    seen: list[int] = []
+    real = moe_dequant.dequantize_experts
+
+    def counting(w_, scale, format, e0=0, e1=None, out=None, ids=None):
+        seen.append(e1 - e0)
+        return real(w_, scale, format, e0, e1, out, ids)
+
+    monkeypatch.setattr(moe_dequant, "dequantize_experts", counting)
+    outs = []
+    for cold, lookahead in ((0, False), (5, False), (5, True)):
+        pooled = copy.deepcopy(model)
+        pool = pool_experts(pooled, PoolOptions((cold,), cache_slots=4, max_decode_tokens=1),
+                            "cpu", kernels)  # fmt: skip
+        layer = pool.layers[0]
+        seen.clear()
+        outs.append(layer.experts(u, ids, w, FP4.swiglu_limit, lookahead=lookahead))
+        if cold:  # w13 and w2 each: rounds [3 resident + 4 misses, 1] or [3 + 2, 2, 1]
+            assert sorted(seen[::2]) == ([1, 7] if not lookahead else [1, 2, 5]), seen
+        else:
+            assert seen[::2] == [8], seen
+        pool.mirror()
+        assert_no_leaks(pool)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
 def test_round_groups() -> None:
     table = [0, -1, 3, -1, -1, 1, -1, -1]  # R = 2: experts 0, 5 resident; 2 cached (row 3)
     assert round_groups([0, 1, 2, 3, 4, 6], table, 2, 2) == [[0, 2, 1], [3, 4], [6]]

@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+import kernels.moe_dequant as moe_dequant
 from dsv4.ops.quant import fp8_block_quantize, mxfp4_quantize
-from kernels.moe import moe_experts, moe_experts_dequant
+from kernels.moe import expert_rows, moe_experts, moe_experts_dequant
 from kernels.moe_dequant import (
     DEQUANT_MIN_PAIRS_PER_EXPERT,
     dequantize_experts,
@@ -63,6 +64,62 @@ def test_dequantize_experts_into_scratch_uint8():
     assert out.data_ptr() == scratch.data_ptr() and out.shape == (2, 48, 64)
     assert torch.equal(scratch[:2], dequantize_experts_ref(w, s, "mxfp4", 2, 4))
     assert (scratch[2] == 7.0).all()
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+def test_dequantize_experts_of_an_id_list_matches_ref(fmt):
+    """`ids`: the listed experts in the listed order (a sub-range of the list)."""
+    w, s = _quantized(5, 40, 128, fmt, seed=3)
+    ids = torch.tensor([4, 0, 3], dtype=torch.int32, device=DEVICE)
+    out = dequantize_experts(w, s, fmt, 1, 3, ids=ids)
+    assert torch.equal(out, dequantize_experts_ref(w, s, fmt, 1, 3, ids=ids))
+    assert torch.equal(out, torch.stack([dequantize_experts_ref(w, s, fmt, e, e + 1)[0]
+                                         for e in (0, 3)]))  # fmt: skip
+
+
+def test_scratch_path_with_used_rows_dequantises_only_those(monkeypatch):
+    """An expert pool's round (skip, a few storage rows named): the scratch path dequantises
+    only `used_rows`, chunk by chunk of them, and writes the same bits as when it dequantises
+    every row; skipped pairs keep their rows."""
+    dim, inter, num_rows, k = 64, 32, 7, 2
+    w13, w2, s13, s2 = _experts(num_rows, dim, inter, "mxfp4", seed=21)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(12, dim, generator=g).bfloat16().to(DEVICE)
+    ids, _ = routing(12, num_rows, k, seed=6)
+    used = [5, 1, 2]  # this round's storage rows; the others' pairs are skipped (-1)
+    ids = torch.where(torch.isin(ids, torch.tensor(used, device=DEVICE, dtype=ids.dtype)), ids, -1)
+    assert (ids >= 0).any() and (ids < 0).any()
+    seen = []
+    real = moe_dequant.dequantize_experts
+
+    def counting(w, scale, format, e0=0, e1=None, out=None, ids=None):
+        seen.append((e1 - e0, ids is not None))
+        return real(w, scale, format, e0, e1, out, ids)
+
+    monkeypatch.setattr(moe_dequant, "dequantize_experts", counting)
+    outs = []
+    for used_rows in (None, torch.tensor(used, dtype=torch.int32, device=DEVICE)):
+        rows = torch.full((ids.numel(), dim), 3.0, dtype=torch.bfloat16, device=DEVICE)
+        outs.append(
+            expert_rows(
+                x,
+                ids,
+                w13,
+                w2,
+                "mxfp4",
+                s13,
+                s2,
+                10.0,
+                rows=rows,
+                skip=True,
+                used_rows=used_rows,
+                tune={"DEQUANT": True, "CHUNK_EXPERTS": 2},
+            )
+        )
+    assert torch.equal(outs[0], outs[1])
+    assert (outs[1][ids.flatten() < 0] == 3.0).all()
+    # all 7 rows in chunks of 2 (w13 and w2 each), then the 3 named rows in chunks of 2, 1
+    assert seen == [(2, False)] * 6 + [(1, False)] * 2 + [(2, True)] * 2 + [(1, True)] * 2
 
 
 def _check(num_tokens, dim, inter, num_experts, k, fmt, limit, chunk, seed=0):

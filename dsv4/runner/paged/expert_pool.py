@@ -208,12 +208,14 @@ class LayerPool:
         return rows
 
     def rows(self, u: torch.Tensor, rows_of: torch.Tensor, limit: float | None,
-             out: torch.Tensor | None = None, skip: bool = False) -> torch.Tensor:  # fmt: skip
-        """The grouped GEMM's per-pair rows [T*K, D] on device rows `rows_of` [T, K]."""
+             out: torch.Tensor | None = None, skip: bool = False,
+             used_rows: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        """The grouped GEMM's per-pair rows [T*K, D] on device rows `rows_of` [T, K];
+        `used_rows` (int32 [U]): every row `rows_of` names, when the caller knows them."""
         w = self.weights
         return self.ops["expert_rows"](u, rows_of, w.w13, w.w2, w.format, w.w13_scale,
-                                       w.w2_scale, limit, rows=out,
-                                       num_experts=self.num_experts, skip=skip)  # fmt: skip
+                                       w.w2_scale, limit, rows=out, num_experts=self.num_experts,
+                                       skip=skip, used_rows=used_rows)  # fmt: skip
 
     def experts(self, u: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                 limit: float | None, lookahead: bool = False) -> torch.Tensor:  # fmt: skip

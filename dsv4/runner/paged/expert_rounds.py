@@ -5,7 +5,10 @@ Round 0 takes every expert already on the device and as many misses as the slots
 each later round the next S misses (ascending ids). A round resolves only its experts' pairs
 (the others are skipped, -1), so its fetches evict nothing it uses, and computes their rows
 into the one per-pair buffer [T*K, D]; one combine at the end sums each token's rows in the
-resident path's order, so the output is the all-resident one bit for bit. Eager only: the
+resident path's order, so the output is the all-resident one bit for bit. A round names its
+storage rows to the GEMM (`used_rows`): a prefill-sized MXFP4 step dequantises only those to
+its bf16 scratch, not every resident row and slot each round (with 169 resident and 24 slots,
+a later round's 24 experts instead of 193). Eager only: the
 split reads the routing and the slot table on the host (a sync a captured graph cannot hold).
 
 Double-buffered (`lookahead`, with `features.expert_prefetch`): rounds take S // 2 misses, and
@@ -54,12 +57,17 @@ def experts_in_rounds(pool: LayerPool, u: torch.Tensor, ids: torch.Tensor,
     used = ids.unique().tolist()  # host sync: this is an eager (prefill) step
     groups = round_groups(used, pool.table.tolist(), pool.num_resident, pool.num_slots,
                           halves=lookahead)  # fmt: skip
-    parts = [torch.isin(ids, torch.tensor(g, dtype=ids.dtype, device=ids.device)) for g in groups]
+    experts = [torch.tensor(g, dtype=torch.long, device=ids.device) for g in groups]
+    parts = [torch.isin(ids, g.to(ids.dtype)) for g in experts]
     rows = None
     for i, part in enumerate(parts):
         rows_of = pool.resolve(torch.where(part, ids, -1))
+        # the round's storage rows, read from the table its resolve just wrote (before a
+        # prefetch changes it): a prefill-sized MXFP4 GEMM then dequantises these, not R + S
+        # (clamped: a stale table's -1 reads row 0; the step fails through the error flag)
+        used_rows = pool.table[experts[i]].clamp_(min=0)
         if lookahead and i + 1 < len(parts):  # round i + 1's misses beside round i's GEMM
             pool.prefetch(torch.where(part | parts[i + 1], ids, -1))
-        rows = pool.rows(u, rows_of, limit, out=rows, skip=True)
+        rows = pool.rows(u, rows_of, limit, out=rows, skip=True, used_rows=used_rows)
     assert rows is not None
     return pool.ops["combine_rows"](rows, weights, ids)
