@@ -116,9 +116,9 @@ def mx_config(num_pairs: int, num_experts: int, on_gpu: bool, halves: int | None
     K step; None for dot_scaled). The weight is the MMA's register operand (SWAP_AB: wgmma's A,
     its rows the M side), the expert's pairs the N side, so a row tile about as wide as an
     expert's pairs upcasts each weight about once: 16 at decode sizes, 32 at 1024 tokens (24
-    pairs an expert), 64 at 8192 (192 pairs). Compiled for sm_90 (tools/moe_sass.py) dot_scaled
-    with BLOCK_K 64 and BLOCK_M <= 32 keeps its accumulators in registers (no spill, 0.60 warp
-    instructions a weight byte against 1.19 for FMT 2); BLOCK_M 64 spills (376 B of stack)."""
+    pairs an expert), 64 at 8192 (192 pairs). Compiled for sm_90 as launched (tools/moe_sass.py)
+    none of these tiles spills (at BLOCK_M 128 only dot_scaled with BLOCK_K 128, 8 B of stack);
+    dot_scaled with BLOCK_K 64 runs 0.42-0.44 warp instructions a weight byte, FMT 2 0.97-0.98."""
     if not on_gpu:  # interpreter: few, large programs
         return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=halves or 64, GROUP_M=4, num_warps=4,
                     num_stages=1, SWAP_AB=True)  # fmt: skip

@@ -1,11 +1,17 @@
 """The MXFP4 MoE kernels compiled for sm_90 on the CPU: registers, spills, shared memory and the
 instruction mix of the K loop a weight byte, so candidates can be compared before device time.
 
-    TRITON_INTERPRET=0 python tools/moe_sass.py [--only SUBSTRING] [--dump DIR]
+    TRITON_INTERPRET=0 python tools/moe_sass.py [--only SUBSTRING] [--dump DIR] [--unaligned]
 
 Each case is one kernel of kernels/moe_gemm.py or kernels/moe_gemv.py at a served V4-Flash config.
 The K loop is the SASS block between the last backward branch and its target; its instruction
 counts are divided by the weight bytes one iteration reads (gate + up rows for w13).
+
+Compiled as launched (`launch_attrs`): Triton's JIT specialises pointers and the integer
+arguments outside a kernel's `sizes_vary` on divisibility by 16 (V4-Flash's sizes and strides
+all are) and an argument equal to 1 (the scales' column stride) to a constant. `--unaligned`
+compiles from the signature alone, as this tool did first: no load vectorises (1-byte weight
+loads) and every case spilled, which the launched kernels do not.
 """
 
 from __future__ import annotations
@@ -52,7 +58,9 @@ def _mma_case(name, fmt, bm, bn, bk, warps, swap, stages=3):
 
 def cases():
     out = []
-    for tag, bm, bn, warps in (("decode", 16, 64, 4), ("1024", 32, 128, 8), ("8192", 128, 128, 8)):
+    # moe_mxfp4.mx_config's tiles at 16 / 1024 / 8192 tokens (8192: BLOCK_M 64), and BLOCK_M 128
+    for tag, bm, bn, warps in (("decode", 16, 64, 4), ("1024", 32, 128, 8), ("8192", 64, 128, 8),
+                               ("8192 m128", 128, 128, 8)):  # fmt: skip
         out.append(_mma_case(f"mma fmt2 {tag}", 2, bm, bn, 64, warps, True))
         for bk in (64, 128):
             out.append(_mma_case(f"dot_scaled bk{bk} {tag}", 3, bm, bn, bk, warps, True))
@@ -72,6 +80,19 @@ def _signature(fn, ptrs, consts):
 
     params = inspect.signature(fn.fn).parameters
     return {p: "constexpr" if p in consts else ptrs.get(p, "i32") for p in params}
+
+
+def launch_attrs(fn, ptrs, consts) -> tuple[dict, dict]:
+    """(constexprs, attrs) as the JIT specialises a V4-Flash launch: `stride_sk` (the scales'
+    column stride) is 1, pointers and the integer arguments outside `sizes_vary` divisible by 16."""
+    import inspect
+
+    params = list(inspect.signature(fn.fn).parameters)
+    consts = {**consts, **({"stride_sk": 1} if "stride_sk" in params else {})}
+    vary = set(fn.do_not_specialize)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params)
+             if p not in consts and p not in vary and ptrs.get(p, "i32")[0] in "*i"}  # fmt: skip
+    return consts, attrs
 
 
 def _loop_counts(sass: str) -> tuple[Counter, int]:
@@ -112,9 +133,12 @@ def _loop_counts(sass: str) -> tuple[Counter, int]:
     return counts, len(body)
 
 
-def report(case, dump: Path | None, attrs: dict | None = None) -> str:
-    """One line for `case`; `attrs`: ASTSource argument attributes (e.g. divisibility 16)."""
+def report(case, dump: Path | None, attrs: dict | str | None = "launch") -> str:
+    """One line for `case`; `attrs`: ASTSource argument attributes (e.g. divisibility 16),
+    "launch" for `launch_attrs`, None for the signature alone."""
     name, fn, ptrs, consts, opts, loop_bytes = case
+    if attrs == "launch":
+        consts, attrs = launch_attrs(fn, ptrs, consts)
     k = triton.compile(ASTSource(fn, _signature(fn, ptrs, consts), consts, attrs),
                        target=GPUTarget("cuda", 90, 32), options=opts)  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
@@ -146,8 +170,11 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--only", default="")
     parser.add_argument("--dump", type=Path, default=None)
+    parser.add_argument("--unaligned", action="store_true",
+                        help="compile from the signature alone (no launch specialisation)")  # fmt: skip
     args = parser.parse_args(argv)
-    print_reports(cases(), report, args.only, args.dump)
+    attrs = None if args.unaligned else "launch"
+    print_reports(cases(), lambda c, d: report(c, d, attrs), args.only, args.dump)
     return 0
 
 
