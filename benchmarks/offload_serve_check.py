@@ -155,6 +155,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--runs", default="",
                         help="timed runs, from paged,paged_prefetch,reference ('': all that the "
                              "--no-* flags leave)")  # fmt: skip
+    parser.add_argument("--staging-experts", type=int, default=32,
+                        help="the staging runs' prefill buffer (features.expert_staging)")  # fmt: skip
     parser.add_argument("--max-seqs", type=int, default=0,
                         help="the timed runtimes' max sequences (0: the largest batch)")  # fmt: skip
     parser.add_argument("--batches", default="1,16")

@@ -1,7 +1,7 @@
 """Timing of served expert offload (`benchmarks/offload_serve_check.py` writes these records).
 
-Each forward (paged with CUDA graphs: the expert pool, without and with
-`features.expert_prefetch`; reference: the offload stores) serves
+Each run (`RUNS`: the paged forward with CUDA graphs and its expert pool, without and with
+`features.expert_prefetch` and / or `features.expert_staging`; reference: the offload stores) serves
 the same random model at the same device budget, once per routing ("uniform": the random
 gates, the experts kept on the device in index order; "zipf1": popularity ~ 1/rank,
 `dsv4.model.skew`, with the most popular experts kept on the device: a residency file of the
@@ -180,6 +180,7 @@ def measure(values: dict, args) -> dict[tuple[str, int], dict]:
     features = runtime.config.features
     on_cuda = runtime.config.model.device.startswith("cuda")
     info = dict(forward=features.forward, expert_prefetch=features.expert_prefetch,
+                expert_staging=features.expert_staging,
                 residency="popularity" if runtime.config.model.expert_residency else "index",
                 expert_weights=features.expert_weights,
                 linear_weights=features.linear_weights,
@@ -205,14 +206,21 @@ def spec_values(args) -> dict:
     return {"speculative.method": "mtp", "speculative.num_speculative_tokens": args.mtp_k}
 
 
+# the staging runs' prefill buffer: --staging-experts (default 32: two halves of 16, ~408 MiB
+# of V4-Flash MXFP4 experts)
+STAGING = {"features.expert_staging": "--staging-experts"}
+PREFETCH = {"features.expert_prefetch": True}
 RUNS = {
-    "paged": ("paged", False),
-    "paged_prefetch": ("paged", True),
-    "reference": ("reference", False),
-}  # run: (forward, expert_prefetch)
+    "paged": ("paged", {}),
+    "paged_prefetch": ("paged", PREFETCH),
+    "paged_staging": ("paged", STAGING),
+    "paged_prefetch_staging": ("paged", {**PREFETCH, **STAGING}),
+    "reference": ("reference", {}),
+}  # run: (forward, the run's feature settings)
+DEFAULT_RUNS = ("paged", "paged_prefetch", "reference")
 
 
-def chosen_runs(args) -> dict[str, tuple[str, bool]]:
+def chosen_runs(args) -> dict[str, tuple[str, dict]]:
     """`--runs` (comma-separated names of RUNS), else every run the --no-* flags leave."""
     if args.runs:
         names = args.runs.split(",")
@@ -222,7 +230,7 @@ def chosen_runs(args) -> dict[str, tuple[str, bool]]:
         return {n: RUNS[n] for n in names}
     skip = {n for n, off in (("paged_prefetch", args.no_prefetch),
                              ("reference", args.no_baseline)) if off}  # fmt: skip
-    return {n: r for n, r in RUNS.items() if n not in skip}
+    return {n: RUNS[n] for n in DEFAULT_RUNS if n not in skip}
 
 
 def prompt_len(name: str, args) -> int:
@@ -248,10 +256,13 @@ def timing_records(model_dir, args, on_run=None) -> list[dict]:
     records: list[dict] = []
     for routing in args.routings.split(","):
         times: dict[str, dict] = {}
-        for run, (forward, prefetch) in runs.items():
+        for run, (forward, features) in runs.items():
             values = {**overrides(model_dir, args.device, forward, **shape), **offload,
                       **routing_values(routing, paged, Path(model_dir)),
-                      "features.expert_prefetch": prefetch, **spec_values(args)}  # fmt: skip
+                      "features.expert_prefetch": False, **features,
+                      **spec_values(args)}  # fmt: skip
+            if "features.expert_staging" in features:
+                values["features.expert_staging"] = args.staging_experts
             started = time.perf_counter()
             times[run] = measure(values, args)
             print(f"timed {run} ({routing}): {time.perf_counter() - started:.1f} s "

@@ -228,6 +228,12 @@ class FeatureSwitches(Section):
         "experts (pre-gating; hash layers exactly) and copies them in beside its compute "
         "(issue 22; off until timed on the card)",
     )  # fmt: skip
+    expert_staging: int = setting(
+        0, "expert offload on the paged forward: a prefill step's cold experts go through one "
+        "device buffer of N experts shared by all layers (two halves: one half's copy beside "
+        "the other's GEMM; counted by the start-up plan) instead of the layer's cache slots in "
+        "rounds; 0: rounds (issue 22; untimed on the card)", min=0, max=256,
+    )  # fmt: skip
     expert_weights: str = setting(
         "bf16", "routed experts: bf16 or checkpoint (MXFP4/FP8 as stored, ~1/4 of the bytes; "
         "slower than bf16 on an H200)",

@@ -63,6 +63,7 @@ class PlanRequest:
     runtime_reserve_gib: float = 1.0
     host_mem_fraction: float = 0.8  # share of host RAM that may be pinned for experts
     cache_slots: int = 0  # device slots per layer for cold experts; 0: num_experts_per_tok
+    staging_experts: int = 0  # with offload: one prefill staging buffer of N experts, all layers
     h2d_gb_per_s: float = 25.0  # pinned host->device bandwidth for the fetch estimate
     tpot_slo_ms: float = 50.0  # an offload whose fetch estimate exceeds it is flagged
     formats: WeightFormats = field(default_factory=WeightFormats)
@@ -128,9 +129,15 @@ class MemoryPlan:
 
     @property
     def device_expert_bytes(self) -> int:
-        """Routed expert bytes on the device after offload (resident + cache slots)."""
+        """Routed expert bytes on the device after offload (resident + cache slots, and the
+        prefill staging buffer when something is offloaded)."""
         slots = self.experts_per_layer - self.offloaded_per_layer + self.cache_slots
-        return self.num_moe_layers * slots * self.expert_bytes
+        return (self.num_moe_layers * slots + self.staging_experts) * self.expert_bytes
+
+    @property
+    def staging_experts(self) -> int:
+        """The prefill staging buffer's experts (only with offload)."""
+        return self.request.staging_experts if self.offloaded_per_layer else 0
 
     @property
     def needed_bytes(self) -> int:

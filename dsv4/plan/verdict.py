@@ -33,7 +33,8 @@ def decide(plan: MemoryPlan) -> MemoryPlan:
         return replace(plan, verdict=FITS, message=_fits_message(plan))
     req = plan.request
     layers, per_expert = plan.num_moe_layers, plan.expert_bytes
-    deficit = plan.needed_bytes - plan.usable_bytes
+    # offloading adds the prefill staging buffer (`PlanRequest.staging_experts`)
+    deficit = plan.needed_bytes - plan.usable_bytes + req.staging_experts * per_expert
     slots = min(req.cache_slots, plan.experts_per_layer)
     k = slots + math.ceil(deficit / (layers * per_expert))
     if k > plan.experts_per_layer:  # even all-offloaded does not fit: report that extreme

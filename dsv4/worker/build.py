@@ -206,7 +206,8 @@ def _build(
     served_offload = apply_offload(model, offload, config.features.forward,
                                    kernels=kernel_config(config),
                                    max_decode_tokens=max_decode_tokens(config),
-                                   mxfp4_layout=config.features.mxfp4_layout)  # fmt: skip
+                                   mxfp4_layout=config.features.mxfp4_layout,
+                                   staging_experts=config.features.expert_staging)  # fmt: skip
     if ranks is not None:
         from dsv4.parallel import shard_model
 

@@ -150,6 +150,7 @@ def startup_request(
         cache_slots=max_decode_tokens(config) * model_cfg.num_experts_per_tok
         if config.features.forward == "paged"
         else 0,
+        staging_experts=config.features.expert_staging if config.features.forward == "paged" else 0,
         formats=WeightFormats(config.features.linear_weights, config.features.expert_weights),
         cache=CacheOptions(
             block_size=config.cache.block_size,

@@ -292,6 +292,23 @@ def test_offload_benchmark_runs_on_cpu_and_writes_the_record_contract(tmp_path) 
                for r in paged if not r["expert_prefetch"])  # fmt: skip
 
 
+def test_offload_benchmark_runs_the_staging_switch(tmp_path) -> None:
+    """--runs paged,paged_staging: the same prompts with the prefill staging buffer on (one
+    decode slot pair at batch 1, so a prefill's misses exceed the slots and go through it)."""
+    from benchmarks.offload_serve_check import main
+
+    out = tmp_path / "staging.json"
+    argv = ["--shape", "tiny", "--device", "cpu", "--no-check", "--runs", "paged,paged_staging",
+            "--batches", "1", "--max-seqs", "1", "--steps", "1", "--routings", "uniform",
+            "--staging-experts", "4", "--prompt-len", "8", "--ttft-prompt", "16",
+            "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    records = json.loads(out.read_text())["records"]
+    ttft = {r["expert_staging"]: r for r in records if r["name"] == "full_depth_ttft"}
+    assert set(ttft) == {0, 4} and all(r["bytes_fetched"] > 0 for r in ttft.values())
+    assert all(r["forward"] == "paged" and not r["expert_prefetch"] for r in records)
+
+
 def test_offload_benchmark_times_mtp_steps_per_expected_token(tmp_path) -> None:
     """--mtp-k 2: the offloaded paged worker speculates (the MTP layer's experts in the pool
     too); TPOT is the measured spec step over 1 + the expected accepted drafts."""

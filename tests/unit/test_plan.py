@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -137,6 +138,19 @@ def test_flash_on_one_h200_needs_offload_with_minimal_k():
     assert plan.needed_bytes + 43 * eb > plan.usable_bytes  # K - 1 would not fit: K is minimal
     assert f"{k} of 256 experts per layer offloaded" in plan.message
     check_fits(plan)
+
+
+def test_the_prefill_staging_buffer_counts_only_with_offload():
+    """32 staging experts (`features.expert_staging`): with offload they are device expert
+    bytes, paid for by offloading more (K stays minimal); a plan that fits whole has none."""
+    base = PlanRequest(FLASH, gpu_mem_gib=141, host_mem_gib=128, max_num_seqs=16)
+    plain, staged = (plan_memory(replace(base, staging_experts=n)) for n in (0, 32))
+    eb, k = staged.expert_bytes, staged.offloaded_per_layer
+    assert staged.verdict == FITS_WITH_OFFLOAD and k > plain.offloaded_per_layer
+    assert staged.device_expert_bytes == (43 * (256 - k + staged.cache_slots) + 32) * eb
+    assert staged.needed_bytes <= staged.usable_bytes < staged.needed_bytes + 43 * eb
+    whole = plan_memory(PlanRequest(FLASH, num_gpus=8, gpu_mem_gib=141, staging_experts=32))
+    assert whole.offloaded_per_layer == 0 and whole.staging_experts == 0
 
 
 def test_plan_that_does_not_fit_refuses_to_start_naming_the_shortfall():

@@ -39,6 +39,7 @@ from dsv4.ops.expert_slots import (
     error_text,
 )
 from dsv4.runner.paged.expert_rounds import experts_in_rounds
+from dsv4.runner.paged.expert_staging import Staging, experts_staged
 from dsv4.runner.paged.pool_storage import (
     adopt_host_rows,
     drop_experts_,
@@ -68,6 +69,7 @@ class PoolOptions:
     max_decode_tokens: int = 1
     planned_layers: int = 0
     mxfp4_layout: str = "stored"  # MXFP4 rows: `dsv4.model.moe.MXFP4_LAYOUTS`
+    staging_experts: int = 0  # prefill staging rows shared by all layers (0: rounds)
 
     def cold(self, layer: int) -> int:
         return self.num_offloaded[min(layer, len(self.num_offloaded) - 1)]
@@ -136,6 +138,7 @@ class LayerPool:
                                        weights.w2_scale) if t is not None)  # fmt: skip
         self.row_bytes = sum(math.prod(t.shape[1:]) * t.element_size() for t in host)
         cold_ids = [e for e in range(num_experts) if e not in set(resident_ids)]
+        self.cold_rows = {e: i for i, e in enumerate(cold_ids)}  # logical id -> host row
         i32 = dict(dtype=torch.int32, device=device)
         self.table = torch.full((num_experts,), -1, **i32)
         self.table[resident_ids] = torch.arange(self.num_resident, **i32)
@@ -223,6 +226,9 @@ class LayerPool:
         `moe_experts` on all-resident experts computes it; `lookahead`: a step in rounds
         prefetches each next round beside the current one (`expert_rounds.py`)."""
         if not self.fits_one_round(ids.numel()):
+            staging = self.owner_pool.staging if self.owner_pool is not None else None
+            if staging is not None:
+                return experts_staged(self, staging, u, ids, weights, limit)
             return experts_in_rounds(self, u, ids, weights, limit, lookahead)
         rows = self.rows(u, self.resolve(ids), limit)
         return self.ops["combine_rows"](rows, weights, ids)
@@ -253,10 +259,13 @@ class ExpertPool:
     expert uses, a row times its layer's waits for copies (`copy_wait_ns`, stamped on the
     device by `LayerPool.join_prefetch` and `resolve`)."""
 
-    def __init__(self, layers: tuple[LayerPool, ...], counters: torch.Tensor) -> None:
+    def __init__(self, layers: tuple[LayerPool, ...], counters: torch.Tensor,
+                 staging: ExpertWeights | None = None) -> None:  # fmt: skip
         self.layers, self.counters = layers, counters
-        # prefetches (LayerPool.prefetch) run here, beside the compute stream
+        # prefetches (LayerPool.prefetch) and staging copies run here, beside the compute stream
         self.copy_stream = torch.cuda.Stream(counters.device) if counters.is_cuda else None
+        # prefill steps' cold experts (`features.expert_staging`; None: rounds through slots)
+        self.staging = None if staging is None else Staging(staging, self.copy_stream)
         for layer in layers:
             layer.owner_pool = self
         self.host_counters = torch.zeros(counters.shape, dtype=torch.int64,
@@ -298,7 +307,9 @@ class ExpertPool:
 
     @property
     def device_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for p in self.layers for t in p.parts)
+        staged = self.staging.parts if self.staging is not None else ()
+        parts = [t for p in self.layers for t in p.parts] + list(staged)
+        return sum(t.numel() * t.element_size() for t in parts)
 
     def find_leaks(self) -> list[str]:
         out = [f"layer {i}: {leak}" for i, p in enumerate(self.layers) for leak in p.find_leaks()]
@@ -346,7 +357,14 @@ def pool_experts(model: DeepseekV4, options: PoolOptions, device: torch.device |
         layer = LayerPool(weights, host, resident, num, counters[i], kernels)
         moe.expert_pool = layer
         layers.append(layer)
-    pool = ExpertPool(tuple(layers), counters)
+    staging = None
+    if options.staging_experts >= 2 and any(p.num_cold for p in layers):
+        first = next(p for p in layers if p.num_cold)  # every layer has the same format
+        rows = empty_rows(tuple(t[0] for t in first.host), options.staging_experts, device)
+        fmt, scales = first.weights.format, rows[2:] if len(rows) > 2 else (None, None)
+        staging = ExpertWeights(rows[0], rows[1], format=fmt, w13_scale=scales[0],
+                                w2_scale=scales[1])  # fmt: skip
+    pool = ExpertPool(tuple(layers), counters, staging)
     logger.info("expert pool: %d layers, %.2f GiB on the device", len(layers),
                 pool.device_bytes / (1 << 30))  # fmt: skip
     return pool
