@@ -180,9 +180,10 @@ class Scheduler:
             preempted_request_ids=tuple(step.preempted),
             finished_request_ids=tuple(self._finished_ids),
         )
+        if batch.is_empty:  # runs nothing and reaches no runner: its finished ids wait for
+            return batch  # the next batch (the runner frees their per-request state then)
         self._finished_ids.clear()
-        if not batch.is_empty:  # an empty batch needs no update()
-            self._in_flight = batch
+        self._in_flight = batch
         return batch
 
     def _schedule_running(self, request: Request, step: _Step) -> None:
