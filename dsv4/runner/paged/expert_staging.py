@@ -51,24 +51,27 @@ class Staging:
         self.copied = [torch.cuda.Event() for _ in range(2)] if cuda else []
         self.freed = [torch.cuda.Event() for _ in range(2)] if cuda else []
 
-    def fill(self, pool: LayerPool, group: list[int], h: int) -> None:
-        """Copy the cold experts `group` (logical ids, at most N/2) into half h: on the copy
-        stream after half h's last GEMM (CUDA), or in order (CPU)."""
-        device = self.weights.w13.device
+    def fetch_list(self, pool: LayerPool, group: list[int], h: int) -> torch.Tensor:
+        """The copy kernel's fetch list [N] int32 for the cold experts `group` (logical ids, at
+        most N/2) in half h: their host rows at h * N/2.., -1 elsewhere."""
         fetch = [-1] * (2 * self.half)
         for j, e in enumerate(group):
             fetch[h * self.half + j] = pool.cold_rows[e]
-        if self.copy_stream is None:  # in order: the copy's own time is the wait
+        return torch.tensor(fetch, dtype=torch.int32, device=self.weights.w13.device)
+
+    def fill(self, pool: LayerPool, fetch: torch.Tensor, h: int) -> None:
+        """Copy the experts of `fetch` (`fetch_list`) into half h: on the copy stream once
+        half h's last GEMM is done (CUDA), or in order, timed as the wait (CPU)."""
+        if self.copy_stream is None:
             pool.ops["copy_wait_start"](pool.counters)
-            pool.ops["copy_fetched"](torch.tensor(fetch, dtype=torch.int32, device=device),
-                                     self.parts, pool.host, 0)  # fmt: skip
+            pool.ops["copy_fetched"](fetch, self.parts, pool.host, 0)
             pool.ops["copy_wait_end"](pool.counters)
             return
         self.copy_stream.wait_event(self.freed[h])
-        with torch.cuda.stream(self.copy_stream):  # the fetch list lives on this stream
-            rows = torch.tensor(fetch, dtype=torch.int32, device=device)
-            pool.ops["copy_fetched"](rows, self.parts, pool.host, 0)
+        with torch.cuda.stream(self.copy_stream):
+            pool.ops["copy_fetched"](fetch, self.parts, pool.host, 0)
             self.copied[h].record(self.copy_stream)
+        fetch.record_stream(self.copy_stream)  # made on the compute stream, read here
 
 
 def experts_staged(pool: LayerPool, staging: Staging, u: torch.Tensor, ids: torch.Tensor,
@@ -89,33 +92,36 @@ def experts_staged(pool: LayerPool, staging: Staging, u: torch.Tensor, ids: torc
     counts[_FETCHES] += len(misses)
     counts[_BYTES] += len(misses) * pool.row_bytes
     device, long = ids.device, dict(dtype=torch.long, device=ids.device)
-    half = staging.half
+    half, first = staging.half, staging.next_half
     groups = [misses[i : i + half] for i in range(0, len(misses), half)]
-    firsts = [staging.next_half]
-    for g, group in enumerate(groups[:2]):  # both halves' copies start before any GEMM
-        staging.fill(pool, group, (firsts[0] + g) % 2)
+    halves = [(first + g) % 2 for g in range(len(groups))]
+    # every index tensor now, while the stream is idle after the host read above: no further
+    # host syncs between the GEMMs below
+    fetches = [staging.fetch_list(pool, g, h) for g, h in zip(groups, halves, strict=True)]
+    group_ids = [torch.tensor(g, **long) for g in groups]
+    on_device_ids = torch.tensor(on_device, **long)
+    for g in range(min(2, len(groups))):  # both halves' copies start before any GEMM
+        staging.fill(pool, fetches[g], halves[g])
     # the pairs whose experts are on the device, in their storage rows; the rest skipped
     rows = pool.rows(u, pool.table[ids.long()], limit, skip=True,
-                     used_rows=pool.table[torch.tensor(on_device, **long)])  # fmt: skip
+                     used_rows=pool.table[on_device_ids])  # fmt: skip
     place = torch.full((pool.num_experts,), -1, dtype=torch.int32, device=device)
-    for g, group in enumerate(groups):
-        h = (firsts[0] + g) % 2
+    sw = staging.weights
+    for g, h in enumerate(halves):
         if g >= 2:  # this half's previous group has been read: refill it
-            staging.fill(pool, group, h)
+            staging.fill(pool, fetches[g], h)
         _wait_copy(pool, staging, h)
-        place.fill_(-1)
         base = h * half
-        place[torch.tensor(group, **long)] = torch.arange(base, base + len(group),
-                                                          dtype=torch.int32, device=device)  # fmt: skip
-        sw = staging.weights
-        used_rows = torch.arange(base, base + len(group), dtype=torch.int32, device=device)
+        used_rows = torch.arange(base, base + len(groups[g]), dtype=torch.int32, device=device)
+        place.fill_(-1)
+        place[group_ids[g]] = used_rows
         rows = pool.ops["expert_rows"](u, place[ids.long()], sw.w13, sw.w2, sw.format,
                                        sw.w13_scale, sw.w2_scale, limit, rows=rows,
                                        num_experts=pool.num_experts, skip=True,
                                        used_rows=used_rows)  # fmt: skip
         if staging.copy_stream is not None:
             staging.freed[h].record()
-    staging.next_half = (firsts[0] + len(groups)) % 2
+    staging.next_half = (first + len(groups)) % 2
     return pool.ops["combine_rows"](rows, weights, ids)
 
 
