@@ -72,3 +72,42 @@ def test_the_paged_forward_with_staging_gives_all_resident_logits() -> None:
     pool.mirror()
     assert pool.stats().fetches > 0
     assert_no_leaks(pool)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("fmt", "prefetch"), [("bf16", False), ("mxfp4", True)])
+def test_staged_prefills_on_the_gpu_equal_resident(fmt, prefetch) -> None:
+    """The Triton kernels on the GPU: cold experts in pinned host memory, prefills through a
+    4-expert staging buffer on the copy stream (with `prefetch`, beside the pre-gated slot
+    copies on the same stream), decodes in captured graphs through the slots: logits bit for
+    bit in lockstep, then the greedy tokens of prompts of 1, 130 and 300 tokens."""
+    from dsv4.runner.paged.decode_graphs import GraphOptions
+    from dsv4.runner.paged.forward_state import PagedSwitches
+    from tests.engine.conftest import greedy_request, make_core, run_to_completion
+
+    cfg, weights = (CFG, "bf16") if fmt == "bf16" else (FP4, "checkpoint")
+    kernels = KernelBackendConfig(default="triton")
+    resident = random_model(cfg, seed=29, dtype=torch.bfloat16, device="cuda",
+                            expert_weights=weights)  # fmt: skip
+    pooled = copy.deepcopy(resident)
+    options = PoolOptions((6,), cache_slots=1, max_decode_tokens=2, staging_experts=4)
+    pool = pool_experts(pooled, options, "cuda", kernels)
+    assert pool.staging is not None and pool.layers[0].num_slots == 4
+    steps, _ = _lockstep(resident, pooled, kernels=kernels, kv="fp8", index="mxfp4")
+    assert all(torch.equal(a, b) for a, b in steps)
+    gen = torch.Generator().manual_seed(2)
+    prompts = [
+        torch.randint(2, cfg.vocab_size, (n,), generator=gen).tolist() for n in (1, 130, 300)
+    ]
+    outs, paged = [], {"switches": PagedSwitches(expert_prefetch=prefetch)}
+    for model in (resident, pooled):
+        core = make_core(model, kv="fp8", index="mxfp4", budget=512, paged=paged, kernels=kernels,
+                         graphs=GraphOptions(max_batch=2, max_model_len=1024), max_num_seqs=2)  # fmt: skip
+        for i, p in enumerate(prompts):
+            core.add_request(greedy_request(f"r{i}", p, 8))
+        outs.append(run_to_completion(core))
+        assert_no_leaks(core)
+    assert outs[0] == outs[1]
+    pool.mirror()
+    assert pool.stats().fetches > 0 and pool.stats().copy_wait_ns > 0
+    assert_no_leaks(pool)
