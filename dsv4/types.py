@@ -56,6 +56,8 @@ class SamplingParams:
     presence_penalty: float = 0.0  # off
     frequency_penalty: float = 0.0  # off
     repetition_penalty: float = 1.0  # off
+    # (token id, bias) pairs by token id, added to those logits before sampling; () = off
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @property
     def is_greedy(self) -> bool:
@@ -66,6 +68,12 @@ class SamplingParams:
         """Any of the three penalties on: the logits depend on the tokens so far."""
         return bool(self.presence_penalty or self.frequency_penalty
                     or self.repetition_penalty != 1.0)  # fmt: skip
+
+    @property
+    def needs_logits_processing(self) -> bool:
+        """The sampler shifts this request's logits (penalties or a logit bias) before it picks
+        a token: an argmax of the raw logits is not its greedy token."""
+        return self.has_penalties or bool(self.logit_bias)
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,6 +266,7 @@ class RequestLimits:
     max_stop_strings: int = 16
     max_stop_string_chars: int = 256
     max_stop_token_ids: int = 64
+    max_logit_bias: int = 300  # logit_bias entries (OpenAI's limit)
     max_request_id_chars: int = 128
 
     @property

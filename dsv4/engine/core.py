@@ -85,9 +85,13 @@ class EngineLoad:
 
 
 class EngineCore:
-    def __init__(self, scheduler: Scheduler, runner: ModelRunner) -> None:
+    def __init__(
+        self, scheduler: Scheduler, runner: ModelRunner, vocab_size: int | None = None
+    ) -> None:
+        """`vocab_size`: the model's (logit_bias token ids are checked against it; None: not)."""
         self.scheduler = scheduler
         self.runner = runner
+        self.vocab_size = vocab_size
         self.kv: KVCacheManager = scheduler.kv
         self._prefill_only: set[str] = set()
         self._adopted: dict[str, Request] = {}
@@ -106,7 +110,7 @@ class EngineCore:
 
     # ---- requests in -----------------------------------------------------------------------
     def add_request(self, request: Request, *, prefill_only: bool = False) -> None:
-        self._check_penalties(request)
+        self._check_sampling(request)
         if prefill_only:
             request.max_new_tokens = 1
         self.scheduler.add_request(request)
@@ -119,7 +123,7 @@ class EngineCore:
         `request.output_token_ids` must hold the first token sampled by the prefill worker.
         Raises `OutOfBlocks` when the blocks are not free (nothing is taken then)."""
         rid = request.request_id
-        self._check_penalties(request)
+        self._check_sampling(request)
         if rid in self._adopted or self.scheduler.get_request(rid) is not None:
             raise InvalidRequest(f"request id {rid!r} is already in use")
         if len(request.output_token_ids) != 1:
@@ -131,16 +135,30 @@ class EngineCore:
         self._adopted[rid] = request
         return block_ids
 
-    def _check_penalties(self, request: Request) -> None:
-        """A speculating engine verifies drafts on logits as they are: penalties would change
-        which drafts are right, so it refuses them instead of ignoring them."""
+    def _check_sampling(self, request: Request) -> None:
+        """A speculating engine verifies drafts on logits as they are: penalties or a logit
+        bias would change which drafts are right, so it refuses them instead of ignoring them.
+        logit_bias token ids must index the model's logits (the sampler adds at those ids)."""
         params = request.sampling_params
+        if params is None:
+            return
         k = self.scheduler.config.num_speculative_tokens
-        if params is not None and params.has_penalties and k:
+        if params.needs_logits_processing and k:
+            what = [name for name, on in (
+                ("presence/frequency/repetition penalties", params.has_penalties),
+                ("logit_bias", bool(params.logit_bias)),
+            ) if on]  # fmt: skip
             raise InvalidRequest(
-                f"request {request.request_id!r}: presence/frequency/repetition penalties are "
-                f"not supported with speculative decoding (this worker drafts {k} tokens); "
-                "leave them unset or serve without --spec-method"
+                f"request {request.request_id!r}: speculative decoding (this worker drafts {k} "
+                f"tokens) does not support {' or '.join(what)}; leave them unset or serve "
+                "without --spec-method"
+            )
+        vocab = self.vocab_size
+        outside = [t for t, _ in params.logit_bias if vocab is not None and not 0 <= t < vocab]
+        if outside:
+            raise InvalidRequest(
+                f"request {request.request_id!r}: logit_bias token id {outside[0]} is outside "
+                f"the vocabulary: token ids must be in [0, {vocab})"
             )
 
     def activate(self, request_id: str) -> None:
@@ -369,7 +387,7 @@ def build_engine_core(
     runner = build_model_runner(model, options, collectives)
     kv = KVCacheManager(KVLayout.build(model.cfg, cache_options), options.num_blocks)
     scheduler = Scheduler(scheduler_config, kv, stop_checker=stop_checker)
-    core = EngineCore(scheduler, runner)
+    core = EngineCore(scheduler, runner, vocab_size=model.cfg.vocab_size)
     core.async_scheduling = options.async_scheduling
     return core
 

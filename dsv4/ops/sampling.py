@@ -1,6 +1,7 @@
-"""The sampling reference: one request's sampling parameters (`SamplingSpec`), the penalties
-that shift a logits row by the tokens so far (`penalized_logits`), and the distribution they
-leave of it (temperature, top-k, top-p). The row-by-row sampler (dsv4/runner/sampler.py)
+"""The sampling reference: one request's sampling parameters (`SamplingSpec`), the logit bias
+(`biased_logits`) and the penalties that shift a logits row by the tokens so far
+(`penalized_logits`), bias first as vLLM's sampler does, and the distribution they leave of it
+(temperature, top-k, top-p). The row-by-row sampler (dsv4/runner/sampler.py)
 samples from it and the batched kernels (kernels/sampling.py) must agree with it.
 """
 
@@ -25,6 +26,7 @@ class SamplingSpec:
     presence_penalty: float = 0.0  # off
     frequency_penalty: float = 0.0  # off
     repetition_penalty: float = 1.0  # off
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs; () = off
 
     @property
     def is_greedy(self) -> bool:
@@ -34,6 +36,26 @@ class SamplingSpec:
     def has_penalties(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty
                     or self.repetition_penalty != 1.0)  # fmt: skip
+
+    @property
+    def needs_logits_processing(self) -> bool:
+        """The row's logits are shifted (logit bias, penalties) before sampling: its greedy
+        token is not the raw logits' argmax."""
+        return self.has_penalties or bool(self.logit_bias)
+
+
+def biased_logits(logits: torch.Tensor, spec: SamplingSpec) -> torch.Tensor:
+    """[V] logits -> [V] fp32 with OpenAI's `logit_bias` added to its tokens' logits. vLLM's
+    sampler applies it before the penalties (its `LogitBiasLogitsProcessor` runs with the
+    non-argmax-invariant processors, then `apply_penalties`; vllm/v1/sample/sampler.py): so
+    does `Sampler`, so a repetition penalty scales a biased logit."""
+    out = logits.float().clone()
+    if spec.logit_bias:
+        ids, biases = zip(*spec.logit_bias, strict=True)
+        out[torch.tensor(ids, dtype=torch.long, device=out.device)] += torch.tensor(
+            biases, dtype=torch.float32, device=out.device
+        )
+    return out
 
 
 def penalized_logits(logits: torch.Tensor, spec: SamplingSpec, prompt_ids: Sequence[int],

@@ -197,7 +197,7 @@ class RankedEngineCore(EngineCore):
     def __init__(self, core: EngineCore, ranks: RankGroup) -> None:
         # async scheduling stays off (the new core's default): a step launched ahead would
         # bypass `RankZeroRunner.execute`, so the followers would never see it
-        super().__init__(core.scheduler, RankZeroRunner(core.runner, ranks))
+        super().__init__(core.scheduler, RankZeroRunner(core.runner, ranks), core.vocab_size)
         self._adopted_blocks: dict[str, tuple[int, ...]] = {}
 
     def adopt(self, request: Request) -> tuple[int, ...]:

@@ -11,11 +11,13 @@ when installed, else batched torch (`kernels.sampling`) — and one host copy re
 row's token. The row-by-row path copies each row's filtered 129K-entry distribution to the
 host for a CPU multinomial, so its cost grows with the batch (it inflated the served decode
 steps of the H200 e2e run at temperature 1, docs/BENCHMARKS.md). Seeded rows stay on their
-own CPU generators (batch independence). Rows with penalties first have their logits shifted
-by their prompt and output tokens, then take the same paths: each such request keeps a
-`PenaltyState` on the logits' device that counts only the output tokens added since its last
-step, bit-identical to the reference `penalized_logits` without its per-step O(prompt + output)
-host work and upload (3.5 ms a step on CPU for a 32K-token prompt).
+own CPU generators (batch independence). Rows with a logit bias or penalties first have their
+logits shifted, then take the same paths: the bias first, then the penalties, as vLLM's sampler
+does (`dsv4.ops.sampling.biased_logits`). A biased request keeps its bias on the logits'
+device (`LogitBias`, uploaded once); a penalized one a `PenaltyState` there that counts only
+the output tokens added since its last step, bit-identical to the reference `penalized_logits`
+without its per-step O(prompt + output) host work and upload (3.5 ms a step on CPU for a
+32K-token prompt). Both are freed with the request's generator (`release`).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class Sampler:
         self._default = torch.Generator().manual_seed(default_seed)
         self._generators: dict[str, torch.Generator] = {}
         self._penalties: dict[str, PenaltyState] = {}
+        self._biases: dict[str, LogitBias] = {}
         self.batched = batched
         self._device_generators: dict[torch.device, torch.Generator] = {}
 
@@ -56,14 +59,20 @@ class Sampler:
         `histories`: each row's (prompt ids, output ids so far), needed by rows with penalties."""
         if logits.shape[0] != len(specs) or len(specs) != len(request_ids):
             raise ValueError("one request id and one SamplingSpec per logits row")
-        penalized = [i for i, s in enumerate(specs) if s.has_penalties]
-        if penalized:
-            if histories is None or len(histories) != len(specs):
-                raise ValueError("rows with penalties need their (prompt, output) token ids")
+        shifted = [i for i, s in enumerate(specs) if s.needs_logits_processing]
+        if any(specs[i].has_penalties for i in shifted) and (
+            histories is None or len(histories) != len(specs)
+        ):
+            raise ValueError("rows with penalties need their (prompt, output) token ids")
+        if shifted:
             logits = logits.to(torch.float32, copy=True)  # [B, V]; the caller's stays as is
-            for i in penalized:
+        for i in shifted:  # each in place on a view of the copy's row: the bias, then penalties
+            if specs[i].logit_bias:
+                self._logit_bias(request_ids[i], specs[i], logits).apply(logits[i])
+            if specs[i].has_penalties:
+                assert histories is not None
                 state = self._penalty_state(request_ids[i], *histories[i], logits)
-                state.apply(logits[i], specs[i])  # in place: a view of the copy's row
+                state.apply(logits[i], specs[i])
         out: list[int] = []
         picked = logits.argmax(dim=-1) if logits.shape[0] else logits.new_empty(0).long()
         on = self.batched if self.batched is not None else logits.is_cuda
@@ -91,6 +100,12 @@ class Sampler:
             state = self._penalties[request_id] = PenaltyState(prompt_ids, logits)
         state.count(output_ids)
         return state
+
+    def _logit_bias(self, request_id: str, spec: SamplingSpec, logits: torch.Tensor) -> LogitBias:
+        bias = self._biases.get(request_id)
+        if bias is None or not bias.holds(spec, logits):  # new, or an id reused without release
+            bias = self._biases[request_id] = LogitBias(spec, logits)
+        return bias
 
     def _sample_rows(self, logits: torch.Tensor, specs: list[SamplingSpec]) -> torch.Tensor:
         """Unseeded non-greedy rows [R, V] on their device -> token ids [R] int64 (same device)."""
@@ -123,9 +138,10 @@ class Sampler:
         )
 
     def release(self, request_id: str) -> None:
-        """Forget a finished (or aborted) request's generator and penalty state."""
+        """Forget a finished (or aborted) request's generator, penalty state and logit bias."""
         self._generators.pop(request_id, None)
         self._penalties.pop(request_id, None)
+        self._biases.pop(request_id, None)
 
     @property
     def num_live_generators(self) -> int:
@@ -135,6 +151,10 @@ class Sampler:
     def num_live_penalty_states(self) -> int:
         return len(self._penalties)
 
+    @property
+    def num_live_logit_biases(self) -> int:
+        return len(self._biases)
+
     def find_leaks(self) -> list[str]:
         """Per-request state still held (`tests/leak.py`). A runner releases a request with
         the next batch after it finished, so check once every finished id was delivered."""
@@ -143,6 +163,8 @@ class Sampler:
             leaks.append(f"{len(self._generators)} generators: {sorted(self._generators)[:8]}")
         if self._penalties:
             leaks.append(f"{len(self._penalties)} penalty states: {sorted(self._penalties)[:8]}")
+        if self._biases:
+            leaks.append(f"{len(self._biases)} logit biases: {sorted(self._biases)[:8]}")
         return leaks
 
 
@@ -189,6 +211,25 @@ class PenaltyState:
         if self.num_counted and (spec.frequency_penalty or spec.presence_penalty):
             counts = self.counts.float()
             logits -= spec.frequency_penalty * counts + spec.presence_penalty * (counts > 0).float()
+
+
+class LogitBias:
+    """One request's `logit_bias` on its logits' device: token ids [N] int64, biases [N] fp32."""
+
+    def __init__(self, spec: SamplingSpec, logits: torch.Tensor) -> None:
+        self.pairs, vocab = spec.logit_bias, logits.shape[-1]
+        ids, biases = zip(*self.pairs, strict=True)
+        if not 0 <= min(ids) <= max(ids) < vocab:  # the engine refuses them: a bug if here
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab}): got {ids}")
+        self.ids = torch.tensor(ids, dtype=torch.long).to(logits.device)
+        self.biases = torch.tensor(biases, dtype=torch.float32).to(logits.device)
+
+    def holds(self, spec: SamplingSpec, logits: torch.Tensor) -> bool:
+        return self.pairs == spec.logit_bias and self.ids.device == logits.device
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """Bias a [V] fp32 row in place, bit for bit as `biased_logits` does."""
+        logits[self.ids] += self.biases
 
 
 class RequestRandom:

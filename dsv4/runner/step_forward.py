@@ -77,6 +77,7 @@ def sampling_spec(params: SamplingParams | None) -> SamplingSpec:
         presence_penalty=float(params.presence_penalty),
         frequency_penalty=float(params.frequency_penalty),
         repetition_penalty=float(params.repetition_penalty),
+        logit_bias=params.logit_bias,
     )
 
 

@@ -75,6 +75,7 @@ def sampling_to_proto(sampling: SamplingParams) -> common_pb2.SamplingParams:
         presence_penalty=sampling.presence_penalty,
         frequency_penalty=sampling.frequency_penalty,
         repetition_penalty=sampling.repetition_penalty,
+        logit_bias=dict(sampling.logit_bias),
     )
     if sampling.seed is not None:
         msg.seed = sampling.seed
@@ -100,6 +101,7 @@ def sampling_from_proto(
         presence_penalty=_given(msg, "presence_penalty", defaults.presence_penalty),
         frequency_penalty=_given(msg, "frequency_penalty", defaults.frequency_penalty),
         repetition_penalty=_given(msg, "repetition_penalty", defaults.repetition_penalty),
+        logit_bias=dict(msg.logit_bias),
     )
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import re
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from dsv4.errors import InvalidRequest
 from dsv4.ops.limits import MIN_TEMPERATURE, MIN_TOP_P
@@ -75,6 +75,7 @@ def check_sampling(
     presence_penalty: float = 0.0,
     frequency_penalty: float = 0.0,
     repetition_penalty: float = 1.0,
+    logit_bias: Mapping[int, float] | None = None,
 ) -> SamplingParams:
     """Validate sampling values and fill the default max_new_tokens (clipped to the context)."""
     if not math.isfinite(temperature) or temperature < 0:
@@ -121,6 +122,7 @@ def check_sampling(
         presence_penalty=float(presence_penalty),
         frequency_penalty=float(frequency_penalty),
         repetition_penalty=float(repetition_penalty),
+        logit_bias=_check_logit_bias(logit_bias or {}, limits),
     )
 
 
@@ -157,6 +159,30 @@ def _check_stop_token_ids(ids: Sequence[int], limits: RequestLimits) -> tuple[in
         )
     check_token_ids_in_vocab("sampling.stop_token_ids", ids, limits.vocab_size)
     return tuple(ids)
+
+
+def _check_logit_bias(
+    bias: Mapping[int, float], limits: RequestLimits
+) -> tuple[tuple[int, float], ...]:
+    """OpenAI's limits: at most 300 entries, each bias in [-100, 100]; token ids in the
+    vocabulary. Returned as (token id, bias) pairs by token id."""
+    if len(bias) > limits.max_logit_bias:
+        raise InvalidRequest(
+            f"sampling.logit_bias has {len(bias)} entries: send at most {limits.max_logit_bias}"
+        )
+    pairs = tuple(sorted((int(t), float(b)) for t, b in bias.items()))
+    for token, value in pairs:
+        if not 0 <= token < limits.vocab_size:
+            raise InvalidRequest(
+                f"sampling.logit_bias has token id {token}, outside the vocabulary: token ids "
+                f"must be in [0, {limits.vocab_size})"
+            )
+        if not -100.0 <= value <= 100.0:  # also rejects NaN
+            raise InvalidRequest(
+                f"sampling.logit_bias[{token}] = {value}: must be in [-100, 100] (-100 bans "
+                "the token, 100 makes it the only choice)"
+            )
+    return pairs
 
 
 def _check_stop_strings(stop: Sequence[str], limits: RequestLimits) -> tuple[str, ...]:

@@ -1,14 +1,15 @@
 """OpenAI request bodies -> `dsv4.v1.Router` GenerateRequest protos, and errors -> HTTP.
 
 Only shapes and types are checked here; values (temperature range, max_tokens against the
-context, stop strings, penalty ranges, vocabulary) are checked by the router's own
+context, stop strings, penalty and logit_bias ranges, vocabulary) are checked by the router's own
 validation, the same rules as gRPC, whose message is then returned with the OpenAI
 parameter's name. Fields that would change the result and that this server does not
 implement (logprobs, echo, tools, ...) are refused, never silently ignored. `n` asks for that
 many choices of each prompt, and /v1/completions takes a batch of prompts (strings or
 token-id lists); a request holds at most MAX_CHOICES choices in all
-(router_svc/http/choices.py). OpenAI's `presence_penalty` and `frequency_penalty` and vLLM's
-extensions `repetition_penalty`, `top_k`, `ignore_eos` and `stop_token_ids` are accepted.
+(router_svc/http/choices.py). OpenAI's `presence_penalty`, `frequency_penalty` and
+`logit_bias` (token ids as string keys) and vLLM's extensions `repetition_penalty`, `top_k`,
+`ignore_eos` and `stop_token_ids` are accepted.
 
 Errors: `ApiError(status, message, param, code)`, rendered as
 `{"error": {"message", "type", "param", "code"}}`; gRPC code names map through `HTTP_STATUS`.
@@ -41,14 +42,14 @@ _PARAM_OF_FIELD = {
     "stop_token_ids", "sampling.stop": "stop", "prompt": "prompt", "prompt_token_ids": "prompt",
     "request_id": "X-Request-Id", "sampling.presence_penalty": "presence_penalty",
     "sampling.frequency_penalty": "frequency_penalty",
-    "sampling.repetition_penalty": "repetition_penalty",
+    "sampling.repetition_penalty": "repetition_penalty", "sampling.logit_bias": "logit_bias",
 }  # fmt: skip
+_INTEGER = re.compile(r"-?[0-9]{1,12}")
 _FIELD_AT_START = re.compile(r"(sampling\.\w+|prompt_token_ids|prompt|request_id)\b")
 # Parameters whose only supported value is "off": (name, the values that mean off).
 _OFF_ONLY = (
     ("logprobs", (None, False, 0)), ("top_logprobs", (None, 0)), ("echo", (None, False)),
-    ("best_of", (None, 1)), ("suffix", (None, "")), ("logit_bias", (None, {})),
-    ("tools", (None, [])),
+    ("best_of", (None, 1)), ("suffix", (None, "")), ("tools", (None, [])),
     ("functions", (None, [])), ("response_format", (None, {"type": "text"})),
 )  # fmt: skip
 
@@ -178,7 +179,28 @@ def _sampling(body: dict[str, Any]) -> common_pb2.SamplingParams:
     msg.stop.extend(s for s in stops if s)
     msg.stop_token_ids.extend(_token_ids(body.get("stop_token_ids") or [], "stop_token_ids"))
     msg.ignore_eos = bool(_typed(body, "ignore_eos", (bool,), "true or false"))
+    msg.logit_bias.update(_logit_bias(body.get("logit_bias")))
     return msg
+
+
+def _logit_bias(value: Any) -> dict[int, float]:
+    """{"50256": -100, ...} -> {50256: -100.0}: keys token ids written as integers, values
+    numbers (their range and the ids' vocabulary are the router's checks)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise bad_request("logit_bias", "logit_bias must be an object of token id -> bias")
+    out = {}
+    for key, bias in value.items():
+        token = int(key) if isinstance(key, str) and _INTEGER.fullmatch(key) else None
+        if token is None or not -INT32_MAX <= token <= INT32_MAX:
+            raise bad_request("logit_bias", f"logit_bias key {key!r}: must be a token id "
+                              '(an integer, written as a string: {"50256": -100})')  # fmt: skip
+        if isinstance(bias, bool) or not isinstance(bias, int | float):
+            raise bad_request("logit_bias", f"logit_bias[{key}] = {bias!r}: must be a number "
+                              "in [-100, 100]")  # fmt: skip
+        out[token] = float(bias)
+    return out
 
 
 def _token_ids(value: Any, param: str) -> tuple[int, ...]:

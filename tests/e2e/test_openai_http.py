@@ -225,12 +225,38 @@ def test_penalties_through_prefill_and_decode_equal_the_single_engine(
     assert http.choices[0].text == text
 
 
+def test_logit_bias_through_prefill_and_decode(cluster, client) -> None:
+    """+100 on a token: P samples the first token with it, D every later one (gRPC); -100 on
+    every token of the plain answer bans them all; `logit_bias` over HTTP (string keys, as the
+    OpenAI client sends them) gives the gRPC text, on both endpoints."""
+    forced, prompt = 500, [5, 6, 7, 5, 6, 7, 9]  # 500: "ten" (the tokenizer has 748 tokens)
+
+    async def routed(**more: object) -> tuple[list[int], str]:
+        async with grpc.aio.insecure_channel(cluster.router_address) as channel:
+            outcome = await generate(channel, prompt, greedy(MAX_TOKENS, **more))
+        assert outcome.code is grpc.StatusCode.OK, outcome.details
+        return [t for c in outcome.chunks for t in c.token_ids], outcome.text
+
+    tokens, text = asyncio.run(routed(logit_bias=((forced, 100.0),)))
+    assert tokens == [forced] * MAX_TOKENS and text == "ten" * MAX_TOKENS
+    plain, _ = asyncio.run(routed())
+    banned, _ = asyncio.run(routed(logit_bias=tuple((t, -100.0) for t in sorted(set(plain)))))
+    assert len(banned) == MAX_TOKENS and not set(banned) & set(plain)
+    model, bias = served_model(client), {str(forced): 100}
+    http = client.completions.create(model=model, prompt=prompt, logit_bias=bias, **GREEDY)
+    assert http.choices[0].text == text
+    chat = client.chat.completions.create(model=model, messages=MESSAGES, logit_bias=bias, **GREEDY)
+    assert chat.choices[0].message.content == text
+
+
 def test_bad_input_gets_openai_error_objects(cluster, client) -> None:
     model = served_model(client)
     cases = [
         ({"n": 65}, "n"), ({"max_tokens": 0}, "max_tokens"), ({"temperature": -1.0}, "temperature"),
         ({"top_p": 2.0}, "top_p"), ({"logprobs": 2}, "logprobs"), ({"max_tokens": 10**9}, "max_tokens"),
         ({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": -3}, "frequency_penalty"),
+        ({"logit_bias": {"abc": 1}}, "logit_bias"), ({"logit_bias": {"5": 101}}, "logit_bias"),
+        ({"logit_bias": {"5000": 1}}, "logit_bias"),  # outside the vocabulary
     ]  # fmt: skip
     for extra, param in cases:
         with pytest.raises(openai.BadRequestError) as caught:

@@ -117,6 +117,6 @@ class PagedStepForward:
 
 def _all_greedy(batch: ScheduledBatch) -> bool:
     """Every request takes the sampler's greedy path (temperature 0: `SamplingSpec.is_greedy`)
-    on logits as they are (penalties shift them by the tokens so far: the sampler's)."""
+    on logits as they are (penalties and a logit bias shift them first: the sampler's)."""
     specs = [sampling_spec(r.sampling_params) for r in batch.requests]
-    return all(s.is_greedy and not s.has_penalties for s in specs)
+    return all(s.is_greedy and not s.needs_logits_processing for s in specs)
