@@ -376,7 +376,7 @@ def test_records_without_an_all_resident_run_split_the_step_by_its_measured_wait
     assert joined["device_memory_gib"] == 68.5 and joined["compute_us"] == 20.0
 
 
-def test_paged_offload_halves_the_captured_batch_until_the_pools_slots_fit() -> None:
+def test_paged_offload_halves_the_captured_batch_until_the_pools_slots_fit(caplog) -> None:
     """4 sequences x top-2 would need all 8 experts' slots: the captured decode batch halves to
     2 (4 slots), and the plan at that batch is the one served."""
     from dsv4.worker.build import planned_model_config
@@ -385,9 +385,13 @@ def test_paged_offload_halves_the_captured_batch_until_the_pools_slots_fit() -> 
     values = {**BUDGET, **OFFLOAD, "features.forward": "paged", "scheduler.max_num_seqs": 4,
               "model.device_memory_gib": PAGED_DEVICE_GIB}  # fmt: skip
     config = load_config(values)
+    caplog.set_level("INFO", logger="dsv4.worker.fit")
     served, plan, offload = startup_offload(config, planned_model_config(config), torch.float32)
     assert served.features.cuda_graph_max_batch == 2 and plan.cache_slots == 4
     assert offload.num_offloaded == plan.offloaded_per_layer < 8
+    # the start-up log says what the captured batch costs in resident experts
+    assert any("experts a layer resident with decode graphs up to batch 2 (4 slots)" in m
+               and "with --max-num-seqs 1" in m for m in caplog.messages)  # fmt: skip
     with pytest.raises(PlanDoesNotFit):
         startup_plan(config, planned_model_config(config), int(PAGED_DEVICE_GIB * GIB))
 
