@@ -85,31 +85,33 @@ def fit_graph_batch(config: ServeConfig, model_cfg: ModelConfig, total: int) -> 
         trial = dataclasses.replace(config, features=dataclasses.replace(
             f, cuda_graph_max_batch=batch))  # fmt: skip
         try:
-            startup_plan(trial, model_cfg, total)
+            plan = startup_plan(trial, model_cfg, total)
         except PlanDoesNotFit:
             batch //= 2
             continue
         if batch < min(config.scheduler.max_num_seqs, f.cuda_graph_max_batch):
             logger.info("expert offload: decode graphs up to batch %d (the pool's slots hold "
                         "a captured step's misses; larger batches run eagerly)", batch)  # fmt: skip
-        _log_residency_cost(trial, model_cfg, total, batch)
+        _log_residency_cost(trial, plan, model_cfg, total, batch)
         return trial
     return dataclasses.replace(config, features=dataclasses.replace(f, cuda_graph_max_batch=1))
 
 
-def _log_residency_cost(config: ServeConfig, model_cfg: ModelConfig, total: int,
-                        batch: int) -> None:  # fmt: skip
-    """The slots of a captured batch of `batch` come out of the resident experts: say how many
-    a layer stay resident at this batch and at batch 1, so an operator sees what the captured
-    batch costs a batch-1 step (`--max-num-seqs`; docs/operations.md)."""
+def _log_residency_cost(config: ServeConfig, at_batch: MemoryPlan, model_cfg: ModelConfig,
+                        total: int, batch: int) -> None:  # fmt: skip
+    """The slots of a captured batch of `batch` (`at_batch`: its plan) come out of the resident
+    experts: say how many a layer stay resident at this batch and at batch 1, so an operator
+    sees what the captured batch costs a batch-1 step (`--max-num-seqs`; docs/operations.md)."""
+    if not at_batch.offloaded_per_layer:
+        return
     f = config.features
     one = dataclasses.replace(config, features=dataclasses.replace(f, cuda_graph_max_batch=1))
     try:
-        at_batch, at_one = (startup_plan(c, model_cfg, total) for c in (config, one))
+        at_one = startup_plan(one, model_cfg, total)
     except PlanDoesNotFit:
         return
     resident = [p.experts_per_layer - p.offloaded_per_layer for p in (at_batch, at_one)]
-    if at_batch.offloaded_per_layer and resident[0] < resident[1]:
+    if resident[0] < resident[1]:
         logger.info("expert offload: %d of %d experts a layer resident with decode graphs up to "
                     "batch %d (%d slots), %d with --max-num-seqs 1", resident[0],
                     at_batch.experts_per_layer, batch, at_batch.cache_slots, resident[1])  # fmt: skip
