@@ -279,6 +279,8 @@ class FeatureSwitches(Section):
                       "(the shared expert is FP8): off with linear_weights checkpoint")  # fmt: skip
         if self.linear_activations == "fp8" and self.linear_weights != "checkpoint":
             self.fail("linear_activations", "fp8 activations need linear_weights checkpoint")
+        if self.expert_staging == 1:
+            self.fail("expert_staging", "0 (off) or at least 2: the buffer is used in two halves")
 
 
 @dataclass(frozen=True)

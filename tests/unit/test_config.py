@@ -123,6 +123,7 @@ BAD = {
         "one format per launch",
     ),
     "linear weights": ({"features.linear_weights": "fp8"}, "linear_weights", "bf16, checkpoint"),
+    "staging of one": ({"features.expert_staging": 1}, "expert_staging", "two halves"),
     "fused shared expert, stored linears": (
         {"features.linear_weights": "checkpoint", "features.fuse_shared_expert": True},
         "features.fuse_shared_expert",
