@@ -11,6 +11,7 @@ import torch
 
 from dsv4.config.model import tiny_config
 from dsv4.model.tiny import random_model
+from dsv4.ops.expert_slots import COUNTER_NAMES
 from dsv4.runner.paged import PoolOptions, pool_experts
 from kernels.backend import KernelBackendConfig
 from tests.engine.test_expert_pool import _lockstep
@@ -30,9 +31,11 @@ def _step(num_tokens: int, seed: int):
 @pytest.mark.parametrize(("fmt", "backend"), [("bf16", "auto"), ("mxfp4", "triton")])
 def test_a_staged_prefill_equals_all_resident_and_leaves_the_slots_alone(fmt, backend) -> None:
     """5 of 8 experts cold, 4 slots, 4 staging rows (halves of 2): a 200-token step computes
-    the 3 resident experts in place and the 5 misses in groups of 2, 2, 1 through the halves
-    (the third group refills half 0); outputs equal the all-resident pool's bit for bit (with
-    MXFP4 the interpreted Triton kernels, the bf16-scratch path at this size)."""
+    layer 0's 3 resident experts in place and its 5 misses in groups of 2, 2, 1 through the
+    halves (the third group refills half 0); having missed every cold expert, it copies layer
+    1's first 4 cold experts into halves 1 and 0, so layer 1 copies only its fifth. Outputs of
+    both layers equal the all-resident pool's bit for bit (with MXFP4 the interpreted Triton
+    kernels, the bf16-scratch path at this size)."""
     cfg, weights = (CFG, "bf16") if fmt == "bf16" else (FP4, "checkpoint")
     model = random_model(cfg, seed=19, dtype=torch.bfloat16, expert_weights=weights)
     kernels = KernelBackendConfig(default=backend)
@@ -43,21 +46,56 @@ def test_a_staged_prefill_equals_all_resident_and_leaves_the_slots_alone(fmt, ba
         options = PoolOptions((cold,), cache_slots=4, max_decode_tokens=1,
                               staging_experts=staging)  # fmt: skip
         pool = pool_experts(pooled, options, "cpu", kernels)
-        layer = pool.layers[0]
-        table = layer.table.clone()
-        outs.append(layer.experts(u, ids, w, cfg.swiglu_limit))
-        pool.mirror()
-        stats = pool.stats()
+        first, second = pool.layers[:2]
+        tables = [first.table.clone(), second.table.clone()]
+        outs.append([first.experts(u, ids, w, cfg.swiglu_limit)])
         if cold:
             assert pool.staging is not None and pool.staging.half == 2
-            assert torch.equal(layer.table, table)  # no slot was filled or evicted
-            assert stats.fetches == 5 and stats.resident_hits == 3 and stats.cache_hits == 0
-            assert stats.bytes_fetched == 5 * layer.row_bytes and stats.copy_wait_ns > 0
-            assert pool.staging.next_half == 1  # 3 groups: halves 0, 1, 0; the next is 1
+            assert pool.staging.ahead is not None and pool.staging.ahead.pool is second
+            assert [g.half for g in pool.staging.ahead.groups] == [1, 0]
+        outs[-1].append(second.experts(u, ids, w, cfg.swiglu_limit))
+        pool.mirror()
+        rows = pool.host_counters.tolist()
+        layer0, layer1 = (dict(zip(COUNTER_NAMES, rows[i], strict=False)) for i in (0, 1))
+        stats = pool.stats()
+        if cold:
+            assert all(torch.equal(p.table, t) for p, t in zip((first, second), tables))
+            assert layer0["fetches"] == 5 and layer0["resident_hits"] == 3
+            assert layer0["cache_hits"] == 0 and layer0["prefetches"] == 0
+            # layer 1: 4 copied ahead (prefetched, then cache hits), its fifth fetched
+            assert layer1["prefetches"] == 4 and layer1["cache_hits"] == 4
+            assert layer1["fetches"] == 1 and layer1["resident_hits"] == 3
+            # layer 1 missed every cold expert too: it copied 4 of layer 2's ahead
+            assert stats.prefetches == 8 and stats.copy_wait_ns > 0
+            assert stats.bytes_fetched == (5 + 4 + 1 + 4) * first.row_bytes
+            # layer 1's groups: halves 1, 0 (ahead), then its fifth expert in half 1
+            assert pool.staging.next_half == 0 and pool.staging.ahead.pool is pool.layers[2]
         else:
             assert pool.staging is None
         assert_no_leaks(pool)
-    assert torch.equal(outs[0], outs[1])
+    assert all(torch.equal(a, b) for a, b in zip(outs[0], outs[1], strict=True))
+
+
+def test_copies_ahead_are_dropped_when_another_layer_stages_first() -> None:
+    """Layer 0's step copies layer 1's experts ahead; a step that stages layer 2 next (layer
+    1 skipped) neither uses nor trusts them, and layer 1's later step copies its own: every
+    output equals the all-resident pool's."""
+    model = random_model(CFG, seed=5, dtype=torch.bfloat16)
+    u, ids, w = _step(120, seed=8)
+    outs = []
+    for cold, staging in ((0, 0), (5, 4)):
+        pooled = copy.deepcopy(model)
+        options = PoolOptions((cold,), cache_slots=2, max_decode_tokens=1,
+                              staging_experts=staging)  # fmt: skip
+        pool = pool_experts(pooled, options, "cpu", KernelBackendConfig())
+        layers = pool.layers
+        outs.append([layers[i].experts(u, ids, w, CFG.swiglu_limit) for i in (0, 2, 1)])
+        if cold:
+            pool.mirror()
+            fetches = pool.host_counters[:3, COUNTER_NAMES.index("fetches")].tolist()
+            assert fetches == [5, 5, 5]  # layers 2 and 1 found nothing of theirs ahead
+        assert_no_leaks(pool)
+    assert all(torch.equal(a, b) for a, b in zip(outs[0], outs[1], strict=True))
 
 
 def test_the_paged_forward_with_staging_gives_all_resident_logits() -> None:

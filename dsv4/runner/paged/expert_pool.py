@@ -131,6 +131,7 @@ class LayerPool:
         device = weights.w13.device
         self.weights, self.host, self.counters = weights, host, counters
         self.owner_pool: ExpertPool | None = None  # set by the ExpertPool that holds it
+        self.index = 0  # its place in the owner's layers (set there too)
         self.num_experts, self.num_resident = num_experts, len(resident_ids)
         self.num_slots = weights.w13.shape[0] - self.num_resident
         self.num_cold = host[0].shape[0]
@@ -162,13 +163,20 @@ class LayerPool:
         """Every miss of a step of `num_pairs` pairs finds a free slot (see the module doc)."""
         return num_pairs <= self.num_slots or self.num_slots >= self.num_cold
 
+    def stages(self, num_pairs: int) -> bool:
+        """A step of `num_pairs` pairs goes through the owner's staging buffer."""
+        owner = self.owner_pool
+        return (
+            owner is not None and owner.staging is not None and not self.fits_one_round(num_pairs)
+        )
+
     def prefetch(self, predicted: torch.Tensor) -> None:
         """Copy in the experts of a predicted routing [T, K] of this layer ahead of its step
         (`prefetch_slots`). On CUDA both launches go to the pool's copy stream after the work
         issued so far, so the copies overlap the compute stream's layers until this layer's
         `resolve` joins them; a captured graph records the fork and the join."""
-        if not self.num_slots:
-            return
+        if not self.num_slots or self.stages(predicted.numel()):
+            return  # a staged step never reads the slots
         stream = self.owner_pool.copy_stream if self.owner_pool is not None else None
         if stream is None:  # CPU: in order
             self._prefetch_now(predicted)
@@ -225,10 +233,10 @@ class LayerPool:
         """u [T, D], routed ids [T, K] and weights [T, K] fp32 -> y [T, D] fp32, as
         `moe_experts` on all-resident experts computes it; `lookahead`: a step in rounds
         prefetches each next round beside the current one (`expert_rounds.py`)."""
+        if self.stages(ids.numel()):
+            assert self.owner_pool is not None and self.owner_pool.staging is not None
+            return experts_staged(self, self.owner_pool.staging, u, ids, weights, limit)
         if not self.fits_one_round(ids.numel()):
-            staging = self.owner_pool.staging if self.owner_pool is not None else None
-            if staging is not None:
-                return experts_staged(self, staging, u, ids, weights, limit)
             return experts_in_rounds(self, u, ids, weights, limit, lookahead)
         rows = self.rows(u, self.resolve(ids), limit)
         return self.ops["combine_rows"](rows, weights, ids)
@@ -266,8 +274,8 @@ class ExpertPool:
         self.copy_stream = torch.cuda.Stream(counters.device) if counters.is_cuda else None
         # prefill steps' cold experts (`features.expert_staging`; None: rounds through slots)
         self.staging = None if staging is None else Staging(staging, self.copy_stream)
-        for layer in layers:
-            layer.owner_pool = self
+        for i, layer in enumerate(layers):
+            layer.owner_pool, layer.index = self, i
         self.host_counters = torch.zeros(counters.shape, dtype=torch.int64,
                                          pin_memory=counters.is_cuda)  # fmt: skip
 

@@ -1,5 +1,5 @@
 """A prefill's cold experts through one shared staging buffer (`features.expert_staging`,
-docs/architecture.md#expert-pool).
+docs/architecture.md#expert-staging).
 
 A prefill-sized step routes to nearly every expert of a layer, so its misses (the layer's cold
 experts) far outnumber the cache slots, which are sized for a decode step (max batch x top-k:
@@ -8,8 +8,14 @@ each a copy, a slot-table update and a GEMM launch over all the step's pairs. He
 instead owns one staging storage of N experts for all layers (layers run one after another),
 used in two halves of N/2: the step first computes the pairs whose experts are on the device
 (resident or cached), then the misses in groups of N/2, group g copied into half g % 2 on the
-pool's copy stream while the compute stream runs group g - 1's GEMM. The halves alternate
-across layers too, so a layer's first copy never waits for the previous layer's last GEMM.
+pool's copy stream while the compute stream runs group g - 1's GEMM.
+
+Across layers: a step that missed at least half of a layer's cold experts (a long prompt) will
+miss nearly all of the next layer's too, so once its last group's GEMM is launched the copy
+stream fills both halves with the next layer's first N cold experts (not cached in its slots)
+while the compute stream finishes this layer and runs the next one's attention. That layer
+then uses what it needs of them (`Ahead`) and copies only the rest; an unused guess costs its
+bytes, never a wrong row (rows are placed only for the step's own misses).
 
 Each group's GEMM is `expert_rows` on the staging rows with num_experts = E and every pair of
 the step passed (others skipped), so tiles, paths and per-pair sums are the all-resident
@@ -20,6 +26,7 @@ only (the split reads the routing on the host).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -31,9 +38,28 @@ if TYPE_CHECKING:
     from dsv4.model.moe import ExpertWeights
     from dsv4.runner.paged.expert_pool import LayerPool
 
-_HITS, _CACHE_HITS, _FETCHES, _BYTES = (
-    COUNTER_NAMES.index(n) for n in ("resident_hits", "cache_hits", "fetches", "bytes_fetched")
+_HITS, _CACHE_HITS, _FETCHES, _BYTES, _PREFETCHES = (
+    COUNTER_NAMES.index(n)
+    for n in ("resident_hits", "cache_hits", "fetches", "bytes_fetched", "prefetches")
 )
+
+
+@dataclass(frozen=True)
+class Group:
+    """Experts copied into one half: `fetched[j]` at staging row half * N/2 + j; `ahead`:
+    copied by the previous layer's step."""
+
+    half: int
+    fetched: tuple[int, ...]
+    ahead: bool = False
+
+
+@dataclass(frozen=True)
+class Ahead:
+    """The groups copied for `pool`'s next staged step (see the module doc)."""
+
+    pool: LayerPool
+    groups: tuple[Group, ...]
 
 
 class Staging:
@@ -47,16 +73,17 @@ class Staging:
                                        weights.w2_scale) if t is not None)  # fmt: skip
         self.half = weights.w13.shape[0] // 2
         self.next_half = 0
+        self.ahead: Ahead | None = None  # what the halves hold for the next layer, if anything
         cuda = copy_stream is not None
         self.copied = [torch.cuda.Event() for _ in range(2)] if cuda else []
         self.freed = [torch.cuda.Event() for _ in range(2)] if cuda else []
 
-    def fetch_list(self, pool: LayerPool, group: list[int], h: int) -> torch.Tensor:
-        """The copy kernel's fetch list [N] int32 for the cold experts `group` (logical ids, at
-        most N/2) in half h: their host rows at h * N/2.., -1 elsewhere."""
+    def fetch_list(self, pool: LayerPool, group: Group) -> torch.Tensor:
+        """The copy kernel's fetch list [N] int32 for `group` of `pool`'s cold experts: their
+        host rows at half * N/2.., -1 elsewhere."""
         fetch = [-1] * (2 * self.half)
-        for j, e in enumerate(group):
-            fetch[h * self.half + j] = pool.cold_rows[e]
+        for j, e in enumerate(group.fetched):
+            fetch[group.half * self.half + j] = pool.cold_rows[e]
         return torch.tensor(fetch, dtype=torch.int32, device=self.weights.w13.device)
 
     def fill(self, pool: LayerPool, fetch: torch.Tensor, h: int) -> None:
@@ -73,6 +100,36 @@ class Staging:
             self.copied[h].record(self.copy_stream)
         fetch.record_stream(self.copy_stream)  # made on the compute stream, read here
 
+    def groups(self, misses: list[int], ahead: tuple[Group, ...]) -> list[Group]:
+        """The step's groups: those copied ahead first, then the misses they do not hold in
+        groups of N/2, alternating halves after them."""
+        held = {e for g in ahead for e in g.fetched}
+        rest = [e for e in misses if e not in held]
+        first = (ahead[-1].half + 1) % 2 if ahead else self.next_half
+        chunks = [tuple(rest[i : i + self.half]) for i in range(0, len(rest), self.half)]
+        return [*ahead, *(Group((first + g) % 2, c) for g, c in enumerate(chunks))]
+
+
+def next_ahead(pool: LayerPool, staging: Staging, groups: list[Group], num_misses: int,
+               num_pairs: int) -> Ahead | None:  # fmt: skip
+    """The groups to copy for the layer after `pool` once this step's `groups` are launched,
+    when this step missed at least half of `pool`'s cold experts and the next layer stages
+    too: its first N cold experts that its slots do not hold (read now, while the stream is
+    idle), from the half after this step's last group."""
+    owner = pool.owner_pool
+    if owner is None or 2 * num_misses < pool.num_cold or pool.index + 1 >= len(owner.layers):
+        return None
+    nxt = owner.layers[pool.index + 1]
+    if not nxt.num_slots or not nxt.stages(num_pairs):
+        return None  # a layer that never runs (no slots) or needs no staging
+    table = nxt.table.tolist()
+    cold = [e for e in nxt.cold_rows if table[e] < 0][: 2 * staging.half]
+    first = (groups[-1].half + 1) % 2 if groups else staging.next_half
+    half = staging.half
+    chunks = [tuple(cold[i : i + half]) for i in range(0, len(cold), half)]
+    groups = tuple(Group((first + g) % 2, c, ahead=True) for g, c in enumerate(chunks))
+    return Ahead(nxt, groups) if groups else None
+
 
 def experts_staged(pool: LayerPool, staging: Staging, u: torch.Tensor, ids: torch.Tensor,
                    weights: torch.Tensor, limit: float | None) -> torch.Tensor:  # fmt: skip
@@ -84,45 +141,69 @@ def experts_staged(pool: LayerPool, staging: Staging, u: torch.Tensor, ids: torc
     pool.join_prefetch()  # the table is read below: a prefetch may still be writing it
     table = pool.table.tolist()
     used = ids.unique().tolist()  # host sync: this is an eager (prefill) step
+    ahead, staging.ahead = staging.ahead, None
+    copied = ahead.groups if ahead is not None and ahead.pool is pool else ()
     on_device = [e for e in used if table[e] >= 0]
     misses = [e for e in used if table[e] < 0]
+    groups = staging.groups(misses, copied)
+    miss_set = set(misses)
+    # [(expert, row in its half)] of each group: only the step's misses get a row
+    placed = [[(e, j) for j, e in enumerate(g.fetched) if e in miss_set] for g in groups]
+    from_ahead = sum(len(p) for p, g in zip(placed, groups, strict=True) if g.ahead)
     counts = pool.counters
     counts[_HITS] += sum(table[e] < pool.num_resident for e in on_device)
-    counts[_CACHE_HITS] += sum(table[e] >= pool.num_resident for e in on_device)
-    counts[_FETCHES] += len(misses)
-    counts[_BYTES] += len(misses) * pool.row_bytes
-    device, long = ids.device, dict(dtype=torch.long, device=ids.device)
-    half, first = staging.half, staging.next_half
-    groups = [misses[i : i + half] for i in range(0, len(misses), half)]
-    halves = [(first + g) % 2 for g in range(len(groups))]
-    # every index tensor now, while the stream is idle after the host read above: no further
+    # an expert copied ahead counts as a prefetched one does: a cache hit (its bytes were
+    # counted when the copy was issued)
+    counts[_CACHE_HITS] += sum(table[e] >= pool.num_resident for e in on_device) + from_ahead
+    counts[_FETCHES] += len(misses) - from_ahead
+    counts[_BYTES] += (len(misses) - from_ahead) * pool.row_bytes
+    following = next_ahead(pool, staging, groups, len(misses), ids.numel())
+    # every index tensor now, while the stream is idle after the host reads above: no further
     # host syncs between the GEMMs below
-    fetches = [staging.fetch_list(pool, g, h) for g, h in zip(groups, halves, strict=True)]
-    group_ids = [torch.tensor(g, **long) for g in groups]
+    device, long = ids.device, dict(dtype=torch.long, device=ids.device)
+    fetches = [None if g.ahead else staging.fetch_list(pool, g) for g in groups]
+    group_ids = [torch.tensor([e for e, _ in p], **long) for p in placed]
+    group_rows = [torch.tensor([g.half * staging.half + j for _, j in p], dtype=torch.int32,
+                               device=device) for p, g in zip(placed, groups, strict=True)]  # fmt: skip
+    next_fetches = [staging.fetch_list(following.pool, g) for g in following.groups] if following else []  # fmt: skip
     on_device_ids = torch.tensor(on_device, **long)
     for g in range(min(2, len(groups))):  # both halves' copies start before any GEMM
-        staging.fill(pool, fetches[g], halves[g])
+        if not groups[g].ahead:
+            staging.fill(pool, fetches[g], groups[g].half)
     # the pairs whose experts are on the device, in their storage rows; the rest skipped
     rows = pool.rows(u, pool.table[ids.long()], limit, skip=True,
                      used_rows=pool.table[on_device_ids])  # fmt: skip
     place = torch.full((pool.num_experts,), -1, dtype=torch.int32, device=device)
     sw = staging.weights
-    for g, h in enumerate(halves):
+    for g, group in enumerate(groups):
         if g >= 2:  # this half's previous group has been read: refill it
-            staging.fill(pool, fetches[g], h)
-        _wait_copy(pool, staging, h)
-        base = h * half
-        used_rows = torch.arange(base, base + len(groups[g]), dtype=torch.int32, device=device)
-        place.fill_(-1)
-        place[group_ids[g]] = used_rows
-        rows = pool.ops["expert_rows"](u, place[ids.long()], sw.w13, sw.w2, sw.format,
-                                       sw.w13_scale, sw.w2_scale, limit, rows=rows,
-                                       num_experts=pool.num_experts, skip=True,
-                                       used_rows=used_rows)  # fmt: skip
+            staging.fill(pool, fetches[g], group.half)
+        if placed[g]:
+            _wait_copy(pool, staging, group.half)
+            place.fill_(-1)
+            place[group_ids[g]] = group_rows[g]
+            rows = pool.ops["expert_rows"](u, place[ids.long()], sw.w13, sw.w2, sw.format,
+                                           sw.w13_scale, sw.w2_scale, limit, rows=rows,
+                                           num_experts=pool.num_experts, skip=True,
+                                           used_rows=group_rows[g])  # fmt: skip
         if staging.copy_stream is not None:
-            staging.freed[h].record()
-    staging.next_half = (first + len(groups)) % 2
+            staging.freed[group.half].record()
+    if groups:
+        staging.next_half = (groups[-1].half + 1) % 2
+    if following is not None:
+        _copy_ahead(staging, following, next_fetches)
     return pool.ops["combine_rows"](rows, weights, ids)
+
+
+def _copy_ahead(staging: Staging, ahead: Ahead, fetches: list[torch.Tensor]) -> None:
+    """Start the next layer's copies (each after the GEMM that last read its half), counted
+    on that layer as prefetches."""
+    for group, fetch in zip(ahead.groups, fetches, strict=True):
+        staging.fill(ahead.pool, fetch, group.half)
+    n = sum(len(g.fetched) for g in ahead.groups)
+    ahead.pool.counters[_PREFETCHES] += n
+    ahead.pool.counters[_BYTES] += n * ahead.pool.row_bytes
+    staging.ahead = ahead
 
 
 def _wait_copy(pool: LayerPool, staging: Staging, h: int) -> None:
