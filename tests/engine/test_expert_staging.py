@@ -149,3 +149,33 @@ def test_staged_prefills_on_the_gpu_equal_resident(fmt, prefetch) -> None:
     pool.mirror()
     assert pool.stats().fetches > 0 and pool.stats().copy_wait_ns > 0
     assert_no_leaks(pool)
+
+
+def test_staging_copies_runs_of_rows_and_strided_host_rows() -> None:
+    """The copies into a half: runs of consecutive host rows from contiguous host parts, and
+    row by row from strided ones (rows adopted from an offload store's blobs) -> the same
+    bytes as the rows they name."""
+    from dsv4.model.moe import ExpertWeights
+    from dsv4.runner.paged.expert_pool import LayerPool
+    from dsv4.runner.paged.expert_staging import Group, Staging
+
+    gen = torch.Generator().manual_seed(4)
+    blobs = torch.randint(0, 255, (6, 40), generator=gen, dtype=torch.uint8)
+    strided = (blobs[:, :24].view(6, 4, 6), blobs[:, 24:].view(6, 16))  # rows at stride 40
+    contiguous = tuple(t.contiguous() for t in strided)
+
+    def rows(n: int) -> ExpertWeights:
+        return ExpertWeights(torch.zeros(n, 4, 6, dtype=torch.uint8),
+                             torch.zeros(n, 16, dtype=torch.uint8), format="bf16")  # fmt: skip
+
+    staging = Staging(rows(4), None)
+    for host in (contiguous, strided):
+        # 8 experts: 0 and 1 resident (rows 0, 1), 2..7 cold in host rows 0..5, 1 slot
+        pool = LayerPool(rows(3), host, [0, 1], 8, torch.zeros(10, dtype=torch.int64),
+                         KernelBackendConfig())  # fmt: skip
+        staging.fill(pool, Group(1, (5, 6)))  # one run: host rows 3, 4 -> staging rows 2, 3
+        staging.fill(pool, Group(0, (7, 3)))  # two runs: 5 -> row 0, 1 -> row 1
+        for part, src in zip(staging.parts, host, strict=True):
+            assert torch.equal(part, src[[5, 1, 3, 4]])
+        for part in staging.parts:
+            part.zero_()

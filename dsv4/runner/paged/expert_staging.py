@@ -71,6 +71,7 @@ class Staging:
         self.weights, self.copy_stream = weights, copy_stream
         self.parts = tuple(t for t in (weights.w13, weights.w2, weights.w13_scale,
                                        weights.w2_scale) if t is not None)  # fmt: skip
+        self.byte_parts = _byte_rows(self.parts)
         self.half = weights.w13.shape[0] // 2
         self.next_half = 0
         self.ahead: Ahead | None = None  # what the halves hold for the next layer, if anything
@@ -78,27 +79,35 @@ class Staging:
         self.copied = [torch.cuda.Event() for _ in range(2)] if cuda else []
         self.freed = [torch.cuda.Event() for _ in range(2)] if cuda else []
 
-    def fetch_list(self, pool: LayerPool, group: Group) -> torch.Tensor:
-        """The copy kernel's fetch list [N] int32 for `group` of `pool`'s cold experts: their
-        host rows at half * N/2.., -1 elsewhere."""
-        fetch = [-1] * (2 * self.half)
-        for j, e in enumerate(group.fetched):
-            fetch[group.half * self.half + j] = pool.cold_rows[e]
-        return torch.tensor(fetch, dtype=torch.int32, device=self.weights.w13.device)
-
-    def fill(self, pool: LayerPool, fetch: torch.Tensor, h: int) -> None:
-        """Copy the experts of `fetch` (`fetch_list`) into half h: on the copy stream once
-        half h's last GEMM is done (CUDA), or in order, timed as the wait (CPU)."""
+    def fill(self, pool: LayerPool, group: Group) -> None:
+        """Copy `group`'s experts from `pool`'s host rows into its half: on the copy stream once
+        the half's last GEMM is done (CUDA), or in order, timed as the wait (CPU)."""
         if self.copy_stream is None:
             pool.ops["copy_wait_start"](pool.counters)
-            pool.ops["copy_fetched"](fetch, self.parts, pool.host, 0)
+            self._copy(pool, group)
             pool.ops["copy_wait_end"](pool.counters)
             return
-        self.copy_stream.wait_event(self.freed[h])
+        self.copy_stream.wait_event(self.freed[group.half])
         with torch.cuda.stream(self.copy_stream):
-            pool.ops["copy_fetched"](fetch, self.parts, pool.host, 0)
-            self.copied[h].record(self.copy_stream)
-        fetch.record_stream(self.copy_stream)  # made on the compute stream, read here
+            self._copy(pool, group)
+            self.copied[group.half].record(self.copy_stream)
+
+    def _copy(self, pool: LayerPool, group: Group) -> None:
+        """Row copies from pinned host memory, which CUDA runs on its copy engine (DMA): unlike
+        the slots' copy kernel (whose rows only the device knows, inside captured graphs), they
+        take no SM from the GEMMs running beside them. A run of consecutive host rows is one
+        copy a part where the host part is contiguous; rows adopted from the offload store are
+        strided views of its blobs, one copy a row and part."""
+        base = group.half * self.half
+        rows = [pool.cold_rows[e] for e in group.fetched]
+        for j, row, n in _runs(rows):
+            for dst, src in zip(self.byte_parts, _byte_rows(pool.host), strict=True):
+                into, out_of = dst[base + j : base + j + n], src[row : row + n]
+                if out_of.is_contiguous():
+                    into.copy_(out_of, non_blocking=True)
+                    continue
+                for i in range(n):
+                    into[i].copy_(out_of[i], non_blocking=True)
 
     def groups(self, misses: list[int], ahead: tuple[Group, ...]) -> list[Group]:
         """The step's groups: those copied ahead first, then the misses they do not hold in
@@ -161,15 +170,13 @@ def experts_staged(pool: LayerPool, staging: Staging, u: torch.Tensor, ids: torc
     # every index tensor now, while the stream is idle after the host reads above: no further
     # host syncs between the GEMMs below
     device, long = ids.device, dict(dtype=torch.long, device=ids.device)
-    fetches = [None if g.ahead else staging.fetch_list(pool, g) for g in groups]
     group_ids = [torch.tensor([e for e, _ in p], **long) for p in placed]
     group_rows = [torch.tensor([g.half * staging.half + j for _, j in p], dtype=torch.int32,
                                device=device) for p, g in zip(placed, groups, strict=True)]  # fmt: skip
-    next_fetches = [staging.fetch_list(following.pool, g) for g in following.groups] if following else []  # fmt: skip
     on_device_ids = torch.tensor(on_device, **long)
     for g in range(min(2, len(groups))):  # both halves' copies start before any GEMM
         if not groups[g].ahead:
-            staging.fill(pool, fetches[g], groups[g].half)
+            staging.fill(pool, groups[g])
     # the pairs whose experts are on the device, in their storage rows; the rest skipped
     rows = pool.rows(u, pool.table[ids.long()], limit, skip=True,
                      used_rows=pool.table[on_device_ids])  # fmt: skip
@@ -177,7 +184,7 @@ def experts_staged(pool: LayerPool, staging: Staging, u: torch.Tensor, ids: torc
     sw = staging.weights
     for g, group in enumerate(groups):
         if g >= 2:  # this half's previous group has been read: refill it
-            staging.fill(pool, fetches[g], group.half)
+            staging.fill(pool, group)
         if placed[g]:
             _wait_copy(pool, staging, group.half)
             place.fill_(-1)
@@ -191,15 +198,15 @@ def experts_staged(pool: LayerPool, staging: Staging, u: torch.Tensor, ids: torc
     if groups:
         staging.next_half = (groups[-1].half + 1) % 2
     if following is not None:
-        _copy_ahead(staging, following, next_fetches)
+        _copy_ahead(staging, following)
     return pool.ops["combine_rows"](rows, weights, ids)
 
 
-def _copy_ahead(staging: Staging, ahead: Ahead, fetches: list[torch.Tensor]) -> None:
+def _copy_ahead(staging: Staging, ahead: Ahead) -> None:
     """Start the next layer's copies (each after the GEMM that last read its half), counted
     on that layer as prefetches."""
-    for group, fetch in zip(ahead.groups, fetches, strict=True):
-        staging.fill(ahead.pool, fetch, group.half)
+    for group in ahead.groups:
+        staging.fill(ahead.pool, group)
     n = sum(len(g.fetched) for g in ahead.groups)
     ahead.pool.counters[_PREFETCHES] += n
     ahead.pool.counters[_BYTES] += n * ahead.pool.row_bytes
@@ -214,3 +221,20 @@ def _wait_copy(pool: LayerPool, staging: Staging, h: int) -> None:
     pool.ops["copy_wait_start"](pool.counters)
     torch.cuda.current_stream(staging.weights.w13.device).wait_event(staging.copied[h])
     pool.ops["copy_wait_end"](pool.counters)
+
+
+def _byte_rows(parts: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """Each part [rows, ...] as [rows, row bytes] uint8 views (rows contiguous, at any stride;
+    float8_e8m0fnu scales have no copy kernel everywhere)."""
+    return tuple(t.view(torch.uint8).view(t.shape[0], -1) for t in parts)
+
+
+def _runs(rows: list[int]) -> list[tuple[int, int, int]]:
+    """(offset in `rows`, first row, length) of each run of consecutive rows."""
+    out: list[tuple[int, int, int]] = []
+    for j, row in enumerate(rows):
+        if out and out[-1][1] + out[-1][2] == row:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+        else:
+            out.append((j, row, 1))
+    return out
