@@ -141,6 +141,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--offload-share", type=float, default=0.4)
     parser.add_argument("--device-memory-gib", type=float, default=0.0, help="0: from the share")
     parser.add_argument("--host-memory-gib", type=float, default=64.0)
+    parser.add_argument("--memory-fraction", type=float, default=0.9,
+                        help="cache.memory_fraction: the share of the device the plan may use")  # fmt: skip
     parser.add_argument("--new-tokens", type=int, default=8)
     parser.add_argument("--no-baseline", action="store_true",
                         help="no resident token check, no reference-forward timing")  # fmt: skip
@@ -199,8 +201,10 @@ def main(argv: list[str] | None = None) -> int:
         base = overrides(model_dir, args.device, args.forward, warm_up=args.warm_up)
         budget = args.device_memory_gib or device_budget_gib(load_config(base), args.offload_share)
         offload = {**base, "model.device_memory_gib": budget,
-                   "model.host_memory_gib": args.host_memory_gib}  # fmt: skip
-        result = {"shape": args.shape, "layers": args.layers, "device_memory_gib": budget}
+                   "model.host_memory_gib": args.host_memory_gib,
+                   "cache.memory_fraction": args.memory_fraction}  # fmt: skip
+        result = {"shape": args.shape, "layers": args.layers, "device_memory_gib": budget,
+                  "memory_fraction": args.memory_fraction}  # fmt: skip
         if not args.no_check:
             result["offloaded"] = serve(offload, args.new_tokens)
             save(result, args.out)

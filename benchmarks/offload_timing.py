@@ -251,7 +251,8 @@ def timing_records(model_dir, args, on_run=None) -> list[dict]:
                  warm_up=args.warm_up)  # fmt: skip
     paged = {**overrides(model_dir, args.device, "paged", **shape), **spec_values(args)}
     budget = args.device_memory_gib or device_budget_gib(load_config(paged), args.offload_share)
-    offload = {"model.device_memory_gib": budget, "model.host_memory_gib": args.host_memory_gib}
+    offload = {"model.device_memory_gib": budget, "model.host_memory_gib": args.host_memory_gib,
+               "cache.memory_fraction": args.memory_fraction}  # fmt: skip
     runs = chosen_runs(args)  # the paged forward, with pre-gated prefetch (A/B), the reference
     records: list[dict] = []
     for routing in args.routings.split(","):
@@ -345,7 +346,9 @@ def main(argv: list[str] | None = None) -> int:
     for path in args.inputs:
         data = json.loads(Path(path).read_text())
         if isinstance(data, dict):  # offload_serve_check's output: its run facts go per record
-            facts = {k: data[k] for k in ("shape", "device_memory_gib") if k in data}
+            facts = {
+                k: data[k] for k in ("shape", "device_memory_gib", "memory_fraction") if k in data
+            }
             data = [{**facts, **r} for r in data["records"]]
         records += [fill_compute(r) for r in data]
     Path(args.out).write_text(json.dumps(join_baseline(records), indent=1))
