@@ -255,8 +255,10 @@ class DecodeSession:
         runtime, request = self._deps.runtime, self._request
         outputs = self._engine.generate(runtime.engine_request(request))
         head = await anext(outputs)
-        if head.new_token_ids[:1] == (first,):
-            yield dataclasses.replace(head, new_token_ids=head.new_token_ids[1:])
+        if head.new_token_ids[:1] == (first,):  # P's token (and logprobs) went out already
+            yield dataclasses.replace(
+                head, new_token_ids=head.new_token_ids[1:], logprobs=head.logprobs[1:]
+            )
             if not head.is_finished:
                 async for out in outputs:
                     yield out
@@ -293,7 +295,7 @@ class DecodeSession:
                     yield self._last(out, out.finish_reason.reason, num_sent, delta)
                     return
                 if out.new_token_ids or delta:
-                    yield StreamChunk(token_ids=out.new_token_ids, text=delta)
+                    yield StreamChunk(out.new_token_ids, delta, logprobs=out.logprobs)
                 if live.is_aborted:
                     await self._engine.abort(live.engine_request_id)
                     yield self._last(None, FinishReason.ABORT, num_sent)
@@ -307,5 +309,6 @@ class DecodeSession:
         self, out: RequestOutput | None, reason: FinishReason, num_tokens: int, text: str = ""
     ) -> StreamChunk:
         usage = dataclasses.replace(self._usage, completion_tokens=num_tokens)
-        token_ids = out.new_token_ids if out is not None else ()
-        return StreamChunk(token_ids=token_ids, text=text, finish_reason=reason, usage=usage)
+        if out is None:
+            return StreamChunk(text=text, finish_reason=reason, usage=usage)
+        return StreamChunk(out.new_token_ids, text, reason, usage, out.logprobs)

@@ -41,6 +41,11 @@ class PullFailurePolicy(enum.Enum):
     FAIL = "fail"  # end the stream with UNAVAILABLE
 
 
+# The most top logprobs a request may ask per generated token (vLLM's default max_logprobs,
+# OpenAI's top_logprobs limit).
+MAX_LOGPROBS = 20
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """Sampling and stopping controls with every default filled in (validated by dsv4.wire)."""
@@ -58,6 +63,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # off
     # (token id, bias) pairs by token id, added to those logits before sampling; () = off
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # each generated token's logprob and the N most likely at its position (`TokenLogprobs`),
+    # N in [0, MAX_LOGPROBS]; None = off
+    logprobs: int | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -71,9 +79,20 @@ class SamplingParams:
 
     @property
     def needs_logits_processing(self) -> bool:
-        """The sampler shifts this request's logits (penalties or a logit bias) before it picks
-        a token: an argmax of the raw logits is not its greedy token."""
-        return self.has_penalties or bool(self.logit_bias)
+        """The sampler needs this request's logits: it shifts them (penalties, a logit bias)
+        before it picks a token, so an argmax of the raw logits is not its greedy token, or it
+        reads its logprobs from them."""
+        return self.has_penalties or bool(self.logit_bias) or self.logprobs is not None
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """One generated token's log-probabilities: log_softmax of the model's raw logits at its
+    position (before temperature, penalties, logit_bias, top-k and top-p: vLLM's default
+    `raw_logprobs`)."""
+
+    logprob: float  # the generated token's
+    top: tuple[tuple[int, float], ...] = ()  # the N most likely (token id, logprob), best first
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +137,8 @@ class StreamChunk:
     text: str = ""
     finish_reason: FinishReason | None = None  # set on the last chunk only
     usage: Usage | None = None  # set on the last chunk only
+    # one per token_ids entry when the request asked (SamplingParams.logprobs), else ()
+    logprobs: tuple[TokenLogprobs, ...] = ()
 
     @property
     def is_last(self) -> bool:
@@ -173,6 +194,7 @@ class PrefillResult:
     handle: KVHandle
     timings: PrefillTimings = PrefillTimings()
     first_token_text: str = ""  # empty when the worker does not detokenize
+    first_token_logprobs: TokenLogprobs | None = None  # when the request asked for logprobs
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,6 +289,7 @@ class RequestLimits:
     max_stop_string_chars: int = 256
     max_stop_token_ids: int = 64
     max_logit_bias: int = 300  # logit_bias entries (OpenAI's limit)
+    max_logprobs: int = MAX_LOGPROBS  # top logprobs per generated token
     max_request_id_chars: int = 128
 
     @property

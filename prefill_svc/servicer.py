@@ -185,6 +185,7 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
                 num_chunks=math.ceil(request.num_prompt_tokens / budget),
             ),
             first_token_text=codec.decode_delta([outcome.first_token], 0) if codec else "",
+            first_token_logprobs=outcome.first_token_logprobs,
         )
 
 

@@ -126,7 +126,11 @@ class RequestFlow:
             )
             if prefill is not None:
                 self._lease = (prefill_view.address, prefill, request.request_id)
-                step = self._tracker.add((prefill.first_token_id,), prefill.first_token_text)
+                first = prefill.first_token_logprobs  # P's, when the request asked
+                step = self._tracker.add(
+                    (prefill.first_token_id,), prefill.first_token_text,
+                    () if first is None else (first,),
+                )  # fmt: skip
                 yield self._account.chunk(step, step.finish_reason)
                 if step.finish_reason is not None:
                     return  # the first token ended it: D is never called, the lease is released
@@ -269,7 +273,7 @@ class RequestFlow:
         is_done = False
         try:
             while (chunk := await call.read()) is not None:
-                step = self._tracker.add(chunk.token_ids, chunk.text)
+                step = self._tracker.add(chunk.token_ids, chunk.text, chunk.logprobs)
                 if chunk.is_last:
                     is_done = True
                     self._decoding_on, self._lease = None, None  # D finished: it owned the lease

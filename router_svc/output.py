@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from tokenizers.decoders import DecodeStream
 
 from dsv4.text.tokenizer import TextCodec
-from dsv4.types import FinishReason, SamplingParams
+from dsv4.types import FinishReason, SamplingParams, TokenLogprobs
 
 NUM_PROMPT_CONTEXT_TOKENS = 6  # prompt tail decoded with the output, so spacing comes out right
 _REPLACEMENT_CHAR = "\ufffd"
@@ -50,12 +50,14 @@ class IncrementalDetokenizer:
 
 @dataclass(frozen=True, slots=True)
 class OutputStep:
-    """What to send for one batch of tokens: accepted ids, text to send now, and the finish
-    reason when the router decided the request is over."""
+    """What to send for one batch of tokens: accepted ids (and their logprobs, when the
+    request asked), text to send now, and the finish reason when the router decided the
+    request is over."""
 
     token_ids: tuple[int, ...]
     text: str
     finish_reason: FinishReason | None = None
+    logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 class OutputTracker:
@@ -89,9 +91,13 @@ class OutputTracker:
     def num_tokens_left(self) -> int:
         return self._sampling.max_new_tokens - len(self.token_ids)
 
-    def add(self, token_ids: Sequence[int], worker_text: str = "") -> OutputStep:
+    def add(
+        self, token_ids: Sequence[int], worker_text: str = "",
+        logprobs: Sequence[TokenLogprobs] = (),
+    ) -> OutputStep:  # fmt: skip
         """Accept tokens in order until one ends the request; `worker_text` is used only when
-        the router has no tokenizer. Tokens after a finish are dropped."""
+        the router has no tokenizer; `logprobs` (one per token, or none) follow their tokens.
+        Tokens after a finish are dropped."""
         accepted: list[int] = []
         for token_id in token_ids:
             if self.finish_reason is not None:
@@ -101,7 +107,8 @@ class OutputTracker:
             self.finish_reason = self._check(token_id)
         if self._detok is None:
             self._text += worker_text
-        return OutputStep(tuple(accepted), self._take_text(), self.finish_reason)
+        kept = tuple(logprobs[: len(accepted)])
+        return OutputStep(tuple(accepted), self._take_text(), self.finish_reason, kept)
 
     def flush(self) -> str:
         """Text still held back; call once when the stream ends."""

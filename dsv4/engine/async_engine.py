@@ -37,6 +37,7 @@ from dsv4.engine.step_watch import HungStep, StepWatch
 from dsv4.errors import Cancelled, Dsv4Error, StepFailed, StepHung, Unavailable
 from dsv4.scheduler.batch import RequestOutput
 from dsv4.scheduler.request import FinishCause, Request
+from dsv4.types import TokenLogprobs
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -56,6 +57,7 @@ class PrefillOutcome:
     first_token: int
     finish_reason: FinishCause | None
     held: HeldBlocks | None
+    first_token_logprobs: TokenLogprobs | None = None  # when the request asked for logprobs
 
 
 class _Stream:
@@ -214,7 +216,8 @@ class AsyncEngine:
             first = out
         assert first is not None and first.new_token_ids
         held = await self.call(lambda: self.core.held.get(rid))
-        return PrefillOutcome(first.new_token_ids[0], first.finish_reason, held)
+        logprobs = first.logprobs[0] if first.logprobs else None
+        return PrefillOutcome(first.new_token_ids[0], first.finish_reason, held, logprobs)
 
     async def adopt(self, request: Request) -> tuple[int, ...]:
         """Decode side: blocks for the pulled prompt (hand-off order)."""

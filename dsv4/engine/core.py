@@ -137,7 +137,8 @@ class EngineCore:
 
     def _check_sampling(self, request: Request) -> None:
         """A speculating engine verifies drafts on logits as they are: penalties or a logit
-        bias would change which drafts are right, so it refuses them instead of ignoring them.
+        bias would change which drafts are right, so it refuses them instead of ignoring them;
+        its verified tokens leave no logits row to read logprobs from, so it refuses those too.
         logit_bias token ids must index the model's logits (the sampler adds at those ids)."""
         params = request.sampling_params
         if params is None:
@@ -147,6 +148,7 @@ class EngineCore:
             what = [name for name, on in (
                 ("presence/frequency/repetition penalties", params.has_penalties),
                 ("logit_bias", bool(params.logit_bias)),
+                ("logprobs", params.logprobs is not None),
             ) if on]  # fmt: skip
             raise InvalidRequest(
                 f"request {request.request_id!r}: speculative decoding (this worker drafts {k} "

@@ -27,6 +27,7 @@ class SamplingSpec:
     frequency_penalty: float = 0.0  # off
     repetition_penalty: float = 1.0  # off
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs; () = off
+    logprobs: int | None = None  # top logprobs besides the token's own; None = off
 
     @property
     def is_greedy(self) -> bool:
@@ -38,10 +39,15 @@ class SamplingSpec:
                     or self.repetition_penalty != 1.0)  # fmt: skip
 
     @property
-    def needs_logits_processing(self) -> bool:
-        """The row's logits are shifted (logit bias, penalties) before sampling: its greedy
-        token is not the raw logits' argmax."""
+    def shifts_logits(self) -> bool:
+        """The row's logits are shifted (logit bias, penalties) before sampling."""
         return self.has_penalties or bool(self.logit_bias)
+
+    @property
+    def needs_logits_processing(self) -> bool:
+        """The sampler needs the row's logits: they are shifted, so its greedy token is not the
+        raw logits' argmax, or its logprobs are read from them."""
+        return self.shifts_logits or self.logprobs is not None
 
 
 def biased_logits(logits: torch.Tensor, spec: SamplingSpec) -> torch.Tensor:

@@ -22,6 +22,7 @@ from dsv4.runner.sampler import Sampler
 from dsv4.runner.step_forward import StepForward, StepResult, sampling_spec
 from dsv4.scheduler.batch import RequestStepOutput, ScheduledBatch, StepOutput
 from dsv4.speculative.metrics import SpecMetrics
+from dsv4.types import TokenLogprobs
 
 
 @dataclass(frozen=True)
@@ -119,17 +120,25 @@ class ModelRunner:
                 copied.record()
             return LaunchedStep(batch, greedy=greedy, host=host, copied=copied)
         emitted = dict(result.chosen)
+        logprobs: dict[str, tuple[TokenLogprobs, ...]] = {}
         if result.logits is not None:
             requests = {r.request_id: r for r in batch.requests}
             rows = [requests[rid] for rid in result.sample_ids]
             specs = [sampling_spec(r.sampling_params) for r in rows]
             histories = [r.token_history or ((), ()) for r in rows]
-            tokens = self.sampler.sample(result.logits, list(result.sample_ids), specs, histories)
-            emitted.update((rid, (token,)) for rid, token in zip(result.sample_ids, tokens))
+            sampled = self.sampler.sample_rows(
+                result.logits, list(result.sample_ids), specs, histories
+            )
+            for rid, token, entry in zip(result.sample_ids, sampled.token_ids, sampled.logprobs):
+                emitted[rid] = (token,)
+                if entry is not None:
+                    logprobs[rid] = (entry,)
         self._check_step()  # the step's output was read on the host: its checks are complete
         output = StepOutput(
             tuple(
-                RequestStepOutput(r.request_id, emitted.get(r.request_id, ()))
+                RequestStepOutput(
+                    r.request_id, emitted.get(r.request_id, ()), logprobs.get(r.request_id, ())
+                )
                 for r in batch.requests
             )
         )

@@ -18,16 +18,30 @@ device (`LogitBias`, uploaded once); a penalized one a `PenaltyState` there that
 the output tokens added since its last step, bit-identical to the reference `penalized_logits`
 without its per-step O(prompt + output) host work and upload (3.5 ms a step on CPU for a
 32K-token prompt). Both are freed with the request's generator (`release`).
+
+Rows that ask for logprobs (`SamplingSpec.logprobs`) have them computed from the raw logits,
+before any shift, on the device, and brought back in the step's one copy (`StepLogprobs`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from dsv4.ops.sampling import SamplingSpec, filtered_probs
+from dsv4.runner.logprobs import StepLogprobs
+from dsv4.types import TokenLogprobs
 from kernels import sampling as sampling_kernels
+
+
+@dataclass(frozen=True)
+class SampledRows:
+    """One step's sampling: a token per logits row and, where the row asked, its logprobs."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprobs | None, ...]  # None: the row did not ask
 
 
 class Sampler:
@@ -55,11 +69,20 @@ class Sampler:
         self, logits: torch.Tensor, request_ids: list[str], specs: list[SamplingSpec],
         histories: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None,
     ) -> list[int]:  # fmt: skip
-        """logits [B, V] (any device) -> B token ids. Greedy rows never touch a generator.
-        `histories`: each row's (prompt ids, output ids so far), needed by rows with penalties."""
+        """logits [B, V] (any device) -> B token ids (`sample_rows` without the logprobs)."""
+        return list(self.sample_rows(logits, request_ids, specs, histories).token_ids)
+
+    def sample_rows(
+        self, logits: torch.Tensor, request_ids: list[str], specs: list[SamplingSpec],
+        histories: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None,
+    ) -> SampledRows:  # fmt: skip
+        """logits [B, V] (any device) -> B token ids, and the logprobs of the rows that ask.
+        Greedy rows never touch a generator. `histories`: each row's (prompt ids, output ids
+        so far), needed by rows with penalties."""
         if logits.shape[0] != len(specs) or len(specs) != len(request_ids):
             raise ValueError("one request id and one SamplingSpec per logits row")
-        shifted = [i for i, s in enumerate(specs) if s.needs_logits_processing]
+        asked = StepLogprobs.of(logits, specs)  # from the raw logits, before any shift
+        shifted = [i for i, s in enumerate(specs) if s.shifts_logits]
         if any(specs[i].has_penalties for i in shifted) and (
             histories is None or len(histories) != len(specs)
         ):
@@ -82,14 +105,19 @@ class Sampler:
             picked = picked.index_copy(0, rows, self._sample_rows(logits.index_select(0, rows),
                                                                   [specs[i] for i in together]))  # fmt: skip
         done = set(together)
-        chosen = picked.tolist()  # the step's one device -> host copy
+        # the step's one device -> host copy (the logprobs that rows asked for ride along)
+        chosen = picked.tolist() if asked is None else asked.fetch(picked)
+        drawn_on_host = []
         for row, (rid, spec) in enumerate(zip(request_ids, specs)):
             if spec.is_greedy or row in done:
                 out.append(int(chosen[row]))
                 continue
             probs = filtered_probs(logits[row], spec).cpu()
             out.append(int(torch.multinomial(probs, 1, generator=self._generator(rid, spec))))
-        return out
+            drawn_on_host.append(row)
+        if asked is None:
+            return SampledRows(tuple(out), (None,) * len(out))
+        return SampledRows(tuple(out), tuple(asked.finish(out, set(drawn_on_host))))
 
     def _penalty_state(self, request_id: str, prompt_ids: Sequence[int],
                        output_ids: Sequence[int], logits: torch.Tensor) -> PenaltyState:  # fmt: skip

@@ -78,6 +78,7 @@ def sampling_spec(params: SamplingParams | None) -> SamplingSpec:
         frequency_penalty=float(params.frequency_penalty),
         repetition_penalty=float(params.repetition_penalty),
         logit_bias=params.logit_bias,
+        logprobs=params.logprobs,
     )
 
 

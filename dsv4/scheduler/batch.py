@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dsv4.scheduler.request import FinishCause
-from dsv4.types import SamplingParams
+from dsv4.types import SamplingParams, TokenLogprobs
 
 
 @dataclass(frozen=True)
@@ -109,10 +109,12 @@ class ScheduledBatch:
 class RequestStepOutput:
     """The runner's result for one scheduled request. `new_token_ids`: nothing for a
     prefill chunk that does not sample, else the sampled token, or for a decode with drafts
-    the accepted draft tokens followed by the bonus token (1 + accepted)."""
+    the accepted draft tokens followed by the bonus token (1 + accepted). `logprobs`: one per
+    new token when the request asked (`SamplingParams.logprobs`), else ()."""
 
     request_id: str
     new_token_ids: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -122,11 +124,13 @@ class StepOutput:
 
 @dataclass(frozen=True)
 class RequestOutput:
-    """What `Scheduler.update` reports per request: tokens to stream and how it ended."""
+    """What `Scheduler.update` reports per request: tokens to stream (with their logprobs when
+    the request asked) and how it ended."""
 
     request_id: str
     new_token_ids: tuple[int, ...]
     finish_reason: FinishCause | None = None
+    logprobs: tuple[TokenLogprobs, ...] = ()  # one per new token id, or () when not asked
 
     @property
     def is_finished(self) -> bool:

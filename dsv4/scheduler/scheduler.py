@@ -349,15 +349,17 @@ class Scheduler:
             request = self._requests.get(scheduled.request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            new_ids = by_id.get(scheduled.request_id, RequestStepOutput("")).new_token_ids
-            result = self._apply(request, scheduled, new_ids)
+            result = self._apply(
+                request, scheduled, by_id.get(scheduled.request_id, RequestStepOutput(""))
+            )
             if result is not None:
                 results.append(result)
         return results
 
     def _apply(
-        self, request: Request, scheduled: ScheduledRequest, new_ids: tuple[int, ...]
+        self, request: Request, scheduled: ScheduledRequest, output: RequestStepOutput
     ) -> RequestOutput | None:
+        new_ids = output.new_token_ids
         expected = (1, 1 + scheduled.num_draft_tokens) if scheduled.samples_token else (0, 0)
         if not expected[0] <= len(new_ids) <= expected[1]:
             raise ValueError(f"request {request.request_id!r}: runner returned {new_ids}")
@@ -371,7 +373,7 @@ class Scheduler:
             self._finish(request, reason)
         if not kept and reason is None:
             return None
-        return RequestOutput(request.request_id, kept, reason)
+        return RequestOutput(request.request_id, kept, reason, output.logprobs[: len(kept)])
 
     def _finish(self, request: Request, reason: FinishCause) -> None:
         request.status = RequestStatus.FINISHED

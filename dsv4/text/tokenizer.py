@@ -89,6 +89,11 @@ class TextCodec:
         """The token's own string (e.g. the BOS marker a chat template writes); None if unknown."""
         return self._tok.id_to_token(token_id)
 
+    def token_string(self, token_id: int) -> str:
+        """The token's text decoded alone, special tokens spelled out (OpenAI logprobs'
+        `token`, as vLLM writes it); a piece of a multi-byte character reads U+FFFD."""
+        return self._tok.decode([token_id], skip_special_tokens=False)
+
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 

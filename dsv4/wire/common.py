@@ -12,6 +12,7 @@ from dsv4.types import (
     RequestLimits,
     SamplingParams,
     StreamChunk,
+    TokenLogprobs,
     TransportKind,
     Usage,
     WorkerRole,
@@ -79,6 +80,8 @@ def sampling_to_proto(sampling: SamplingParams) -> common_pb2.SamplingParams:
     )
     if sampling.seed is not None:
         msg.seed = sampling.seed
+    if sampling.logprobs is not None:
+        msg.logprobs = sampling.logprobs
     return msg
 
 
@@ -102,6 +105,7 @@ def sampling_from_proto(
         frequency_penalty=_given(msg, "frequency_penalty", defaults.frequency_penalty),
         repetition_penalty=_given(msg, "repetition_penalty", defaults.repetition_penalty),
         logit_bias=dict(msg.logit_bias),
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
     )
 
 
@@ -122,6 +126,23 @@ def usage_from_proto(msg: common_pb2.Usage) -> Usage:
     return Usage(**{name: getattr(msg, name) for name in _USAGE_FIELDS})
 
 
+def token_logprobs_to_proto(logprobs: TokenLogprobs) -> common_pb2.TokenLogprobs:
+    return common_pb2.TokenLogprobs(
+        logprob=logprobs.logprob,
+        top_token_ids=[t for t, _ in logprobs.top],
+        top_logprobs=[v for _, v in logprobs.top],
+    )
+
+
+def token_logprobs_from_proto(msg: common_pb2.TokenLogprobs) -> TokenLogprobs:
+    if len(msg.top_token_ids) != len(msg.top_logprobs):
+        raise InvalidRequest(
+            f"TokenLogprobs has {len(msg.top_token_ids)} top_token_ids but "
+            f"{len(msg.top_logprobs)} top_logprobs: a peer must send one logprob per id"
+        )
+    return TokenLogprobs(msg.logprob, tuple(zip(msg.top_token_ids, msg.top_logprobs)))
+
+
 def fill_chunk_proto(msg: Any, chunk: StreamChunk) -> Any:
     """Fill a GenerateResponse or DecodeResponse (same field names) from a StreamChunk."""
     msg.token_ids.extend(chunk.token_ids)
@@ -130,16 +151,23 @@ def fill_chunk_proto(msg: Any, chunk: StreamChunk) -> Any:
         msg.finish_reason = FINISH_REASON_TO_PB[chunk.finish_reason]
     if chunk.usage is not None:
         msg.usage.CopyFrom(usage_to_proto(chunk.usage))
+    msg.logprobs.extend(token_logprobs_to_proto(x) for x in chunk.logprobs)
     return msg
 
 
 def chunk_from_proto(msg: Any) -> StreamChunk:
     """Read a GenerateResponse or DecodeResponse into a StreamChunk."""
+    if msg.logprobs and len(msg.logprobs) != len(msg.token_ids):
+        raise InvalidRequest(
+            f"a stream message has {len(msg.token_ids)} token_ids but {len(msg.logprobs)} "
+            "logprobs: a peer must send one TokenLogprobs per token id, or none"
+        )
     return StreamChunk(
         token_ids=tuple(msg.token_ids),
         text=msg.text,
         finish_reason=finish_reason_from_pb(msg.finish_reason),
         usage=usage_from_proto(msg.usage) if msg.HasField("usage") else None,
+        logprobs=tuple(token_logprobs_from_proto(x) for x in msg.logprobs),
     )
 
 

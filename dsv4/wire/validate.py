@@ -76,6 +76,7 @@ def check_sampling(
     frequency_penalty: float = 0.0,
     repetition_penalty: float = 1.0,
     logit_bias: Mapping[int, float] | None = None,
+    logprobs: int | None = None,
 ) -> SamplingParams:
     """Validate sampling values and fill the default max_new_tokens (clipped to the context)."""
     if not math.isfinite(temperature) or temperature < 0:
@@ -110,6 +111,11 @@ def check_sampling(
         raise InvalidRequest(
             f"sampling.repetition_penalty = {repetition_penalty}: must be in (0, 2]; 1 is off"
         )
+    if logprobs is not None and not 0 <= logprobs <= limits.max_logprobs:
+        raise InvalidRequest(
+            f"sampling.logprobs = {logprobs}: must be in [0, {limits.max_logprobs}] (the most "
+            "likely tokens returned beside each generated one's own logprob); unset: none"
+        )
     return SamplingParams(
         temperature=float(temperature),
         top_p=float(top_p),
@@ -123,6 +129,7 @@ def check_sampling(
         frequency_penalty=float(frequency_penalty),
         repetition_penalty=float(repetition_penalty),
         logit_bias=_check_logit_bias(logit_bias or {}, limits),
+        logprobs=logprobs,
     )
 
 

@@ -31,6 +31,8 @@ from dsv4.wire.common import (
     fill_chunk_proto,
     sampling_from_proto,
     sampling_to_proto,
+    token_logprobs_from_proto,
+    token_logprobs_to_proto,
 )
 from dsv4.wire.kv import (
     kv_handle_from_proto,
@@ -139,7 +141,7 @@ def release_request_from_proto(msg: worker_pb2.ReleaseRequest) -> ReleaseRequest
 
 def prefill_result_to_proto(result: PrefillResult) -> worker_pb2.PrefillResponse:
     t = result.timings
-    return worker_pb2.PrefillResponse(
+    msg = worker_pb2.PrefillResponse(
         first_token_id=result.first_token_id,
         first_token_text=result.first_token_text,
         handle=kv_handle_to_proto(result.handle),
@@ -147,6 +149,9 @@ def prefill_result_to_proto(result: PrefillResult) -> worker_pb2.PrefillResponse
             queue_ms=t.queue_ms, compute_ms=t.compute_ms, num_chunks=t.num_chunks
         ),
     )
+    if result.first_token_logprobs is not None:
+        msg.first_token_logprobs.CopyFrom(token_logprobs_to_proto(result.first_token_logprobs))
+    return msg
 
 
 def prefill_result_from_proto(msg: worker_pb2.PrefillResponse) -> PrefillResult:
@@ -160,6 +165,9 @@ def prefill_result_from_proto(msg: worker_pb2.PrefillResponse) -> PrefillResult:
             queue_ms=t.queue_ms, compute_ms=t.compute_ms, num_chunks=t.num_chunks
         ),
         first_token_text=msg.first_token_text,
+        first_token_logprobs=token_logprobs_from_proto(msg.first_token_logprobs)
+        if msg.HasField("first_token_logprobs")
+        else None,
     )
 
 

@@ -32,6 +32,7 @@ from router_svc.admission import AUTHORIZATION_KEY, check_api_key
 from router_svc.http.call import InProcessCall
 from router_svc.http.chat import ChatTemplate
 from router_svc.http.choices import choice_protos, first_chunks, merged_events, whole_answer
+from router_svc.http.logprobs import token_texts
 from router_svc.http.protocol import (
     ApiError,
     OpenAIRequest,
@@ -105,6 +106,7 @@ class HttpFront:
         self._cfg, self._servicer, self._pool = cfg, servicer, pool
         self._metrics, self._registry = metrics, registry
         self._text, self._chat = text, chat
+        self._token_text = token_texts(text.codec)  # logprobs' token strings, cached
         self._runner: web.AppRunner | None = None
         self.port = 0
 
@@ -232,7 +234,7 @@ class HttpFront:
                                        is_chat=is_chat)  # fmt: skip
         proto = parsed.to_proto(prompts[0], request_id)
         call = InProcessCall(self._servicer, proto, metadata=metadata, peer=peer_of(request))
-        reply = Reply(is_chat, request_id, served or parsed.model, parsed.include_usage)
+        reply = self._reply(parsed, request_id, served, is_chat=is_chat)
         async with aclosing(call.stream()) as chunks:
             first = await anext(chunks, None)  # an ApiError here is the HTTP status
             if first is None:
@@ -253,9 +255,8 @@ class HttpFront:
         first chunk."""
         calls = [InProcessCall(self._servicer, proto, metadata=metadata, peer=peer_of(request))
                  for proto in choice_protos(parsed, prompts, request_id)]  # fmt: skip
-        replies = [Reply(is_chat, request_id, served or parsed.model,
-                         parsed.include_usage, index=i, usage_chunk=False)
-                   for i in range(len(calls))]  # fmt: skip
+        replies = [self._reply(parsed, request_id, served, is_chat=is_chat, index=i,
+                               usage_chunk=False) for i in range(len(calls))]  # fmt: skip
         async with AsyncExitStack() as stack:
             streams = [await stack.enter_async_context(aclosing(c.stream())) for c in calls]
             firsts = await first_chunks(streams)
@@ -264,6 +265,14 @@ class HttpFront:
                 return web.json_response(whole, headers={REQUEST_ID_HEADER: request_id})
             events = merged_events(replies, firsts, streams, parsed.n)
             return await self._sse(request, request_id, events)
+
+    def _reply(
+        self, parsed: OpenAIRequest, request_id: str, served: str | None, *, is_chat: bool,
+        index: int = 0, usage_chunk: bool = True,
+    ) -> Reply:  # fmt: skip
+        return Reply(is_chat, request_id, served or parsed.model, parsed.include_usage,
+                     index=index, usage_chunk=usage_chunk, logprobs=parsed.logprobs,
+                     token_text=self._token_text)  # fmt: skip
 
     async def _sse(
         self, request: web.Request, request_id: str, events: AsyncIterator[bytes]

@@ -4,12 +4,14 @@ Only shapes and types are checked here; values (temperature range, max_tokens ag
 context, stop strings, penalty and logit_bias ranges, vocabulary) are checked by the router's own
 validation, the same rules as gRPC, whose message is then returned with the OpenAI
 parameter's name. Fields that would change the result and that this server does not
-implement (logprobs, echo, tools, ...) are refused, never silently ignored. `n` asks for that
+implement (echo, tools, ...) are refused, never silently ignored. `n` asks for that
 many choices of each prompt, and /v1/completions takes a batch of prompts (strings or
 token-id lists); a request holds at most MAX_CHOICES choices in all
 (router_svc/http/choices.py). OpenAI's `presence_penalty`, `frequency_penalty` and
 `logit_bias` (token ids as string keys) and vLLM's extensions `repetition_penalty`, `top_k`,
-`ignore_eos` and `stop_token_ids` are accepted.
+`ignore_eos` and `stop_token_ids` are accepted. Logprobs: /v1/completions' `logprobs: N`,
+chat's `logprobs: true` with `top_logprobs: N` (0 if unset), N in [0, 20], become
+`SamplingParams.logprobs` (the answer's shapes: router_svc/http/logprobs.py).
 
 Errors: `ApiError(status, message, param, code)`, rendered as
 `{"error": {"message", "type", "param", "code"}}`; gRPC code names map through `HTTP_STATUS`.
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dsv4.rpc.v1 import common_pb2, router_pb2
+from dsv4.types import MAX_LOGPROBS
 
 INT32_MAX = 2**31 - 1
 MAX_CHOICES = 64  # prompts x n: each choice is its own Generate call (admission counts each)
@@ -43,14 +46,15 @@ _PARAM_OF_FIELD = {
     "request_id": "X-Request-Id", "sampling.presence_penalty": "presence_penalty",
     "sampling.frequency_penalty": "frequency_penalty",
     "sampling.repetition_penalty": "repetition_penalty", "sampling.logit_bias": "logit_bias",
+    "sampling.logprobs": "logprobs",
 }  # fmt: skip
 _INTEGER = re.compile(r"-?[0-9]{1,12}")
 _FIELD_AT_START = re.compile(r"(sampling\.\w+|prompt_token_ids|prompt|request_id)\b")
 # Parameters whose only supported value is "off": (name, the values that mean off).
 _OFF_ONLY = (
-    ("logprobs", (None, False, 0)), ("top_logprobs", (None, 0)), ("echo", (None, False)),
-    ("best_of", (None, 1)), ("suffix", (None, "")), ("tools", (None, [])),
-    ("functions", (None, [])), ("response_format", (None, {"type": "text"})),
+    ("echo", (None, False)), ("best_of", (None, 1)), ("suffix", (None, "")),
+    ("tools", (None, [])), ("functions", (None, [])),
+    ("response_format", (None, {"type": "text"})),
 )  # fmt: skip
 
 
@@ -127,6 +131,11 @@ class OpenAIRequest:
     def num_choices(self) -> int:
         return max(1, len(self.batch)) * self.n
 
+    @property
+    def logprobs(self) -> int | None:
+        """Top logprobs asked per generated token (None: no logprobs)."""
+        return self.sampling.logprobs if self.sampling.HasField("logprobs") else None
+
     def to_proto(
         self, prompt: str | tuple[int, ...], request_id: str
     ) -> router_pb2.GenerateRequest:
@@ -155,7 +164,7 @@ def _int(body: dict[str, Any], name: str) -> int | None:
     return None if value is None else max(-INT32_MAX, min(value, INT32_MAX))
 
 
-def _sampling(body: dict[str, Any]) -> common_pb2.SamplingParams:
+def _sampling(body: dict[str, Any], is_chat: bool) -> common_pb2.SamplingParams:
     msg = common_pb2.SamplingParams()
     for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty"):  # fmt: skip
@@ -180,7 +189,29 @@ def _sampling(body: dict[str, Any]) -> common_pb2.SamplingParams:
     msg.stop_token_ids.extend(_token_ids(body.get("stop_token_ids") or [], "stop_token_ids"))
     msg.ignore_eos = bool(_typed(body, "ignore_eos", (bool,), "true or false"))
     msg.logit_bias.update(_logit_bias(body.get("logit_bias")))
+    if (logprobs := _chat_logprobs(body) if is_chat else _completion_logprobs(body)) is not None:
+        msg.logprobs = logprobs
     return msg
+
+
+def _completion_logprobs(body: dict[str, Any]) -> int | None:
+    """`logprobs: N` (its range is the router's check, as over gRPC)."""
+    if body.get("top_logprobs") is not None:
+        raise bad_request("top_logprobs", "top_logprobs is a chat parameter: /v1/completions "
+                          f"takes logprobs: N (0 to {MAX_LOGPROBS})")  # fmt: skip
+    return _int(body, "logprobs")
+
+
+def _chat_logprobs(body: dict[str, Any]) -> int | None:
+    """`logprobs: true` with `top_logprobs: N` (0 if unset); None when logprobs is off."""
+    asked = _typed(body, "logprobs", (bool,), "true or false")
+    top = _typed(body, "top_logprobs", (int,), "an integer")
+    if top is not None and not 0 <= top <= MAX_LOGPROBS:
+        raise bad_request("top_logprobs", f"top_logprobs = {top}: must be in [0, "
+                          f"{MAX_LOGPROBS}] (the most likely tokens returned per token)")  # fmt: skip
+    if top and not asked:
+        raise bad_request("top_logprobs", "top_logprobs needs logprobs = true")
+    return (top or 0) if asked else None
 
 
 def _logit_bias(value: Any) -> dict[int, float]:
@@ -287,7 +318,7 @@ def parse_request(body: Any, *, is_chat: bool) -> OpenAIRequest:
         model=model,
         prompt=prompts[0] if len(prompts) == 1 else None,
         messages=_messages(body) if is_chat else (),
-        sampling=_sampling(body),
+        sampling=_sampling(body, is_chat),
         stream=stream,
         include_usage=include_usage,
         n=n,

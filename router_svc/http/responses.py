@@ -3,17 +3,21 @@
 Completions are `text_completion` objects; chat answers are `chat.completion` (whole) and
 `chat.completion.chunk` (streamed; the first delta carries `role: assistant`). A streamed
 request that asked for `stream_options.include_usage` gets `"usage": null` on every chunk and
-one last chunk with no choices and the usage, as OpenAI sends it.
+one last chunk with no choices and the usage, as OpenAI sends it. With logprobs asked, each
+choice carries those of its tokens (logprobs.py): a whole answer's all, each streamed chunk its
+own (a chunk of tokens whose text is still held back is sent with empty text, for them).
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from dsv4.types import FinishReason, StreamChunk, Usage
+from dsv4.types import FinishReason, StreamChunk, TokenLogprobs, Usage
+from router_svc.http.logprobs import TokenText, chat_logprobs, completion_logprobs, token_texts
 
 FINISH_REASON = {
     FinishReason.STOP: "stop",
@@ -44,11 +48,17 @@ class Reply:
     include_usage: bool = False
     index: int = 0  # the choice's index (n > 1: one Reply per choice)
     usage_chunk: bool = True  # with include_usage: end with the usage chunk (n > 1: merged)
+    # top logprobs asked per token (None: no logprobs) and how token ids read in them
+    logprobs: int | None = None
+    token_text: TokenText = field(default_factory=lambda: token_texts(None))
     created: int = field(default_factory=lambda: int(time.time()))
     text: list[str] = field(default_factory=list)
     num_tokens: int = 0
     finish_reason: str | None = None
     usage: Usage | None = None
+    token_ids: list[int] = field(default_factory=list)  # kept when logprobs are asked
+    token_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    streamed_offset: int = 0  # completions' text_offset after the chunks streamed so far
 
     @property
     def id(self) -> str:
@@ -57,9 +67,22 @@ class Reply:
     def add(self, chunk: StreamChunk) -> None:
         self.text.append(chunk.text)
         self.num_tokens += len(chunk.token_ids)
+        if self.logprobs is not None:
+            self.token_ids.extend(chunk.token_ids)
+            missing = len(chunk.token_ids) - len(chunk.logprobs)  # a worker that sent none
+            self.token_logprobs.extend((*chunk.logprobs, *(None,) * missing))
         if chunk.finish_reason is not None:
             self.finish_reason = FINISH_REASON[chunk.finish_reason]
             self.usage = chunk.usage
+
+    def _logprobs_object(
+        self, token_ids: Sequence[int], logprobs: Sequence[TokenLogprobs | None], offset: int = 0
+    ) -> dict[str, Any] | None:
+        if self.logprobs is None:
+            return None
+        if self.is_chat:
+            return chat_logprobs(token_ids, logprobs, self.logprobs, self.token_text)
+        return completion_logprobs(token_ids, logprobs, self.logprobs, self.token_text, offset)
 
     def _object(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
@@ -78,7 +101,8 @@ class Reply:
     def choice(self) -> dict[str, Any]:
         """This choice of the non-streaming answer, after the last chunk."""
         text = "".join(self.text)
-        out: dict[str, Any] = {"index": self.index, "logprobs": None,
+        logprobs = self._logprobs_object(self.token_ids, self.token_logprobs)
+        out: dict[str, Any] = {"index": self.index, "logprobs": logprobs,
                                "finish_reason": self.finish_reason}  # fmt: skip
         if self.is_chat:
             out["message"] = {"role": "assistant", "content": text}
@@ -95,10 +119,18 @@ class Reply:
         """`add(chunk)` and the SSE events it makes (none for an empty middle chunk)."""
         is_first = not self.text
         self.add(chunk)
-        if not chunk.text and chunk.finish_reason is None and not (is_first and self.is_chat):
+        has_logprobs = self.logprobs is not None and bool(chunk.token_ids)
+        if (not chunk.text and chunk.finish_reason is None and not has_logprobs
+                and not (is_first and self.is_chat)):  # fmt: skip
             return []
         reason = self.finish_reason if chunk.finish_reason is not None else None
-        choice: dict[str, Any] = {"index": self.index, "logprobs": None, "finish_reason": reason}
+        logprobs = None  # a chunk without tokens (the last, at times) has none to carry
+        if has_logprobs:
+            logprobs = self._logprobs_object(chunk.token_ids, chunk.logprobs, self.streamed_offset)
+        if logprobs is not None and not self.is_chat:
+            self.streamed_offset += sum(len(t) for t in logprobs["tokens"])
+        choice: dict[str, Any] = {"index": self.index, "logprobs": logprobs,
+                                  "finish_reason": reason}  # fmt: skip
         if self.is_chat:
             delta = {"role": "assistant"} if is_first else {}
             choice["delta"] = {**delta, "content": chunk.text} if chunk.text or is_first else delta

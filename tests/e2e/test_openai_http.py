@@ -27,7 +27,12 @@ from dsv4.config import ModelSection
 from dsv4.serving.metrics import scrape
 from router_svc.http import load_chat_template
 from router_svc.text_model import load_text_model
-from tests.services.worker_cluster import single_engine_outputs, start_cluster, tiny_checkpoint
+from tests.services.worker_cluster import (
+    single_engine_outputs,
+    single_engine_runs,
+    start_cluster,
+    tiny_checkpoint,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 MAX_TOKENS = 8
@@ -249,11 +254,62 @@ def test_logit_bias_through_prefill_and_decode(cluster, client) -> None:
     assert chat.choices[0].message.content == text
 
 
+def test_logprobs_through_prefill_and_decode(cluster, client, model_dir) -> None:
+    """P sends the first token's logprobs, D the rest's (gRPC); they equal one engine's. Over
+    HTTP, `logprobs: 3` on /v1/completions and `logprobs` with `top_logprobs: 2` on chat give
+    the same numbers in OpenAI's shapes, whole and streamed; bad values are 400s."""
+    prompt = [5, 6, 7, 5, 6, 7, 9]
+
+    async def routed() -> tuple[list[int], list, str]:
+        async with grpc.aio.insecure_channel(cluster.router_address) as channel:
+            outcome = await generate(channel, prompt, greedy(MAX_TOKENS, logprobs=3))
+        assert outcome.code is grpc.StatusCode.OK, outcome.details
+        return outcome.token_ids, [lp for c in outcome.chunks for lp in c.logprobs], outcome.text
+
+    tokens, entries, text = asyncio.run(routed())
+    ((one_tokens, one_entries),) = single_engine_runs(model_dir, [prompt], MAX_TOKENS,
+                                                      sampling={"logprobs": 3})  # fmt: skip
+    assert tokens == one_tokens and len(entries) == MAX_TOKENS
+    for got, want in zip(entries, one_entries, strict=True):
+        assert got.logprob == pytest.approx(want.logprob, abs=1e-5)
+        assert [v for _, v in got.top] == pytest.approx([v for _, v in want.top], abs=1e-5)
+    model = served_model(client)
+    whole = client.completions.create(model=model, prompt=prompt, logprobs=3, **GREEDY)
+    logprobs = whole.choices[0].logprobs
+    assert whole.choices[0].text == text == "".join(logprobs.tokens)
+    assert logprobs.token_logprobs == [e.logprob for e in entries]
+    for top, entry in zip(logprobs.top_logprobs, entries, strict=True):  # keyed by string:
+        assert set(top.values()) <= {v for _, v in entry.top}  # two tokens may read alike
+        assert max(top.values()) == entry.logprob  # greedy: the token is the most likely
+    assert logprobs.text_offset == [len("".join(logprobs.tokens[:i])) for i in range(MAX_TOKENS)]
+    chunks = client.completions.create(model=model, prompt=prompt, logprobs=3, stream=True,
+                                       **GREEDY)  # fmt: skip
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs]
+    for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert [x for part in streamed for x in getattr(part, name)] == getattr(logprobs, name)
+    chat = {"model": model, "messages": MESSAGES, "logprobs": True, "top_logprobs": 2, **GREEDY}
+    content = client.chat.completions.create(**chat).choices[0].logprobs.content
+    assert len(content) == MAX_TOKENS and all(len(e.top_logprobs) == 2 for e in content)
+    assert all(e.logprob == e.top_logprobs[0].logprob and e.bytes == list(e.token.encode())
+               for e in content)  # fmt: skip
+    stream = client.chat.completions.create(stream=True, **chat)
+    parts = [c.choices[0].logprobs for c in stream]
+    assert [e for part in parts if part is not None for e in part.content] == content
+    for extra, param in (
+        ({"top_logprobs": 21}, "top_logprobs"),
+        ({"logprobs": False}, "top_logprobs"),
+    ):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(**{**chat, **extra})
+        assert caught.value.body["param"] == param, caught.value.body
+
+
 def test_bad_input_gets_openai_error_objects(cluster, client) -> None:
     model = served_model(client)
     cases = [
         ({"n": 65}, "n"), ({"max_tokens": 0}, "max_tokens"), ({"temperature": -1.0}, "temperature"),
-        ({"top_p": 2.0}, "top_p"), ({"logprobs": 2}, "logprobs"), ({"max_tokens": 10**9}, "max_tokens"),
+        ({"top_p": 2.0}, "top_p"), ({"logprobs": 21}, "logprobs"), ({"max_tokens": 10**9}, "max_tokens"),
+        ({"extra_body": {"top_logprobs": 2}}, "top_logprobs"),
         ({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": -3}, "frequency_penalty"),
         ({"logit_bias": {"abc": 1}}, "logit_bias"), ({"logit_bias": {"5": 101}}, "logit_bias"),
         ({"logit_bias": {"5000": 1}}, "logit_bias"),  # outside the vocabulary

@@ -10,10 +10,23 @@ from dsv4.config.model import tiny_config
 from dsv4.engine.core import EngineCore, EngineOptions, build_engine_core
 from dsv4.model.tiny import random_model
 from dsv4.runner.paged import PagedOptions
+from dsv4.runner.paged.decode_graphs import GraphOptions
 from dsv4.runner.reference import ReferenceOptions
 from dsv4.scheduler.config import SchedulerConfig
 from dsv4.scheduler.request import Request
 from kernels.backend import KernelBackendConfig
+
+# The CPU paths that choose a step's tokens, each a `make_core` keyword set: the reference
+# forward, the paged forward eagerly, its static decode passes (`capture=False`: the captured
+# graphs' code) and those with their in-graph argmax (`features.greedy_in_graph`), which must
+# leave to the sampler every row whose logits it needs (`needs_logits_processing`).
+_PASSES = {"max_batch": 4, "max_model_len": 2048, "capture": False}
+TOKEN_PATHS = {
+    "reference": {},
+    "paged": {"paged": {}},
+    "paged-graphs": {"paged": {}, "graphs": GraphOptions(**_PASSES)},
+    "paged-greedy-in-graph": {"paged": {}, "graphs": GraphOptions(**_PASSES, greedy_argmax=True)},
+}
 
 
 @pytest.fixture(autouse=True, scope="module")

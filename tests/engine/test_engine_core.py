@@ -85,13 +85,13 @@ def test_quantized_cache_logits_stay_close(tiny) -> None:
         core = make_core(tiny, kv=kv, index=index, budget=64)
         core.add_request(greedy_request("q", prompt, 1))
         captured = []
-        original = core.runner.sampler.sample
+        original = core.runner.sampler.sample_rows  # what the runner calls
 
         def spy(stacked, ids, specs, histories=None, _orig=original, _out=captured):
             _out.append(stacked.clone())
             return _orig(stacked, ids, specs, histories)
 
-        core.runner.sampler.sample = spy
+        core.runner.sampler.sample_rows = spy
         run_to_completion(core)
         logits[kv] = captured[-1][0]
         assert_no_leaks(core)

@@ -14,22 +14,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4.runner.paged.decode_graphs import GraphOptions
 from dsv4.scheduler.request import Request
 from dsv4.types import SamplingParams
-from tests.engine.conftest import make_core, run_to_completion
+from tests.engine.conftest import TOKEN_PATHS, make_core, run_to_completion
 from tests.leak import assert_no_leaks
 
 NEW_TOKENS = 8
 FORCED = 777
-PASSES = GraphOptions(max_batch=4, max_model_len=2048, capture=False)
-IN_GRAPH = GraphOptions(max_batch=4, max_model_len=2048, capture=False, greedy_argmax=True)
-FORWARDS = {
-    "reference": {},
-    "paged": {"paged": {}},
-    "paged-graphs": {"paged": {}, "graphs": PASSES},
-    "paged-greedy-in-graph": {"paged": {}, "graphs": IN_GRAPH},
-}
 
 
 def _prompts(vocab: int) -> list[tuple[int, ...]]:
@@ -38,7 +29,7 @@ def _prompts(vocab: int) -> list[tuple[int, ...]]:
 
 
 def _run(model, forward: str, params: list[SamplingParams | None]) -> dict[str, list[int]]:
-    core = make_core(model, budget=64, max_num_seqs=4, **FORWARDS[forward])
+    core = make_core(model, budget=64, max_num_seqs=4, **TOKEN_PATHS[forward])
     for i, (prompt, p) in enumerate(zip(_prompts(model.cfg.vocab_size), params)):
         core.add_request(Request(f"r{i}", prompt, max_new_tokens=NEW_TOKENS, eos_token_id=None,
                                  sampling_params=p))  # fmt: skip
@@ -53,7 +44,7 @@ def _greedy(**more: object) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, **more)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("forward", sorted(FORWARDS))
+@pytest.mark.parametrize("forward", sorted(TOKEN_PATHS))
 def test_a_bias_forces_or_bans_greedy_tokens_row_by_row(tiny, forward: str) -> None:
     plain = _run(tiny, forward, [None, _greedy(), _greedy()])
     assert all(FORCED not in tokens for tokens in plain.values())  # else +100 would prove less

@@ -21,7 +21,13 @@ from dsv4.commands.cluster import (
     service_config,
 )
 from dsv4.rpc.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from dsv4.types import DecodeRequest, GenerateRequest, PullFailurePolicy, SamplingParams
+from dsv4.types import (
+    DecodeRequest,
+    GenerateRequest,
+    PullFailurePolicy,
+    SamplingParams,
+    TokenLogprobs,
+)
 from dsv4.worker.server import TOKEN_METADATA_KEY
 
 LAYERS = "0,4"  # two layers (a C4 layer included): fast on 2 cores
@@ -88,6 +94,18 @@ def single_engine_outputs(
     """The baseline: one engine built by `build_worker_runtime` with the workers' config
     (plus `overrides`, e.g. the workers' `features.forward`); greedy, with `sampling`'s
     fields (e.g. penalties) on every request."""
+    runs = single_engine_runs(model_dir, prompts, max_new_tokens, overrides, sampling)
+    return [tokens for tokens, _ in runs]
+
+
+def single_engine_runs(
+    model_dir: Path,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    overrides: dict[str, object] | None = None,
+    sampling: dict[str, float] | None = None,
+) -> list[tuple[list[int], list[TokenLogprobs]]]:
+    """`single_engine_outputs` with each request's logprobs (empty unless `sampling` asks)."""
     from dsv4.config import load_config
     from dsv4.worker.build import build_worker_runtime
 
@@ -95,17 +113,19 @@ def single_engine_outputs(
                           "cache.block_size": 128, **(overrides or {})})  # fmt: skip
     runtime = build_worker_runtime(config, with_transport=False, name="baseline")
 
-    async def run_all() -> list[list[int]]:
+    async def run_all() -> list[tuple[list[int], list[TokenLogprobs]]]:
         runtime.engine.start()
         try:
 
-            async def one(i: int, prompt: Sequence[int]) -> list[int]:
+            async def one(i: int, prompt: Sequence[int]) -> tuple[list[int], list[TokenLogprobs]]:
                 params = dataclasses.replace(greedy(max_new_tokens), **(sampling or {}))
                 request = GenerateRequest(f"base-{i}", tuple(prompt), params)
                 tokens: list[int] = []
+                logprobs: list[TokenLogprobs] = []
                 async for out in runtime.engine.generate(runtime.engine_request(request)):
                     tokens.extend(out.new_token_ids)
-                return tokens
+                    logprobs.extend(out.logprobs)
+                return tokens, logprobs
 
             return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
         finally:

@@ -306,6 +306,8 @@ def generate_requests(draw: st.DrawFn) -> router_pb2.GenerateRequest:
     s.stop.extend(draw(st.lists(st.text(max_size=260), max_size=17)))
     s.ignore_eos = draw(st.booleans())
     s.logit_bias.update(draw(st.dictionaries(st.integers(-3, 1003), floats, max_size=4)))
+    if draw(st.booleans()):
+        s.logprobs = draw(st.integers(-3, 25))
     return msg
 
 
@@ -321,5 +323,6 @@ def test_fuzzed_generate_requests_never_crash(msg: router_pb2.GenerateRequest) -
     assert 1 <= req.sampling.max_new_tokens <= LIMITS.max_model_len - req.num_prompt_tokens
     assert req.sampling.temperature >= 0 and 0 < req.sampling.top_p <= 1
     assert all(0 <= t < LIMITS.vocab_size and -100 <= b <= 100 for t, b in req.sampling.logit_bias)
+    assert req.sampling.logprobs is None or 0 <= req.sampling.logprobs <= LIMITS.max_logprobs
     back = wire.tokenized_request_from_proto(wire.tokenized_request_to_proto(req), LIMITS)
     assert back == req

@@ -117,6 +117,7 @@ class PagedStepForward:
 
 def _all_greedy(batch: ScheduledBatch) -> bool:
     """Every request takes the sampler's greedy path (temperature 0: `SamplingSpec.is_greedy`)
-    on logits as they are (penalties and a logit bias shift them first: the sampler's)."""
+    on logits as they are and needs no more of them (penalties and a logit bias shift them
+    first, logprobs are read from them: the sampler's)."""
     specs = [sampling_spec(r.sampling_params) for r in batch.requests]
     return all(s.is_greedy and not s.needs_logits_processing for s in specs)
