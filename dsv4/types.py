@@ -11,6 +11,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from dsv4.logits_rules import LogitsRules
+
 
 class FinishReason(enum.Enum):
     """Why a stream ended normally (errors end it with a status instead)."""
@@ -47,7 +49,7 @@ MAX_LOGPROBS = 20
 
 
 @dataclass(frozen=True, slots=True)
-class SamplingParams:
+class SamplingParams(LogitsRules):
     """Sampling and stopping controls with every default filled in (validated by dsv4.wire)."""
 
     temperature: float = 1.0  # 0 = greedy
@@ -70,19 +72,6 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
-
-    @property
-    def has_penalties(self) -> bool:
-        """Any of the three penalties on: the logits depend on the tokens so far."""
-        return bool(self.presence_penalty or self.frequency_penalty
-                    or self.repetition_penalty != 1.0)  # fmt: skip
-
-    @property
-    def needs_logits_processing(self) -> bool:
-        """The sampler needs this request's logits: it shifts them (penalties, a logit bias)
-        before it picks a token, so an argmax of the raw logits is not its greedy token, or it
-        reads its logprobs from them."""
-        return self.has_penalties or bool(self.logit_bias) or self.logprobs is not None
 
 
 @dataclass(frozen=True, slots=True)

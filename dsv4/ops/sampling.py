@@ -12,11 +12,12 @@ from dataclasses import dataclass
 
 import torch
 
+from dsv4.logits_rules import LogitsRules
 from dsv4.ops.limits import MIN_TEMPERATURE
 
 
 @dataclass(frozen=True)
-class SamplingSpec:
+class SamplingSpec(LogitsRules):
     """What the sampler needs of one request's sampling parameters."""
 
     temperature: float = 0.0
@@ -32,22 +33,6 @@ class SamplingSpec:
     @property
     def is_greedy(self) -> bool:
         return self.temperature <= 0.0
-
-    @property
-    def has_penalties(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty
-                    or self.repetition_penalty != 1.0)  # fmt: skip
-
-    @property
-    def shifts_logits(self) -> bool:
-        """The row's logits are shifted (logit bias, penalties) before sampling."""
-        return self.has_penalties or bool(self.logit_bias)
-
-    @property
-    def needs_logits_processing(self) -> bool:
-        """The sampler needs the row's logits: they are shifted, so its greedy token is not the
-        raw logits' argmax, or its logprobs are read from them."""
-        return self.shifts_logits or self.logprobs is not None
 
 
 def biased_logits(logits: torch.Tensor, spec: SamplingSpec) -> torch.Tensor:
