@@ -76,6 +76,38 @@ def test_a_staged_prefill_equals_all_resident_and_leaves_the_slots_alone(fmt, ba
     assert all(torch.equal(a, b) for a, b in zip(outs[0], outs[1], strict=True))
 
 
+def _pooled(model, cold: int, staging: int):
+    """A copy of `model` with `cold` of 8 experts a layer offloaded, 2 slots, `staging` rows."""
+    options = PoolOptions((cold,), cache_slots=2, max_decode_tokens=1, staging_experts=staging)
+    return pool_experts(copy.deepcopy(model), options, "cpu", KernelBackendConfig())
+
+
+@pytest.mark.parametrize("num_tokens", [4, 11])
+def test_a_small_staged_step_reads_its_routing_and_copies_only_its_misses(num_tokens) -> None:
+    """Under 3 pairs an expert (8 experts, top-2: up to 11 tokens) a step reads its routing on
+    the host and copies only its misses (the routed way), layer after layer: outputs equal the
+    all-resident pool's, each layer counts the experts it used, and the bytes are the copies'."""
+    from dsv4.runner.paged.expert_staging_steps import streams
+
+    assert not streams(num_tokens * 2, 8)
+    model = random_model(CFG, seed=7, dtype=torch.bfloat16)
+    u, ids, w = _step(num_tokens, seed=num_tokens)
+    outs = []
+    for cold, staging in ((0, 0), (5, 4)):
+        pool = _pooled(model, cold, staging)
+        outs.append([layer.experts(u, ids, w, CFG.swiglu_limit) for layer in pool.layers[:3]])
+        pool.mirror()
+        if cold:
+            rows = [dict(zip(COUNTER_NAMES, r, strict=False)) for r in pool.host_counters.tolist()]
+            for layer in rows[:3]:
+                uses = layer["resident_hits"] + layer["cache_hits"] + layer["fetches"]
+                assert uses == len(ids.unique())
+            copies = sum(r["fetches"] + r["prefetches"] for r in rows)
+            assert pool.stats().bytes_fetched == copies * pool.layers[0].row_bytes
+        assert_no_leaks(pool)
+    assert all(torch.equal(a, b) for a, b in zip(outs[0], outs[1], strict=True))
+
+
 def test_copies_ahead_are_dropped_when_another_layer_stages_first() -> None:
     """Layer 0's step copies layer 1's experts ahead; a step that stages layer 2 next (layer
     1 skipped) neither uses nor trusts them, and layer 1's later step copies its own: every
@@ -84,10 +116,7 @@ def test_copies_ahead_are_dropped_when_another_layer_stages_first() -> None:
     u, ids, w = _step(120, seed=8)
     outs = []
     for cold, staging in ((0, 0), (5, 4)):
-        pooled = copy.deepcopy(model)
-        options = PoolOptions((cold,), cache_slots=2, max_decode_tokens=1,
-                              staging_experts=staging)  # fmt: skip
-        pool = pool_experts(pooled, options, "cpu", KernelBackendConfig())
+        pool = _pooled(model, cold, staging)
         layers = pool.layers
         outs.append([layers[i].experts(u, ids, w, CFG.swiglu_limit) for i in (0, 2, 1)])
         if cold:

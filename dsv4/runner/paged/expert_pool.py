@@ -39,7 +39,8 @@ from dsv4.ops.expert_slots import (
     error_text,
 )
 from dsv4.runner.paged.expert_rounds import experts_in_rounds
-from dsv4.runner.paged.expert_staging import Staging, experts_staged
+from dsv4.runner.paged.expert_staging import Staging
+from dsv4.runner.paged.expert_staging_steps import experts_staged
 from dsv4.runner.paged.pool_storage import (
     adopt_host_rows,
     drop_experts_,
@@ -348,6 +349,8 @@ def pool_experts(model: DeepseekV4, options: PoolOptions, device: torch.device |
         slots = options.slots(i, num, top_k) if cold else 0
         like = source.parts(0)
         storage = empty_rows(like, len(resident) + slots, device)
+        for part in storage:  # free slots hold zeros, not garbage: a prefill-sized GEMM that
+            part[len(resident) :].zero_()  # dequantises every row then reads finite codes
         adopted = adopt_host_rows(moe, source, cold)
         host = adopted or empty_rows(like, len(cold), torch.device("cpu"),
                                      pin=device.type == "cuda")  # fmt: skip
