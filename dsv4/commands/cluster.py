@@ -10,6 +10,10 @@ run leaves nothing behind. Discovery is the static --prefill/--decode lists unle
 then loads the same bytes). Flags `dsv4 up` does not know are passed to every service (for
 example `--num-blocks 64`).
 
+With a `placement` (`dsv4 up --gpus`, `dsv4.commands.placement`) each worker process gets its
+own cards as CUDA_VISIBLE_DEVICES (the launcher's entries at those indices); without one every
+service inherits the launcher's.
+
 Worker RPCs always need the shared secret. The one configured (`--shared-secret`, env
 DSV4_SHARED_SECRET or the YAML) is used, else a fresh `secrets.token_urlsafe(32)`; either way
 it reaches the services in their environment (DSV4_SHARED_SECRET), never on a command line
@@ -33,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dsv4.commands.placement import CUDA_VISIBLE, Placement, visible_devices
 from dsv4.errors import Unavailable
 from dsv4.serving.ports import free_port
 
@@ -67,6 +72,7 @@ class ClusterSpec:
     # default): a free port per service, printed by `dsv4 up`.
     metrics_base_port: int = AUTO_PORTS
     http_port: int = 0  # the router's OpenAI-compatible HTTP port; 0: off
+    placement: Placement | None = None  # each worker's cards (--gpus); None: inherited
 
 
 @dataclass
@@ -203,13 +209,22 @@ class LocalCluster:
             role,
             *args,
         ]
+        env = self._service_env(name)
         logger.info("starting %s: %s", name, " ".join(command))
         with open(log_path, "wb") as log_file:
             process = subprocess.Popen(
                 command, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True, env=self._env or None,
+                start_new_session=True, env=env,
             )  # fmt: skip
         self.services.append(_Service(name, role, address, process, log_path, metrics_port))
+
+    def _service_env(self, name: str) -> dict[str, str] | None:
+        """The service's environment: the cluster's, and a placed worker's own cards."""
+        cards = self.spec.placement.cards_of(name) if self.spec.placement else ()
+        if not cards:
+            return self._env or None
+        env = self._env or dict(os.environ)
+        return {**env, CUDA_VISIBLE: visible_devices(cards, env.get(CUDA_VISIBLE))}
 
     def _metrics_port(self, index: int, role: str) -> int:
         base = self.spec.metrics_base_port

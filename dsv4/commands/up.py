@@ -4,10 +4,11 @@
 `demo` is `up` + a short `dsv4 loadtest` (16 requests at 4/s, random 32-128 input and 10-38
 output tokens) + its printed report + shutdown; exit 0 when every request succeeded.
 
-Both lay the workers out on their card first (`--layout`, `dsv4.commands.layout`): P and D side by
-side, or one colocated worker; the plan line says which and why (not printed when there is no
-card to plan and no layout was asked for: the CPU default). A layout that cannot fit is one line
-on stderr and exit 1.
+Both lay the workers out first (`--layout`, `dsv4.commands.layout`): P and D side by side, or one
+colocated worker; on one card, or with `--gpus` on cards of their own (`dsv4.commands.placement`).
+The plan line says which, where and why (not printed when there is no card to plan and no
+layout was asked for: the CPU default). A layout that cannot fit is one line on stderr and exit
+1; a `--gpus` that names cards not there is a usage error (exit 2).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from dsv4.commands.cluster import (
     ensure_tiny_checkpoint,
 )
 from dsv4.commands.layout import LAYOUTS, LayoutChoice, plan_layout
+from dsv4.commands.placement import parse_gpus
 from dsv4.errors import Dsv4Error, UsageError
 from dsv4.plan import PlanDoesNotFit
 
@@ -37,9 +39,16 @@ def add_up_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-decode", type=int, default=1, help="decode workers (M)")
     parser.add_argument(
         "--layout", choices=LAYOUTS, default="auto",
-        help="one card: disaggregated (P and D share it, each --memory-fraction F/(N+M)), "
-        "colocated (one worker doing both) or auto (disaggregated when each worker holds the "
-        "model at its share without offload, else colocated; the plan line says why)",
+        help="disaggregated (P and D side by side: sharing one card, each at --memory-fraction "
+        "F/(N+M), or on cards of their own with --gpus), colocated (one worker doing both) or "
+        "auto (disaggregated when each worker holds the model at its share without offload, "
+        "else colocated; the plan line says why)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--gpus", type=parse_gpus, default=None, metavar="N|all|LIST",
+        help="CUDA cards for the workers, each worker on whole cards of its own (prefill first; "
+        "T ranks: T cards): the first N, all, or indices such as 0,2,3 (default: every worker "
+        "on one card, as --device says)",
     )  # fmt: skip
     parser.add_argument("--model", default="tiny", help="checkpoint dir, or tiny (written once)")
     parser.add_argument("--layers", default="", help="tiny only: compress ratios, e.g. 0,4")
@@ -105,9 +114,9 @@ def _check_up_args(args: argparse.Namespace) -> None:
 
 
 def cluster_from_args(args: argparse.Namespace) -> tuple[ClusterSpec, LayoutChoice]:
-    """The cluster to start, laid out on its card (`dsv4.commands.layout`); raises
+    """The cluster to start, laid out on its cards (`dsv4.commands.layout`); raises
     `PlanDoesNotFit` for a layout that cannot fit."""
-    return plan_layout(_spec_from_args(args), args.layout)
+    return plan_layout(_spec_from_args(args), args.layout, args.gpus)
 
 
 def _spec_from_args(args: argparse.Namespace) -> ClusterSpec:
@@ -184,7 +193,7 @@ def _laid_out(args: argparse.Namespace) -> ClusterSpec | None:
     except PlanDoesNotFit as exc:
         sys.stderr.write(f"dsv4 {args.command}: error: {' '.join(exc.message.split())}\n")
         return None
-    if choice.memory_fraction or args.layout != "auto":
+    if choice.memory_fraction or args.layout != "auto" or args.gpus is not None:
         _say(choice.line)
     return spec
 

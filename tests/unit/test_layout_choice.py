@@ -1,13 +1,21 @@
-"""`choose_layout`: P and D sharing one card, or one colocated worker, decided from the plan each
-worker's start-up computes (`dsv4.worker.fit`). Cards are sized from that plan's own numbers,
-so each case sits on the side of the line it names."""
+"""`choose_layout`: P and D sharing one card (or on cards of their own, `--gpus`), or one
+colocated worker, decided from the plan each worker's start-up computes (`dsv4.worker.fit`).
+Cards are sized from that plan's own numbers, so each case sits on the side of the line it
+names."""
 
 from __future__ import annotations
 
 import pytest
 
 from dsv4.commands.cluster import ClusterSpec
-from dsv4.commands.layout import NO_CARD, LayoutChoice, choose_layout, laid_out, plan_layout
+from dsv4.commands.layout import (
+    NO_CARD,
+    LayoutChoice,
+    choose_layout,
+    laid_out,
+    plan_layout,
+    spread_hint,
+)
 from dsv4.config import ServeConfig, load_config
 from dsv4.config.model import ModelConfig, tiny_config
 from dsv4.config.resolve import resolve_auto
@@ -148,3 +156,49 @@ def test_plan_layout_reads_the_workers_flags(tmp_path) -> None:
         ClusterSpec(model_dir=model_dir, service_args=flags[:2]),
         NO_CARD,
     )
+
+
+def test_gpus_plan_each_worker_on_a_whole_card() -> None:
+    """`--gpus`: each worker at the full F of a card of its own, the plan line saying where; a
+    card too small for one copy without offload goes colocated on the first card."""
+    cfg = config(CPU)
+    card = int(1.5 * needed(cfg) / 0.9)  # one copy fits a card at 0.9, two do not
+    choice = choose("auto", cfg, card, cards=(0, 1))
+    assert (choice.layout, choice.memory_fraction) == ("disaggregated", 0.9)
+    assert choice.line.startswith("layout: disaggregated — prefill-0 on GPU 0, decode-0 on GPU 1, "
+                                  "a card each at --memory-fraction 0.9: each needs ")  # fmt: skip
+    assert choice.placement is not None and choice.placement.cards_of("decode-0") == (1,)
+    small = int(0.9 * needed(cfg) / 0.9)
+    with pytest.raises(PlanDoesNotFit, match=r"^--layout auto: neither a worker per card nor"):
+        choose("auto", cfg, small, cards=(0, 1))
+    flash = shape_config("flash")
+    offload = choose("auto", config({**FLASH, "model.host_memory_gib": 48}), H200, flash,
+                     cards=(2, 3))  # fmt: skip
+    assert (offload.layout, offload.memory_fraction) == ("colocated", 0.9)
+    assert offload.line.startswith("layout: colocated — one copy of the weights (145.")
+    assert "without offload; one worker at --memory-fraction 0.9 on GPU 2, " in offload.line
+    assert offload.placement is not None and offload.placement.cards_of("decode-0") == (2,)
+
+
+def test_gpus_too_few_share_as_without_and_say_so() -> None:
+    cfg = config(CPU)
+    card = int(4.5 * needed(cfg) / 0.9)  # each of three at 0.3 gets 1.5x what it needs
+    choice = choose("auto", cfg, card, cards=(1, 2), num_decode=2)
+    assert (choice.layout, choice.memory_fraction) == ("disaggregated", 0.3)
+    assert choice.reason.startswith("3 GPUs needed for cards of their own, --gpus gives 2; as "
+                                    "without --gpus, 1 prefill + 2 decode workers share GPU 1 at "
+                                    "--memory-fraction 0.3 each: each needs ")  # fmt: skip
+    assert choice.placement is not None and choice.placement.shared
+    colocated = choose("colocated", cfg, card, cards=(1, 2), num_decode=2)
+    assert colocated.reason.startswith("as asked: one worker on GPU 1, ")
+
+
+def test_laid_out_spec_carries_the_placement() -> None:
+    choice = choose("auto", config(CPU), 1 << 40, cards=(0, 1))
+    laid = laid_out(ClusterSpec(model_dir="m"), choice)
+    assert laid.placement == choice.placement and laid.decode_args == ("--memory-fraction", "0.9")
+
+
+def test_without_gpus_more_cards_than_used_are_named_in_the_plan_line() -> None:
+    assert spread_hint(4, 1) == "; 4 GPUs visible: --gpus all gives each worker cards of its own"
+    assert spread_hint(2, 2) == spread_hint(1, 1) == spread_hint(0, 1) == ""
