@@ -253,6 +253,10 @@ class DecodeSession:
     async def _recompute(self, first: int) -> AsyncIterator[RequestOutput]:
         """Local prefill + decode after a failed pull; never re-sends P's first token."""
         runtime, request = self._deps.runtime, self._request
+        # P's prompt logprobs went out with its token: the local run does not compute them again
+        request = dataclasses.replace(
+            request, sampling=dataclasses.replace(request.sampling, prompt_logprobs=None)
+        )
         outputs = self._engine.generate(runtime.engine_request(request))
         head = await anext(outputs)
         if head.new_token_ids[:1] == (first,):  # P's token (and logprobs) went out already
@@ -295,7 +299,8 @@ class DecodeSession:
                     yield self._last(out, out.finish_reason.reason, num_sent, delta)
                     return
                 if out.new_token_ids or delta:
-                    yield StreamChunk(out.new_token_ids, delta, logprobs=out.logprobs)
+                    yield StreamChunk(out.new_token_ids, delta, logprobs=out.logprobs,
+                                      prompt_logprobs=out.prompt_logprobs)  # fmt: skip
                 if live.is_aborted:
                     await self._engine.abort(live.engine_request_id)
                     yield self._last(None, FinishReason.ABORT, num_sent)
@@ -311,4 +316,5 @@ class DecodeSession:
         usage = dataclasses.replace(self._usage, completion_tokens=num_tokens)
         if out is None:
             return StreamChunk(text=text, finish_reason=reason, usage=usage)
-        return StreamChunk(out.new_token_ids, text, reason, usage, out.logprobs)
+        return StreamChunk(out.new_token_ids, text, reason, usage, out.logprobs,
+                           out.prompt_logprobs)  # fmt: skip

@@ -43,8 +43,8 @@ class PullFailurePolicy(enum.Enum):
     FAIL = "fail"  # end the stream with UNAVAILABLE
 
 
-# The most top logprobs a request may ask per generated token (vLLM's default max_logprobs,
-# OpenAI's top_logprobs limit).
+# The most top logprobs a request may ask per generated (or prompt) token (vLLM's default
+# max_logprobs, OpenAI's top_logprobs limit).
 MAX_LOGPROBS = 20
 
 
@@ -68,6 +68,10 @@ class SamplingParams(LogitsRules):
     # each generated token's logprob and the N most likely at its position (`TokenLogprobs`),
     # N in [0, MAX_LOGPROBS]; None = off
     logprobs: int | None = None
+    # each prompt token's logprob given the tokens before it and the N most likely there, for
+    # positions 1.. (`PromptLogprobs`), N in [0, MAX_LOGPROBS]; None = off. The prefill runs
+    # the head over every prompt position for it: it never shifts or needs the sampled row.
+    prompt_logprobs: int | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -82,6 +86,17 @@ class TokenLogprobs:
 
     logprob: float  # the generated token's
     top: tuple[tuple[int, float], ...] = ()  # the N most likely (token id, logprob), best first
+    rank: int | None = None  # 1 = the most likely (tokens at least as likely); prompt tokens'
+
+
+@dataclass(frozen=True, slots=True)
+class PromptLogprobs:
+    """A prompt's log-probabilities (`SamplingParams.prompt_logprobs`), sent once with the first
+    generated token: position p's token given the tokens before it, for p >= 1 (position 0 has
+    no context, so none: vLLM's null first entry)."""
+
+    token_ids: tuple[int, ...]  # the prompt, position 0 first
+    positions: tuple[TokenLogprobs, ...]  # one per position from 1: len(token_ids) - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +143,8 @@ class StreamChunk:
     usage: Usage | None = None  # set on the last chunk only
     # one per token_ids entry when the request asked (SamplingParams.logprobs), else ()
     logprobs: tuple[TokenLogprobs, ...] = ()
+    # when the request asked (SamplingParams.prompt_logprobs): on the first token's chunk only
+    prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def is_last(self) -> bool:
@@ -184,6 +201,7 @@ class PrefillResult:
     timings: PrefillTimings = PrefillTimings()
     first_token_text: str = ""  # empty when the worker does not detokenize
     first_token_logprobs: TokenLogprobs | None = None  # when the request asked for logprobs
+    prompt_logprobs: PromptLogprobs | None = None  # when the request asked for them
 
 
 @dataclass(frozen=True, slots=True)
@@ -278,7 +296,7 @@ class RequestLimits:
     max_stop_string_chars: int = 256
     max_stop_token_ids: int = 64
     max_logit_bias: int = 300  # logit_bias entries (OpenAI's limit)
-    max_logprobs: int = MAX_LOGPROBS  # top logprobs per generated token
+    max_logprobs: int = MAX_LOGPROBS  # top logprobs per generated or prompt token
     max_request_id_chars: int = 128
 
     @property

@@ -186,6 +186,7 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
             ),
             first_token_text=codec.decode_delta([outcome.first_token], 0) if codec else "",
             first_token_logprobs=outcome.first_token_logprobs,
+            prompt_logprobs=outcome.prompt_logprobs,
         )
 
 

@@ -45,13 +45,15 @@ class RequestAccount:
         if self._ttft_ms is None and step.token_ids:
             self._ttft_ms = (time.monotonic() - self._received_at_s) * 1000.0
         if finish_reason is None:
-            return StreamChunk(step.token_ids, step.text, logprobs=step.logprobs)
+            return StreamChunk(step.token_ids, step.text, logprobs=step.logprobs,
+                               prompt_logprobs=step.prompt_logprobs)  # fmt: skip
         return StreamChunk(
             token_ids=step.token_ids,
             text=step.text + self._tracker.flush(),
             finish_reason=finish_reason,
             usage=self.usage(),
             logprobs=step.logprobs,
+            prompt_logprobs=step.prompt_logprobs,
         )
 
     def usage(self) -> Usage:

@@ -129,7 +129,7 @@ class RequestFlow:
                 first = prefill.first_token_logprobs  # P's, when the request asked
                 step = self._tracker.add(
                     (prefill.first_token_id,), prefill.first_token_text,
-                    () if first is None else (first,),
+                    () if first is None else (first,), prefill.prompt_logprobs,
                 )  # fmt: skip
                 yield self._account.chunk(step, step.finish_reason)
                 if step.finish_reason is not None:
@@ -153,10 +153,11 @@ class RequestFlow:
                 logger.warning("%s: migrating as %s", lost, request.request_id)
 
     def _continuation(self, num_migrations: int) -> GenerateRequest:
-        """Prompt + tokens so far, for the remaining budget, as a fresh request id."""
+        """Prompt + tokens so far, for the remaining budget, as a fresh request id (the
+        prompt's logprobs went out with the first token: not asked again)."""
         original = self._request
         sampling = dataclasses.replace(
-            original.sampling, max_new_tokens=self._tracker.num_tokens_left
+            original.sampling, max_new_tokens=self._tracker.num_tokens_left, prompt_logprobs=None
         )
         return dataclasses.replace(
             original,
@@ -273,7 +274,9 @@ class RequestFlow:
         is_done = False
         try:
             while (chunk := await call.read()) is not None:
-                step = self._tracker.add(chunk.token_ids, chunk.text, chunk.logprobs)
+                step = self._tracker.add(
+                    chunk.token_ids, chunk.text, chunk.logprobs, chunk.prompt_logprobs
+                )
                 if chunk.is_last:
                     is_done = True
                     self._decoding_on, self._lease = None, None  # D finished: it owned the lease

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from tokenizers.decoders import DecodeStream
 
 from dsv4.text.tokenizer import TextCodec
-from dsv4.types import FinishReason, SamplingParams, TokenLogprobs
+from dsv4.types import FinishReason, PromptLogprobs, SamplingParams, TokenLogprobs
 
 NUM_PROMPT_CONTEXT_TOKENS = 6  # prompt tail decoded with the output, so spacing comes out right
 _REPLACEMENT_CHAR = "\ufffd"
@@ -52,12 +52,13 @@ class IncrementalDetokenizer:
 class OutputStep:
     """What to send for one batch of tokens: accepted ids (and their logprobs, when the
     request asked), text to send now, and the finish reason when the router decided the
-    request is over."""
+    request is over; with the first token, the prompt's logprobs when the request asked."""
 
     token_ids: tuple[int, ...]
     text: str
     finish_reason: FinishReason | None = None
     logprobs: tuple[TokenLogprobs, ...] = ()
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class OutputTracker:
@@ -93,11 +94,12 @@ class OutputTracker:
 
     def add(
         self, token_ids: Sequence[int], worker_text: str = "",
-        logprobs: Sequence[TokenLogprobs] = (),
+        logprobs: Sequence[TokenLogprobs] = (), prompt: PromptLogprobs | None = None,
     ) -> OutputStep:  # fmt: skip
         """Accept tokens in order until one ends the request; `worker_text` is used only when
-        the router has no tokenizer; `logprobs` (one per token, or none) follow their tokens.
-        Tokens after a finish are dropped."""
+        the router has no tokenizer; `logprobs` (one per token, or none) follow their tokens,
+        `prompt` (the prompt's logprobs, with the first token) goes with them. Tokens after a
+        finish are dropped."""
         accepted: list[int] = []
         for token_id in token_ids:
             if self.finish_reason is not None:
@@ -108,7 +110,7 @@ class OutputTracker:
         if self._detok is None:
             self._text += worker_text
         kept = tuple(logprobs[: len(accepted)])
-        return OutputStep(tuple(accepted), self._take_text(), self.finish_reason, kept)
+        return OutputStep(tuple(accepted), self._take_text(), self.finish_reason, kept, prompt)
 
     def flush(self) -> str:
         """Text still held back; call once when the stream ends."""

@@ -37,7 +37,7 @@ from dsv4.engine.step_watch import HungStep, StepWatch
 from dsv4.errors import Cancelled, Dsv4Error, StepFailed, StepHung, Unavailable
 from dsv4.scheduler.batch import RequestOutput
 from dsv4.scheduler.request import FinishCause, Request
-from dsv4.types import TokenLogprobs
+from dsv4.types import PromptLogprobs, TokenLogprobs
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -58,6 +58,7 @@ class PrefillOutcome:
     finish_reason: FinishCause | None
     held: HeldBlocks | None
     first_token_logprobs: TokenLogprobs | None = None  # when the request asked for logprobs
+    prompt_logprobs: PromptLogprobs | None = None  # when it asked for prompt_logprobs
 
 
 class _Stream:
@@ -217,7 +218,8 @@ class AsyncEngine:
         assert first is not None and first.new_token_ids
         held = await self.call(lambda: self.core.held.get(rid))
         logprobs = first.logprobs[0] if first.logprobs else None
-        return PrefillOutcome(first.new_token_ids[0], first.finish_reason, held, logprobs)
+        return PrefillOutcome(first.new_token_ids[0], first.finish_reason, held, logprobs,
+                              first.prompt_logprobs)  # fmt: skip
 
     async def adopt(self, request: Request) -> tuple[int, ...]:
         """Decode side: blocks for the pulled prompt (hand-off order)."""

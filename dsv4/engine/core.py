@@ -123,7 +123,7 @@ class EngineCore:
         `request.output_token_ids` must hold the first token sampled by the prefill worker.
         Raises `OutOfBlocks` when the blocks are not free (nothing is taken then)."""
         rid = request.request_id
-        self._check_sampling(request)
+        self._check_sampling(request, prefills=False)  # its prompt's logprobs were P's
         if rid in self._adopted or self.scheduler.get_request(rid) is not None:
             raise InvalidRequest(f"request id {rid!r} is already in use")
         if len(request.output_token_ids) != 1:
@@ -135,20 +135,24 @@ class EngineCore:
         self._adopted[rid] = request
         return block_ids
 
-    def _check_sampling(self, request: Request) -> None:
+    def _check_sampling(self, request: Request, *, prefills: bool = True) -> None:
         """A speculating engine verifies drafts on logits as they are: penalties or a logit
         bias would change which drafts are right, so it refuses them instead of ignoring them;
-        its verified tokens leave no logits row to read logprobs from, so it refuses those too.
-        logit_bias token ids must index the model's logits (the sampler adds at those ids)."""
+        its verified tokens leave no logits row to read logprobs from, so it refuses those too,
+        and prompt logprobs when it `prefills` the prompt (its forward runs a step's prefill
+        chunks too, with the head on their sample rows only). logit_bias token ids must index
+        the model's logits (the sampler adds at those ids)."""
         params = request.sampling_params
         if params is None:
             return
         k = self.scheduler.config.num_speculative_tokens
-        if params.needs_logits_processing and k:
+        prompt_logprobs = prefills and params.prompt_logprobs is not None
+        if (params.needs_logits_processing or prompt_logprobs) and k:
             what = [name for name, on in (
                 ("presence/frequency/repetition penalties", params.has_penalties),
                 ("logit_bias", bool(params.logit_bias)),
                 ("logprobs", params.logprobs is not None),
+                ("prompt_logprobs", prompt_logprobs),
             ) if on]  # fmt: skip
             raise InvalidRequest(
                 f"request {request.request_id!r}: speculative decoding (this worker drafts {k} "

@@ -109,7 +109,7 @@ class ModelRunner:
             self.sampler.release(request_id)
 
     def _launched(self, batch: ScheduledBatch, result: StepResult) -> LaunchedStep:
-        if result.greedy is not None:
+        if result.greedy is not None:  # a decode-only graph step: no prefill, no prompt logprobs
             greedy = result.greedy
             cuda = greedy.is_cuda
             host = torch.empty(greedy.shape, dtype=greedy.dtype, pin_memory=cuda)
@@ -133,13 +133,12 @@ class ModelRunner:
                 emitted[rid] = (token,)
                 if entry is not None:
                     logprobs[rid] = (entry,)
+        # after the sampler's copy: the prompt logprobs' own (steps with chunks that asked)
+        prompt = result.prompt_logprobs.fetch() if result.prompt_logprobs is not None else {}
         self._check_step()  # the step's output was read on the host: its checks are complete
-        output = StepOutput(
-            tuple(
-                RequestStepOutput(
-                    r.request_id, emitted.get(r.request_id, ()), logprobs.get(r.request_id, ())
-                )
-                for r in batch.requests
-            )
-        )
+        output = StepOutput(tuple(
+            RequestStepOutput(r.request_id, emitted.get(r.request_id, ()),
+                              logprobs.get(r.request_id, ()), prompt.get(r.request_id, ()))
+            for r in batch.requests
+        ))  # fmt: skip
         return LaunchedStep(batch, output=output)

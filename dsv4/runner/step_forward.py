@@ -24,6 +24,7 @@ from dsv4.errors import ConfigError
 from dsv4.model.deepseek_v4 import DeepseekV4
 from dsv4.ops.sampling import SamplingSpec
 from dsv4.runner.kv_cache import PagedKVCache
+from dsv4.runner.prompt_logprobs import StepPromptLogprobs
 from dsv4.scheduler.batch import ScheduledBatch
 from dsv4.speculative.metrics import SpecMetrics
 from dsv4.types import SamplingParams
@@ -37,12 +38,14 @@ class StepResult:
     batch order); None when there is nothing to sample. `chosen`: tokens a speculative half
     already chose (accepted drafts + 1 per verified decode, a sampled token otherwise).
     `greedy` [B] int64 (device): an all-greedy graph step's tokens, one per request in batch
-    order, taken by the graph itself (`features.greedy_in_graph`); not yet on the host."""
+    order, taken by the graph itself (`features.greedy_in_graph`); not yet on the host.
+    `prompt_logprobs`: the prefill chunks' that asked, on the device (None: none asked)."""
 
     logits: torch.Tensor | None = None
     sample_ids: tuple[str, ...] = ()
     chosen: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     greedy: torch.Tensor | None = None
+    prompt_logprobs: StepPromptLogprobs | None = None
 
 
 class StepForward(Protocol):

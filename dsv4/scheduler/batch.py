@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dsv4.scheduler.request import FinishCause
-from dsv4.types import SamplingParams, TokenLogprobs
+from dsv4.types import PromptLogprobs, SamplingParams, TokenLogprobs
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,11 @@ class ScheduledRequest:
     # request's own prompt tuple and a snapshot of its outputs (~1 us per 1K tokens); the
     # sampler's `PenaltyState` reads only the outputs it has not counted yet
     token_history: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+    # `SamplingParams.prompt_logprobs`: the prompt tokens this chunk's rows predict (row i, at
+    # position start + i, predicts the token at start + i + 1 while that is a prompt token:
+    # the last row of a chunk predicts the next chunk's first token, the prompt's last row the
+    # first generated one, which is not among them); () when not asked or already sent
+    prompt_logprob_targets: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -110,11 +115,13 @@ class RequestStepOutput:
     """The runner's result for one scheduled request. `new_token_ids`: nothing for a
     prefill chunk that does not sample, else the sampled token, or for a decode with drafts
     the accepted draft tokens followed by the bonus token (1 + accepted). `logprobs`: one per
-    new token when the request asked (`SamplingParams.logprobs`), else ()."""
+    new token when the request asked (`SamplingParams.logprobs`), else (). `prompt_logprobs`:
+    one per `ScheduledRequest.prompt_logprob_targets` entry, in order."""
 
     request_id: str
     new_token_ids: tuple[int, ...] = ()
     logprobs: tuple[TokenLogprobs, ...] = ()
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -125,12 +132,14 @@ class StepOutput:
 @dataclass(frozen=True)
 class RequestOutput:
     """What `Scheduler.update` reports per request: tokens to stream (with their logprobs when
-    the request asked) and how it ended."""
+    the request asked) and how it ended; with the first token, the prompt's logprobs when the
+    request asked (`SamplingParams.prompt_logprobs`)."""
 
     request_id: str
     new_token_ids: tuple[int, ...]
     finish_reason: FinishCause | None = None
     logprobs: tuple[TokenLogprobs, ...] = ()  # one per new token id, or () when not asked
+    prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def is_finished(self) -> bool:

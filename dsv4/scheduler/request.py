@@ -12,7 +12,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from dsv4.types import FinishReason, SamplingParams
+from dsv4.types import FinishReason, SamplingParams, TokenLogprobs
 
 
 class RequestStatus(enum.Enum):
@@ -69,6 +69,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishCause | None = None
     num_preemptions: int = 0
+    # `SamplingParams.prompt_logprobs` gathered chunk by chunk (positions 1.. in order) until
+    # the first token is emitted with them
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = tuple(self.prompt_token_ids)
@@ -95,6 +98,15 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    def prompt_logprob_targets(self, start: int, end: int) -> tuple[int, ...]:
+        """The prompt tokens rows at positions [start, end) predict, for a request that asks
+        prompt logprobs and has not sent them (no output yet): those at start + 1 .. while
+        they are prompt tokens."""
+        params = self.sampling_params
+        if params is None or params.prompt_logprobs is None or self.output_token_ids:
+            return ()
+        return self.prompt_token_ids[start + 1 : min(end + 1, self.num_prompt_tokens)]
 
     def token_ids(self, start: int, end: int) -> tuple[int, ...]:
         """Tokens at positions [start, end) of prompt + outputs."""

@@ -37,6 +37,7 @@ from dsv4.scheduler.batch import (
 )
 from dsv4.scheduler.config import SchedulerConfig
 from dsv4.scheduler.request import FinishCause, Request, RequestStatus, StopChecker
+from dsv4.types import PromptLogprobs
 
 AHEAD_TOKEN = 0  # the token id of a scheduled-ahead decode: the runner feeds the real one
 
@@ -258,6 +259,7 @@ class Scheduler:
             token_history=(request.prompt_token_ids, tuple(request.output_token_ids))
             if samples_token and params is not None and params.has_penalties
             else None,
+            prompt_logprob_targets=request.prompt_logprob_targets(start, start + num_new),
         )
         step.charged[rid] = charge
         step.budget -= charge
@@ -271,6 +273,8 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        if not request.output_token_ids:  # its recompute gathers the prompt logprobs again
+            request.prompt_logprobs.clear()
         step.preempted.append(rid)
         self._enqueue(request)
 
@@ -363,6 +367,7 @@ class Scheduler:
         expected = (1, 1 + scheduled.num_draft_tokens) if scheduled.samples_token else (0, 0)
         if not expected[0] <= len(new_ids) <= expected[1]:
             raise ValueError(f"request {request.request_id!r}: runner returned {new_ids}")
+        prompt = self._gather_prompt_logprobs(request, scheduled, output)
         accepted_drafts = max(0, len(new_ids) - 1)
         request.num_computed_tokens += scheduled.num_tokens + accepted_drafts
         kept, reason = request.append_output_tokens(new_ids)
@@ -373,7 +378,25 @@ class Scheduler:
             self._finish(request, reason)
         if not kept and reason is None:
             return None
-        return RequestOutput(request.request_id, kept, reason, output.logprobs[: len(kept)])
+        return RequestOutput(request.request_id, kept, reason, output.logprobs[: len(kept)], prompt)
+
+    @staticmethod
+    def _gather_prompt_logprobs(
+        request: Request, scheduled: ScheduledRequest, output: RequestStepOutput
+    ) -> PromptLogprobs | None:
+        """Keep the chunk's prompt logprobs; once the prompt's last chunk samples the first
+        token, all of them (sent with it, once)."""
+        targets, got = scheduled.prompt_logprob_targets, output.prompt_logprobs
+        if len(got) != len(targets):
+            raise ValueError(f"request {request.request_id!r}: runner returned {len(got)} "
+                             f"prompt logprobs for {len(targets)} positions")  # fmt: skip
+        request.prompt_logprobs.extend(got)
+        params = request.sampling_params
+        if (params is None or params.prompt_logprobs is None or request.output_token_ids
+                or not scheduled.samples_token):  # fmt: skip
+            return None
+        positions, request.prompt_logprobs = tuple(request.prompt_logprobs), []
+        return PromptLogprobs(request.prompt_token_ids, positions)
 
     def _finish(self, request: Request, reason: FinishCause) -> None:
         request.status = RequestStatus.FINISHED

@@ -100,6 +100,11 @@ class TextCodec:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
 
+    def prompt_text(self, ids: list[int]) -> str:
+        """Token ids' text with their special tokens spelled out (what OpenAI's `echo` answers
+        for a token-id prompt, as vLLM decodes it)."""
+        return self._tok.decode(ids, skip_special_tokens=False)
+
     def decode_delta(self, all_ids: list[int], num_previous: int) -> str:
         """Text added by ids[num_previous:], holding back an incomplete UTF-8 tail."""
         before = self.decode(all_ids[:num_previous])

@@ -8,6 +8,7 @@ from dsv4.errors import InvalidRequest
 from dsv4.rpc.v1 import common_pb2, kv_pb2, worker_pb2
 from dsv4.types import (
     FinishReason,
+    PromptLogprobs,
     PullFailurePolicy,
     RequestLimits,
     SamplingParams,
@@ -82,6 +83,8 @@ def sampling_to_proto(sampling: SamplingParams) -> common_pb2.SamplingParams:
         msg.seed = sampling.seed
     if sampling.logprobs is not None:
         msg.logprobs = sampling.logprobs
+    if sampling.prompt_logprobs is not None:
+        msg.prompt_logprobs = sampling.prompt_logprobs
     return msg
 
 
@@ -106,6 +109,7 @@ def sampling_from_proto(
         repetition_penalty=_given(msg, "repetition_penalty", defaults.repetition_penalty),
         logit_bias=dict(msg.logit_bias),
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
     )
 
 
@@ -131,6 +135,7 @@ def token_logprobs_to_proto(logprobs: TokenLogprobs) -> common_pb2.TokenLogprobs
         logprob=logprobs.logprob,
         top_token_ids=[t for t, _ in logprobs.top],
         top_logprobs=[v for _, v in logprobs.top],
+        rank=logprobs.rank,
     )
 
 
@@ -140,7 +145,33 @@ def token_logprobs_from_proto(msg: common_pb2.TokenLogprobs) -> TokenLogprobs:
             f"TokenLogprobs has {len(msg.top_token_ids)} top_token_ids but "
             f"{len(msg.top_logprobs)} top_logprobs: a peer must send one logprob per id"
         )
-    return TokenLogprobs(msg.logprob, tuple(zip(msg.top_token_ids, msg.top_logprobs)))
+    rank = msg.rank if msg.HasField("rank") else None
+    return TokenLogprobs(msg.logprob, tuple(zip(msg.top_token_ids, msg.top_logprobs)), rank)
+
+
+def prompt_logprobs_to_proto(prompt: PromptLogprobs) -> common_pb2.PromptLogprobs:
+    return common_pb2.PromptLogprobs(
+        token_ids=prompt.token_ids,
+        positions=[token_logprobs_to_proto(x) for x in prompt.positions],
+    )
+
+
+def prompt_logprobs_from_proto(msg: common_pb2.PromptLogprobs) -> PromptLogprobs:
+    if len(msg.positions) != max(0, len(msg.token_ids) - 1):
+        raise InvalidRequest(
+            f"PromptLogprobs has {len(msg.token_ids)} token_ids but {len(msg.positions)} "
+            "positions: a peer must send one per prompt position from 1"
+        )
+    positions = tuple(token_logprobs_from_proto(x) for x in msg.positions)
+    return PromptLogprobs(tuple(msg.token_ids), positions)
+
+
+def prompt_logprobs_field(msg: Any) -> PromptLogprobs | None:
+    """A message's `prompt_logprobs` field (GenerateResponse, DecodeResponse, PrefillResponse),
+    None when unset."""
+    if not msg.HasField("prompt_logprobs"):
+        return None
+    return prompt_logprobs_from_proto(msg.prompt_logprobs)
 
 
 def fill_chunk_proto(msg: Any, chunk: StreamChunk) -> Any:
@@ -152,6 +183,8 @@ def fill_chunk_proto(msg: Any, chunk: StreamChunk) -> Any:
     if chunk.usage is not None:
         msg.usage.CopyFrom(usage_to_proto(chunk.usage))
     msg.logprobs.extend(token_logprobs_to_proto(x) for x in chunk.logprobs)
+    if chunk.prompt_logprobs is not None:
+        msg.prompt_logprobs.CopyFrom(prompt_logprobs_to_proto(chunk.prompt_logprobs))
     return msg
 
 
@@ -168,6 +201,7 @@ def chunk_from_proto(msg: Any) -> StreamChunk:
         finish_reason=finish_reason_from_pb(msg.finish_reason),
         usage=usage_from_proto(msg.usage) if msg.HasField("usage") else None,
         logprobs=tuple(token_logprobs_from_proto(x) for x in msg.logprobs),
+        prompt_logprobs=prompt_logprobs_field(msg),
     )
 
 

@@ -77,6 +77,7 @@ def check_sampling(
     repetition_penalty: float = 1.0,
     logit_bias: Mapping[int, float] | None = None,
     logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """Validate sampling values and fill the default max_new_tokens (clipped to the context)."""
     if not math.isfinite(temperature) or temperature < 0:
@@ -116,6 +117,12 @@ def check_sampling(
             f"sampling.logprobs = {logprobs}: must be in [0, {limits.max_logprobs}] (the most "
             "likely tokens returned beside each generated one's own logprob); unset: none"
         )
+    if prompt_logprobs is not None and not 0 <= prompt_logprobs <= limits.max_logprobs:
+        raise InvalidRequest(
+            f"sampling.prompt_logprobs = {prompt_logprobs}: must be in [0, "
+            f"{limits.max_logprobs}] (the most likely tokens returned beside each prompt "
+            "token's own logprob); unset: none"
+        )
     return SamplingParams(
         temperature=float(temperature),
         top_p=float(top_p),
@@ -130,6 +137,7 @@ def check_sampling(
         repetition_penalty=float(repetition_penalty),
         logit_bias=_check_logit_bias(logit_bias or {}, limits),
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
     )
 
 

@@ -29,6 +29,8 @@ from dsv4.wire.common import (
     chunk_from_proto,
     enum_from_pb,
     fill_chunk_proto,
+    prompt_logprobs_field,
+    prompt_logprobs_to_proto,
     sampling_from_proto,
     sampling_to_proto,
     token_logprobs_from_proto,
@@ -151,6 +153,8 @@ def prefill_result_to_proto(result: PrefillResult) -> worker_pb2.PrefillResponse
     )
     if result.first_token_logprobs is not None:
         msg.first_token_logprobs.CopyFrom(token_logprobs_to_proto(result.first_token_logprobs))
+    if result.prompt_logprobs is not None:
+        msg.prompt_logprobs.CopyFrom(prompt_logprobs_to_proto(result.prompt_logprobs))
     return msg
 
 
@@ -168,6 +172,7 @@ def prefill_result_from_proto(msg: worker_pb2.PrefillResponse) -> PrefillResult:
         first_token_logprobs=token_logprobs_from_proto(msg.first_token_logprobs)
         if msg.HasField("first_token_logprobs")
         else None,
+        prompt_logprobs=prompt_logprobs_field(msg),
     )
 
 

@@ -232,9 +232,9 @@ class HttpFront:
         if parsed.num_choices > 1:
             return await self._choices(request, parsed, prompts, request_id, served, metadata,
                                        is_chat=is_chat)  # fmt: skip
+        reply = self._reply(parsed, request_id, served, prompts[0], is_chat=is_chat)
         proto = parsed.to_proto(prompts[0], request_id)
         call = InProcessCall(self._servicer, proto, metadata=metadata, peer=peer_of(request))
-        reply = self._reply(parsed, request_id, served, is_chat=is_chat)
         async with aclosing(call.stream()) as chunks:
             first = await anext(chunks, None)  # an ApiError here is the HTTP status
             if first is None:
@@ -253,10 +253,11 @@ class HttpFront:
     ) -> web.StreamResponse:  # fmt: skip
         """Several choices (choices.py): a call each, the status once every choice has its
         first chunk."""
+        replies = [self._reply(parsed, request_id, served, prompts[i // parsed.n],
+                               is_chat=is_chat, index=i, usage_chunk=False)
+                   for i in range(parsed.num_choices)]  # fmt: skip
         calls = [InProcessCall(self._servicer, proto, metadata=metadata, peer=peer_of(request))
                  for proto in choice_protos(parsed, prompts, request_id)]  # fmt: skip
-        replies = [self._reply(parsed, request_id, served, is_chat=is_chat, index=i,
-                               usage_chunk=False) for i in range(len(calls))]  # fmt: skip
         async with AsyncExitStack() as stack:
             streams = [await stack.enter_async_context(aclosing(c.stream())) for c in calls]
             firsts = await first_chunks(streams)
@@ -267,12 +268,25 @@ class HttpFront:
             return await self._sse(request, request_id, events)
 
     def _reply(
-        self, parsed: OpenAIRequest, request_id: str, served: str | None, *, is_chat: bool,
-        index: int = 0, usage_chunk: bool = True,
+        self, parsed: OpenAIRequest, request_id: str, served: str | None,
+        prompt: str | tuple[int, ...], *, is_chat: bool, index: int = 0, usage_chunk: bool = True,
     ) -> Reply:  # fmt: skip
+        """The answer for one choice of `prompt` (its text leads the answer with echo)."""
+        echo = self._echo_text(prompt) if parsed.echo else None
         return Reply(is_chat, request_id, served or parsed.model, parsed.include_usage,
                      index=index, usage_chunk=usage_chunk, logprobs=parsed.logprobs,
-                     token_text=self._token_text)  # fmt: skip
+                     token_text=self._token_text, echo=echo, echo_only=parsed.echo_only,
+                     prompt_logprobs=parsed.prompt_logprobs)  # fmt: skip
+
+    def _echo_text(self, prompt: str | tuple[int, ...]) -> str:
+        """The prompt as `echo` answers it: its text, or a token-id prompt decoded with its
+        special tokens spelled out (as vLLM does)."""
+        if isinstance(prompt, str):
+            return prompt
+        if self._text.codec is None:
+            raise bad_request("echo", "echo of a token-id prompt needs the router's tokenizer "
+                              "to write its text: set model.tokenizer, or leave echo unset")  # fmt: skip
+        return self._text.codec.prompt_text(list(prompt))
 
     async def _sse(
         self, request: web.Request, request_id: str, events: AsyncIterator[bytes]

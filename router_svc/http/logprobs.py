@@ -11,6 +11,12 @@ out; without a tokenizer `token_id:ID` (vLLM's `return_tokens_as_token_ids`); `b
 string's UTF-8. Logprobs below -9999 (-inf: a token the model rules out; NaN) read -9999.0 as
 in vLLM and OpenAI, since JSON has no infinity. A token that came without logprobs (from a
 worker that does not send them) gets null ones (completions) or -9999.0 and no top (chat).
+
+With `echo`, a completion's object covers the prompt's tokens first (`PromptLogprobs`: the
+first has null `token_logprobs` and `top_logprobs`, as in vLLM). vLLM's own `prompt_logprobs`
+field (`vllm_prompt_logprobs`): null for position 0, then per position `{token id (a string,
+as JSON writes vLLM's int keys): {"logprob", "rank", "decoded_token"}}` for the prompt token
+and the N most likely (ranks 1..N).
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from dsv4.text.tokenizer import TextCodec
-from dsv4.types import TokenLogprobs
+from dsv4.types import PromptLogprobs, TokenLogprobs
 
 LOWEST_LOGPROB = -9999.0
 TOKEN_STRINGS_CACHED = 1 << 17  # a DeepSeek-V4 vocabulary (129K) fits
@@ -90,3 +96,25 @@ def chat_logprobs(
         content.append({**_chat_token(text(token), value),
                         "top_logprobs": [_chat_token(text(t), v) for t, v in tops]})  # fmt: skip
     return {"content": content}
+
+
+def prompt_entries(prompt: PromptLogprobs) -> tuple[TokenLogprobs | None, ...]:
+    """One entry per prompt token, as `completion_logprobs` takes them: None for position 0."""
+    return (None, *prompt.positions) if prompt.token_ids else ()
+
+
+def _vllm_logprob(value: float, rank: int | None, string: str) -> dict[str, Any]:
+    return {"logprob": clamped(value), "rank": rank, "decoded_token": string}
+
+
+def vllm_prompt_logprobs(
+    prompt: PromptLogprobs, num_top: int, text: TokenText
+) -> list[dict[str, Any] | None]:
+    """vLLM's `prompt_logprobs` of a choice: null, then one object per prompt position."""
+    out: list[dict[str, Any] | None] = [None] if prompt.token_ids else []
+    for token, entry in zip(prompt.token_ids[1:], prompt.positions):
+        at = {str(token): _vllm_logprob(entry.logprob, entry.rank, text(token))}
+        for rank, (other, value) in enumerate(entry.top[:num_top], start=1):
+            at.setdefault(str(other), _vllm_logprob(value, rank, text(other)))
+        out.append(at)
+    return out

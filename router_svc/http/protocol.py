@@ -4,7 +4,7 @@ Only shapes and types are checked here; values (temperature range, max_tokens ag
 context, stop strings, penalty and logit_bias ranges, vocabulary) are checked by the router's own
 validation, the same rules as gRPC, whose message is then returned with the OpenAI
 parameter's name. Fields that would change the result and that this server does not
-implement (echo, tools, ...) are refused, never silently ignored. `n` asks for that
+implement (tools, ...) are refused, never silently ignored. `n` asks for that
 many choices of each prompt, and /v1/completions takes a batch of prompts (strings or
 token-id lists); a request holds at most MAX_CHOICES choices in all
 (router_svc/http/choices.py). OpenAI's `presence_penalty`, `frequency_penalty` and
@@ -12,6 +12,10 @@ token-id lists); a request holds at most MAX_CHOICES choices in all
 `ignore_eos` and `stop_token_ids` are accepted. Logprobs: /v1/completions' `logprobs: N`,
 chat's `logprobs: true` with `top_logprobs: N` (0 if unset), N in [0, 20], become
 `SamplingParams.logprobs` (the answer's shapes: router_svc/http/logprobs.py).
+/v1/completions' `echo: true` answers the prompt before the completion (with `logprobs: N`, its
+tokens' logprobs first: `SamplingParams.prompt_logprobs` = N, as vLLM), `max_tokens: 0` with
+echo the prompt alone (the engine still samples one token, left out of the answer), and vLLM's
+`prompt_logprobs: N` its own field per choice; chat refuses both (400 naming them).
 
 Errors: `ApiError(status, message, param, code)`, rendered as
 `{"error": {"message", "type", "param", "code"}}`; gRPC code names map through `HTTP_STATUS`.
@@ -46,16 +50,16 @@ _PARAM_OF_FIELD = {
     "request_id": "X-Request-Id", "sampling.presence_penalty": "presence_penalty",
     "sampling.frequency_penalty": "frequency_penalty",
     "sampling.repetition_penalty": "repetition_penalty", "sampling.logit_bias": "logit_bias",
-    "sampling.logprobs": "logprobs",
+    "sampling.logprobs": "logprobs", "sampling.prompt_logprobs": "prompt_logprobs",
 }  # fmt: skip
 _INTEGER = re.compile(r"-?[0-9]{1,12}")
 _FIELD_AT_START = re.compile(r"(sampling\.\w+|prompt_token_ids|prompt|request_id)\b")
 # Parameters whose only supported value is "off": (name, the values that mean off).
 _OFF_ONLY = (
-    ("echo", (None, False)), ("best_of", (None, 1)), ("suffix", (None, "")),
-    ("tools", (None, [])), ("functions", (None, [])),
-    ("response_format", (None, {"type": "text"})),
+    ("best_of", (None, 1)), ("suffix", (None, "")), ("tools", (None, [])),
+    ("functions", (None, [])), ("response_format", (None, {"type": "text"})),
 )  # fmt: skip
+_NOT_ON_CHAT = (("echo", (None, False)), ("prompt_logprobs", (None,)))  # /v1/completions' only
 
 
 class ApiError(Exception):
@@ -126,6 +130,9 @@ class OpenAIRequest:
     include_usage: bool
     n: int = 1  # choices of each prompt
     batch: tuple[str | tuple[int, ...], ...] = ()  # /v1/completions with several prompts
+    echo: bool = False  # /v1/completions: the prompt leads each choice's text
+    echo_only: bool = False  # echo with max_tokens 0: the prompt alone (a token sampled, dropped)
+    prompt_logprobs: int | None = None  # vLLM's field: N top logprobs per prompt position
 
     @property
     def num_choices(self) -> int:
@@ -302,6 +309,10 @@ def parse_request(body: Any, *, is_chat: bool) -> OpenAIRequest:
     for name, off in _OFF_ONLY:
         if body.get(name) not in off:
             raise bad_request(name, f"{name} is not supported by this server: leave it unset")
+    for name, off in _NOT_ON_CHAT if is_chat else ():
+        if body.get(name) not in off:
+            raise bad_request(name, f"{name} is not supported on /v1/chat/completions: leave "
+                              "it unset (/v1/completions takes it)")  # fmt: skip
     stream = bool(_typed(body, "stream", (bool,), "true or false"))
     options = body.get("stream_options")
     if options is not None and not stream:
@@ -314,13 +325,40 @@ def parse_request(body: Any, *, is_chat: bool) -> OpenAIRequest:
     if len(batch) * n > MAX_CHOICES:
         raise bad_request("prompt", f"{len(batch)} prompts x n = {n}: at most {MAX_CHOICES} "
                           "choices a request")  # fmt: skip
+    sampling = _sampling(body, is_chat)
+    echo = bool(_typed(body, "echo", (bool,), "true or false"))
+    echo_only = echo and sampling.HasField("max_new_tokens") and sampling.max_new_tokens == 0
+    if echo_only:
+        sampling.max_new_tokens = 1  # the engine samples one token at least
+    prompt_logprobs = _prompt_logprobs(body, sampling, echo=echo)
     return OpenAIRequest(
         model=model,
         prompt=prompts[0] if len(prompts) == 1 else None,
         messages=_messages(body) if is_chat else (),
-        sampling=_sampling(body, is_chat),
+        sampling=sampling,
         stream=stream,
         include_usage=include_usage,
         n=n,
         batch=batch,
+        echo=echo,
+        echo_only=echo_only,
+        prompt_logprobs=prompt_logprobs,
     )
+
+
+def _prompt_logprobs(
+    body: dict[str, Any], sampling: common_pb2.SamplingParams, *, echo: bool
+) -> int | None:
+    """vLLM's `prompt_logprobs: N` (returned as its own field); `SamplingParams.
+    prompt_logprobs` is the most the answer needs: N, or `logprobs` when echo puts the prompt's
+    tokens in the logprobs object (vLLM's rule)."""
+    asked = _int(body, "prompt_logprobs")
+    if asked is not None and not 0 <= asked <= MAX_LOGPROBS:
+        raise bad_request("prompt_logprobs", f"prompt_logprobs = {asked}: must be in [0, "
+                          f"{MAX_LOGPROBS}] (the most likely tokens returned per prompt "
+                          "token)")  # fmt: skip
+    needed = [n for n in (asked, sampling.logprobs if echo and sampling.HasField("logprobs")
+                          else None) if n is not None]  # fmt: skip
+    if needed:
+        sampling.prompt_logprobs = max(needed)
+    return asked

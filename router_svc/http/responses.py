@@ -6,18 +6,30 @@ request that asked for `stream_options.include_usage` gets `"usage": null` on ev
 one last chunk with no choices and the usage, as OpenAI sends it. With logprobs asked, each
 choice carries those of its tokens (logprobs.py): a whole answer's all, each streamed chunk its
 own (a chunk of tokens whose text is still held back is sent with empty text, for them).
+With `echo` (completions) the first chunk's text and logprobs lead with the prompt's (its
+tokens and logprobs come with the first token: `StreamChunk.prompt_logprobs`); `echo_only`
+(max_tokens 0) answers the prompt alone, usage counting no completion token. vLLM's
+`prompt_logprobs` field is on the whole answer's choice and on the first streamed chunk.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from dsv4.types import FinishReason, StreamChunk, TokenLogprobs, Usage
-from router_svc.http.logprobs import TokenText, chat_logprobs, completion_logprobs, token_texts
+from dsv4.types import FinishReason, PromptLogprobs, StreamChunk, TokenLogprobs, Usage
+from router_svc.http.logprobs import (
+    TokenText,
+    chat_logprobs,
+    completion_logprobs,
+    prompt_entries,
+    token_texts,
+    vllm_prompt_logprobs,
+)
 
 FINISH_REASON = {
     FinishReason.STOP: "stop",
@@ -25,6 +37,8 @@ FINISH_REASON = {
     FinishReason.ABORT: "abort",
 }
 SSE_DONE = b"data: [DONE]\n\n"
+# a chunk as the answer shows it: (text, token ids, their logprobs; None where none came)
+Shown = tuple[str, tuple[int, ...], tuple[TokenLogprobs | None, ...]]
 
 
 def sse_event(payload: dict[str, Any]) -> bytes:
@@ -51,6 +65,10 @@ class Reply:
     # top logprobs asked per token (None: no logprobs) and how token ids read in them
     logprobs: int | None = None
     token_text: TokenText = field(default_factory=lambda: token_texts(None))
+    echo: str | None = None  # completions' `echo`: the prompt's text, leading the answer
+    echo_only: bool = False  # echo with max_tokens 0: the generated token is left out
+    prompt_logprobs: int | None = None  # vLLM's `prompt_logprobs: N` (None: not asked)
+    prompt: PromptLogprobs | None = None  # as the first token's chunk brought them
     created: int = field(default_factory=lambda: int(time.time()))
     text: list[str] = field(default_factory=list)
     num_tokens: int = 0
@@ -65,15 +83,43 @@ class Reply:
         return f"{'chatcmpl' if self.is_chat else 'cmpl'}-{self.request_id}"
 
     def add(self, chunk: StreamChunk) -> None:
-        self.text.append(chunk.text)
-        self.num_tokens += len(chunk.token_ids)
+        self._add(chunk, self._shown(chunk))
+
+    def _shown(self, chunk: StreamChunk) -> Shown:
+        """`chunk` as the answer shows it: led by the prompt on the first chunk with echo,
+        without the generated tokens with echo_only."""
+        text, token_ids = chunk.text, chunk.token_ids
+        missing = len(token_ids) - len(chunk.logprobs)  # a worker that sent none
+        logprobs = (*chunk.logprobs, *(None,) * missing)
+        if self.echo_only:
+            text, token_ids, logprobs = "", (), ()
+        if self.echo is not None and not self.text:  # the first chunk
+            prompt = chunk.prompt_logprobs
+            text = self.echo + text
+            if prompt is not None:  # a worker that sent none: the prompt's tokens left out
+                token_ids, logprobs = (*prompt.token_ids, *token_ids), (
+                    *prompt_entries(prompt), *logprobs)  # fmt: skip
+        return text, token_ids, logprobs
+
+    def _add(self, chunk: StreamChunk, shown: Shown) -> None:
+        text, token_ids, logprobs = shown
+        self.text.append(text)
+        self.num_tokens += 0 if self.echo_only else len(chunk.token_ids)
         if self.logprobs is not None:
-            self.token_ids.extend(chunk.token_ids)
-            missing = len(chunk.token_ids) - len(chunk.logprobs)  # a worker that sent none
-            self.token_logprobs.extend((*chunk.logprobs, *(None,) * missing))
+            self.token_ids.extend(token_ids)
+            self.token_logprobs.extend(logprobs)
+        if chunk.prompt_logprobs is not None:
+            self.prompt = chunk.prompt_logprobs
         if chunk.finish_reason is not None:
             self.finish_reason = FINISH_REASON[chunk.finish_reason]
             self.usage = chunk.usage
+            if self.echo_only and self.usage is not None:  # no completion token answered
+                self.usage = dataclasses.replace(self.usage, completion_tokens=0)
+
+    def _vllm_prompt_logprobs(self) -> list[dict[str, Any] | None] | None:
+        if self.prompt_logprobs is None or self.prompt is None:
+            return None
+        return vllm_prompt_logprobs(self.prompt, self.prompt_logprobs, self.token_text)
 
     def _logprobs_object(
         self, token_ids: Sequence[int], logprobs: Sequence[TokenLogprobs | None], offset: int = 0
@@ -108,6 +154,8 @@ class Reply:
             out["message"] = {"role": "assistant", "content": text}
         else:
             out["text"] = text
+        if self.prompt_logprobs is not None:
+            out["prompt_logprobs"] = self._vllm_prompt_logprobs()
         return out
 
     def whole(self) -> dict[str, Any]:
@@ -118,24 +166,27 @@ class Reply:
     def stream_events(self, chunk: StreamChunk) -> list[bytes]:
         """`add(chunk)` and the SSE events it makes (none for an empty middle chunk)."""
         is_first = not self.text
-        self.add(chunk)
-        has_logprobs = self.logprobs is not None and bool(chunk.token_ids)
-        if (not chunk.text and chunk.finish_reason is None and not has_logprobs
+        text, token_ids, shown_logprobs = shown = self._shown(chunk)
+        self._add(chunk, shown)
+        has_logprobs = self.logprobs is not None and bool(token_ids)
+        if (not text and chunk.finish_reason is None and not has_logprobs
                 and not (is_first and self.is_chat)):  # fmt: skip
             return []
         reason = self.finish_reason if chunk.finish_reason is not None else None
         logprobs = None  # a chunk without tokens (the last, at times) has none to carry
         if has_logprobs:
-            logprobs = self._logprobs_object(chunk.token_ids, chunk.logprobs, self.streamed_offset)
+            logprobs = self._logprobs_object(token_ids, shown_logprobs, self.streamed_offset)
         if logprobs is not None and not self.is_chat:
             self.streamed_offset += sum(len(t) for t in logprobs["tokens"])
         choice: dict[str, Any] = {"index": self.index, "logprobs": logprobs,
                                   "finish_reason": reason}  # fmt: skip
         if self.is_chat:
             delta = {"role": "assistant"} if is_first else {}
-            choice["delta"] = {**delta, "content": chunk.text} if chunk.text or is_first else delta
+            choice["delta"] = {**delta, "content": text} if text or is_first else delta
         else:
-            choice["text"] = chunk.text
+            choice["text"] = text
+        if self.prompt_logprobs is not None and is_first:
+            choice["prompt_logprobs"] = self._vllm_prompt_logprobs()
         event = self._object(self.chunk_kind, [choice])
         if self.include_usage:
             event["usage"] = None

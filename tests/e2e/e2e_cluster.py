@@ -13,11 +13,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import grpc
+import pytest
 
 from dsv4 import wire
 from dsv4.commands.cluster import LocalCluster, free_port, is_serving, terminate
 from dsv4.rpc.v1 import router_pb2_grpc, worker_pb2, worker_pb2_grpc
-from dsv4.types import SamplingParams, StreamChunk
+from dsv4.types import SamplingParams, StreamChunk, TokenLogprobs
 from tests.services.worker_cluster import WORKER_ARGS
 
 
@@ -73,6 +74,28 @@ async def generate(
     except grpc.aio.AioRpcError as exc:
         outcome.code, outcome.details = exc.code(), exc.details() or ""
     return outcome
+
+
+def routed_logprobs(router_address: str, prompt: list[int], max_tokens: int):
+    """(tokens, their logprobs, text, the prompt's logprobs) of a greedy gRPC Generate asking
+    3 of each; only the first chunk may carry the prompt's."""
+
+    async def run():
+        sampling = greedy(max_tokens, logprobs=3, prompt_logprobs=3)
+        async with grpc.aio.insecure_channel(router_address) as channel:
+            outcome = await generate(channel, prompt, sampling)
+        assert outcome.code is grpc.StatusCode.OK, outcome.details
+        assert all(c.prompt_logprobs is None for c in outcome.chunks[1:])
+        entries = [lp for c in outcome.chunks for lp in c.logprobs]
+        return outcome.token_ids, entries, outcome.text, outcome.chunks[0].prompt_logprobs
+
+    return asyncio.run(run())
+
+
+def assert_logprobs_close(got: Sequence[TokenLogprobs], want: Sequence[TokenLogprobs]) -> None:
+    for a, b in zip(got, want, strict=True):
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-5) and a.rank == b.rank
+        assert [v for _, v in a.top] == pytest.approx([v for _, v in b.top], abs=1e-5)
 
 
 async def worker_leaks(cluster: LocalCluster) -> list[str]:

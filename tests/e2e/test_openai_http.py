@@ -20,7 +20,15 @@ from typing import Any
 import grpc
 import openai
 import pytest
-from e2e_cluster import ExtraRouter, assert_no_worker_leaks, generate, greedy, worker_leaks
+from e2e_cluster import (
+    ExtraRouter,
+    assert_logprobs_close,
+    assert_no_worker_leaks,
+    generate,
+    greedy,
+    routed_logprobs,
+    worker_leaks,
+)
 
 from dsv4.commands.cluster import free_port
 from dsv4.config import ModelSection
@@ -255,24 +263,18 @@ def test_logit_bias_through_prefill_and_decode(cluster, client) -> None:
 
 
 def test_logprobs_through_prefill_and_decode(cluster, client, model_dir) -> None:
-    """P sends the first token's logprobs, D the rest's (gRPC); they equal one engine's. Over
-    HTTP, `logprobs: 3` on /v1/completions and `logprobs` with `top_logprobs: 2` on chat give
-    the same numbers in OpenAI's shapes, whole and streamed; bad values are 400s."""
+    """P sends the first token's logprobs and the prompt's, D the rest's (gRPC); they equal one
+    engine's. Over HTTP, `logprobs: 3` on /v1/completions and `logprobs` with `top_logprobs: 2`
+    on chat give the same numbers in OpenAI's shapes, whole and streamed; bad values are 400s."""
     prompt = [5, 6, 7, 5, 6, 7, 9]
-
-    async def routed() -> tuple[list[int], list, str]:
-        async with grpc.aio.insecure_channel(cluster.router_address) as channel:
-            outcome = await generate(channel, prompt, greedy(MAX_TOKENS, logprobs=3))
-        assert outcome.code is grpc.StatusCode.OK, outcome.details
-        return outcome.token_ids, [lp for c in outcome.chunks for lp in c.logprobs], outcome.text
-
-    tokens, entries, text = asyncio.run(routed())
-    ((one_tokens, one_entries),) = single_engine_runs(model_dir, [prompt], MAX_TOKENS,
-                                                      sampling={"logprobs": 3})  # fmt: skip
+    tokens, entries, text, routed = routed_logprobs(cluster.router_address, prompt, MAX_TOKENS)
+    ((one_tokens, one_entries, one_prompt),) = single_engine_runs(
+        model_dir, [prompt], MAX_TOKENS, sampling={"logprobs": 3, "prompt_logprobs": 3}
+    )
     assert tokens == one_tokens and len(entries) == MAX_TOKENS
-    for got, want in zip(entries, one_entries, strict=True):
-        assert got.logprob == pytest.approx(want.logprob, abs=1e-5)
-        assert [v for _, v in got.top] == pytest.approx([v for _, v in want.top], abs=1e-5)
+    assert_logprobs_close(entries, one_entries)
+    assert routed is not None and one_prompt is not None and routed.token_ids == tuple(prompt)
+    assert_logprobs_close(routed.positions, one_prompt.positions)
     model = served_model(client)
     whole = client.completions.create(model=model, prompt=prompt, logprobs=3, **GREEDY)
     logprobs = whole.choices[0].logprobs
@@ -304,12 +306,47 @@ def test_logprobs_through_prefill_and_decode(cluster, client, model_dir) -> None
         assert caught.value.body["param"] == param, caught.value.body
 
 
+def test_echo_and_prompt_logprobs_through_prefill_and_decode(cluster, client) -> None:
+    """`echo` with `logprobs: 3` (lm-eval's loglikelihood call): the prompt's text, then the
+    completion's; the logprobs object covers the prompt's tokens (the first null) then the
+    generated ones, with gRPC's numbers; vLLM's `prompt_logprobs` too. Streamed, the first
+    chunk leads with the prompt; `max_tokens: 0` answers the prompt alone. Chat refuses echo."""
+    prompt, model = [5, 6, 7, 5, 6, 7, 9], served_model(client)
+    _, entries, text, grpc_prompt = routed_logprobs(cluster.router_address, prompt, 2)
+    codec = load_text_model(ModelSection(path=str(cluster.spec.model_dir))).codec
+    prompt_text, asked = codec.prompt_text(prompt), {**GREEDY, "max_tokens": 2, "logprobs": 3}
+    asked["extra_body"] = {**GREEDY["extra_body"], "prompt_logprobs": 1}
+    whole = client.completions.create(model=model, prompt=prompt, echo=True, **asked).choices[0]
+    assert whole.text == prompt_text + text and len(whole.logprobs.tokens) == len(prompt) + 2
+    want = [None, *(e.logprob for e in grpc_prompt.positions), *(e.logprob for e in entries)]
+    assert whole.logprobs.token_logprobs == want and whole.logprobs.top_logprobs[0] is None
+    vllm = whole.model_extra["prompt_logprobs"]
+    assert vllm[0] is None and len(vllm) == len(prompt)
+    for at, token, entry in zip(vllm[1:], prompt[1:], grpc_prompt.positions, strict=True):
+        assert at[str(token)] == {"logprob": entry.logprob, "rank": entry.rank,
+                                  "decoded_token": codec.token_string(token)}  # fmt: skip
+    chunks = list(client.completions.create(model=model, prompt=prompt, echo=True, stream=True,
+                                            **asked))  # fmt: skip
+    assert chunks[0].choices[0].text.startswith(prompt_text)
+    assert "".join(c.choices[0].text for c in chunks) == whole.text
+    streamed = [x for c in chunks if c.choices[0].logprobs for x in c.choices[0].logprobs.tokens]
+    assert streamed == whole.logprobs.tokens
+    alone = client.completions.create(model=model, prompt=prompt, echo=True,
+                                      **{**asked, "max_tokens": 0})  # fmt: skip
+    assert alone.choices[0].text == prompt_text and alone.usage.completion_tokens == 0
+    assert alone.choices[0].logprobs.token_logprobs == want[: len(prompt)]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=model, messages=MESSAGES, extra_body={"echo": True})
+    assert caught.value.body["param"] == "echo"
+
+
 def test_bad_input_gets_openai_error_objects(cluster, client) -> None:
     model = served_model(client)
     cases = [
         ({"n": 65}, "n"), ({"max_tokens": 0}, "max_tokens"), ({"temperature": -1.0}, "temperature"),
         ({"top_p": 2.0}, "top_p"), ({"logprobs": 21}, "logprobs"), ({"max_tokens": 10**9}, "max_tokens"),
         ({"extra_body": {"top_logprobs": 2}}, "top_logprobs"),
+        ({"extra_body": {"prompt_logprobs": 21}}, "prompt_logprobs"),
         ({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": -3}, "frequency_penalty"),
         ({"logit_bias": {"abc": 1}}, "logit_bias"), ({"logit_bias": {"5": 101}}, "logit_bias"),
         ({"logit_bias": {"5000": 1}}, "logit_bias"),  # outside the vocabulary

@@ -24,6 +24,7 @@ from dsv4.rpc.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from dsv4.types import (
     DecodeRequest,
     GenerateRequest,
+    PromptLogprobs,
     PullFailurePolicy,
     SamplingParams,
     TokenLogprobs,
@@ -47,6 +48,10 @@ PROMPTS = [
     list(range(2, 150)),
     [700, 3, 3, 3, 81, 1000, 64],
 ]
+
+
+# one request of the single-engine baseline: its tokens, their logprobs, its prompt's
+EngineRun = tuple[list[int], list[TokenLogprobs], PromptLogprobs | None]
 
 
 def tiny_checkpoint(cache_dir: Path) -> Path:
@@ -95,7 +100,7 @@ def single_engine_outputs(
     (plus `overrides`, e.g. the workers' `features.forward`); greedy, with `sampling`'s
     fields (e.g. penalties) on every request."""
     runs = single_engine_runs(model_dir, prompts, max_new_tokens, overrides, sampling)
-    return [tokens for tokens, _ in runs]
+    return [tokens for tokens, *_ in runs]
 
 
 def single_engine_runs(
@@ -104,8 +109,9 @@ def single_engine_runs(
     max_new_tokens: int,
     overrides: dict[str, object] | None = None,
     sampling: dict[str, float] | None = None,
-) -> list[tuple[list[int], list[TokenLogprobs]]]:
-    """`single_engine_outputs` with each request's logprobs (empty unless `sampling` asks)."""
+) -> list[EngineRun]:
+    """`single_engine_outputs` with each request's logprobs (empty unless `sampling` asks)
+    and its prompt's (None unless `sampling` asks prompt_logprobs)."""
     from dsv4.config import load_config
     from dsv4.worker.build import build_worker_runtime
 
@@ -113,19 +119,21 @@ def single_engine_runs(
                           "cache.block_size": 128, **(overrides or {})})  # fmt: skip
     runtime = build_worker_runtime(config, with_transport=False, name="baseline")
 
-    async def run_all() -> list[tuple[list[int], list[TokenLogprobs]]]:
+    async def run_all() -> list[EngineRun]:
         runtime.engine.start()
         try:
 
-            async def one(i: int, prompt: Sequence[int]) -> tuple[list[int], list[TokenLogprobs]]:
+            async def one(i: int, prompt: Sequence[int]) -> EngineRun:
                 params = dataclasses.replace(greedy(max_new_tokens), **(sampling or {}))
                 request = GenerateRequest(f"base-{i}", tuple(prompt), params)
                 tokens: list[int] = []
                 logprobs: list[TokenLogprobs] = []
+                prompt_logprobs = None
                 async for out in runtime.engine.generate(runtime.engine_request(request)):
                     tokens.extend(out.new_token_ids)
                     logprobs.extend(out.logprobs)
-                return tokens, logprobs
+                    prompt_logprobs = prompt_logprobs or out.prompt_logprobs
+                return tokens, logprobs, prompt_logprobs
 
             return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
         finally:

@@ -118,7 +118,7 @@ def test_request_bodies_become_router_protos() -> None:
         ([1], "body"), ({"prompt": "x", "n": 65}, "n"), ({"prompt": "x", "n": 0}, "n"), ({"prompt": ["a", [1]]}, "prompt"), ({"prompt": ["a"] * 33, "n": 2}, "prompt"),
         ({}, "prompt"), ({"prompt": "x", "temperature": "hot"}, "temperature"),
         ({"prompt": "x", "max_tokens": True}, "max_tokens"), ({"prompt": "x", "seed": -1}, "seed"),
-        ({"prompt": "x", "stop": [1]}, "stop"), ({"prompt": "x", "echo": True}, "echo"),
+        ({"prompt": "x", "stop": [1]}, "stop"), ({"prompt": "x", "echo": "yes"}, "echo"),
         ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
         ({"prompt": [1, 2**40]}, "prompt"),
     ],

@@ -308,6 +308,8 @@ def generate_requests(draw: st.DrawFn) -> router_pb2.GenerateRequest:
     s.logit_bias.update(draw(st.dictionaries(st.integers(-3, 1003), floats, max_size=4)))
     if draw(st.booleans()):
         s.logprobs = draw(st.integers(-3, 25))
+    if draw(st.booleans()):
+        s.prompt_logprobs = draw(st.integers(-3, 25))
     return msg
 
 
@@ -324,5 +326,7 @@ def test_fuzzed_generate_requests_never_crash(msg: router_pb2.GenerateRequest) -
     assert req.sampling.temperature >= 0 and 0 < req.sampling.top_p <= 1
     assert all(0 <= t < LIMITS.vocab_size and -100 <= b <= 100 for t, b in req.sampling.logit_bias)
     assert req.sampling.logprobs is None or 0 <= req.sampling.logprobs <= LIMITS.max_logprobs
+    n = req.sampling.prompt_logprobs
+    assert n is None or 0 <= n <= LIMITS.max_logprobs
     back = wire.tokenized_request_from_proto(wire.tokenized_request_to_proto(req), LIMITS)
     assert back == req

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x64sv4/v1/common.proto\x12\x07\x64sv4.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xa1\x04\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x1b\n\x0emax_new_tokens\x18\x04 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x03\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x1d\n\x10presence_penalty\x18\t \x01(\x01H\x04\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\n \x01(\x01H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x01H\x06\x88\x01\x01\x12:\n\nlogit_bias\x18\x0c \x03(\x0b\x32&.dsv4.v1.SamplingParams.LogitBiasEntry\x12\x15\n\x08logprobs\x18\r \x01(\x05H\x07\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x11\n\x0f_max_new_tokensB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobs\"M\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"\xf1\x02\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1e\n\x16time_to_first_token_ms\x18\x03 \x01(\x01\x12\x19\n\x11prefill_worker_id\x18\x04 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x05 \x01(\t\x12\x19\n\x11kv_transfer_bytes\x18\x06 \x01(\x03\x12\x16\n\x0ekv_transfer_ms\x18\x07 \x01(\x01\x12\x18\n\x10prefill_queue_ms\x18\x08 \x01(\x01\x12\x1a\n\x12prefill_compute_ms\x18\t \x01(\x01\x12\x1b\n\x13num_prefill_retries\x18\n \x01(\x05\x12\x1e\n\x16prefill_was_recomputed\x18\x0b \x01(\x08\x12\x18\n\x10num_draft_tokens\x18\x0c \x01(\x05\x12!\n\x19num_accepted_draft_tokens\x18\r \x01(\x05\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\"\n\rAbortResponse\x12\x11\n\twas_found\x18\x01 \x01(\x08*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*u\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02\x12\x19\n\x15WORKER_ROLE_COLOCATED\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x64sv4/v1/common.proto\x12\x07\x64sv4.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xd3\x04\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x1b\n\x0emax_new_tokens\x18\x04 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x03\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x1d\n\x10presence_penalty\x18\t \x01(\x01H\x04\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\n \x01(\x01H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x01H\x06\x88\x01\x01\x12:\n\nlogit_bias\x18\x0c \x03(\x0b\x32&.dsv4.v1.SamplingParams.LogitBiasEntry\x12\x15\n\x08logprobs\x18\r \x01(\x05H\x07\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0e \x01(\x05H\x08\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x11\n\x0f_max_new_tokensB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"i\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\x12\x11\n\x04rank\x18\x04 \x01(\x05H\x00\x88\x01\x01\x42\x07\n\x05_rank\"N\n\x0ePromptLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12)\n\tpositions\x18\x02 \x03(\x0b\x32\x16.dsv4.v1.TokenLogprobs\"\xf1\x02\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1e\n\x16time_to_first_token_ms\x18\x03 \x01(\x01\x12\x19\n\x11prefill_worker_id\x18\x04 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x05 \x01(\t\x12\x19\n\x11kv_transfer_bytes\x18\x06 \x01(\x03\x12\x16\n\x0ekv_transfer_ms\x18\x07 \x01(\x01\x12\x18\n\x10prefill_queue_ms\x18\x08 \x01(\x01\x12\x1a\n\x12prefill_compute_ms\x18\t \x01(\x01\x12\x1b\n\x13num_prefill_retries\x18\n \x01(\x05\x12\x1e\n\x16prefill_was_recomputed\x18\x0b \x01(\x08\x12\x18\n\x10num_draft_tokens\x18\x0c \x01(\x05\x12!\n\x19num_accepted_draft_tokens\x18\r \x01(\x05\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\"\n\rAbortResponse\x12\x11\n\twas_found\x18\x01 \x01(\x08*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*u\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02\x12\x19\n\x15WORKER_ROLE_COLOCATED\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,22 +33,24 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1129
-  _globals['_FINISHREASON']._serialized_end=1249
-  _globals['_WORKERROLE']._serialized_start=1251
-  _globals['_WORKERROLE']._serialized_end=1368
+  _globals['_FINISHREASON']._serialized_start=1287
+  _globals['_FINISHREASON']._serialized_end=1407
+  _globals['_WORKERROLE']._serialized_start=1409
+  _globals['_WORKERROLE']._serialized_end=1526
   _globals['_TOKENIDS']._serialized_start=33
   _globals['_TOKENIDS']._serialized_end=56
   _globals['_SAMPLINGPARAMS']._serialized_start=59
-  _globals['_SAMPLINGPARAMS']._serialized_end=604
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=423
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=471
-  _globals['_TOKENLOGPROBS']._serialized_start=606
-  _globals['_TOKENLOGPROBS']._serialized_end=683
-  _globals['_USAGE']._serialized_start=686
-  _globals['_USAGE']._serialized_end=1055
-  _globals['_ABORTREQUEST']._serialized_start=1057
-  _globals['_ABORTREQUEST']._serialized_end=1091
-  _globals['_ABORTRESPONSE']._serialized_start=1093
-  _globals['_ABORTRESPONSE']._serialized_end=1127
+  _globals['_SAMPLINGPARAMS']._serialized_end=654
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=453
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=501
+  _globals['_TOKENLOGPROBS']._serialized_start=656
+  _globals['_TOKENLOGPROBS']._serialized_end=761
+  _globals['_PROMPTLOGPROBS']._serialized_start=763
+  _globals['_PROMPTLOGPROBS']._serialized_end=841
+  _globals['_USAGE']._serialized_start=844
+  _globals['_USAGE']._serialized_end=1213
+  _globals['_ABORTREQUEST']._serialized_start=1215
+  _globals['_ABORTREQUEST']._serialized_end=1249
+  _globals['_ABORTRESPONSE']._serialized_start=1251
+  _globals['_ABORTRESPONSE']._serialized_end=1285
 # @@protoc_insertion_point(module_scope)

@@ -26,15 +26,15 @@ from dsv4.rpc.v1 import common_pb2 as dsv4_dot_v1_dot_common__pb2
 from dsv4.rpc.v1 import kv_pb2 as dsv4_dot_v1_dot_kv__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x64sv4/v1/worker.proto\x12\x07\x64sv4.v1\x1a\x14\x64sv4/v1/common.proto\x1a\x10\x64sv4/v1/kv.proto\"\x97\x01\n\x10TokenizedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12)\n\x08sampling\x18\x03 \x01(\x0b\x32\x17.dsv4.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x05 \x01(\x03\"<\n\x0ePrefillRequest\x12*\n\x07request\x18\x01 \x01(\x0b\x32\x19.dsv4.v1.TokenizedRequest\"J\n\x0ePrefillTimings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x12\n\ncompute_ms\x18\x02 \x01(\x01\x12\x12\n\nnum_chunks\x18\x03 \x01(\x05\"\xc6\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x18\n\x10\x66irst_token_text\x18\x02 \x01(\t\x12!\n\x06handle\x18\x03 \x01(\x0b\x32\x11.dsv4.v1.KVHandle\x12(\n\x07timings\x18\x04 \x01(\x0b\x32\x17.dsv4.v1.PrefillTimings\x12\x34\n\x14\x66irst_token_logprobs\x18\x05 \x01(\x0b\x32\x16.dsv4.v1.TokenLogprobs\"6\n\x0eReleaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\">\n\x0fReleaseResponse\x12\x11\n\twas_found\x18\x01 \x01(\x08\x12\x18\n\x10num_freed_blocks\x18\x02 \x01(\x05\"\xc7\x01\n\rDecodeRequest\x12*\n\x07request\x18\x01 \x01(\x0b\x32\x19.dsv4.v1.TokenizedRequest\x12\x1b\n\x0e\x66irst_token_id\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12!\n\x06handle\x18\x03 \x01(\x0b\x32\x11.dsv4.v1.KVHandle\x12\x37\n\x13pull_failure_policy\x18\x04 \x01(\x0e\x32\x1a.dsv4.v1.PullFailurePolicyB\x11\n\x0f_first_token_id\"\xa8\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12,\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x15.dsv4.v1.FinishReason\x12\x1d\n\x05usage\x18\x04 \x01(\x0b\x32\x0e.dsv4.v1.Usage\x12(\n\x08logprobs\x18\x05 \x03(\x0b\x32\x16.dsv4.v1.TokenLogprobs\"\r\n\x0bInfoRequest\"\xd2\x03\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12!\n\x04role\x18\x02 \x01(\x0e\x32\x13.dsv4.v1.WorkerRole\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12.\n\x0etransport_kind\x18\x04 \x01(\x0e\x32\x16.dsv4.v1.TransportKind\x12\x1a\n\x12transport_endpoint\x18\x05 \x01(\t\x12%\n\x06layout\x18\x06 \x01(\x0b\x32\x15.dsv4.v1.KVLayoutInfo\x12\x17\n\x0fnum_free_blocks\x18\x07 \x01(\x05\x12\x18\n\x10num_total_blocks\x18\x08 \x01(\x05\x12\x19\n\x11num_queued_tokens\x18\t \x01(\x03\x12\x1c\n\x14num_running_requests\x18\n \x01(\x05\x12\x12\n\nnum_leases\x18\x0b \x01(\x05\x12\x13\n\x0bis_draining\x18\x0c \x01(\x08\x12\x12\n\nmodel_name\x18\r \x01(\t\x12\x12\n\nvocab_size\x18\x0e \x01(\x05\x12\x15\n\rmax_model_len\x18\x0f \x01(\x05\x12\x1a\n\x12updated_at_unix_ms\x18\x10 \x01(\x03\x12\x1a\n\x12speculative_method\x18\x11 \x01(\t\"\x0e\n\x0c\x44rainRequest\"\x10\n\x0eUndrainRequest\"A\n\rDrainResponse\x12\x1c\n\x14num_running_requests\x18\x01 \x01(\x05\x12\x12\n\nnum_leases\x18\x02 \x01(\x05*y\n\x11PullFailurePolicy\x12#\n\x1fPULL_FAILURE_POLICY_UNSPECIFIED\x10\x00\x12!\n\x1dPULL_FAILURE_POLICY_RECOMPUTE\x10\x01\x12\x1c\n\x18PULL_FAILURE_POLICY_FAIL\x10\x02\x32\xb2\x02\n\rPrefillWorker\x12<\n\x07Prefill\x12\x17.dsv4.v1.PrefillRequest\x1a\x18.dsv4.v1.PrefillResponse\x12<\n\x07Release\x12\x17.dsv4.v1.ReleaseRequest\x1a\x18.dsv4.v1.ReleaseResponse\x12\x31\n\x04Info\x12\x14.dsv4.v1.InfoRequest\x1a\x13.dsv4.v1.WorkerInfo\x12\x36\n\x05\x44rain\x12\x15.dsv4.v1.DrainRequest\x1a\x16.dsv4.v1.DrainResponse\x12:\n\x07Undrain\x12\x17.dsv4.v1.UndrainRequest\x1a\x16.dsv4.v1.DrainResponse2\xaa\x02\n\x0c\x44\x65\x63odeWorker\x12;\n\x06\x44\x65\x63ode\x12\x16.dsv4.v1.DecodeRequest\x1a\x17.dsv4.v1.DecodeResponse0\x01\x12\x36\n\x05\x41\x62ort\x12\x15.dsv4.v1.AbortRequest\x1a\x16.dsv4.v1.AbortResponse\x12\x31\n\x04Info\x12\x14.dsv4.v1.InfoRequest\x1a\x13.dsv4.v1.WorkerInfo\x12\x36\n\x05\x44rain\x12\x15.dsv4.v1.DrainRequest\x1a\x16.dsv4.v1.DrainResponse\x12:\n\x07Undrain\x12\x17.dsv4.v1.UndrainRequest\x1a\x16.dsv4.v1.DrainResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x64sv4/v1/worker.proto\x12\x07\x64sv4.v1\x1a\x14\x64sv4/v1/common.proto\x1a\x10\x64sv4/v1/kv.proto\"\x97\x01\n\x10TokenizedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12)\n\x08sampling\x18\x03 \x01(\x0b\x32\x17.dsv4.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x05 \x01(\x03\"<\n\x0ePrefillRequest\x12*\n\x07request\x18\x01 \x01(\x0b\x32\x19.dsv4.v1.TokenizedRequest\"J\n\x0ePrefillTimings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x12\n\ncompute_ms\x18\x02 \x01(\x01\x12\x12\n\nnum_chunks\x18\x03 \x01(\x05\"\xf8\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x18\n\x10\x66irst_token_text\x18\x02 \x01(\t\x12!\n\x06handle\x18\x03 \x01(\x0b\x32\x11.dsv4.v1.KVHandle\x12(\n\x07timings\x18\x04 \x01(\x0b\x32\x17.dsv4.v1.PrefillTimings\x12\x34\n\x14\x66irst_token_logprobs\x18\x05 \x01(\x0b\x32\x16.dsv4.v1.TokenLogprobs\x12\x30\n\x0fprompt_logprobs\x18\x06 \x01(\x0b\x32\x17.dsv4.v1.PromptLogprobs\"6\n\x0eReleaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\">\n\x0fReleaseResponse\x12\x11\n\twas_found\x18\x01 \x01(\x08\x12\x18\n\x10num_freed_blocks\x18\x02 \x01(\x05\"\xc7\x01\n\rDecodeRequest\x12*\n\x07request\x18\x01 \x01(\x0b\x32\x19.dsv4.v1.TokenizedRequest\x12\x1b\n\x0e\x66irst_token_id\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12!\n\x06handle\x18\x03 \x01(\x0b\x32\x11.dsv4.v1.KVHandle\x12\x37\n\x13pull_failure_policy\x18\x04 \x01(\x0e\x32\x1a.dsv4.v1.PullFailurePolicyB\x11\n\x0f_first_token_id\"\xda\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12,\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x15.dsv4.v1.FinishReason\x12\x1d\n\x05usage\x18\x04 \x01(\x0b\x32\x0e.dsv4.v1.Usage\x12(\n\x08logprobs\x18\x05 \x03(\x0b\x32\x16.dsv4.v1.TokenLogprobs\x12\x30\n\x0fprompt_logprobs\x18\x06 \x01(\x0b\x32\x17.dsv4.v1.PromptLogprobs\"\r\n\x0bInfoRequest\"\xd2\x03\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12!\n\x04role\x18\x02 \x01(\x0e\x32\x13.dsv4.v1.WorkerRole\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12.\n\x0etransport_kind\x18\x04 \x01(\x0e\x32\x16.dsv4.v1.TransportKind\x12\x1a\n\x12transport_endpoint\x18\x05 \x01(\t\x12%\n\x06layout\x18\x06 \x01(\x0b\x32\x15.dsv4.v1.KVLayoutInfo\x12\x17\n\x0fnum_free_blocks\x18\x07 \x01(\x05\x12\x18\n\x10num_total_blocks\x18\x08 \x01(\x05\x12\x19\n\x11num_queued_tokens\x18\t \x01(\x03\x12\x1c\n\x14num_running_requests\x18\n \x01(\x05\x12\x12\n\nnum_leases\x18\x0b \x01(\x05\x12\x13\n\x0bis_draining\x18\x0c \x01(\x08\x12\x12\n\nmodel_name\x18\r \x01(\t\x12\x12\n\nvocab_size\x18\x0e \x01(\x05\x12\x15\n\rmax_model_len\x18\x0f \x01(\x05\x12\x1a\n\x12updated_at_unix_ms\x18\x10 \x01(\x03\x12\x1a\n\x12speculative_method\x18\x11 \x01(\t\"\x0e\n\x0c\x44rainRequest\"\x10\n\x0eUndrainRequest\"A\n\rDrainResponse\x12\x1c\n\x14num_running_requests\x18\x01 \x01(\x05\x12\x12\n\nnum_leases\x18\x02 \x01(\x05*y\n\x11PullFailurePolicy\x12#\n\x1fPULL_FAILURE_POLICY_UNSPECIFIED\x10\x00\x12!\n\x1dPULL_FAILURE_POLICY_RECOMPUTE\x10\x01\x12\x1c\n\x18PULL_FAILURE_POLICY_FAIL\x10\x02\x32\xb2\x02\n\rPrefillWorker\x12<\n\x07Prefill\x12\x17.dsv4.v1.PrefillRequest\x1a\x18.dsv4.v1.PrefillResponse\x12<\n\x07Release\x12\x17.dsv4.v1.ReleaseRequest\x1a\x18.dsv4.v1.ReleaseResponse\x12\x31\n\x04Info\x12\x14.dsv4.v1.InfoRequest\x1a\x13.dsv4.v1.WorkerInfo\x12\x36\n\x05\x44rain\x12\x15.dsv4.v1.DrainRequest\x1a\x16.dsv4.v1.DrainResponse\x12:\n\x07Undrain\x12\x17.dsv4.v1.UndrainRequest\x1a\x16.dsv4.v1.DrainResponse2\xaa\x02\n\x0c\x44\x65\x63odeWorker\x12;\n\x06\x44\x65\x63ode\x12\x16.dsv4.v1.DecodeRequest\x1a\x17.dsv4.v1.DecodeResponse0\x01\x12\x36\n\x05\x41\x62ort\x12\x15.dsv4.v1.AbortRequest\x1a\x16.dsv4.v1.AbortResponse\x12\x31\n\x04Info\x12\x14.dsv4.v1.InfoRequest\x1a\x13.dsv4.v1.WorkerInfo\x12\x36\n\x05\x44rain\x12\x15.dsv4.v1.DrainRequest\x1a\x16.dsv4.v1.DrainResponse\x12:\n\x07Undrain\x12\x17.dsv4.v1.UndrainRequest\x1a\x16.dsv4.v1.DrainResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'dsv4.rpc.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PULLFAILUREPOLICY']._serialized_start=1644
-  _globals['_PULLFAILUREPOLICY']._serialized_end=1765
+  _globals['_PULLFAILUREPOLICY']._serialized_start=1744
+  _globals['_PULLFAILUREPOLICY']._serialized_end=1865
   _globals['_TOKENIZEDREQUEST']._serialized_start=74
   _globals['_TOKENIZEDREQUEST']._serialized_end=225
   _globals['_PREFILLREQUEST']._serialized_start=227
@@ -42,27 +42,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREFILLTIMINGS']._serialized_start=289
   _globals['_PREFILLTIMINGS']._serialized_end=363
   _globals['_PREFILLRESPONSE']._serialized_start=366
-  _globals['_PREFILLRESPONSE']._serialized_end=564
-  _globals['_RELEASEREQUEST']._serialized_start=566
-  _globals['_RELEASEREQUEST']._serialized_end=620
-  _globals['_RELEASERESPONSE']._serialized_start=622
-  _globals['_RELEASERESPONSE']._serialized_end=684
-  _globals['_DECODEREQUEST']._serialized_start=687
-  _globals['_DECODEREQUEST']._serialized_end=886
-  _globals['_DECODERESPONSE']._serialized_start=889
-  _globals['_DECODERESPONSE']._serialized_end=1057
-  _globals['_INFOREQUEST']._serialized_start=1059
-  _globals['_INFOREQUEST']._serialized_end=1072
-  _globals['_WORKERINFO']._serialized_start=1075
-  _globals['_WORKERINFO']._serialized_end=1541
-  _globals['_DRAINREQUEST']._serialized_start=1543
-  _globals['_DRAINREQUEST']._serialized_end=1557
-  _globals['_UNDRAINREQUEST']._serialized_start=1559
-  _globals['_UNDRAINREQUEST']._serialized_end=1575
-  _globals['_DRAINRESPONSE']._serialized_start=1577
-  _globals['_DRAINRESPONSE']._serialized_end=1642
-  _globals['_PREFILLWORKER']._serialized_start=1768
-  _globals['_PREFILLWORKER']._serialized_end=2074
-  _globals['_DECODEWORKER']._serialized_start=2077
-  _globals['_DECODEWORKER']._serialized_end=2375
+  _globals['_PREFILLRESPONSE']._serialized_end=614
+  _globals['_RELEASEREQUEST']._serialized_start=616
+  _globals['_RELEASEREQUEST']._serialized_end=670
+  _globals['_RELEASERESPONSE']._serialized_start=672
+  _globals['_RELEASERESPONSE']._serialized_end=734
+  _globals['_DECODEREQUEST']._serialized_start=737
+  _globals['_DECODEREQUEST']._serialized_end=936
+  _globals['_DECODERESPONSE']._serialized_start=939
+  _globals['_DECODERESPONSE']._serialized_end=1157
+  _globals['_INFOREQUEST']._serialized_start=1159
+  _globals['_INFOREQUEST']._serialized_end=1172
+  _globals['_WORKERINFO']._serialized_start=1175
+  _globals['_WORKERINFO']._serialized_end=1641
+  _globals['_DRAINREQUEST']._serialized_start=1643
+  _globals['_DRAINREQUEST']._serialized_end=1657
+  _globals['_UNDRAINREQUEST']._serialized_start=1659
+  _globals['_UNDRAINREQUEST']._serialized_end=1675
+  _globals['_DRAINRESPONSE']._serialized_start=1677
+  _globals['_DRAINRESPONSE']._serialized_end=1742
+  _globals['_PREFILLWORKER']._serialized_start=1868
+  _globals['_PREFILLWORKER']._serialized_end=2174
+  _globals['_DECODEWORKER']._serialized_start=2177
+  _globals['_DECODEWORKER']._serialized_end=2475
 # @@protoc_insertion_point(module_scope)

@@ -49,18 +49,20 @@ class PrefillTimings(_message.Message):
     def __init__(self, queue_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., num_chunks: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token_id", "first_token_text", "handle", "timings", "first_token_logprobs")
+    __slots__ = ("first_token_id", "first_token_text", "handle", "timings", "first_token_logprobs", "prompt_logprobs")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_TEXT_FIELD_NUMBER: _ClassVar[int]
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     first_token_text: str
     handle: _kv_pb2.KVHandle
     timings: PrefillTimings
     first_token_logprobs: _common_pb2.TokenLogprobs
-    def __init__(self, first_token_id: _Optional[int] = ..., first_token_text: _Optional[str] = ..., handle: _Optional[_Union[_kv_pb2.KVHandle, _Mapping]] = ..., timings: _Optional[_Union[PrefillTimings, _Mapping]] = ..., first_token_logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ...) -> None: ...
+    prompt_logprobs: _common_pb2.PromptLogprobs
+    def __init__(self, first_token_id: _Optional[int] = ..., first_token_text: _Optional[str] = ..., handle: _Optional[_Union[_kv_pb2.KVHandle, _Mapping]] = ..., timings: _Optional[_Union[PrefillTimings, _Mapping]] = ..., first_token_logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Union[_common_pb2.PromptLogprobs, _Mapping]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("lease_id", "request_id")
@@ -91,18 +93,20 @@ class DecodeRequest(_message.Message):
     def __init__(self, request: _Optional[_Union[TokenizedRequest, _Mapping]] = ..., first_token_id: _Optional[int] = ..., handle: _Optional[_Union[_kv_pb2.KVHandle, _Mapping]] = ..., pull_failure_policy: _Optional[_Union[PullFailurePolicy, str]] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("token_ids", "text", "finish_reason", "usage", "logprobs")
+    __slots__ = ("token_ids", "text", "finish_reason", "usage", "logprobs", "prompt_logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     finish_reason: _common_pb2.FinishReason
     usage: _common_pb2.Usage
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
+    prompt_logprobs: _common_pb2.PromptLogprobs
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Union[_common_pb2.PromptLogprobs, _Mapping]] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()

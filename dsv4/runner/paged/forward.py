@@ -7,7 +7,8 @@ the kernel config ("auto": Triton on CUDA, the torch references on CPU). The ref
 (`dsv4.runner.reference`: `cache_state.load_states` + the model + `store_state`) stays the
 oracle it is tested against.
 
-Logits are computed only for the rows that sample (the last token of each sampling request).
+Logits are computed only for the rows that sample (the last token of each sampling request);
+prompt logprobs run `head_logits` over the rows they need, from the streams (`PagedOutput`).
 """
 
 from __future__ import annotations
@@ -133,10 +134,15 @@ class PagedForward:
         for i, block in enumerate(self.model.layers):
             x = self._block(block, self.weights[i], fs, x, t.token_ids, fused_first and i == 0,
                             self._ahead[i])  # fmt: skip
-        m = self.model
-        h = self._ops["hc_head"](self._sample_rows(meta, x), m.hc_head_fn, m.hc_head_scale,
-                                 m.hc_head_base, cfg.hc_eps, cfg.rms_norm_eps)  # fmt: skip
-        return m.head(m.norm(h)).float(), x
+        return self.head_logits(self._sample_rows(meta, x)), x
+
+    def head_logits(self, streams: torch.Tensor) -> torch.Tensor:
+        """Final streams [R, M, D] (contiguous) -> logits [R, V] fp32: hc_head, the final norm,
+        the lm head (the sample rows' here; prompt logprobs' rows too)."""
+        m, cfg = self.model, self.cfg
+        h = self._ops["hc_head"](streams, m.hc_head_fn, m.hc_head_scale, m.hc_head_base,
+                                 cfg.hc_eps, cfg.rms_norm_eps)  # fmt: skip
+        return m.head(m.norm(h)).float()
 
     def run_mtp(self, meta: StepMetadata, streams: torch.Tensor,
                 select: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip

@@ -14,10 +14,16 @@ from dataclasses import dataclass
 import torch
 
 from dsv4.runner.paged.decode_graphs import DecodeGraphs, GraphOptions
-from dsv4.runner.paged.forward import DEFAULT_METADATA, DEFAULT_SWITCHES, PagedForward
+from dsv4.runner.paged.forward import (
+    DEFAULT_METADATA,
+    DEFAULT_SWITCHES,
+    PagedForward,
+    PagedOutput,
+)
 from dsv4.runner.paged.forward_state import PagedSwitches
 from dsv4.runner.paged.speculative import PagedSpeculator
 from dsv4.runner.paged.step_metadata import MetadataSwitches
+from dsv4.runner.prompt_logprobs import StepPromptLogprobs
 from dsv4.runner.sampler import Sampler
 from dsv4.runner.step_forward import StepResult, check_speculation, sampling_spec
 from dsv4.scheduler.batch import ScheduledBatch
@@ -95,8 +101,20 @@ class PagedStepForward:
             if tokens is not None:  # the runner copies back [B] int64: no sampler launch
                 self.num_greedy_in_graph += 1
                 return StepResult(greedy=tokens)
-        logits = out[0] if out is not None else self.paged(batch).logits  # [sampling, V]
-        return StepResult(logits, tuple(r.request_id for r in batch.requests if r.samples_token))
+        sample_ids = tuple(r.request_id for r in batch.requests if r.samples_token)
+        if out is not None:  # decode-only: no prefill chunk, no prompt logprobs
+            return StepResult(out[0], sample_ids)  # [sampling, V]
+        eager = self.paged(batch)
+        return StepResult(eager.logits, sample_ids, prompt_logprobs=self._prompt(batch, eager))
+
+    def _prompt(self, batch: ScheduledBatch, eager: PagedOutput) -> StepPromptLogprobs | None:
+        """The prompt logprobs of the step's chunks that asked, from their rows of the final
+        streams [T, M, D]; None (nothing done) when none asked."""
+        prompt = StepPromptLogprobs.of(batch, self.paged.head_logits)
+        if prompt is not None:
+            for request, first in zip(batch.requests, eager.tokens.first_token):
+                prompt.add(request, eager.streams[first : first + request.num_tokens])
+        return prompt
 
     def run_ahead(self, batch: ScheduledBatch, previous: torch.Tensor,
                   prev_rows: Sequence[int]) -> StepResult | None:  # fmt: skip

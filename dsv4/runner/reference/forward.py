@@ -19,7 +19,9 @@ import torch
 
 from dsv4.errors import ConfigError
 from dsv4.model.deepseek_v4 import DeepseekV4, ModelOutput
+from dsv4.ops.hyper import hc_head
 from dsv4.runner.kv_cache import PagedKVCache
+from dsv4.runner.prompt_logprobs import StepPromptLogprobs
 from dsv4.runner.reference.cache_state import load_state, load_states, store_state
 from dsv4.runner.reference.slot_tables import (
     DEFAULT_KERNELS,
@@ -81,6 +83,7 @@ class ReferenceForward:
                 self.spec.release(request_id)
         chosen: dict[str, tuple[int, ...]] = {}
         logits: dict[str, torch.Tensor] = {}  # request -> last-position logits [V]
+        prompt = StepPromptLogprobs.of(batch, self._head_logits)
         decodes = batch.decodes
         if decodes and self.spec is not None:
             specs = [sampling_spec(r.sampling_params) for r in decodes]
@@ -90,12 +93,24 @@ class ReferenceForward:
                 raise ConfigError("num_speculative_tokens", "> 0", "the runner has MTP off")
             logits.update(self._forward(decodes))
         for prefill in batch.prefills:
-            logits.update(self._forward((prefill,)))
+            out = self._run((prefill,))
+            logits[prefill.request_id] = out.logits[0, -1]
+            if prompt is not None:  # the chunk's rows predict its prompt targets
+                prompt.add(prefill, out.streams[0])  # [S, M, D]
         sampled = [r for r in batch.requests if r.samples_token and r.request_id in logits]
         if not sampled:
-            return StepResult(chosen=chosen)
+            return StepResult(chosen=chosen, prompt_logprobs=prompt)
         stacked = torch.stack([logits[r.request_id] for r in sampled])  # [B, V]
-        return StepResult(stacked, tuple(r.request_id for r in sampled), chosen)
+        return StepResult(
+            stacked, tuple(r.request_id for r in sampled), chosen, prompt_logprobs=prompt
+        )
+
+    def _head_logits(self, streams: torch.Tensor) -> torch.Tensor:
+        """Final streams [R, M, D] -> logits [R, V] fp32: the model's head, as its forward."""
+        m, cfg = self.model, self.model.cfg
+        h = hc_head(streams, m.hc_head_fn, m.hc_head_scale, m.hc_head_base, cfg.hc_eps,
+                    cfg.rms_norm_eps)  # fmt: skip
+        return m.head(m.norm(h)).float()
 
     def _forward(self, requests: tuple[ScheduledRequest, ...]) -> dict[str, torch.Tensor]:
         """Rows of equal length -> last-position logits [V] per request."""
