@@ -181,6 +181,7 @@ def plan_to_dict(plan: MemoryPlan) -> dict[str, Any]:
         "weight_bytes": plan.weight_bytes,
         "routed_expert_bytes": plan.routed_expert_bytes,
         "device_expert_bytes": plan.device_expert_bytes,
+        "idle_device_bytes": plan.idle_device_bytes,  # the unused MTP layer (spec decoding off)
         "expert_bytes": plan.expert_bytes,
         "experts_per_layer": plan.experts_per_layer,
         "num_moe_layers": plan.num_moe_layers,

@@ -64,6 +64,9 @@ class PlanRequest:
     host_mem_fraction: float = 0.8  # share of host RAM that may be pinned for experts
     cache_slots: int = 0  # device slots per layer for cold experts; 0: num_experts_per_tok
     staging_experts: int = 0  # with offload: one prefill staging buffer of N experts, all layers
+    # with offload, the reference forward's store of an idle layer (`MemoryPlan.idle_moe_layers`)
+    # holds `cache_slots` device slots too; the paged forward's pool gives it none
+    idle_layer_slots: bool = False
     h2d_gb_per_s: float = 25.0  # pinned host->device bandwidth for the fetch estimate
     tpot_slo_ms: float = 50.0  # an offload whose fetch estimate exceeds it is flagged
     formats: WeightFormats = field(default_factory=WeightFormats)
@@ -105,6 +108,11 @@ class MemoryPlan:
     expert_bytes: int  # one routed expert as held on one GPU (its TP shard without EP)
     experts_per_layer: int  # routed experts per MoE layer on one GPU
     num_moe_layers: int  # main layers (+ the MTP layer when speculative decoding is on)
+    # MoE layers loaded that never run: the MTP layer when speculative decoding is off (the
+    # loaders build it whenever the checkpoint has one), and their device bytes besides the
+    # routed experts (`idle_layer_bytes`)
+    idle_moe_layers: int
+    idle_bytes: int
     kv: KVPlan
     buffers: tuple[Buffer, ...]  # workspaces, CUDA graph pool, MTP draft buffers
     usable_bytes: int
@@ -135,6 +143,16 @@ class MemoryPlan:
         return (self.num_moe_layers * slots + self.staging_experts) * self.expert_bytes
 
     @property
+    def idle_device_bytes(self) -> int:
+        """The idle layers' device bytes: `idle_bytes` and their routed experts, all of them
+        without offload; with it they all wait in host memory, and only the reference
+        forward's store keeps its cache slots for them on the device."""
+        experts = self.experts_per_layer
+        if self.offloaded_per_layer:
+            experts = self.cache_slots if self.request.idle_layer_slots else 0
+        return self.idle_bytes + self.idle_moe_layers * experts * self.expert_bytes
+
+    @property
     def staging_experts(self) -> int:
         """The prefill staging buffer's experts (only with offload)."""
         return self.request.staging_experts if self.offloaded_per_layer else 0
@@ -143,7 +161,7 @@ class MemoryPlan:
     def needed_bytes(self) -> int:
         """Device bytes of this plan (after offload, if any)."""
         fixed = self.weight_bytes - self.routed_expert_bytes + self.buffer_bytes
-        return fixed + self.device_expert_bytes + self.kv.total_bytes
+        return fixed + self.device_expert_bytes + self.kv.total_bytes + self.idle_device_bytes
 
     @property
     def node_host_bytes(self) -> int:
@@ -194,13 +212,15 @@ def plan_memory(request: PlanRequest) -> MemoryPlan:
     if spec_on:
         buffers.append(mtp_buffers(served, req.max_num_seqs, k, tp))
     if req.paged_fp32_copies:
-        buffers.append(paged_fp32_copies(served))
+        buffers.append(paged_fp32_copies(cfg))  # the idle MTP layer's too
     base = MemoryPlan(
         request=req,
         weights=weights,
         expert_bytes=expert_bytes(served, req.formats) // moe_tp,
         experts_per_layer=experts_per_gpu(served, ep),
         num_moe_layers=served.num_hidden_layers + (1 if spec_on else 0),
+        idle_moe_layers=1 if cfg.has_mtp and not spec_on else 0,
+        idle_bytes=idle_layer_bytes(req, kv),
         kv=kv,
         buffers=tuple(buffers),
         usable_bytes=int((req.gpu_mem_gib * req.memory_fraction - req.runtime_reserve_gib) * GIB),
@@ -212,6 +232,20 @@ def plan_memory(request: PlanRequest) -> MemoryPlan:
         message="",
     )
     return decide(base)
+
+
+def idle_layer_bytes(req: PlanRequest, served_kv: KVPlan) -> int:
+    """Device bytes of the MTP layer that the loaders build but that never runs (speculative
+    decoding off), besides its routed experts: its other weights (attention, shared expert,
+    e_proj / h_proj, norms: 0.16 GiB at V4-Flash) and the KV rings the cache layout holds for it
+    (the layout has every layer the model has). 0 when it runs or the model has none."""
+    cfg = req.model
+    if req.num_speculative_tokens > 0 or not cfg.has_mtp:
+        return 0
+    items = weight_items(cfg, req.tp, req.ep, include_mtp=True, formats=req.formats)
+    weights = sum(w.per_gpu_bytes for w in items if w.is_mtp and w.kind != "routed_experts")
+    loaded_kv = kv_plan(cfg, req.cache, req.max_model_len, req.max_num_seqs)
+    return weights + loaded_kv.total_bytes - served_kv.total_bytes
 
 
 def check_fits(plan: MemoryPlan) -> MemoryPlan:

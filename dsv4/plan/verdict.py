@@ -4,9 +4,11 @@ Offloading K routed experts per MoE layer to pinned host memory saves `K - slots
 device memory per layer: the `slots` device cache slots per layer (through which the selected
 cold experts are fetched) cost memory too. So the smallest K that fits is
     K = slots + ceil(deficit / (num_moe_layers * expert_bytes)),
-and it must not exceed the experts a GPU holds per layer, nor the host copies of all the GPUs
-of a node (host memory is per node) its pinned budget. An offload whose fetch estimate exceeds
-the TPOT SLO fits in memory but not in time: its own verdict says so.
+where the deficit is first lowered by the experts of the idle MTP layer (loaded, never run
+without speculative decoding), which any offload moves to host memory whole. K must not exceed
+the experts a GPU holds per layer, nor the host copies of all the GPUs of a node (host memory
+is per node) its pinned budget. An offload whose fetch estimate exceeds the TPOT SLO fits in
+memory but not in time: its own verdict says so.
 """
 
 from __future__ import annotations
@@ -32,17 +34,19 @@ def decide(plan: MemoryPlan) -> MemoryPlan:
     if plan.needed_bytes <= plan.usable_bytes:
         return replace(plan, verdict=FITS, message=_fits_message(plan))
     req = plan.request
-    layers, per_expert = plan.num_moe_layers, plan.expert_bytes
-    # offloading adds the prefill staging buffer (`PlanRequest.staging_experts`)
-    deficit = plan.needed_bytes - plan.usable_bytes + req.staging_experts * per_expert
-    slots = min(req.cache_slots, plan.experts_per_layer)
-    k = slots + math.ceil(deficit / (layers * per_expert))
-    if k > plan.experts_per_layer:  # even all-offloaded does not fit: report that extreme
-        k = plan.experts_per_layer
+    layers, per_expert, e = plan.num_moe_layers, plan.expert_bytes, plan.experts_per_layer
+    # offloading adds the prefill staging buffer (`PlanRequest.staging_experts`) and moves the
+    # idle layers' experts to host memory (less the slots the reference forward keeps them)
+    slots = min(req.cache_slots, e)
+    idle_kept = slots if req.idle_layer_slots else 0
+    idle_moved = plan.idle_moe_layers * (e - idle_kept) * per_expert
+    deficit = plan.needed_bytes - plan.usable_bytes + req.staging_experts * per_expert - idle_moved
+    k = slots + math.ceil(max(deficit, 0) / (layers * per_expert))
+    if k > e:  # even all-offloaded does not fit: report that extreme
+        k = e
         slots = min(slots, k)
-    attempt = replace(
-        plan, offloaded_per_layer=k, cache_slots=slots, host_bytes=layers * k * per_expert
-    )
+    host = layers * k * per_expert  # of the served layers (the worker adds the idle ones)
+    attempt = replace(plan, offloaded_per_layer=k, cache_slots=slots, host_bytes=host)
     device_ok = attempt.needed_bytes <= attempt.usable_bytes
     host_ok = attempt.node_host_bytes <= attempt.host_usable_bytes
     if device_ok and host_ok:
@@ -64,10 +68,11 @@ def _breakdown(plan: MemoryPlan) -> str:
     req = plan.request
     extras = ", ".join(f"{b.name} {gib(b.nbytes)}" for b in plan.buffers)
     non_expert = plan.weight_bytes - plan.routed_expert_bytes
+    idle = f" + unused MTP layer {gib(plan.idle_device_bytes)}" if plan.idle_moe_layers else ""
     return (
         f"per GPU: weights {gib(non_expert)} + routed experts {gib(plan.device_expert_bytes)}"
         f" + KV {gib(plan.kv.total_bytes)} ({req.max_num_seqs} seqs x {req.max_model_len} tokens"
-        f" x {gib(plan.kv.bytes_per_request)}) + {extras}"
+        f" x {gib(plan.kv.bytes_per_request)}){idle} + {extras}"
         f" = {gib(plan.needed_bytes)} of {gib(plan.usable_bytes)} usable"
         f" ({req.gpu_mem_gib:g} GiB x {req.memory_fraction:g} - {req.runtime_reserve_gib:g} GiB"
         " reserve)"

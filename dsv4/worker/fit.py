@@ -172,6 +172,7 @@ def startup_request(
         if config.features.forward == "paged"
         else 0,
         staging_experts=config.features.expert_staging if config.features.forward == "paged" else 0,
+        idle_layer_slots=config.features.forward != "paged",  # as `apply_offload` builds stores
         formats=WeightFormats(config.features.linear_weights, config.features.expert_weights),
         cache=CacheOptions(
             block_size=config.cache.block_size,

@@ -162,7 +162,10 @@ def test_plan_that_does_not_fit_refuses_to_start_naming_the_shortfall():
     assert isinstance(err.value, Dsv4Error)
     message = err.value.message
     resident = 43 * 256 * expert_bytes(FLASH) + plan.weight_bytes - plan.routed_expert_bytes
-    short = resident + plan.kv.total_bytes + plan.buffer_bytes - plan.usable_bytes
+    # the MTP layer is loaded though it never runs: its weights, with all 256 experts
+    mtp = plan.idle_bytes + 256 * expert_bytes(FLASH)
+    assert f"unused MTP layer {mtp / GIB:.2f} GiB" in message
+    short = resident + mtp + plan.kv.total_bytes + plan.buffer_bytes - plan.usable_bytes
     assert f"short by {short / GIB:.2f} GiB per GPU" in message
     assert "--host-mem >= " in message and "pinned host memory" in message
 
@@ -174,10 +177,14 @@ def test_pro_on_one_80gb_gpu_does_not_fit_even_fully_offloaded():
     assert "Fixes:" in plan.message
 
 
-def test_mtp_counts_only_when_speculative_decoding_is_on():
+def test_mtp_runs_only_when_speculative_decoding_is_on():
     off = plan_memory(PlanRequest(FLASH, num_gpus=8, gpu_mem_gib=141))
     on = plan_memory(PlanRequest(FLASH, num_gpus=8, gpu_mem_gib=141, num_speculative_tokens=2))
     assert not any(w.is_mtp for w in off.weights) and on.num_moe_layers == 44
+    # off, the MTP layer is still loaded (its 32 experts of 8 GPUs too): idle, counted apart
+    assert (off.idle_moe_layers, on.idle_moe_layers, on.idle_device_bytes) == (1, 0, 0)
+    mtp_weights = sum(w.per_gpu_bytes for w in on.weights if w.is_mtp)
+    assert off.idle_device_bytes == mtp_weights == off.idle_bytes + 32 * expert_bytes(FLASH)
     mtp_experts = sum(w.total_bytes for w in on.weights if w.is_mtp and w.kind == "routed_experts")
     assert mtp_experts == 256 * expert_bytes(FLASH)
     assert "mtp_draft" in {b.name for b in on.buffers} - {b.name for b in off.buffers}
