@@ -35,7 +35,8 @@ def random_tensor(spec: TensorSpec, cfg: ModelConfig, gen: torch.Generator) -> t
     shape = spec.shape
     dev = gen.device
     if spec.role == "linear":
-        return torch.randn(shape, generator=gen, device=dev) / shape[-1] ** 0.5
+        # in place: a Flash-shaped head is a [129280, 4096] fp32 draw (1.97 GiB), one copy
+        return torch.randn(shape, generator=gen, device=dev).div_(shape[-1] ** 0.5)
     if spec.role == "embed":
         return torch.randn(shape, generator=gen, device=dev)
     if spec.role == "norm":
@@ -213,6 +214,9 @@ def random_model(
     moes = {name: m for name, m in model.named_modules() if isinstance(m, MoE)}
     with torch.no_grad():
         for spec in model_tensors(cfg, include_mtp=bool(len(model.mtp))):
+            # the last draw is dropped before the next: on a GPU the embedding and head draws
+            # (1.97 GiB each at Flash's shape) would otherwise overlap in the load's peak
+            value = None
             value = random_tensor(spec, cfg, gen)
             target = state.get(spec.name)
             if target is not None and target.dtype == torch.float8_e4m3fn:  # an FP8Linear
