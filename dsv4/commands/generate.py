@@ -61,7 +61,10 @@ def run_generate(args: argparse.Namespace) -> int:
     prompts += [list(parse_ints("--prompt-ids", i, "token ids")) for i in args.prompt_ids or ()]
     if not prompts or any(not p for p in prompts):
         raise UsageError("every prompt must be non-empty: pass --prompt TEXT or --prompt-ids 1,2,3")
-    spec = SamplingSpec(args.temperature, args.top_p, args.top_k, args.seed)
+    if args.logprobs is not None and not args.json:
+        raise UsageError("--logprobs N is printed with --json: pass both")
+    spec = SamplingSpec(args.temperature, args.top_p, args.top_k, args.seed,
+                        logprobs=args.logprobs)  # fmt: skip
     try:
         params, note = checked_params(
             cfg, prompts, spec, args.max_new_tokens, stop_strings=tuple(args.stop or ())
@@ -90,6 +93,11 @@ def run_generate(args: argparse.Namespace) -> int:
                 "text": text,
                 "finish_reason": result.finish_reason,
             }
+            if args.logprobs is not None:  # vLLM's raw logprobs: before temperature/top-p
+                record["logprobs"] = [
+                    {"logprob": lp.logprob, "top": [list(pair) for pair in lp.top]}
+                    for lp in result.logprobs
+                ]
             print(json.dumps(record))
         else:
             print(text if codec else ",".join(map(str, ids)))
@@ -118,6 +126,11 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stop", action="append", help="a stop string (repeatable)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    p.add_argument(
+        "--logprobs", type=int, default=None, metavar="N",
+        help="with --json: each output token's logprob and the N most likely [id, logprob] "
+        "(0-20; from the raw logits, as the server's logprobs)",
+    )  # fmt: skip
     p.add_argument(
         "--skip-tokenizer-init",
         action="store_true",

@@ -17,7 +17,7 @@ from dsv4.runner.stop import TextStopChecker
 from dsv4.scheduler.config import SchedulerConfig
 from dsv4.scheduler.request import Request
 from dsv4.text.tokenizer import TextCodec
-from dsv4.types import RequestLimits, SamplingParams
+from dsv4.types import RequestLimits, SamplingParams, TokenLogprobs
 from dsv4.wire.validate import check_prompt_token_ids, check_sampling
 
 
@@ -26,6 +26,8 @@ class OfflineResult:
     prompt_token_ids: tuple[int, ...]
     output_token_ids: tuple[int, ...]
     finish_reason: str
+    # one per output token when the spec asked (`SamplingSpec.logprobs`), else ()
+    logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 def default_cache_options(dtype: torch.dtype, block_size: int = 256) -> CacheOptions:
@@ -61,6 +63,7 @@ def checked_params(
                 top_k=spec.top_k,
                 max_new_tokens=min(max_new_tokens, room),
                 seed=spec.seed,
+                logprobs=spec.logprobs,
                 stop_token_ids=(),
                 stop_strings=stop_strings,
                 ignore_eos=False,
@@ -123,6 +126,7 @@ def generate_batch(
                     top_p=spec.top_p,
                     top_k=spec.top_k,
                     seed=spec.seed,
+                    logprobs=spec.logprobs,
                     max_new_tokens=budget,
                     stop_strings=stop_strings,
                 ),
@@ -131,14 +135,21 @@ def generate_batch(
             )
         )
     outputs: dict[str, list[int]] = {}
+    logprobs: dict[str, list[TokenLogprobs]] = {}
     reasons: dict[str, str] = {}
     while core.has_work():
         for out in core.step():
             outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+            logprobs.setdefault(out.request_id, []).extend(out.logprobs)
             if out.finish_reason is not None:
                 reasons[out.request_id] = out.finish_reason.value
     assert not core.find_leaks(), core.find_leaks()
     return [
-        OfflineResult(tuple(p), tuple(outputs.get(f"offline-{i}", ())), reasons[f"offline-{i}"])
+        OfflineResult(
+            tuple(p),
+            tuple(outputs.get(f"offline-{i}", ())),
+            reasons[f"offline-{i}"],
+            tuple(logprobs.get(f"offline-{i}", ())),
+        )
         for i, p in enumerate(prompts)
     ]

@@ -91,3 +91,23 @@ def test_skip_tokenizer_init_gives_token_ids_only(tiny_dir, capsys) -> None:
     assert record["text"] is None and len(record["output_token_ids"]) == 3
     assert main([*argv, "--skip-tokenizer-init", "--stop", "x"]) == 2
     assert "--stop needs the tokenizer" in capsys.readouterr().err
+
+
+def test_generate_logprobs_json(tiny_dir, capsys) -> None:
+    """--logprobs N with --json: greedy tokens are their position's most likely, so each
+    token's logprob is the first of its N best, all <= 0; out of range or without --json is one
+    line naming the flag, exit 2."""
+    argv = ["generate", "--model", str(tiny_dir), "--prompt-ids", "9,10,11", "--max-new-tokens",
+            "5", "--ignore-eos", "--json", "--logprobs", "3"]  # fmt: skip
+    capsys.readouterr()
+    assert main(argv) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert len(record["logprobs"]) == len(record["output_token_ids"]) == 5
+    for token, lp in zip(record["output_token_ids"], record["logprobs"], strict=True):
+        assert len(lp["top"]) == 3 and lp["top"][0][0] == token
+        assert lp["logprob"] == lp["top"][0][1] <= 0.0
+        assert [v for _, v in lp["top"]] == sorted((v for _, v in lp["top"]), reverse=True)
+    for bad in ([*argv[:-1], "21"], [a for a in argv if a != "--json"]):
+        assert main(bad) == 2
+        err = capsys.readouterr().err.strip()
+        assert "--logprobs" in err and "\n" not in err and "Traceback" not in err
