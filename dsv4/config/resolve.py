@@ -19,6 +19,11 @@ if TYPE_CHECKING:
 _LOOPBACK = {"localhost", "127.0.0.1", "::1", "[::1]", ""}
 
 
+def model_dtype(dtype: str, on_cuda: bool) -> str:
+    """`model.dtype` resolved: auto is bf16 on CUDA, fp32 on CPU."""
+    return dtype if dtype != "auto" else ("bf16" if on_cuda else "fp32")
+
+
 def resolve_auto(
     config: ServeConfig,
     *,
@@ -45,7 +50,7 @@ def resolve_auto(
     model_section = dataclasses.replace(
         m,
         device=device,
-        dtype=m.dtype if m.dtype != "auto" else ("bf16" if on_cuda else "fp32"),
+        dtype=model_dtype(m.dtype, on_cuda),
         kernels=m.kernels if m.kernels != "auto" else ("triton" if on_cuda else "ref"),
         max_model_len=m.max_model_len or (model.max_position_embeddings if model else 0),
     )

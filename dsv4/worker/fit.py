@@ -11,6 +11,7 @@ import logging
 from dsv4.cache.packing import CacheOptions
 from dsv4.config import ServeConfig
 from dsv4.config.model import ModelConfig
+from dsv4.config.resolve import model_dtype
 from dsv4.plan import (
     MemoryPlan,
     PlanDoesNotFit,
@@ -134,10 +135,7 @@ def size_text(nbytes: int) -> str:
 def _makes_fp32_copies(config: ServeConfig, on_cuda: bool) -> bool:
     """The paged forward copies compressor and router weights to fp32 at load: on a bf16/fp16
     model only (an fp32 model's `.float()` is the tensor itself; dtype auto is bf16 on CUDA)."""
-    dtype = config.model.dtype
-    if dtype == "auto":
-        dtype = "bf16" if on_cuda else "fp32"
-    return config.features.forward == "paged" and dtype != "fp32"
+    return config.features.forward == "paged" and model_dtype(config.model.dtype, on_cuda) != "fp32"
 
 
 def startup_request(
