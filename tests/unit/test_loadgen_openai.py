@@ -93,11 +93,13 @@ class FakeOpenAIServer:
             else:
                 choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
             await send([choice])
+        # tallied before the last events: a client may finish its whole run on [DONE] before
+        # this coroutine resumes after writing it (seen once on a loaded machine)
+        self.completion_tokens_sent += sent
+        self.prompt_tokens_ok += prompt_tokens
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": sent}
         await send([], usage | {"total_tokens": prompt_tokens + sent})
         await response.write(b"data: [DONE]\n\n")
-        self.completion_tokens_sent += sent
-        self.prompt_tokens_ok += prompt_tokens
         return response
 
 
