@@ -221,10 +221,12 @@ class LayerPool:
 
     def rows(self, u: torch.Tensor, rows_of: torch.Tensor, limit: float | None,
              out: torch.Tensor | None = None, skip: bool = False,
-             used_rows: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-        """The grouped GEMM's per-pair rows [T*K, D] on device rows `rows_of` [T, K];
+             used_rows: torch.Tensor | None = None,
+             storage: ExpertWeights | None = None) -> torch.Tensor:  # fmt: skip
+        """The grouped GEMM's per-pair rows [T*K, D] on device rows `rows_of` [T, K] of
+        `storage` (default: the pool's own; the staging buffer's for a staged prefill);
         `used_rows` (int32 [U]): every row `rows_of` names, when the caller knows them."""
-        w = self.weights
+        w = self.weights if storage is None else storage
         return self.ops["expert_rows"](u, rows_of, w.w13, w.w2, w.format, w.w13_scale,
                                        w.w2_scale, limit, rows=out, num_experts=self.num_experts,
                                        skip=skip, used_rows=used_rows)  # fmt: skip

@@ -23,13 +23,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dsv4.ops.expert_slots import COUNTER_NAMES
+from dsv4.ops.expert_slots import COUNTER_NAMES, PREFETCHES
 
 if TYPE_CHECKING:
     from dsv4.model.moe import ExpertWeights
     from dsv4.runner.paged.expert_pool import LayerPool
 
-_PREFETCHES, _BYTES = (COUNTER_NAMES.index(n) for n in ("prefetches", "bytes_fetched"))
+_BYTES = COUNTER_NAMES.index("bytes_fetched")
 
 
 @dataclass(frozen=True)
@@ -129,7 +129,7 @@ class Staging:
         for group in ahead.groups:
             self.fill(ahead.pool, group)
         n = sum(len(g.fetched) for g in ahead.groups)
-        ahead.pool.counters[_PREFETCHES] += n
+        ahead.pool.counters[PREFETCHES] += n
         ahead.pool.counters[_BYTES] += n * ahead.pool.row_bytes
         self.ahead = ahead
 
@@ -141,14 +141,6 @@ class Staging:
         pool.ops["copy_wait_start"](pool.counters)
         torch.cuda.current_stream(self.weights.w13.device).wait_event(self.copied[h])
         pool.ops["copy_wait_end"](pool.counters)
-
-    def gemm(self, pool: LayerPool, u: torch.Tensor, rows_of: torch.Tensor, used: torch.Tensor,
-             limit: float | None, rows: torch.Tensor) -> torch.Tensor:  # fmt: skip
-        """The step's pairs on staging rows `rows_of` [T, K] (-1: skipped) into `rows`."""
-        w = self.weights
-        return pool.ops["expert_rows"](u, rows_of, w.w13, w.w2, w.format, w.w13_scale,
-                                       w.w2_scale, limit, rows=rows, num_experts=pool.num_experts,
-                                       skip=True, used_rows=used)  # fmt: skip
 
 
 def _byte_rows(parts: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:

@@ -97,7 +97,8 @@ def _streamed(pool: LayerPool, staging: Staging, u: torch.Tensor, ids: torch.Ten
         place, group_rows = staging.placed(pool, group)
         staging.wait_copy(pool, group.half)
         rows_of = torch.where(table < 0, place, -1)[flat].view(ids.shape)  # misses only
-        rows = staging.gemm(pool, u, rows_of, group_rows, limit, rows)
+        rows = pool.rows(u, rows_of, limit, rows, skip=True, used_rows=group_rows,
+                         storage=staging.weights)  # fmt: skip
         if staging.copy_stream is not None:
             staging.freed[group.half].record()
     _finish(pool, staging, groups, _stream_ahead(pool, staging, groups, ids.numel()))
@@ -153,7 +154,8 @@ def _routed(pool: LayerPool, staging: Staging, u: torch.Tensor, ids: torch.Tenso
             staging.wait_copy(pool, group.half)
             place.fill_(-1)
             place[group_ids[g]] = group_rows[g]
-            rows = staging.gemm(pool, u, place[ids.long()], group_rows[g], limit, rows)
+            rows = pool.rows(u, place[ids.long()], limit, rows, skip=True,
+                             used_rows=group_rows[g], storage=staging.weights)  # fmt: skip
         if staging.copy_stream is not None:
             staging.freed[group.half].record()
     _finish(pool, staging, groups, following)
