@@ -131,6 +131,18 @@ def model_config(shape: str, layers: int):
     return tiny_config().with_overrides(expert_dtype="fp4", linear_dtype="fp8")
 
 
+def _fraction(text: str) -> float:
+    """--memory-fraction: a share of the device in (0, 1] (cache.memory_fraction's range),
+    refused by argparse in one line."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a share of the device in (0, 1]")
+    return value
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", default="flash", choices=("flash", "tiny"))
@@ -141,7 +153,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--offload-share", type=float, default=0.4)
     parser.add_argument("--device-memory-gib", type=float, default=0.0, help="0: from the share")
     parser.add_argument("--host-memory-gib", type=float, default=64.0)
-    parser.add_argument("--memory-fraction", type=float, default=0.9,
+    parser.add_argument("--memory-fraction", type=_fraction, default=0.9,
                         help="cache.memory_fraction: the share of the device the plan may use")  # fmt: skip
     parser.add_argument("--new-tokens", type=int, default=8)
     parser.add_argument("--no-baseline", action="store_true",
