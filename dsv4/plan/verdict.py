@@ -45,7 +45,9 @@ def decide(plan: MemoryPlan) -> MemoryPlan:
     if k > e:  # even all-offloaded does not fit: report that extreme
         k = e
         slots = min(slots, k)
-    host = layers * k * per_expert  # of the served layers (the worker adds the idle ones)
+    # the served layers' cold experts and the idle layers' moved ones (the worker's own check,
+    # `dsv4.worker.offload.expert_offload`, counts both the same way)
+    host = layers * k * per_expert + idle_moved
     attempt = replace(plan, offloaded_per_layer=k, cache_slots=slots, host_bytes=host)
     device_ok = attempt.needed_bytes <= attempt.usable_bytes
     host_ok = attempt.node_host_bytes <= attempt.host_usable_bytes

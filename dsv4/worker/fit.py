@@ -120,10 +120,11 @@ def _log_residency_cost(config: ServeConfig, at_batch: MemoryPlan, model_cfg: Mo
 
 def host_shortfall(plan: MemoryPlan, host_memory_gib: float) -> str:
     """The refusal of a plan whose offload fits the device but not the pinned host budget."""
+    idle = " + the unused MTP layer's" if plan.idle_moe_layers else ""
     return (
         f"needs {size_text(plan.host_bytes)} of pinned host memory for"
         f" {plan.offloaded_per_layer} of {plan.experts_per_layer} experts x"
-        f" {plan.num_moe_layers} layers; --host-memory-gib gives {host_memory_gib:g}"
+        f" {plan.num_moe_layers} layers{idle}; --host-memory-gib gives {host_memory_gib:g}"
     )
 
 

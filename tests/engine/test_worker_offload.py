@@ -127,7 +127,8 @@ def test_too_little_host_memory_refuses_in_one_line_before_loading(monkeypatch) 
     with pytest.raises(PlanDoesNotFit) as refusal:
         build_worker_runtime(config, with_transport=False)
     assert refusal.value.message == (
-        "needs 1.9 MiB of pinned host memory for 5 of 8 experts x 4 layers; "
+        "needs 2.4 MiB of pinned host memory for 5 of 8 experts x 4 layers"
+        " + the unused MTP layer's; "
         "--host-memory-gib gives 0.001"
     )
     assert loads == []
