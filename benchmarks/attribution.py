@@ -9,6 +9,7 @@ projections, torch elementwise ops for the glue).
 
 from __future__ import annotations
 
+import re
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -59,9 +60,11 @@ def _kernel_us(event) -> float:
     return 0.0
 
 
-def attribute(step: Callable[[], object], device: torch.device, repeats: int = 10) -> dict:
+def attribute(
+    step: Callable[[], object], device: torch.device, repeats: int = 10, top: int = 12
+) -> dict:
     """-> {"components_us": {name: us per step}, "kernels_us", "wall_us", "gaps_us",
-    "top_kernels": [(name, us per step)]}; {} when the device is not CUDA."""
+    "top_kernels": [(name, us per step)], the `top` longest}; {} when the device is not CUDA."""
     if device.type != "cuda":
         return {}
     from torch.profiler import ProfilerActivity, profile
@@ -88,11 +91,61 @@ def attribute(step: Callable[[], object], device: torch.device, repeats: int = 1
         walls.append((time.perf_counter() - start) * 1e6)
     wall = sorted(walls)[len(walls) // 2]
     kernels = sum(components.values())
-    top = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:12]
+    longest = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:top]
     return {
         "components_us": {k: round(v, 1) for k, v in sorted(components.items())},
         "kernels_us": round(kernels, 1),
         "wall_us": round(wall, 1),
         "gaps_us": round(wall - kernels, 1),
-        "top_kernels": [(name[:80], round(us, 1)) for name, us in top],
+        "top_kernels": [(name[:80], round(us, 1)) for name, us in longest],
     }
+
+
+# host calls that block until the GPU catches up (cudaMemcpy without Async is synchronous;
+# torch's .item()/.tolist() are cudaMemcpyAsync + cudaStreamSynchronize); cu*: the driver API
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
+              "cudaMemcpy", "cuStreamSynchronize", "cuCtxSynchronize", "cuEventSynchronize")  # fmt: skip
+STEP_MARK = "attribution_step"  # record_function around each step: its syncs, not ours
+
+
+def count_events(events, repeats: int) -> dict:
+    """Per step, from profiler events: GPU kernels launched, host syncs inside a STEP_MARK
+    range (by call; CUPTI may name a call with its version, cudaMemcpy_v3020; without marks,
+    every sync), device-to-host copies. Split from `launches_and_syncs` so the CPU
+    tests can feed it events."""
+    marks = [e.time_range for e in events
+             if e.name == STEP_MARK and str(e.device_type).endswith("CPU")]  # fmt: skip
+    syncs: dict[str, float] = defaultdict(float)
+    kernels = dtoh = 0
+    for e in events:
+        if str(e.device_type).endswith("CUDA"):
+            if e.name.startswith("Memcpy DtoH"):
+                dtoh += 1
+            elif not e.name.startswith(("Memcpy", "Memset")) and e.name != STEP_MARK:
+                kernels += 1
+        elif (call := re.sub(r"_v\d+$", "", e.name)) in SYNC_CALLS and (
+            not marks or any(m.start <= e.time_range.start <= m.end for m in marks)
+        ):
+            syncs[call] += 1 / repeats
+    return {"launches": round(kernels / repeats, 1),
+            "host_syncs": round(sum(syncs.values()), 1),
+            "dtoh_copies": round(dtoh / repeats, 1),
+            "sync_calls": {k: round(v, 1) for k, v in sorted(syncs.items())}}  # fmt: skip
+
+
+def launches_and_syncs(step: Callable[[], object], device: torch.device, repeats: int = 3) -> dict:
+    """-> {"launches", "host_syncs", "dtoh_copies", "sync_calls": {call: per step}} of
+    `step()` (count_events); {} when the device is not CUDA. A profile of its own: the
+    closing synchronize lies outside every STEP_MARK range, so it is not counted."""
+    if device.type != "cuda":
+        return {}
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    step()
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            with record_function(STEP_MARK):
+                step()
+        torch.cuda.synchronize(device)
+    return count_events(prof.events(), repeats)

@@ -25,6 +25,10 @@
 #   full    issue 22 at full depth: offload_serve_check --layers 43, timing only, the card
 #           deciding the offload (FULL_ARGS picks runs / routings / batches), written to
 #           full-depth-<card>.json after each timed run.
+#   pattr   issues 25/22: where ONE fresh prompt's prefill step spends its time, 1024 and 8192
+#           tokens, bf16 then MXFP4 experts + FP8 linears (benchmarks.prefill_attribution: kernel
+#           time per component, gaps, launches, host syncs, top kernels), to
+#           prefill-attribution-<card>.json; PATTR_ARGS replaces its --prompt-len 1024,8192.
 # Result files of the parts below that name the card say h100 or h200, from nvidia-smi.
 # DECODE_ARGS and E2E_ARGS add arguments to the decode and end-to-end benchmarks.
 # Each part has its own time limit and writes under $OUT, so a failing part leaves the others'.
@@ -120,6 +124,12 @@ run_into "${T_FULL:-400}" "$logs/full.log" python3 -m benchmarks.offload_serve_c
     --out "$out/full-depth-$card.json" ${FULL_ARGS:-}
 grep -E "loaded in|warm-up|timed|Error|error|short|rc=" "$logs/full.log" | cut -c1-300
 tail -4 "$logs/full.log" | cut -c1-300
+}
+has pattr && {  # the step summaries and their components (top kernels: in the JSON)
+run_into "${T_PATTR:-240}" "$logs/prefill-attribution.log" python3 -m benchmarks.prefill_attribution \
+    --out "$out/prefill-attribution-$card.json" ${PATTR_ARGS:---prompt-len 1024,8192}
+grep -E "^prefill |^  [a-z]|Error|wrote" "$logs/prefill-attribution.log" | cut -c1-220
+grep -q "^wrote" "$logs/prefill-attribution.log" || tail -12 "$logs/prefill-attribution.log" | cut -c1-300
 }
 has decode && {
 timeout "${T_DECODE:-200}" python3 -m benchmarks.bench_decode_graphs --out "$out/decode-graphs-h200.json" \

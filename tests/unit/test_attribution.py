@@ -29,3 +29,37 @@ _SPEC.loader.exec_module(attribution)
 )
 def test_kernel_names_map_to_their_component(kernel, component):
     assert attribution.component_of(kernel) == component
+
+
+def _event(name: str, device: str, start: float, end: float | None = None):
+    from types import SimpleNamespace
+
+    span = SimpleNamespace(start=start, end=start if end is None else end)
+    return SimpleNamespace(name=name, device_type=f"DeviceType.{device}", time_range=span)
+
+
+def test_count_events_counts_per_step_inside_the_step_marks():
+    """Kernels and device-to-host copies per step; host syncs only inside a step's mark (the
+    profile's own closing synchronize is not the step's), by call, version suffix dropped."""
+    mark = attribution.STEP_MARK
+    events = []
+    for i in range(2):  # two steps of 3 kernels, one .item() (copy + stream sync) each
+        t = 100.0 * i
+        events += [_event(mark, "CPU", t, t + 50), _event(mark, "CUDA", t, t + 50)]
+        events += [_event(f"_attn_kernel_{k}", "CUDA", t + k) for k in range(3)]
+        events += [_event("Memcpy DtoH (Device -> Pageable)", "CUDA", t + 5),
+                   _event("Memset (Device)", "CUDA", t + 6),
+                   _event("cudaMemcpyAsync", "CPU", t + 7),
+                   _event("cudaStreamSynchronize" + ("_v3020" if i else ""), "CPU", t + 8)]  # fmt: skip
+    events.append(_event("cudaDeviceSynchronize", "CPU", 500.0))  # outside every step
+    found = attribution.count_events(events, repeats=2)
+    assert found == {"launches": 3.0, "host_syncs": 1.0, "dtoh_copies": 1.0,
+                     "sync_calls": {"cudaStreamSynchronize": 1.0}}  # fmt: skip
+
+
+def test_attribute_and_counts_are_empty_off_cuda():
+    import torch
+
+    cpu = torch.device("cpu")
+    assert attribution.attribute(lambda: None, cpu, top=15) == {}
+    assert attribution.launches_and_syncs(lambda: None, cpu) == {}
