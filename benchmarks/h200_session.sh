@@ -177,7 +177,8 @@ if has fi; then
 fi
 if has pool || has pooltests; then
 run_into "${T_POOL_TESTS:-150}" "$logs/pool-tests.txt" python3 -m pytest -q -p no:cacheprovider \
-    -m gpu tests/engine/test_expert_pool.py tests/engine/test_expert_staging.py tests/kernels/test_expert_slots.py
+    -m gpu tests/engine/test_expert_pool.py tests/engine/test_expert_staging.py tests/kernels/test_expert_slots.py \
+    tests/engine/test_capture_collector.py
 tail -3 "$logs/pool-tests.txt"
 fi
 has pool && {

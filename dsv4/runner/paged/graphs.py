@@ -24,10 +24,12 @@ step's cost without graphs in benchmarks.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -56,6 +58,33 @@ def context_buckets(max_len: int, index_topk: int) -> tuple[int, ...]:
         sizes.append(first)
         first *= 4
     return (*sizes, max_len)
+
+
+@contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collected now, then the automatic collector off until the block
+    ends: what `StaticPass.capture` warms up and captures in.
+
+    Why: the collector runs at whichever allocation crosses its threshold, and the finalizers
+    of what it frees run right there. Cyclic garbage can hold CUDA resources whose finalizers
+    call the driver: a dropped expert pool (`LayerPool.owner_pool` <-> `ExpertPool.layers`)
+    its registered host rows, whose `weakref.finalize` calls cudaHostUnregister
+    (`host_blobs`), a dropped engine core its CUDA graphs. Inside a global-mode capture such a
+    call is refused, the finalizer drops the error, and the capture is invalidated: the next
+    launch, wherever it is, fails with "operation failed due to a previous error during
+    capture" (most likely the pooled halves128 GPU test's failure at `copy_wait_end`, after
+    the earlier cases had dropped their pools). `torch.cuda.graph` does not
+    collect on entry by default (torch.compiler.config.force_cudagraph_gc). One collection a
+    pass, not one a key: a full collection of a large process is not free, and a pass has up
+    to ~80 keys."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def bucket_of(value: int, buckets: Sequence[int]) -> int | None:
@@ -218,7 +247,14 @@ class StaticPass:
         return self.fn(shape, tensors, select, streams)
 
     def capture(self, pool, warmup_context: bool = True) -> object:
-        """Capture every key, largest first, into one shared memory pool (returned)."""
+        """Capture every key, largest first, into one shared memory pool (returned); with
+        graphs, under `collector_paused` (no finalizer runs inside a capture)."""
+        if not self.capture_graphs:
+            return self._capture_keys(pool, warmup_context)
+        with collector_paused():
+            return self._capture_keys(pool, warmup_context)
+
+    def _capture_keys(self, pool, warmup_context: bool) -> object:
         for key in sorted(itertools.product(self.batches, self.contexts), reverse=True):
             context = key[1]
             full = max(context - self.inputs.query_len, 0) if warmup_context else 0
