@@ -20,8 +20,10 @@ and tests):
 - above: the weight dequantised once (`kernels/fp8_dequant.py`), then cuBLAS: the reference's
   own computation, so its output is equal, not just close.
 `activations="fp8"` (W8A8, its own switch: x rounded to e4m3 per 1x128 group, so not exact)
-sends GEMV_MAX_ROWS < T <= W8A8_MAX_ROWS to kernels/fp8_w8a8.py (FP8 x FP8 wgmma); the other
-row counts keep the exact paths, which measured faster there.
+sends GEMV_MAX_ROWS < T <= W8A8_MAX_ROWS to kernels/fp8_w8a8.py (FP8 x FP8 wgmma), and from
+CUBLAS_W8A8_MIN_ROWS rows (grouped: CUBLAS_W8A8_GROUPED_MIN_ROWS) to torch's block-scaled FP8
+GEMM (kernels/fp8_linear_cublas.py, cuBLASLt on sm_90: "w8a8_cublas", checked first) where it
+runs; the other row counts keep the exact paths, which measured faster there (`w8a8_path`).
 `fp8_grouped_linear` is the same with a group axis: attn.wo_a's grouped output projection,
 z[:, g] = o[:, g] @ W[g*N:(g+1)*N]^T, in one launch (scale rows follow the global weight row,
 so a group need not start on a 128-row block).
@@ -42,6 +44,7 @@ import triton.language as tl
 
 from dsv4.ops import fp8 as ref_fp8
 from dsv4.ops.limits import FP8_GEMV_MAX_ROWS
+from kernels import fp8_linear_cublas as cublas
 from kernels.fp8_dequant import fp8_dequantize, scale_operand
 from kernels.fp8_gemv import (
     gemv_config,
@@ -95,6 +98,12 @@ GEMV_MAX_ROWS = FP8_GEMV_MAX_ROWS  # 2
 # above GEMV_MAX_ROWS up to this many run kernels/fp8_w8a8.py; above it, dequantise + cuBLAS,
 # which ran ahead of the W8A8 GEMM at 1024 and 8192 rows on the H200 (and is exact).
 W8A8_MAX_ROWS = 64
+# With `activations="fp8"`, from this many rows (and N, K multiples of 128 on sm_90) torch's
+# block-scaled FP8 GEMM (cuBLASLt; kernels/fp8_linear_cublas.py) instead of the Triton W8A8 GEMM
+# or dequantise + cuBLAS: a candidate until issue 21's GPU A/B (bench_fp8_linear_vs_bf16.py,
+# path "w8a8_cublas") sets it. Grouped linears (wo_a) run one GEMM a group, so their own bound.
+CUBLAS_W8A8_MIN_ROWS = 64
+CUBLAS_W8A8_GROUPED_MIN_ROWS = 1024
 
 
 def exact_path(rows: int, n: int, groups: int) -> str:
@@ -106,6 +115,18 @@ def exact_path(rows: int, n: int, groups: int) -> str:
     if rows <= (NARROW_TILED_MAX_ROWS if narrow else TILED_MAX_ROWS):
         return "tiled"
     return "dequant"
+
+
+def w8a8_path(rows: int, n: int, groups: int, cublas_ok: bool) -> str:
+    """The W8A8 switch's path for `rows` rows (N x G output columns): "w8a8_cublas" (torch's
+    block-scaled GEMM; `cublas_ok`: `fp8_linear_cublas.supported`), "w8a8" (kernels/fp8_w8a8.py)
+    or, outside both, the exact path's name."""
+    floor = CUBLAS_W8A8_MIN_ROWS if groups == 1 else CUBLAS_W8A8_GROUPED_MIN_ROWS
+    if cublas_ok and rows >= floor:
+        return "w8a8_cublas"
+    if GEMV_MAX_ROWS < rows <= W8A8_MAX_ROWS:
+        return "w8a8"
+    return exact_path(rows, n, groups)
 
 
 @triton.jit(**sizes_vary("T", "split_len"))
@@ -201,10 +222,14 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, tune: di
     assert weight.dtype == torch.float8_e4m3fn and weight.shape == (groups * n, k)
     assert weight.stride(1) == 1
     assert scale.shape == (triton.cdiv(groups * n, FP8_BLOCK), triton.cdiv(k, FP8_BLOCK))
+    tune = dict(tune or {})
+    fp8 = activations == "fp8"
+    acts = w8a8_path(rows, n, groups, fp8 and cublas.supported(x, n, k)) if fp8 else "bf16"
+    if tune.pop("CUBLAS", acts == "w8a8_cublas"):  # x per 1x128 group, cuBLASLt block scales
+        return cublas.w8a8_cublas(x, weight, scale)  # (allocates its own, row-padded output)
     y = torch.empty(rows, groups, n, dtype=x.dtype, device=x.device)
     if rows == 0:
         return y
-    tune = dict(tune or {})
     path = exact_path(rows, n, groups)
     if tune.pop("GEMV", path == "rowtile"):  # decode rows: CUDA-core FMAs, no MMA
         # an explicit GEMV without STEP_BYTES: the first GEMV's config (the sweeps' baseline)
@@ -214,8 +239,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, tune: di
                else gemv_config(rows, n, k, groups, x.device))  # fmt: skip
         launch_gemv(x, weight, scale, y, {**cfg, **tune})
         return y
-    w8a8 = activations == "fp8" and GEMV_MAX_ROWS < rows <= W8A8_MAX_ROWS  # 3-64, as timed
-    if tune.pop("W8A8", w8a8):  # x quantised per 1x128 group, FP8 x FP8 MMA
+    if tune.pop("W8A8", acts == "w8a8"):  # x quantised per 1x128 group, FP8 x FP8 MMA
         launch_w8a8(x, weight, scale, y, {**w8a8_config(rows, n, k, groups, x.device), **tune})
         return y
     if tune.pop("DEQUANT", path == "dequant"):  # dequantise once, then cuBLAS
@@ -256,8 +280,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                activations: str = "bf16", *, tune: dict | None = None) -> torch.Tensor:  # fmt: skip
     """x [..., K] bf16 (or fp32) @ W^T -> [..., N] in x.dtype; W = weight [N, K] e4m3 x scale
     [ceil(N/128), ceil(K/128)] (UE8M0 or fp32). `activations` "fp8": W8A8 above GEMV_MAX_ROWS
-    (kernels/fp8_w8a8.py). `tune`: config overrides (BLOCK_M/N/K, GROUP_M, num_warps,
-    num_stages, splits, POST_SCALE, SWAP_AB, GEMV, W8A8, FUSE_QUANT, DEQUANT; issue 21's
+    (kernels/fp8_w8a8.py; CUBLAS: torch's block-scaled GEMM, `w8a8_path`). `tune`: config
+    overrides (BLOCK_M/N/K, GROUP_M, num_warps, num_stages, splits, POST_SCALE, SWAP_AB, GEMV,
+    W8A8, CUBLAS, FUSE_QUANT, DEQUANT; issue 21's
     candidates: STEP_BYTES, the row-tile GEMV; REDUCE "kernel", split-K partials added in the
     GEMM's own launch, kernels/fp8_splitk.py)."""
     lead, k = x.shape[:-1], x.shape[-1]

@@ -41,6 +41,7 @@ if not torch.cuda.is_available():
                 "kernels.fp8_splitk",  # before the fp8 linears, which take its counters
                 "kernels.fp8_gemv",
                 "kernels.fp8_w8a8",  # after fp8_gemv, whose launch helpers it calls
+                "kernels.fp8_linear_cublas",
                 "kernels.fp8_linear",
                 "kernels.norm_rope",
                 "kernels.ring_offsets",
