@@ -214,7 +214,8 @@ def plan_layout(
         total = min(visible[c] for c in cards)  # plan on the smallest card given
     else:
         total = visible[index] if index < len(visible) else 0
-    resolved = {role: resolve_auto(c, has_cuda=total > 0, hostname="up", pid=0)
+    resolved = {role: resolve_auto(c, has_cuda=total > 0, hostname="up", pid=0,
+                                   model=planned_model_config(c))
                 for role, c in configs.items()}  # fmt: skip
     decode = resolved["decode"]
     card = int(decode.model.device_memory_gib * GIB)

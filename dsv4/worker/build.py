@@ -154,9 +154,10 @@ def build_worker_runtime(
 ) -> WorkerRuntime:
     """Load the model, size the KV cache, build the engine and (optionally) the transport,
     registering the cache's backing tensor with it."""
-    config = resolve_auto(
-        config, has_cuda=torch.cuda.is_available(), hostname=socket.gethostname(), pid=os.getpid()
-    )
+    # with the model's config: kv_dtype auto is fp8 only for its 512-wide heads
+    config = resolve_auto(config, has_cuda=torch.cuda.is_available(),
+                          hostname=socket.gethostname(), pid=os.getpid(),
+                          model=planned_model_config(config))  # fmt: skip
     # the plan (GPU, or model.device_memory_gib) before any weight: raises PlanDoesNotFit
     config, plan, offload = startup_offload(
         config, planned_model_config(config), _DTYPES[config.model.dtype]

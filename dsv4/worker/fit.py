@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 
 from dsv4.cache.packing import CacheOptions
 from dsv4.config import ServeConfig
@@ -23,6 +24,8 @@ from dsv4.plan import (
 
 GIB = 1 << 30
 logger = logging.getLogger(__name__)
+# `dsv4 plan`'s change to the worker's request (its GPU count, TP/EP, nodes, KV for N requests)
+RequestEdit = Callable[[PlanRequest], PlanRequest]
 
 
 def planned_model_config(config: ServeConfig) -> ModelConfig:
@@ -42,7 +45,12 @@ def max_decode_tokens(config: ServeConfig) -> int:
     return batch * (1 + (s.num_speculative_tokens if s.method == "mtp" else 0))
 
 
-def startup_plan(config: ServeConfig, model_cfg: ModelConfig, gpu_total_bytes: int) -> MemoryPlan:
+def startup_plan(
+    config: ServeConfig,
+    model_cfg: ModelConfig,
+    gpu_total_bytes: int,
+    edit: RequestEdit | None = None,
+) -> MemoryPlan:
     """The plan for one GPU of `gpu_total_bytes` of a worker of `model.tensor_parallel_size`
     ranks (`dsv4 plan --gpus T --tp T --ep T|1`'s per-GPU plan); raises `PlanDoesNotFit`.
 
@@ -54,8 +62,9 @@ def startup_plan(config: ServeConfig, model_cfg: ModelConfig, gpu_total_bytes: i
     for one maximum-length request: the worker sizes the rest from what remains.
 
     When offloading would fit the device but not the host budget, the refusal is one line
-    with the shortfall; otherwise it is the plan's message."""
-    plan = plan_memory(startup_request(config, model_cfg, gpu_total_bytes))
+    with the shortfall; otherwise it is the plan's message. `edit` (`dsv4 plan`) changes the
+    request before it is planned."""
+    plan = plan_memory(startup_request(config, model_cfg, gpu_total_bytes, edit))
     host_gib = config.model.host_memory_gib
     if not plan.fits and plan.offloaded_per_layer and plan.needed_bytes <= plan.usable_bytes:
         if host_gib:  # offload fits the device: the host budget alone is short
@@ -65,17 +74,28 @@ def startup_plan(config: ServeConfig, model_cfg: ModelConfig, gpu_total_bytes: i
 
 
 def device_plan(
-    config: ServeConfig, model_cfg: ModelConfig, total: int
+    config: ServeConfig, model_cfg: ModelConfig, total: int, edit: RequestEdit | None = None
 ) -> tuple[ServeConfig, MemoryPlan]:
     """(config, plan) of a worker on a device of `total` bytes, as its start-up takes them:
     with offload on the paged forward the captured decode batch first shrinks until the plan
     fits (`fit_graph_batch`). Raises `PlanDoesNotFit` in one line."""
+    config = startup_config(config, model_cfg, total, edit)
+    return config, startup_plan(config, model_cfg, total, edit)
+
+
+def startup_config(
+    config: ServeConfig, model_cfg: ModelConfig, total: int, edit: RequestEdit | None = None
+) -> ServeConfig:
+    """`config` as start-up plans it: with offload on the paged forward, the captured decode
+    batch shrunk until the plan fits (`fit_graph_batch`; batch 1 when none does)."""
     if config.features.forward == "paged" and config.model.host_memory_gib:
-        config = fit_graph_batch(config, model_cfg, total)
-    return config, startup_plan(config, model_cfg, total)
+        return fit_graph_batch(config, model_cfg, total, edit)
+    return config
 
 
-def fit_graph_batch(config: ServeConfig, model_cfg: ModelConfig, total: int) -> ServeConfig:
+def fit_graph_batch(
+    config: ServeConfig, model_cfg: ModelConfig, total: int, edit: RequestEdit | None = None
+) -> ServeConfig:
     """The paged forward's expert pool holds a captured decode step's misses in its slots
     (`max_decode_tokens` x top-k a layer), which the plan counts: halve the captured batch
     (`features.cuda_graph_max_batch`) until the plan fits. Larger decode steps run eagerly,
@@ -86,20 +106,20 @@ def fit_graph_batch(config: ServeConfig, model_cfg: ModelConfig, total: int) -> 
         trial = dataclasses.replace(config, features=dataclasses.replace(
             f, cuda_graph_max_batch=batch))  # fmt: skip
         try:
-            plan = startup_plan(trial, model_cfg, total)
+            plan = startup_plan(trial, model_cfg, total, edit)
         except PlanDoesNotFit:
             batch //= 2
             continue
         if batch < min(config.scheduler.max_num_seqs, f.cuda_graph_max_batch):
             logger.info("expert offload: decode graphs up to batch %d (the pool's slots hold "
                         "a captured step's misses; larger batches run eagerly)", batch)  # fmt: skip
-        _log_residency_cost(trial, plan, model_cfg, total, batch)
+        _log_residency_cost(trial, plan, model_cfg, total, batch, edit)
         return trial
     return dataclasses.replace(config, features=dataclasses.replace(f, cuda_graph_max_batch=1))
 
 
 def _log_residency_cost(config: ServeConfig, at_batch: MemoryPlan, model_cfg: ModelConfig,
-                        total: int, batch: int) -> None:  # fmt: skip
+                        total: int, batch: int, edit: RequestEdit | None) -> None:  # fmt: skip
     """The slots of a captured batch of `batch` (`at_batch`: its plan) come out of the resident
     experts: say how many a layer stay resident at this batch and at batch 1, so an operator
     sees what the captured batch costs a batch-1 step (`--max-num-seqs`; docs/operations.md)."""
@@ -108,7 +128,7 @@ def _log_residency_cost(config: ServeConfig, at_batch: MemoryPlan, model_cfg: Mo
     f = config.features
     one = dataclasses.replace(config, features=dataclasses.replace(f, cuda_graph_max_batch=1))
     try:
-        at_one = startup_plan(one, model_cfg, total)
+        at_one = startup_plan(one, model_cfg, total, edit)
     except PlanDoesNotFit:
         return
     resident = [p.experts_per_layer - p.offloaded_per_layer for p in (at_batch, at_one)]
@@ -140,9 +160,21 @@ def _makes_fp32_copies(config: ServeConfig, on_cuda: bool) -> bool:
 
 
 def startup_request(
+    config: ServeConfig,
+    model_cfg: ModelConfig,
+    gpu_total_bytes: int,
+    edit: RequestEdit | None = None,
+) -> PlanRequest:
+    """`startup_plan`'s request (after `edit`): its plan's numbers even where the plan does not
+    fit."""
+    request = _worker_request(config, model_cfg, gpu_total_bytes)
+    return edit(request) if edit is not None else request
+
+
+def _worker_request(
     config: ServeConfig, model_cfg: ModelConfig, gpu_total_bytes: int
 ) -> PlanRequest:
-    """`startup_plan`'s request: its plan's numbers even where the plan does not fit."""
+    """The request of the worker's own start-up (no `edit`)."""
     spec = config.speculative
     ranks = config.model.tensor_parallel_size  # one GPU per rank: the plan of one of them
     on_cuda = config.model.device.startswith("cuda")

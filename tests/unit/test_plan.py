@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from dataclasses import replace
@@ -197,12 +198,19 @@ def test_mtp_runs_only_when_speculative_decoding_is_on():
 def test_cli_json_and_exit_status(capsys):
     from dsv4.commands.cli import main
 
-    assert main(["plan", "--shape", "flash", "--gpus", "8", "--gpu-mem", "141", "--json"]) == 0
+    stored = ["--expert-format", "checkpoint", "--linear-format", "checkpoint"]
+    assert main(["plan", "--shape", "flash", "--gpus", "8", "--gpu-mem", "141", *stored,
+                 "--json"]) == 0  # fmt: skip
     out = json.loads(capsys.readouterr().out)
     assert out["verdict"] == FITS and out["expert_bytes"] == 13_369_344
-    assert main(["plan", "--shape", "pro", "--gpus", "1", "--gpu-mem", "80"]) == 1
+    assert main(["plan", "--shape", "pro", "--gpus", "1", "--gpu-mem", "80", *stored]) == 1
     text = capsys.readouterr().out
     assert "routed_experts [fp4]" in text and "verdict: does_not_fit" in text
+    # the worker's defaults: bf16 experts and linears, KV for one request of the model's length
+    assert main(["plan", "--shape", "flash", "--gpus", "8", "--gpu-mem", "141", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["expert_bytes"] == 3 * 4096 * 2048 * 2 and out["max_num_seqs"] == 1
+    assert (out["worker"]["expert_format"], out["max_model_len"]) == ("bf16", 1 << 20)
 
 
 def test_host_memory_is_per_node_shared_by_its_gpus():
@@ -267,6 +275,8 @@ def test_cli_reads_a_checkpoint_config(tmp_path, capsys):
     assert main(argv) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["verdict"] == FITS and out["experts_per_layer"] == 8 and out["num_moe_layers"] == 4
+    assert out["max_num_seqs"] == 4  # given: KV for 4 full-length requests (the worker's: one)
+    assert out["worker"]["cuda_graph_max_batch"] == 128  # the captured batch: min(4, this)
 
 
 def test_weights_held_as_stored_reserve_their_dequantise_workspace():
@@ -306,3 +316,99 @@ def test_kernel_thresholds_are_the_planners():
     )
     assert moe_dequant.DEQUANT_MIN_PAIRS_PER_EXPERT == budget.MOE_DEQUANT_MIN_PAIRS_PER_EXPERT
     assert fp8_linear.GEMV_MAX_ROWS == budget.FP8_GEMV_MAX_ROWS == limits.FP8_GEMV_MAX_ROWS
+
+
+def _worker_decision(values: dict, model, gpu_gib: float) -> tuple:
+    """What a worker's start-up decides with `values` on a CUDA card of `gpu_gib` GiB (as
+    `build_worker_runtime` resolves and plans): (verdict, K, cache slots), or a refusal."""
+    from dsv4.config import load_config, resolve_auto
+    from dsv4.worker.fit import GIB, device_plan
+
+    config = resolve_auto(load_config(values, None, {}), has_cuda=True, hostname="h", pid=1,
+                          model=model)  # fmt: skip
+    kv = "bf16" if model.head_dim != 512 else "fp8"  # auto: fp8 for the 512-wide heads
+    assert config.cache.kv_dtype == kv
+    try:
+        _, plan = device_plan(config, model, int(gpu_gib * GIB))
+    except PlanDoesNotFit:
+        return (DOES_NOT_FIT,)
+    return plan.verdict, plan.offloaded_per_layer, plan.cache_slots
+
+
+def _worker_env_only(monkeypatch) -> None:
+    """No DSV4_* variable: the CLI layers them as the worker does, `_worker_decision` not."""
+    for name in [n for n in os.environ if n.startswith("DSV4_")]:
+        monkeypatch.delenv(name)
+
+
+CHECKPOINT = {"features.linear_weights": "checkpoint", "features.expert_weights": "checkpoint"}
+CHECKPOINT_FLAGS = ["--linear-format", "checkpoint", "--expert-format", "checkpoint"]
+
+
+@pytest.mark.parametrize(
+    ("flags", "values", "expected"),
+    [
+        (["--host-mem", "128"], {"model.host_memory_gib": 128}, DOES_NOT_FIT),  # bf16 experts
+        ([*CHECKPOINT_FLAGS, "--host-mem", "128"], {**CHECKPOINT, "model.host_memory_gib": 128},
+         FITS_WITH_OFFLOAD_OVER_SLO),
+        ([*CHECKPOINT_FLAGS, "--host-mem", "128", "--max-model-len", "65536", "--spec-tokens",
+          "1"], {**CHECKPOINT, "model.host_memory_gib": 128, "model.max_model_len": 65536,
+                 "speculative.method": "mtp"}, FITS_WITH_OFFLOAD_OVER_SLO),
+        ([*CHECKPOINT_FLAGS, "--host-memory-gib", "48", "--expert-staging", "8"],
+         {**CHECKPOINT, "model.host_memory_gib": 48, "features.expert_staging": 8}, DOES_NOT_FIT),
+        (CHECKPOINT_FLAGS, CHECKPOINT, DOES_NOT_FIT),  # no host memory: no offload
+        ([*CHECKPOINT_FLAGS, "--forward", "reference", "--host-mem", "128"],
+         {**CHECKPOINT, "features.forward": "reference", "model.host_memory_gib": 128},
+         FITS_WITH_OFFLOAD),
+    ],
+    ids=["bf16", "offload", "mtp-64k", "staging-short-host", "no-host", "reference"],
+)  # fmt: skip
+def test_cli_answers_the_workers_startup_question_for_flash(flags, values, expected, capsys,
+                                                            monkeypatch):  # fmt: skip
+    """`dsv4 plan` with a worker's settings on one 141 GiB card gives the verdict, K and cache
+    slots that worker's start-up takes (its defaults, its decode batch's slots, its graph batch
+    shrunk to fit the offload, its fp32 copies and staging buffer)."""
+    from dsv4.commands.cli import main
+
+    _worker_env_only(monkeypatch)
+    code = main(["plan", "--shape", "flash", "--gpu-mem", "141", *flags, "--json"])
+    out = json.loads(capsys.readouterr().out)
+    worker = _worker_decision(values, FLASH, 141)
+    assert out["verdict"] == expected and code == (0 if worker[0] != DOES_NOT_FIT else 1)
+    if out["verdict"] == DOES_NOT_FIT:
+        assert worker == (DOES_NOT_FIT,)
+    else:
+        assert worker == (out["verdict"], out["offloaded_per_layer"], out["cache_slots"])
+
+
+@pytest.mark.parametrize(
+    ("gpu_gib", "flags", "values", "expected"),
+    [
+        (1.4, ["--host-mem", "1"], {"model.host_memory_gib": 1}, FITS_WITH_OFFLOAD),  # batch 2
+        (1.45, ["--host-mem", "1"], {"model.host_memory_gib": 1}, FITS),
+        (1.38, ["--host-mem", "1"], {"model.host_memory_gib": 1}, DOES_NOT_FIT),
+        (1.4, ["--forward", "reference", "--dtype", "fp32"],
+         {"features.forward": "reference", "model.dtype": "fp32"}, FITS),
+        (1.4, ["--host-mem", "1", "--no-cuda-graphs"],
+         {"model.host_memory_gib": 1, "features.cuda_graphs": False}, FITS),  # no graph pool
+    ],
+    ids=["offload", "fits", "no-fit", "reference-fp32", "eager"],
+)  # fmt: skip
+def test_cli_answers_the_workers_startup_question_for_a_config_only_dir(
+    gpu_gib, flags, values, expected, tmp_path, capsys, monkeypatch
+):
+    from dsv4.commands.cli import main
+    from dsv4.config.model import tiny_config
+    from dsv4.model.tiny import write_model_spec
+
+    _worker_env_only(monkeypatch)
+    spec = str(write_model_spec(tmp_path / "spec", tiny_config()))
+    main(["plan", "--model", spec, "--gpu-mem", str(gpu_gib), *flags, "--json"])
+    out = json.loads(capsys.readouterr().out)
+    worker = _worker_decision({**values, "model.path": spec}, tiny_config(), gpu_gib)
+    assert out["verdict"] == expected
+    if expected == DOES_NOT_FIT:
+        assert worker == (DOES_NOT_FIT,)
+    else:
+        assert worker == (out["verdict"], out["offloaded_per_layer"], out["cache_slots"])
+    assert (out["max_num_seqs"], out["max_model_len"]) == (1, tiny_config().max_position_embeddings)
