@@ -36,7 +36,7 @@ BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 MMA_PTRS = {"x_ptr": "*bf16", "ids_ptr": "*i32", "tile_e_ptr": "*i32", "w_ptr": "*i8",
             "s_ptr": "*u8", "h_ptr": "*bf16", "limit": "fp32"}  # fmt: skip
 GEMV_PTRS = {"xp_ptr": "*fp32", "ids_ptr": "*i32", "tile_e_ptr": "*i32", "w_ptr": "*i32",
-             "s_ptr": "*u8", "hp_ptr": "*fp32", "limit": "fp32"}  # fmt: skip
+             "s_ptr": "*u8", "hp_ptr": "*fp32", "limit": "fp32", "out_ptr": "*bf16"}  # fmt: skip
 # instruction classes counted in the loop (SASS opcode prefixes)
 CLASSES = ("LDG", "LDS", "STS", "BAR", "HGMMA", "HMMA", "FFMA", "FMUL", "F2FP", "LOP3", "SHF",
            "IMAD", "PRMT", "SEL", "ISETP", "LDL", "STL")  # fmt: skip
@@ -66,12 +66,16 @@ def cases():
             out.append(_mma_case(f"dot_scaled bk{bk} {tag}", 3, bm, bn, bk, warps, True))
             out.append(_mma_case(f"halves{bk} {tag}", 4, bm, bn, bk, warps, True))
             out.append(_mma_case(f"halves{bk} smem {tag}", 4, bm, bn, bk, warps, False))
-    # the stored layout and the re-packed "mxfp4_halves128" one (kernels/moe_gemv.py HALVES)
+    # the stored layout and the re-packed "mxfp4_halves128" one (kernels/moe_gemv.py HALVES) at
+    # gemv_config's tiles: BLOCK_M 1 at 1 and 16 tokens, 2 at 64; w13 then w2 (BLOCK_N2 16)
     for halves, bm in ((False, 1), (False, 2), (True, 1), (True, 2)):
-        consts = dict(TOPK=6, HAS_LIMIT=True, BLOCK_M=bm, BLOCK_N=8, BLOCK_W=64, POST_SCALE=True,
-                      HALVES=halves)  # fmt: skip
-        out.append((f"gemv13{' halves' if halves else ''} m{bm}", moe_gemv._gemv13_kernel,
-                    GEMV_PTRS, consts, dict(num_warps=4), 2 * 8 * 64 * 4))  # fmt: skip
+        tag = f"{' halves' if halves else ''} m{bm}"
+        consts = dict(BLOCK_M=bm, BLOCK_W=64, POST_SCALE=True, HALVES=halves)
+        out.append((f"gemv13{tag}", moe_gemv._gemv13_kernel, GEMV_PTRS,
+                    dict(TOPK=6, HAS_LIMIT=True, BLOCK_N=8, **consts), dict(num_warps=4),
+                    2 * 8 * 64 * 4))  # fmt: skip
+        out.append((f"gemv2{tag}", moe_gemv._gemv2_kernel, GEMV_PTRS,
+                    dict(BLOCK_N=16, **consts), dict(num_warps=4), 16 * 64 * 4))  # fmt: skip
     return out
 
 
@@ -124,6 +128,8 @@ def _loop_counts(sass: str) -> tuple[Counter, int]:
         op = re.search(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", ln)
         if op:
             head = op.group(1)
+            if head.startswith("LDG.E"):  # the load widths: LDG.E.128 / .64 / (32-bit) / .U8
+                counts[f"ldg{head.removeprefix('LDG.E') or '.32'}"] += 1
             for cls in CLASSES:
                 if head.startswith(cls):
                     counts[cls] += 1
@@ -133,9 +139,11 @@ def _loop_counts(sass: str) -> tuple[Counter, int]:
     return counts, len(body)
 
 
-def report(case, dump: Path | None, attrs: dict | str | None = "launch") -> str:
-    """One line for `case`; `attrs`: ASTSource argument attributes (e.g. divisibility 16),
-    "launch" for `launch_attrs`, None for the signature alone."""
+def measure(case, dump: Path | None = None, attrs: dict | str | None = "launch") -> dict:
+    """`case` compiled for sm_90: regs, stack (spill bytes), smem, loop (K-loop instructions),
+    per_byte (warp instructions a weight byte), counts (the loop's opcode classes and load
+    widths); `attrs`: ASTSource argument attributes (e.g. divisibility 16), "launch" for
+    `launch_attrs`, None for the signature alone."""
     name, fn, ptrs, consts, opts, loop_bytes = case
     if attrs == "launch":
         consts, attrs = launch_attrs(fn, ptrs, consts)
@@ -153,16 +161,23 @@ def report(case, dump: Path | None, attrs: dict | str | None = "launch") -> str:
         slug = re.sub(r"\W+", "_", name)
         (dump / f"{slug}.sass").write_text(sass)
         (dump / f"{slug}.ttgir").write_text(k.asm["ttgir"])
-    regs = re.search(r"REG:(\d+)", res)
-    stack = re.search(r"STACK:(\d+)", res)
     counts, total = _loop_counts(sass)
-    mix = " ".join(f"{c}:{counts[c]}" for c in (*CLASSES, "other") if counts[c])
     # warp instructions a weight byte: every warp runs the loop body once an iteration
-    per_byte = total * opts.get("num_warps", 4) / loop_bytes
+    return dict(regs=int(re.search(r"REG:(\d+)", res).group(1)),
+                stack=int(re.search(r"STACK:(\d+)", res).group(1)), smem=k.metadata.shared,
+                loop=total, per_byte=total * opts.get("num_warps", 4) / loop_bytes,
+                counts=counts)  # fmt: skip
+
+
+def report(case, dump: Path | None, attrs: dict | str | None = "launch") -> str:
+    """One line for `case` (`measure`)."""
+    m = measure(case, dump, attrs)
+    counts = m["counts"]
+    mix = " ".join(f"{c}:{counts[c]}" for c in (*CLASSES, "other") if counts[c])
+    widths = " ".join(f"{c}:{n}" for c, n in sorted(counts.items()) if c.startswith("ldg"))
     return (
-        f"{name:24s} regs {regs.group(1) if regs else '?':>3s} stack "
-        f"{stack.group(1) if stack else '?':>4s} smem {k.metadata.shared:6d} loop {total:4d} "
-        f"instr ({per_byte:5.3f} warp instr a weight byte) {mix}"
+        f"{case[0]:24s} regs {m['regs']:3d} stack {m['stack']:4d} smem {m['smem']:6d} loop "
+        f"{m['loop']:4d} instr ({m['per_byte']:5.3f} warp instr a weight byte) {mix} [{widths}]"
     )
 
 
