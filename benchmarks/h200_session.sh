@@ -25,6 +25,8 @@
 #   full    issue 22 at full depth: offload_serve_check --layers 43, timing only, the card
 #           deciding the offload (FULL_ARGS picks runs / routings / batches), written to
 #           full-depth-<card>.json after each timed run.
+#   w8a8    issue 21: the GPU tests of the cuBLASLt block-scaled W8A8 path, then exact / Triton
+#           W8A8 / cuBLASLt W8A8 against bf16 at 1-8192 rows (bench_fp8_linear_vs_bf16 --paths);
 #   pattr   issues 25/22: where ONE fresh prompt's prefill step spends its time, 1024 and 8192
 #           tokens, bf16 then MXFP4 experts + FP8 linears (benchmarks.prefill_attribution: kernel
 #           time per component, gaps, launches, host syncs, top kernels), to
@@ -117,6 +119,15 @@ run_into "${T_HALVES:-200}" "$logs/halves-bench.log" python3 -m benchmarks.bench
     --paths stored,gemv_halves128,halves128_served --limit-s "${HALVES_LIMIT_S:-120}" \
     --out "$out/moe-mxfp4-halves-$card.json"
 grep -E "^\||Error|rc=" "$logs/halves-bench.log" | cut -c1-200
+}
+has w8a8 && {  # issue 21: W8A8 through torch's block-scaled FP8 GEMM (cuBLASLt) against the others
+run_into "${T_W8A8_TESTS:-90}" "$logs/w8a8-tests.txt" python3 -m pytest -q -p no:cacheprovider \
+    -m gpu tests/kernels/test_fp8_linear_cublas.py
+tail -3 "$logs/w8a8-tests.txt"
+run_into "${T_W8A8:-200}" "$logs/w8a8-bench.log" python3 -m benchmarks.bench_fp8_linear_vs_bf16 \
+    --rows 1,16,64,1024,8192 --paths exact,w8a8,w8a8_cublas --deadline-s "${W8A8_LIMIT_S:-150}" \
+    --out "$out/fp8-linear-w8a8-cublas-$card.json"
+grep -E "^\||speedup|Error|rc=" "$logs/w8a8-bench.log" | tail -40 | cut -c1-200
 }
 has full && {
 run_into "${T_FULL:-400}" "$logs/full.log" python3 -m benchmarks.offload_serve_check --layers 43 \
