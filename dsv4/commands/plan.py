@@ -16,7 +16,7 @@ worker's `fit_graph_batch` does when experts are offloaded). So `dsv4 plan --sha
 card give one verdict, one K and the same cache slots. What only the plan asks on top:
 `--gpus/--tp/--ep/--gpus-per-node` (a layout of several GPUs and nodes, `--host-mem` per node),
 `--max-num-seqs` given (KV for that many full-length requests, where the worker checks one),
-`--cache-slots`, `--host-mem-fraction`, `--tpot-slo-ms`.
+`--cache-slots`, `--host-mem-fraction`, `--tpot-slo-ms`, `--h2d-gbps`.
 
 With --routing-stats (a worker's `metrics.routing_stats_out` dump) the plan's E - K experts per
 layer that stay on the device are the most selected ones; --residency-out writes that
@@ -116,6 +116,8 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
         default=50.0,
         help="flag an offload whose expert fetch per decode token exceeds this",
     )
+    p.add_argument("--h2d-gbps", type=float, default=25.0, help="pinned host-to-device GB/s "
+                   "for that fetch estimate (25: PCIe Gen4 x16; a Gen5 x16 host measures ~55)")  # fmt: skip
     p.add_argument("--spec-tokens", type=int, default=None, help="MTP draft tokens (0: MTP off; "
                    "default: as --config says, off)")  # fmt: skip
     p.add_argument("--cache-slots", type=int, default=0, help="cold-expert slots per layer (0: "
@@ -180,6 +182,7 @@ def plan_edit(args: argparse.Namespace, config: ServeConfig) -> RequestEdit:
             gpu_mem_gib=args.gpu_mem,
             host_mem_fraction=args.host_mem_fraction,
             tpot_slo_ms=args.tpot_slo_ms,
+            h2d_gb_per_s=args.h2d_gbps,
             max_num_seqs=kv_requests or req.max_num_seqs,
             cache_slots=args.cache_slots or req.cache_slots,
         )
@@ -212,6 +215,7 @@ _FLAGS = {
     "host_mem_gib": "--host-mem",
     "gpus_per_node": "--gpus-per-node",
     "tpot_slo_ms": "--tpot-slo-ms",
+    "h2d_gb_per_s": "--h2d-gbps",
     "tp/ep": "--tp/--ep",
     "tp": "--tp",
     "ep": "--ep",

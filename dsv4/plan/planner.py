@@ -15,6 +15,7 @@ memory) are fetched; K is the smallest count that makes the plan fit.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 from dsv4.cache.packing import CacheOptions
@@ -86,6 +87,10 @@ class PlanRequest:
             )
         if not self.tpot_slo_ms > 0:
             raise ConfigError("tpot_slo_ms", self.tpot_slo_ms, "give a positive SLO, e.g. 50")
+        if not (math.isfinite(self.h2d_gb_per_s) and self.h2d_gb_per_s > 0):
+            raise ConfigError(
+                "h2d_gb_per_s", self.h2d_gb_per_s, "give a positive bandwidth, e.g. 55"
+            )
         if self.num_gpus % tp or self.num_gpus % ep:
             raise ConfigError("tp/ep", (tp, ep), f"each must divide --gpus {self.num_gpus}")
         if cfg.num_attention_heads % tp or cfg.o_groups % tp:

@@ -52,6 +52,8 @@ BAD = [
     (["plan", "--shape", "pro"], "--gpu-mem"),
     ([*PLAN, "--gpus", "8", "--gpus-per-node", "3"], "--gpus-per-node"),
     ([*PLAN, "--tpot-slo-ms", "0"], "--tpot-slo-ms"),
+    ([*PLAN, "--h2d-gbps", "0"], "--h2d-gbps"),
+    ([*PLAN, "--h2d-gbps", "nan"], "--h2d-gbps"),
     ([*PLAN, "--tp", "3"], "--tp"),
     (["plan", "--model", "/nonexistent/ckpt", "--gpu-mem", "80"], "--model"),
     ([*PLAN, "--routing-stats", "/nonexistent/stats.json"], "--routing-stats"),

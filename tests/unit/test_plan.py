@@ -241,6 +241,23 @@ def test_offload_over_the_tpot_slo_is_not_plain_fits():
     relaxed = plan_memory(PlanRequest(PRO, num_gpus=8, gpu_mem_gib=141, host_mem_gib=1024,
                                       tpot_slo_ms=ms + 1))  # fmt: skip
     assert relaxed.verdict == FITS_WITH_OFFLOAD and relaxed.message.startswith("fits with")
+    # the same offload on a host whose copies run at 55 GB/s (PCIe Gen5 x16)
+    fast = plan_memory(PlanRequest(PRO, num_gpus=8, gpu_mem_gib=141, host_mem_gib=1024,
+                                   h2d_gb_per_s=55.0))  # fmt: skip
+    assert fast.fetch_ms_per_token == pytest.approx(ms * 25 / 55)
+
+
+def test_cli_h2d_bandwidth_sets_the_fetch_estimate(capsys):
+    from dsv4.commands.cli import main
+
+    args = ["plan", "--shape", "flash", "--gpu-mem", "141", "--host-mem", "128",
+            "--expert-weights", "checkpoint", "--linear-weights", "checkpoint", "--json"]  # fmt: skip
+    main(args)
+    slow = json.loads(capsys.readouterr().out)
+    main([*args, "--h2d-gbps", "50"])
+    fast = json.loads(capsys.readouterr().out)
+    assert fast["offloaded_per_layer"] == slow["offloaded_per_layer"] > 0
+    assert fast["fetch_ms_per_token"] == pytest.approx(slow["fetch_ms_per_token"] / 2)
 
 
 def test_bad_node_and_slo_values_are_config_errors():
