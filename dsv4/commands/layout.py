@@ -44,7 +44,14 @@ from dsv4.config.model import ModelConfig
 from dsv4.config.resolve import resolve_auto
 from dsv4.errors import UsageError
 from dsv4.plan import MemoryPlan, PlanDoesNotFit, plan_memory
-from dsv4.worker.fit import GIB, device_plan, planned_model_config, size_text, startup_request
+from dsv4.worker.fit import (
+    GIB,
+    device_plan,
+    planned_model_config,
+    size_text,
+    startup_config,
+    startup_request,
+)
 
 LAYOUTS = ("auto", "disaggregated", "colocated")
 DISAGGREGATED, COLOCATED = "disaggregated", "colocated"
@@ -117,7 +124,8 @@ def choose_layout(
     prefix = (f"--layout auto: neither {tried} nor one colocated worker fits; the colocated "
               "worker's plan")  # fmt: skip
     whole = _fit(decode, model, card_bytes, fraction, prefix)
-    copies = plan_memory(startup_request(_at(decode, share, offload=False), model, card_bytes))
+    alone_copy = startup_config(_at(decode, share, offload=False), model, card_bytes)
+    copies = plan_memory(startup_request(alone_copy, model, card_bytes))
     reason = _colocated_reason(copies, whole, per_card, card_bytes, where)
     return LayoutChoice(COLOCATED, fraction, reason, alone)
 

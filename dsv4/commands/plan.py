@@ -78,10 +78,11 @@ _SETTINGS: tuple[tuple[tuple[str, ...], str, str], ...] = (
     (("--dtype",), "model.dtype", ""),
     (("--expert-staging",), "features.expert_staging", ""),
     (("--linear-format", "--linear-weights"), "features.linear_weights",
-     f"linears as the worker holds them: bf16 or checkpoint (FP8) ({_CHANGED} checkpoint)"),
+     "linears as the worker holds them: bf16, checkpoint (FP8) or auto (bf16 where the bf16 "
+     "plan fits without offload, else checkpoint; the worker line shows which)"),
     (("--expert-format", "--expert-weights"), "features.expert_weights",
-     f"routed experts as the worker holds them: bf16 or checkpoint (MXFP4/FP8) ({_CHANGED} "
-     "checkpoint)"),
+     "routed experts as the worker holds them: bf16, checkpoint (MXFP4/FP8) or auto (as "
+     "--linear-format auto)"),
 )  # fmt: skip
 
 

@@ -213,7 +213,8 @@ class FeatureSwitches(Section):
     fuse_shared_expert: bool = setting(
         False,
         "paged forward: the shared expert joins the grouped MoE GEMM in decode-sized steps "
-        "(H200: 1.06x at batch 1; its GEMM rounds unlike cuBLAS's, so tokens may differ)",
+        "(H200: 1.06x at batch 1; its GEMM rounds unlike cuBLAS's, so tokens may differ; "
+        "bf16 weights only: off, with a warning, where auto weights resolve to checkpoint)",
     )
     attention_all_heads: bool = setting(
         False, "paged decode attention: all heads of a token in one program, each fp8 KV row "
@@ -235,9 +236,10 @@ class FeatureSwitches(Section):
         "rounds; 0: rounds (issue 22; untimed on the card)", min=0, max=256,
     )  # fmt: skip
     expert_weights: str = setting(
-        "bf16", "routed experts: bf16 or checkpoint (MXFP4/FP8 as stored, ~1/4 of the bytes; "
-        "slower than bf16 on an H200)",
-        choices=("bf16", "checkpoint"),
+        "auto", "routed experts: bf16, checkpoint (MXFP4/FP8 as stored, ~1/4 of the bytes; "
+        "slower than bf16 on an H200) or auto (start-up plan: bf16 where the bf16 plan fits "
+        "the device without offload, else checkpoint; bf16 with no plan or several ranks)",
+        choices=("auto", "bf16", "checkpoint"),
     )  # fmt: skip
     mxfp4_layout: str = setting(
         "stored", "paged forward, MXFP4 experts: stored (as the checkpoint) or halves128 "
@@ -245,13 +247,14 @@ class FeatureSwitches(Section):
         "ran 1.9x bf16 at 64 tokens and 1.6x at 1024 on an H100, its GEMV is untimed; issue 21)",
         choices=("stored", "halves128"))  # fmt: skip
     linear_weights: str = setting(
-        "bf16", "attention/shared-expert/MTP linears: bf16 or checkpoint (FP8 as stored, ~1/2 "
-        "of the bytes; slower than bf16 on an H200)", choices=("bf16", "checkpoint"),
+        "auto", "attention/shared-expert/MTP linears: bf16, checkpoint (FP8 as stored, ~1/2 "
+        "of the bytes; slower than bf16 on an H200) or auto (as expert_weights auto decides; "
+        "checkpoint with linear_activations fp8)", choices=("auto", "bf16", "checkpoint"),
     )  # fmt: skip
     linear_activations: str = setting(
-        "bf16", "with linear_weights checkpoint: bf16 (exact) or fp8 (W8A8 at 3-64 rows: x "
-        "rounded to e4m3 per 1x128 group, FP8 x FP8 MMA; relative error ~2.6 percent of a "
-        "linear's output, 2.7 of a layer's)",
+        "bf16", "with linear_weights checkpoint (or auto, which it then makes checkpoint): "
+        "bf16 (exact) or fp8 (W8A8 at 3-64 rows: x rounded to e4m3 per 1x128 group, FP8 x FP8 "
+        "MMA; relative error ~2.6 percent of a linear's output, 2.7 of a layer's)",
         choices=("bf16", "fp8"),
     )  # fmt: skip
     batched_sampling: bool = setting(
@@ -277,7 +280,7 @@ class FeatureSwitches(Section):
         if self.fuse_shared_expert and self.linear_weights == "checkpoint":
             self.fail("fuse_shared_expert", "the grouped GEMM takes one format per launch "
                       "(the shared expert is FP8): off with linear_weights checkpoint")  # fmt: skip
-        if self.linear_activations == "fp8" and self.linear_weights != "checkpoint":
+        if self.linear_activations == "fp8" and self.linear_weights == "bf16":
             self.fail("linear_activations", "fp8 activations need linear_weights checkpoint")
         if self.expert_staging == 1:
             self.fail("expert_staging", "0 (off) or at least 2: the buffer is used in two halves")

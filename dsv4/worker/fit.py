@@ -14,6 +14,7 @@ from dsv4.config import ServeConfig
 from dsv4.config.model import ModelConfig
 from dsv4.config.resolve import model_dtype
 from dsv4.plan import (
+    FITS,
     MemoryPlan,
     PlanDoesNotFit,
     PlanRequest,
@@ -63,7 +64,9 @@ def startup_plan(
 
     When offloading would fit the device but not the host budget, the refusal is one line
     with the shortfall; otherwise it is the plan's message. `edit` (`dsv4 plan`) changes the
-    request before it is planned."""
+    request before it is planned. Weight formats "auto" are resolved first
+    (`resolve_weight_formats`; a resolved config is planned as it is)."""
+    config = resolve_weight_formats(config, model_cfg, gpu_total_bytes, edit)
     plan = plan_memory(startup_request(config, model_cfg, gpu_total_bytes, edit))
     host_gib = config.model.host_memory_gib
     if not plan.fits and plan.offloaded_per_layer and plan.needed_bytes <= plan.usable_bytes:
@@ -86,11 +89,92 @@ def device_plan(
 def startup_config(
     config: ServeConfig, model_cfg: ModelConfig, total: int, edit: RequestEdit | None = None
 ) -> ServeConfig:
-    """`config` as start-up plans it: with offload on the paged forward, the captured decode
-    batch shrunk until the plan fits (`fit_graph_batch`; batch 1 when none does)."""
+    """`config` as start-up plans it: weight formats "auto" resolved (`resolve_weight_formats`),
+    then with offload on the paged forward, the captured decode batch shrunk until the plan
+    fits (`fit_graph_batch`; batch 1 when none does)."""
+    config = resolve_weight_formats(config, model_cfg, total, edit)
     if config.features.forward == "paged" and config.model.host_memory_gib:
         return fit_graph_batch(config, model_cfg, total, edit)
     return config
+
+
+AUTO = "auto"
+EXPERT_FORMATS = {"fp4": "MXFP4", "fp8": "FP8"}  # ModelConfig.expert_dtype -> as served
+SERVED_FP8_BLOCK = 128  # FP8 linears are served with 128x128 scale blocks (dsv4.model.fp8)
+
+
+def resolve_weight_formats(
+    config: ServeConfig, model_cfg: ModelConfig, total: int, edit: RequestEdit | None = None
+) -> ServeConfig:
+    """`features.expert_weights` / `linear_weights` "auto" resolved, the one place that does
+    (issue 22): bf16 where the worker's plan with bf16 weights fits the device without offload
+    (bf16 runs faster where it fits: docs/BENCHMARKS.md), else the checkpoint's formats:
+    experts where the model stores them as MXFP4 / FP8, linears where it stores FP8 (a model
+    storing bf16 ones: bf16). Linears auto with `linear_activations` fp8: checkpoint. bf16 with
+    no plan (`total` 0: a CPU device without a device budget) and for several ranks (tensor
+    parallelism shards bf16 weights only). A shared-expert fuse that the resolved formats
+    forbid is turned off with a warning. Logs what auto chose and why."""
+    f = config.features
+    if AUTO not in (f.expert_weights, f.linear_weights):
+        return config
+    fp8_activations = f.linear_activations == "fp8"
+    if config.model.tensor_parallel_size > 1:
+        as_stored, why = False, "tensor parallelism shards bf16 weights only"
+    elif not total:
+        as_stored, why = False, "no device plan"
+    else:
+        as_stored, why = _bf16_short(config, model_cfg, total, edit)
+    experts, linears = f.expert_weights, f.linear_weights
+    if experts == AUTO:
+        experts = "checkpoint" if as_stored and model_cfg.expert_dtype in EXPERT_FORMATS else "bf16"
+    if linears == AUTO:
+        fp8 = model_cfg.linear_dtype == "fp8" and model_cfg.fp8_block_size == SERVED_FP8_BLOCK
+        linears = "checkpoint" if fp8_activations or (as_stored and fp8) else "bf16"
+    quantized = (experts == "checkpoint" and model_cfg.expert_dtype in EXPERT_FORMATS,
+                 linears == "checkpoint" and model_cfg.linear_dtype == "fp8")  # fmt: skip
+    held = (f"{EXPERT_FORMATS[model_cfg.expert_dtype] if quantized[0] else 'bf16'} experts, "
+            f"{'FP8' if quantized[1] else 'bf16'} linears")  # fmt: skip
+    chose = f"checkpoint formats ({held})" if any(quantized) else "bf16"
+    stores = model_cfg.expert_dtype in EXPERT_FORMATS or model_cfg.linear_dtype == "fp8"
+    forced = "; linear_activations fp8 holds the linears as stored" if (
+        fp8_activations and f.linear_weights == AUTO) else ""  # fmt: skip
+    level = logging.INFO if stores else logging.DEBUG  # a bf16 checkpoint leaves no choice
+    logger.log(level, "weights auto: %s: %s%s", chose, why, forced)
+    fuse = f.fuse_shared_expert
+    if fuse and any(quantized):
+        logger.warning("fuse_shared_expert off: the grouped GEMM takes one format per launch "
+                       "and auto weights resolved to %s", held)  # fmt: skip
+        fuse = False
+    return dataclasses.replace(config, features=dataclasses.replace(
+        f, expert_weights=experts, linear_weights=linears, fuse_shared_expert=fuse))  # fmt: skip
+
+
+def _bf16_short(
+    config: ServeConfig, model_cfg: ModelConfig, total: int, edit: RequestEdit | None
+) -> tuple[bool, str]:
+    """(whether the worker's plan with its auto formats as bf16 falls short of the device
+    without offload, the numbers that say so)."""
+    f = config.features
+    fp8 = f.linear_activations == "fp8"  # holds the linears as stored whatever auto decides
+    trial = dataclasses.replace(
+        config,
+        model=dataclasses.replace(config.model, host_memory_gib=0.0),  # without offload
+        features=dataclasses.replace(
+            f,
+            expert_weights="bf16" if f.expert_weights == AUTO else f.expert_weights,
+            linear_weights=("checkpoint" if fp8 else "bf16")
+            if f.linear_weights == AUTO
+            else f.linear_weights,
+        ),
+    )
+    try:
+        plan = plan_memory(startup_request(trial, model_cfg, total, edit))
+    except PlanDoesNotFit as exc:
+        return True, f"bf16: {exc.message}"
+    usage = f"{size_text(plan.needed_bytes)} of {size_text(plan.usable_bytes)} usable"
+    if plan.verdict == FITS:
+        return False, f"bf16 fits without offload ({usage})"
+    return True, f"bf16 needs {usage}"
 
 
 def fit_graph_batch(
@@ -175,6 +259,8 @@ def _worker_request(
     config: ServeConfig, model_cfg: ModelConfig, gpu_total_bytes: int
 ) -> PlanRequest:
     """The request of the worker's own start-up (no `edit`)."""
+    if AUTO in (config.features.expert_weights, config.features.linear_weights):
+        raise ValueError("weight formats auto: resolve them first (startup_config)")
     spec = config.speculative
     ranks = config.model.tensor_parallel_size  # one GPU per rank: the plan of one of them
     on_cuda = config.model.device.startswith("cuda")

@@ -33,7 +33,7 @@ from dsv4.plan import MemoryPlan, PlanDoesNotFit
 from dsv4.plan.residency import ResidencyError
 from dsv4.plan.residency import read_residency as load_residency
 from dsv4.runner.paged import ExpertPool, PoolOptions, PoolStats, pool_experts
-from dsv4.worker.fit import GIB, device_plan, size_text
+from dsv4.worker.fit import GIB, device_plan, resolve_weight_formats, size_text
 from kernels.backend import KernelBackendConfig
 
 logger = logging.getLogger(__name__)
@@ -118,7 +118,7 @@ def startup_offload(
         if m.host_memory_gib:
             raise ConfigError("model.host_memory_gib", m.host_memory_gib, "offload on a CPU "
                               "device needs a device budget: give model.device_memory_gib")  # fmt: skip
-        return config, None, None
+        return resolve_weight_formats(config, model_cfg, 0), None, None  # no plan: bf16
     total = int(m.device_memory_gib * GIB) or torch.cuda.get_device_properties(
         torch.device(m.device)).total_memory  # fmt: skip
     config, plan = device_plan(config, model_cfg, total)

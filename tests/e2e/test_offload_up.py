@@ -27,10 +27,13 @@ from tests.services.worker_cluster import (
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 MAX_NEW_TOKENS = 6
+# bf16 weights pinned: auto would hold the checkpoint's MXFP4 / FP8, which fit the budget whole
 PLANNED = {"model.device": "cpu", "model.max_model_len": 512,
            "scheduler.max_num_batched_tokens": 2048, "cache.block_size": 128,
-           "cache.kv_dtype": "bf16"}  # fmt: skip
-FLAGS = ("--device", "cpu", "--max-model-len", "512", "--kv-dtype", "bf16")
+           "cache.kv_dtype": "bf16", "features.expert_weights": "bf16",
+           "features.linear_weights": "bf16"}  # fmt: skip
+FLAGS = ("--device", "cpu", "--max-model-len", "512", "--kv-dtype", "bf16",
+         "--expert-weights", "bf16", "--linear-weights", "bf16")  # fmt: skip
 
 
 def device_budget_gib(model_dir) -> float:

@@ -112,12 +112,28 @@ def test_checkpoint_dir_loads_split_with_dense_experts_and_serves_the_same_token
     """A real checkpoint (MXFP4 experts on disk) served with bf16 experts: each expert is
     dequantised straight into its resident or host blob."""
     write_checkpoint(tmp_path, tiny_config().with_overrides(expert_dtype="fp4"), seed=5)
-    common = {**BUDGET, "model.path": str(tmp_path)}
+    common = {**BUDGET, "model.path": str(tmp_path), "features.expert_weights": "bf16"}
     expected = served_tokens(build_worker_runtime(load_config(common), with_transport=False))
     runtime = build_worker_runtime(load_config({**common, **OFFLOAD}), with_transport=False)
     store = runtime.offload.stores[0]
     assert not store.fmt.is_mxfp4 and len(store.host) == runtime.offload.offload.num_offloaded > 0
     assert served_tokens(runtime) == expected
+
+
+def test_auto_weights_resolve_at_start_up_and_nothing_after_sees_auto(flash_like_dir) -> None:
+    """Issue 22: weights "auto" (the default) are bf16 with no device plan (a CPU device without
+    a budget) and where the bf16 plan fits; the checkpoint's MXFP4 experts where it does not."""
+    path = {**BUDGET, "model.path": f"random:{flash_like_dir}"}
+    for values in (path, {**path, "model.device_memory_gib": 1.0}):
+        runtime = build_worker_runtime(load_config(values), with_transport=False)
+        f = runtime.config.features
+        assert (f.expert_weights, f.linear_weights) == ("bf16", "bf16")
+        assert runtime.offload is None
+    tight = load_config({**path, **OFFLOAD, "model.device_memory_gib": FP4_DEVICE_GIB})
+    runtime = build_worker_runtime(tight, with_transport=False)
+    f = runtime.config.features
+    assert (f.expert_weights, f.linear_weights) == ("checkpoint", "bf16")  # bf16 linears stored
+    assert runtime.offload.stores[0].fmt.is_mxfp4
 
 
 def test_too_little_host_memory_refuses_in_one_line_before_loading(monkeypatch) -> None:

@@ -134,12 +134,13 @@ def test_w8a8_is_graph_capturable_gpu():
 
 def test_linear_activations_switch_reaches_the_modules():
     """`features.linear_activations` (flag, env; bf16 by default; fp8 only with linear_weights
-    checkpoint) sets every FP8Linear's activations, as the worker build does after the load."""
+    checkpoint, or auto, which start-up then resolves to checkpoint) sets every FP8Linear's
+    activations, as the worker build does after the load."""
     assert load_config({}, None, {}).features.linear_activations == "bf16"
     env = {"DSV4_LINEAR_WEIGHTS": "checkpoint", "DSV4_LINEAR_ACTIVATIONS": "fp8"}
     assert load_config({}, None, env).features.linear_activations == "fp8"
     with pytest.raises(ConfigError, match="linear_activations"):
-        load_config({}, None, {"DSV4_LINEAR_ACTIVATIONS": "fp8"})
+        load_config({}, None, {"DSV4_LINEAR_ACTIVATIONS": "fp8", "DSV4_LINEAR_WEIGHTS": "bf16"})
     model = torch.nn.Sequential(FP8Linear(256, 130), torch.nn.Linear(4, 4), FP8Linear(128, 64))
     assert set_linear_activations_(model, "fp8") == 2
     assert [m.activations for m in model if isinstance(m, FP8Linear)] == ["fp8", "fp8"]

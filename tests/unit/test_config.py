@@ -202,8 +202,9 @@ def test_yaml_dump_round_trips(tmp_path: Path) -> None:
 
 
 def test_expert_weights_switch_round_trips(tmp_path: Path) -> None:
-    """Routed experts as stored (MXFP4 / FP8) is one switch: flag, env, YAML; bf16 by default."""
-    assert load_config({}, None, {}).features.expert_weights == "bf16"
+    """Routed experts as stored (MXFP4 / FP8) is one switch: flag, env, YAML; auto by default
+    (start-up planning resolves it: `dsv4.worker.fit.resolve_weight_formats`)."""
+    assert load_config({}, None, {}).features.expert_weights == "auto"
     config = config_from_args(_parse(["--expert-weights", "checkpoint"]), {})
     assert config.features.expert_weights == "checkpoint"
     assert load_config({}, None, {"DSV4_EXPERT_WEIGHTS": "checkpoint"}) == config
@@ -212,13 +213,24 @@ def test_expert_weights_switch_round_trips(tmp_path: Path) -> None:
 
 
 def test_linear_weights_switch_round_trips(tmp_path: Path) -> None:
-    """FP8 linears as stored is one switch: flag, env, YAML; bf16 by default."""
-    assert load_config({}, None, {}).features.linear_weights == "bf16"
+    """FP8 linears as stored is one switch: flag, env, YAML; auto by default."""
+    assert load_config({}, None, {}).features.linear_weights == "auto"
     config = config_from_args(_parse(["--linear-weights", "checkpoint"]), {})
     assert config.features.linear_weights == "checkpoint"
     assert load_config({}, None, {"DSV4_LINEAR_WEIGHTS": "checkpoint"}) == config
     path = _yaml(tmp_path, config_to_yaml(config, redact_secrets=False))
     assert load_config({}, path, {}) == config
+
+
+def test_auto_weights_allow_fp8_activations_and_the_fuse() -> None:
+    """linear_activations fp8 needs linears as stored: allowed with auto (which it then makes
+    checkpoint), refused with bf16; the shared-expert fuse is allowed with auto weights (turned
+    off at start-up where they resolve to checkpoint)."""
+    fp8 = {"features.linear_activations": "fp8"}
+    assert load_config(fp8, None, {}).features.linear_weights == "auto"
+    with pytest.raises(ConfigError, match="fp8 activations need linear_weights checkpoint"):
+        load_config({**fp8, "features.linear_weights": "bf16"}, None, {})
+    assert load_config({"features.fuse_shared_expert": True}, None, {}).features.fuse_shared_expert
 
 
 def test_resolve_auto_on_cpu_and_cuda() -> None:

@@ -113,6 +113,10 @@ def test_flash_on_one_h200_auto_is_colocated_with_offload() -> None:
     )
     with pytest.raises(PlanDoesNotFit, match=r"^--layout auto: neither"):
         choose("auto", config(FLASH), H200, flash)
+    # the default weight formats (auto) resolve to those the checkpoint stores: the same choice
+    default = {k: v for k, v in FLASH.items() if not k.endswith("_weights")}
+    auto = choose("auto", config({**default, "model.host_memory_gib": 48}), H200, flash)
+    assert auto == choice
 
 
 def test_explicit_disaggregated_fits_only_where_offload_makes_it_fit() -> None:

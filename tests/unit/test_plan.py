@@ -360,12 +360,17 @@ def _worker_env_only(monkeypatch) -> None:
 
 CHECKPOINT = {"features.linear_weights": "checkpoint", "features.expert_weights": "checkpoint"}
 CHECKPOINT_FLAGS = ["--linear-format", "checkpoint", "--expert-format", "checkpoint"]
+BF16 = {"features.linear_weights": "bf16", "features.expert_weights": "bf16"}
+BF16_FLAGS = ["--linear-format", "bf16", "--expert-format", "bf16"]
 
 
 @pytest.mark.parametrize(
     ("flags", "values", "expected"),
     [
-        (["--host-mem", "128"], {"model.host_memory_gib": 128}, DOES_NOT_FIT),  # bf16 experts
+        ([*BF16_FLAGS, "--host-mem", "128"], {**BF16, "model.host_memory_gib": 128},
+         DOES_NOT_FIT),  # bf16 experts: ~458 GiB of pinned host memory
+        (["--host-mem", "128"], {"model.host_memory_gib": 128},
+         FITS_WITH_OFFLOAD_OVER_SLO),  # auto: bf16 does not fit, the checkpoint's formats do
         ([*CHECKPOINT_FLAGS, "--host-mem", "128"], {**CHECKPOINT, "model.host_memory_gib": 128},
          FITS_WITH_OFFLOAD_OVER_SLO),
         ([*CHECKPOINT_FLAGS, "--host-mem", "128", "--max-model-len", "65536", "--spec-tokens",
@@ -378,7 +383,7 @@ CHECKPOINT_FLAGS = ["--linear-format", "checkpoint", "--expert-format", "checkpo
          {**CHECKPOINT, "features.forward": "reference", "model.host_memory_gib": 128},
          FITS_WITH_OFFLOAD),
     ],
-    ids=["bf16", "offload", "mtp-64k", "staging-short-host", "no-host", "reference"],
+    ids=["bf16", "auto", "offload", "mtp-64k", "staging-short-host", "no-host", "reference"],
 )  # fmt: skip
 def test_cli_answers_the_workers_startup_question_for_flash(flags, values, expected, capsys,
                                                             monkeypatch):  # fmt: skip
@@ -396,6 +401,24 @@ def test_cli_answers_the_workers_startup_question_for_flash(flags, values, expec
         assert worker == (DOES_NOT_FIT,)
     else:
         assert worker == (out["verdict"], out["offloaded_per_layer"], out["cache_slots"])
+
+
+def test_cli_shows_the_formats_auto_weights_resolve_to(capsys, monkeypatch):
+    """Issue 22: V4-Flash with default (auto) weights on one 141 GiB card plans the checkpoint's
+    MXFP4 experts and FP8 linears, and the worker block says so; on 8 such cards, bf16."""
+    from dsv4.commands.cli import main
+
+    _worker_env_only(monkeypatch)
+    one = ["plan", "--shape", "flash", "--gpu-mem", "141", "--host-mem", "128", "--json"]
+    assert main(one) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["verdict"] in (FITS_WITH_OFFLOAD, FITS_WITH_OFFLOAD_OVER_SLO)
+    assert (out["worker"]["expert_format"], out["worker"]["linear_format"]) == (
+        "checkpoint", "checkpoint")  # fmt: skip
+    assert main([*one, "--gpus", "8"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["verdict"] == FITS
+    assert (out["worker"]["expert_format"], out["worker"]["linear_format"]) == ("bf16", "bf16")
 
 
 @pytest.mark.parametrize(
