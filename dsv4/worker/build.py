@@ -45,7 +45,7 @@ from dsv4.scheduler.request import Request
 from dsv4.text.tokenizer import TextCodec
 from dsv4.transfer import KVTransport, make_transport
 from dsv4.types import GenerateRequest, KVLayoutInfo, RequestLimits
-from dsv4.worker.fit import max_decode_tokens, planned_model_config
+from dsv4.worker.fit import AUTO, max_decode_tokens, planned_model_config, resolve_weight_formats
 from dsv4.worker.kv_budget import num_blocks_for
 from dsv4.worker.offload import WorkerOffload, apply_offload, startup_offload
 from dsv4.worker.options import (
@@ -112,6 +112,9 @@ def load_weights(
 ) -> tuple[torch.nn.Module, ModelConfig, TextCodec | None]:
     """The model (eval mode, on the configured device) and its tokenizer, if any; with
     `offload`, cold routed experts are loaded straight into host memory."""
+    f = config.features
+    if AUTO in (f.expert_weights, f.linear_weights):  # a caller that skipped start-up's plan
+        config = resolve_weight_formats(config, planned_model_config(config), 0)  # bf16
     m = config.model
     dtype = _DTYPES[m.dtype]
     experts = config.features.expert_weights  # "checkpoint": MXFP4 / FP8 experts as stored

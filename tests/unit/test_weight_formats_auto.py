@@ -22,11 +22,25 @@ def _config(values: dict, model=FLASH):
                         model=model)  # fmt: skip
 
 
+@pytest.fixture
+def fit_logs(caplog, monkeypatch):
+    """caplog for dsv4.worker.fit whatever earlier tests did to logging: a library's
+    dictConfig(disable_existing_loggers=True) disables loggers that exist, and a handler setup
+    may stop propagation on the way to the root's capture handler, logging.disable mutes all."""
+    monkeypatch.setattr(logging.root.manager, "disable", logging.NOTSET)  # logging.disable(...)
+    for name in ("dsv4.worker.fit", "dsv4.worker", "dsv4"):
+        log = logging.getLogger(name)
+        monkeypatch.setattr(log, "disabled", False)
+        monkeypatch.setattr(log, "propagate", True)
+    return caplog
+
+
 def _formats(config) -> tuple[str, str]:
     return config.features.expert_weights, config.features.linear_weights
 
 
-def test_flash_on_one_h200_takes_the_checkpoints_formats_and_fits_with_offload(caplog) -> None:
+def test_flash_on_one_h200_takes_the_checkpoints_formats_and_fits_with_offload(fit_logs) -> None:
+    caplog = fit_logs
     config = _config({"model.host_memory_gib": 128})
     assert _formats(config) == ("auto", "auto")
     with caplog.at_level(logging.INFO, logger="dsv4.worker.fit"):
@@ -74,7 +88,8 @@ def test_one_auto_setting_resolves_alone_and_fp8_activations_hold_linears_as_sto
     assert _formats(resolve_weight_formats(fp8, FLASH, 1024 * GIB)) == ("bf16", "checkpoint")
 
 
-def test_a_fuse_the_resolved_formats_forbid_is_turned_off(caplog) -> None:
+def test_a_fuse_the_resolved_formats_forbid_is_turned_off(fit_logs) -> None:
+    caplog = fit_logs
     config = _config({"features.fuse_shared_expert": True})
     with caplog.at_level(logging.WARNING, logger="dsv4.worker.fit"):
         resolved = resolve_weight_formats(config, FLASH, 141 * GIB)
