@@ -67,14 +67,7 @@ def attribute(
     "top_kernels": [(name, us per step)], the `top` longest}; {} when the device is not CUDA."""
     if device.type != "cuda":
         return {}
-    from torch.profiler import ProfilerActivity, profile
-
-    step()
-    torch.cuda.synchronize(device)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(repeats):
-            step()
-        torch.cuda.synchronize(device)
+    prof = _profiled(step, device, repeats, mark=False)
     by_kernel: dict[str, float] = defaultdict(float)
     for event in prof.events():
         if str(getattr(event, "device_type", "")).endswith("CUDA"):
@@ -139,13 +132,21 @@ def launches_and_syncs(step: Callable[[], object], device: torch.device, repeats
     closing synchronize lies outside every STEP_MARK range, so it is not counted."""
     if device.type != "cuda":
         return {}
+    return count_events(_profiled(step, device, repeats, mark=True).events(), repeats)
+
+
+def _profiled(step: Callable[[], object], device: torch.device, repeats: int, mark: bool):
+    """A torch.profiler (CPU + CUDA) of `repeats` calls of `step()` after one unprofiled
+    call, each inside a STEP_MARK range when `mark`."""
+    from contextlib import nullcontext
+
     from torch.profiler import ProfilerActivity, profile, record_function
 
     step()
     torch.cuda.synchronize(device)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(repeats):
-            with record_function(STEP_MARK):
+            with record_function(STEP_MARK) if mark else nullcontext():
                 step()
         torch.cuda.synchronize(device)
-    return count_events(prof.events(), repeats)
+    return prof

@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from dsv4.ops.fp8 import quantize_activations as quantize_ref
-from dsv4.ops.quant import fp8_block_quantize
 from kernels import fp8_linear_cublas as cublas
 from kernels.fp8_linear import (
     fp8_grouped_linear,
@@ -23,25 +22,12 @@ from kernels.fp8_linear import (
     fp8_linear,
     fp8_linear_ref,
 )
+from tests.kernels.fp8_inputs import DEVICE, activations, fp8_weight
 from tests.kernels.tolerances import assert_close
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CUBLAS = {"GEMV": False, "CUBLAS": True}
 fp8 = importlib.import_module("kernels.fp8_linear")  # the package exports a same-named op
 BOTH = [a for a in cublas.APIS if a in cublas.available_apis()]
-
-
-def _weight(n, k, seed, scale_dtype=torch.float8_e8m0fnu):
-    g = torch.Generator(DEVICE).manual_seed(seed)
-    codes, scale = fp8_block_quantize(torch.randn(n, k, generator=g, device=DEVICE) / k**0.5)
-    if scale_dtype == torch.float32:
-        scale = scale.float() * (1 + torch.rand(scale.shape, generator=g, device=DEVICE))
-    return codes, scale
-
-
-def _x(shape, seed, dtype=torch.bfloat16):
-    g = torch.Generator(DEVICE).manual_seed(seed)
-    return torch.randn(shape, generator=g, device=DEVICE).to(dtype)
 
 
 def _emulate(a, b, scale_a, scale_b):
@@ -70,7 +56,7 @@ def _meta(t):
 def test_quantizer_layout_matches_reference():
     """Codes and scales as dsv4.ops.fp8.quantize_activations has them, the scales stored
     [G, K/128, T_pad] (outer-dim-major per group), rows past T zero; a zero row, an outlier."""
-    x = _x((5, 2, 384), 1)
+    x = activations((5, 2, 384), 1)
     x[1, 0] = 0
     x[2, 1, :128] *= 300
     q, s = cublas.quantize_activations_t(x)
@@ -90,7 +76,7 @@ def test_quantizer_layout_matches_reference():
 def test_weight_scale_operand_layout_and_cache(api, kb, width):
     """fp32 [L, N/128] with strides (1, L): the stored scale transposed, zero-padded to L
     (a multiple of 4 for "scaled_mm"); laid out once, again after an in-place write."""
-    _, scale = _weight(256, 128 * kb, kb)  # UE8M0 [2, kb]
+    _, scale = fp8_weight(256, 128 * kb, kb)  # UE8M0 [2, kb]
     op = cublas.weight_scale_operand(scale, api)
     assert op.dtype == torch.float32 and op.shape == (width, 2) and op.stride() == (1, width)
     torch.testing.assert_close(op[:kb].t(), scale.float(), rtol=0, atol=0)
@@ -106,8 +92,8 @@ def test_weight_scale_operand_layout_and_cache(api, kb, width):
 def test_operands_pass_torch_layout_checks(api, groups, rows, k):
     """The operands as passed, on the meta device, through the API's own shape/stride checks
     (F.scaled_mm checks strides there; _scaled_mm shapes): [T_pad, N] bf16 comes back."""
-    x = _x((rows, groups, k), rows)
-    w, s = _weight(groups * 256, k, k)
+    x = activations((rows, groups, k), rows)
+    w, s = fp8_weight(groups * 256, k, k)
     q, sa = cublas.quantize_activations_t(x)
     scale_b = cublas.weight_scale_operand(s, api)
     for g in range(groups):
@@ -126,8 +112,8 @@ def test_operands_pass_torch_layout_checks(api, groups, rows, k):
 def test_emulated_product_matches_w8a8_reference(groups, rows, k, api, scale_dtype):
     """The block-scaled product over the module's operands equals the W8A8 reference (x
     quantised per 1x128 group, both operands dequantised, an fp32 product) up to bf16 rounding."""
-    x = _x((rows, groups, k), rows + k)
-    w, s = _weight(groups * 256, k, groups + rows, scale_dtype)
+    x = activations((rows, groups, k), rows + k)
+    w, s = fp8_weight(groups * 256, k, groups + rows, scale_dtype)
     y = _emulated_linear(x, w, s, api)
     if groups == 1:
         assert_close(y[:, 0], fp8_linear_ref(x[:, 0], w, s, "fp8"), "activation")
@@ -146,8 +132,8 @@ def test_dispatch_names_the_path():
     assert fp8.w8a8_path(1, 1024, 1, True) == "rowtile"
     assert fp8.w8a8_path(fp8.CUBLAS_W8A8_GROUPED_MIN_ROWS, 1024, 8, True) == "w8a8_cublas"
     assert fp8.w8a8_path(fp8.CUBLAS_W8A8_GROUPED_MIN_ROWS - 1, 1024, 8, True) == "dequant"
-    w, s = _weight(256, 256, 3)
-    x = _x((64, 256), 4)
+    w, s = fp8_weight(256, 256, 3)
+    x = activations((64, 256), 4)
     assert not cublas.supported(x.cpu(), 256, 256)
     assert not cublas.supported(x, 130, 256) and not cublas.supported(x, 256, 200)
     if DEVICE == "cpu":
@@ -160,13 +146,13 @@ def test_dispatch_names_the_path():
 def test_typed_errors(monkeypatch):
     """No block-scaled API in this torch, or scale blocks that do not tile the weight: a
     BlockScaledMMUnavailable naming the cause."""
-    w, s = _weight(256, 256, 5)
-    x = _x((4, 1, 256), 6)
+    w, s = fp8_weight(256, 256, 5)
+    x = activations((4, 1, 256), 6)
     monkeypatch.setattr(cublas, "_API_IN_USE", [])
     monkeypatch.setattr(cublas, "available_apis", lambda: ())
     with pytest.raises(cublas.BlockScaledMMUnavailable, match="neither"):
         cublas.w8a8_cublas(x, w, s)
-    w2, s2 = _weight(130, 256, 7)
+    w2, s2 = fp8_weight(130, 256, 7)
     with pytest.raises(cublas.BlockScaledMMUnavailable, match="multiples of 128"):
         cublas.w8a8_cublas(x, w2, s2)
 
@@ -183,16 +169,16 @@ def test_w8a8_cublas_production_shapes_gpu(rows):
     within the W8A8 error of the exact path, deterministic; wo_a's 8 groups too."""
     for n, k in SHAPES:
         for scale_dtype in (torch.float8_e8m0fnu, torch.float32):
-            w, s = _weight(n, k, n + rows, scale_dtype)
-            x = _x((rows, k), k + rows)
+            w, s = fp8_weight(n, k, n + rows, scale_dtype)
+            x = activations((rows, k), k + rows)
             y = fp8_linear(x, w, s, "fp8", tune=CUBLAS)
             assert_close(y, fp8_linear_ref(x, w, s, "fp8"), "activation")
             exact = fp8_linear(x, w, s)
             rel = ((y.float() - exact.float()).norm() / exact.float().norm()).item()
             assert rel < 0.05, (n, k, rel)  # W8A8's ~2.6% (docs/BENCHMARKS.md)
             assert torch.equal(y, fp8_linear(x, w, s, "fp8", tune=CUBLAS))
-    w, s = _weight(8 * 1024, 4096, 8)
-    x = _x((rows, 8, 4096), 9)
+    w, s = fp8_weight(8 * 1024, 4096, 8)
+    x = activations((rows, 8, 4096), 9)
     assert_close(fp8_grouped_linear(x, w, s, "fp8", tune=CUBLAS),
                  fp8_grouped_linear_ref(x, w, s, "fp8"), "activation")  # fmt: skip
     assert cublas._API_IN_USE, "an API ran"
@@ -201,8 +187,8 @@ def test_w8a8_cublas_production_shapes_gpu(rows):
 @pytest.mark.gpu
 def test_w8a8_cublas_dispatch_and_graph_gpu():
     """The switch takes the path from CUBLAS_W8A8_MIN_ROWS on sm_90; one CUDA graph replays it."""
-    w, s = _weight(1024, 4096, 10)
-    x = _x((max(fp8.CUBLAS_W8A8_MIN_ROWS, 256), 4096), 11)
+    w, s = fp8_weight(1024, 4096, 10)
+    x = activations((max(fp8.CUBLAS_W8A8_MIN_ROWS, 256), 4096), 11)
     assert cublas.supported(x, 1024, 4096) == (torch.cuda.get_device_capability() == (9, 0))
     if not cublas.supported(x, 1024, 4096):
         pytest.skip("block-scaled FP8 GEMM needs sm_90")

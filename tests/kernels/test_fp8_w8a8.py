@@ -15,7 +15,6 @@ from dsv4.config import load_config
 from dsv4.errors import ConfigError
 from dsv4.model.fp8 import FP8Linear, set_linear_activations_
 from dsv4.ops.fp8 import quantize_activations as quantize_ref
-from dsv4.ops.quant import fp8_block_quantize
 from kernels.fp8_linear import (
     fp8_grouped_linear,
     fp8_grouped_linear_ref,
@@ -23,29 +22,16 @@ from kernels.fp8_linear import (
     fp8_linear_ref,
 )
 from kernels.fp8_w8a8 import quantize_activations
+from tests.kernels.fp8_inputs import DEVICE, activations, fp8_weight
 from tests.kernels.tolerances import assert_close
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 W8A8 = {"GEMV": False, "W8A8": True}
-
-
-def _weight(n, k, seed, scale_dtype=torch.float8_e8m0fnu):
-    g = torch.Generator(DEVICE).manual_seed(seed)
-    codes, scale = fp8_block_quantize(torch.randn(n, k, generator=g, device=DEVICE) / k**0.5)
-    if scale_dtype == torch.float32:
-        scale = scale.float() * (1 + torch.rand(scale.shape, generator=g, device=DEVICE))
-    return codes, scale
-
-
-def _x(shape, seed, dtype=torch.bfloat16):
-    g = torch.Generator(DEVICE).manual_seed(seed)
-    return torch.randn(shape, generator=g, device=DEVICE).to(dtype)
 
 
 def test_quantizer_matches_reference_bit_for_bit():
     """e4m3 codes and fp32 scales as the torch reference has them, with a zero row and a K
     tail of 44 columns (its own scale)."""
-    x = _x((5, 2, 300), 1)
+    x = activations((5, 2, 300), 1)
     x[1, 0] = 0
     x[2, 1, :128] *= 300  # a group far from the others: its own scale
     q, s = quantize_activations(x)
@@ -61,13 +47,13 @@ def test_quantizer_matches_reference_bit_for_bit():
 @pytest.mark.parametrize("rows,splits,swap", [(3, 2, True), (17, 1, True), (40, 3, False)])
 def test_w8a8_matches_ref(rows, splits, swap, fuse, scale_dtype, reduce):
     """REDUCE "kernel": split-K partials added by the tile's last program (kernels/fp8_splitk.py)."""
-    w, s = _weight(130, 300, rows, scale_dtype)
-    x = _x((rows, 300), rows + 1)
+    w, s = fp8_weight(130, 300, rows, scale_dtype)
+    x = activations((rows, 300), rows + 1)
     tune = {**W8A8, "splits": splits, "SWAP_AB": swap, "FUSE_QUANT": fuse, "REDUCE": reduce}
     y = fp8_linear(x, w, s, "fp8", tune=tune)
     assert_close(y, fp8_linear_ref(x, w, s, "fp8"), "activation")
-    g = _x((2, 3, 2, 260), rows + 2)
-    wg, sg = _weight(2 * 40, 260, rows + 3, scale_dtype)
+    g = activations((2, 3, 2, 260), rows + 2)
+    wg, sg = fp8_weight(2 * 40, 260, rows + 3, scale_dtype)
     assert_close(fp8_grouped_linear(g, wg, sg, "fp8", tune=tune),
                  fp8_grouped_linear_ref(g, wg, sg, "fp8"), "activation")  # fmt: skip
 
@@ -76,14 +62,14 @@ def test_activations_switch_picks_the_path():
     """activations="fp8" runs W8A8 from GEMV_MAX_ROWS + 1 to W8A8_MAX_ROWS rows and the exact
     paths outside (the GEMV below; dequantise + F.linear above: equal to the exact reference)."""
     fp8 = importlib.import_module("kernels.fp8_linear")
-    w, s = _weight(130, 256, 7)
-    x = _x((8, 256), 8)
+    w, s = fp8_weight(130, 256, 7)
+    x = activations((8, 256), 8)
     y = fp8_linear(x, w, s, "fp8")
     assert_close(y, fp8_linear_ref(x, w, s, "fp8"), "activation")
     assert not torch.equal(fp8_linear_ref(x, w, s, "fp8"), fp8_linear_ref(x, w, s))
     one = x[:1]
     assert_close(fp8_linear(one, w, s, "fp8"), fp8_linear_ref(one, w, s), "activation")
-    many = _x((fp8.W8A8_MAX_ROWS + 1, 256), 9)
+    many = activations((fp8.W8A8_MAX_ROWS + 1, 256), 9)
     assert torch.equal(fp8_linear(many, w, s, "fp8"), fp8_linear_ref(many, w, s))
 
 
@@ -91,8 +77,8 @@ def test_fp8_linear_module_serves_its_activations():
     """FP8Linear(activations="fp8") calls the W8A8 op (the torch reference here); a bad value
     is a ConfigError."""
     layer = FP8Linear(256, 130, device=DEVICE, activations="fp8")
-    layer.weight.data, layer.scale.data = _weight(130, 256, 12)
-    x = _x((3, 256), 13)
+    layer.weight.data, layer.scale.data = fp8_weight(130, 256, 12)
+    x = activations((3, 256), 13)
     assert torch.equal(layer(x), fp8_linear_ref(x, layer.weight, layer.scale, "fp8"))
     assert "activations=fp8" in repr(layer)
     with pytest.raises(ConfigError):
@@ -104,24 +90,24 @@ def test_fp8_linear_module_serves_its_activations():
 def test_w8a8_production_shapes_gpu(rows):
     """V4-Flash wkv, wq_a, wq_b, wo_b, shared w2, and wo_a (8 groups), each W8A8 config kind."""
     for n, k in ((512, 4096), (1024, 4096), (32768, 1024), (4096, 8192), (4096, 2048)):
-        w, s = _weight(n, k, n)
-        x = _x((rows, k), k)
+        w, s = fp8_weight(n, k, n)
+        x = activations((rows, k), k)
         want = fp8_linear_ref(x, w, s, "fp8")
         for tune in (W8A8, {**W8A8, "FUSE_QUANT": rows > 64}, {**W8A8, "splits": 1}):
             y = fp8_linear(x, w, s, "fp8", tune=tune)
             assert_close(y, want, "activation")
         assert torch.equal(y, fp8_linear(x, w, s, "fp8", tune=tune))  # deterministic
-    w, s = _weight(8 * 1024, 4096, 8)
-    x = _x((rows, 8, 4096), 9)
+    w, s = fp8_weight(8 * 1024, 4096, 8)
+    x = activations((rows, 8, 4096), 9)
     assert_close(fp8_grouped_linear(x, w, s, "fp8", tune=W8A8),
                  fp8_grouped_linear_ref(x, w, s, "fp8"), "activation")  # fmt: skip
 
 
 @pytest.mark.gpu
 def test_w8a8_is_graph_capturable_gpu():
-    w, s = _weight(1024, 4096, 10)
+    w, s = fp8_weight(1024, 4096, 10)
     for rows in (16, 256):
-        x = _x((rows, 4096), 11)
+        x = activations((rows, 4096), 11)
         for fuse in (False, True):
             tune = {**W8A8, "FUSE_QUANT": fuse}
             want = fp8_linear(x, w, s, "fp8", tune=tune)
