@@ -222,8 +222,8 @@ def plan_layout(
         total = min(visible[c] for c in cards)  # plan on the smallest card given
     else:
         total = visible[index] if index < len(visible) else 0
-    resolved = {role: resolve_auto(c, has_cuda=total > 0, hostname="up", pid=0,
-                                   model=planned_model_config(c))
+    model = planned_model_config(configs["decode"])  # both roles serve spec.model_dir
+    resolved = {role: resolve_auto(c, has_cuda=total > 0, hostname="up", pid=0, model=model)
                 for role, c in configs.items()}  # fmt: skip
     decode = resolved["decode"]
     card = int(decode.model.device_memory_gib * GIB)
@@ -231,7 +231,7 @@ def plan_layout(
         card = total
     choice = choose_layout(
         requested, prefill=resolved["prefill"], decode=decode,
-        model=planned_model_config(decode), card_bytes=card,
+        model=model, card_bytes=card,
         num_prefill=spec.num_prefill, num_decode=spec.num_decode, cards=cards,
     )  # fmt: skip
     if gpus is None and requested != COLOCATED:

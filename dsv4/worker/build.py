@@ -157,14 +157,12 @@ def build_worker_runtime(
 ) -> WorkerRuntime:
     """Load the model, size the KV cache, build the engine and (optionally) the transport,
     registering the cache's backing tensor with it."""
+    model_cfg = planned_model_config(config)  # config.json only, before any weight
     # with the model's config: kv_dtype auto is fp8 only for its 512-wide heads
     config = resolve_auto(config, has_cuda=torch.cuda.is_available(),
-                          hostname=socket.gethostname(), pid=os.getpid(),
-                          model=planned_model_config(config))  # fmt: skip
+                          hostname=socket.gethostname(), pid=os.getpid(), model=model_cfg)  # fmt: skip
     # the plan (GPU, or model.device_memory_gib) before any weight: raises PlanDoesNotFit
-    config, plan, offload = startup_offload(
-        config, planned_model_config(config), _DTYPES[config.model.dtype]
-    )
+    config, plan, offload = startup_offload(config, model_cfg, _DTYPES[config.model.dtype])
     # the step workspaces the engine allocates after the KV cache is sized (the plan's buffers)
     reserve = plan.buffer_bytes if plan is not None else 0
     ranks = start_ranks(config)  # None for one rank; else followers load alongside
