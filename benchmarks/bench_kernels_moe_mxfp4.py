@@ -14,7 +14,9 @@ on the same inputs in this process. Paths (kernels/moe_mxfp4.py):
   in-register MMA, dequantise to a bf16 scratch from ~2K tokens);
 - "dot_scaled": tl.dot_scaled on the stored layout (tune DOT_SCALED);
 - "halves64" / "halves128": the halves MMA kernel (tune GEMV False) on the re-packed layouts;
-- "gemv_halves128": the GEMV on the halves128 layout (tune GEMV True), decode sizes only.
+- "gemv_halves128": the GEMV on the halves128 layout (tune GEMV True), decode sizes only;
+- "w4a8": halves128 experts with activations "fp8" (kernels/moe_w4a8.py, e4m3 x and h on the
+  FP8 MMA; its own switch, features.moe_activations), above the GEMV's sizes only.
 Each candidate is timed at every config of CONFIGS[size] (the first: `mx_config`'s default).
 Records (a JSON list):
 - "moe_mxfp4_vs_bf16": {name, tokens, path, time_us (the path's best config), bf16_us, speedup
@@ -35,7 +37,7 @@ from benchmarks.harness import PEAK_BYTES_PER_S
 from kernels import moe, moe_mxfp4
 
 GPU = dict(dim=4096, inter=2048, experts=256, k=6, tokens=[1, 16, 64, 1024, 8192])
-DRY = dict(dim=256, inter=128, experts=8, k=2, tokens=[1, 5])
+DRY = dict(dim=256, inter=128, experts=8, k=2, tokens=[1, 5, 16])  # 16: above the GEMV
 ROTATE = 8
 # config overrides tried per size class after mx_config's default ({}); weight rows (BLOCK_N) on
 # the MMA's M side with SWAP_AB, the expert's pairs (BLOCK_M) on its N side
@@ -48,6 +50,9 @@ CONFIGS = {
 # the GEMV path (kernels/moe_gemv.py) is timed up to its served bound (128 tokens of V4-Flash)
 GEMV_MAX_TOKENS = 128
 GEMV_CONFIGS = ({}, {"BLOCK_M": 1}, {"BLOCK_M": 2})
+# W4A8 keeps BLOCK_N 128 (one activation group of h a column tile); BLOCK_M 128 spills (sm_90)
+W4A8_CONFIGS = ({}, {"BLOCK_M": 64, "num_warps": 8}, {"BLOCK_M": 32, "num_warps": 4},
+                {"num_stages": 4})  # fmt: skip
 
 
 def _size_class(tokens: int) -> str:
@@ -55,18 +60,21 @@ def _size_class(tokens: int) -> str:
 
 
 def _paths(w_fp4, dry: bool) -> dict:
-    """path -> (weights (w13, w2, s13, s2), format, base tune, GEMV path: only at decode sizes).
-    The candidates' base tune GEMV False keeps them on their MMA kernels at every size."""
+    """path -> (weights (w13, w2, s13, s2), format, base tune, sizes: "gemv" (decode only),
+    "mma" (above the GEMV's) or "all", activations). The candidates' base tune GEMV False keeps
+    them on their MMA kernels at every size."""
     w13, w2, s13, s2 = w_fp4
-    paths = {"stored": (w_fp4, "mxfp4", None, False),
-             "dot_scaled": (w_fp4, "mxfp4", {"DOT_SCALED": True}, False)}  # fmt: skip
+    paths = {"stored": (w_fp4, "mxfp4", None, "all", "bf16"),
+             "dot_scaled": (w_fp4, "mxfp4", {"DOT_SCALED": True}, "all", "bf16")}  # fmt: skip
     for block_k in moe_mxfp4.HALVES_BLOCKS:
         halves = (moe_mxfp4.repack_halves(w13, block_k), moe_mxfp4.repack_halves(w2, block_k), s13,
                   s2)  # fmt: skip
-        paths[f"halves{block_k}"] = (halves, f"mxfp4_halves{block_k}", {"GEMV": False}, False)
+        paths[f"halves{block_k}"] = (halves, f"mxfp4_halves{block_k}", {"GEMV": False}, "all",
+                                     "bf16")  # fmt: skip
     served = paths["halves128"][0]
-    paths["halves128_served"] = (served, "mxfp4_halves128", None, False)
-    paths["gemv_halves128"] = (served, "mxfp4_halves128", {"GEMV": True}, True)
+    paths["halves128_served"] = (served, "mxfp4_halves128", None, "all", "bf16")
+    paths["gemv_halves128"] = (served, "mxfp4_halves128", {"GEMV": True}, "gemv", "bf16")
+    paths["w4a8"] = (served, "mxfp4_halves128", None, "mma", "fp8")
     return paths
 
 
@@ -85,17 +93,20 @@ def run(dry: bool, limit_s: float, only: frozenset[str] = frozenset()) -> list[d
         bf16_us = _time_us(lambda *a: moe.moe_experts(*a), bf16_steps, dry)
         print(f"T={t:5d} bf16 {bf16_us:9.2f} us", flush=True)
         ref = moe.moe_experts_ref(*fp4_steps[0])
-        for path, (weights, fmt, base, gemv) in paths.items():
-            if gemv and t > GEMV_MAX_TOKENS:
+        for path, (weights, fmt, base, where, acts) in paths.items():
+            mma = moe.uses_w4a8(t * sizes["k"], sizes["experts"], fmt, "fp8")  # above the GEMV
+            if (where == "gemv" and t > GEMV_MAX_TOKENS) or (where == "mma" and not mma):
                 continue
             steps = [(s[0], s[1], s[2], *weights[:2], fmt, *weights[2:], s[8]) for s in fp4_steps]
-            configs = (GEMV_CONFIGS if gemv else [{}] if path in ("halves128_served", "stored")
+            configs = (GEMV_CONFIGS if where == "gemv" else W4A8_CONFIGS if acts == "fp8"
+                       else [{}] if path in ("halves128_served", "stored")
                        else CONFIGS[_size_class(t)])  # fmt: skip
             timed = []
             for cfg in configs[:1] if dry else configs:
                 tune = {**(base or {}), **cfg} or None
                 try:
-                    us = _time_us(lambda *a, tn=tune: moe.moe_experts(*a, tune=tn), steps, dry)
+                    us = _time_us(lambda *a, tn=tune, ac=acts: moe.moe_experts(
+                        *a, tune=tn, activations=ac), steps, dry)  # fmt: skip
                 except Exception as exc:  # a config that does not compile or run: recorded
                     print(f"T={t:5d} {path} {cfg}: {type(exc).__name__} {str(exc)[:200]}")
                     records.append({"name": "moe_mxfp4_candidate", "tokens": t, "path": path,
@@ -115,7 +126,7 @@ def run(dry: bool, limit_s: float, only: frozenset[str] = frozenset()) -> list[d
                                                   / PEAK_BYTES_PER_S * 100, 1),
                             "config": best})  # fmt: skip
             tune = {**(base or {}), **best} or None
-            y = moe.moe_experts(*steps[0], tune=tune)
+            y = moe.moe_experts(*steps[0], tune=tune, activations=acts)
             records.append({"name": "moe_mxfp4_numerics", "tokens": t, "path": path,
                             **_errors(y, ref)})  # fmt: skip
     return records

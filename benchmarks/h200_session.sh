@@ -27,6 +27,8 @@
 #           full-depth-<card>.json after each timed run.
 #   w8a8    issue 21: the GPU tests of the cuBLASLt block-scaled W8A8 path, then exact / Triton
 #           W8A8 / cuBLASLt W8A8 against bf16 at 1-8192 rows (bench_fp8_linear_vs_bf16 --paths);
+#   w4a8    issue 21: the GPU tests of the W4A8 experts (kernels/moe_w4a8.py), then W4A8 against
+#           bf16 and the halves128 MMA kernel above the GEMV's sizes (bench_kernels_moe_mxfp4);
 #   pattr   issues 25/22: where ONE fresh prompt's prefill step spends its time, 1024 and 8192
 #           tokens, bf16 then MXFP4 experts + FP8 linears (benchmarks.prefill_attribution: kernel
 #           time per component, gaps, launches, host syncs, top kernels), to
@@ -128,6 +130,15 @@ run_into "${T_W8A8:-200}" "$logs/w8a8-bench.log" python3 -m benchmarks.bench_fp8
     --rows 1,16,64,1024,8192 --paths exact,w8a8,w8a8_cublas --deadline-s "${W8A8_LIMIT_S:-150}" \
     --out "$out/fp8-linear-w8a8-cublas-$card.json"
 grep -E "^\||speedup|Error|rc=" "$logs/w8a8-bench.log" | tail -40 | cut -c1-200
+}
+has w4a8 && {  # issue 21: e4m3 activations x MXFP4 (halves128) experts on the FP8 MMA
+run_into "${T_W4A8_TESTS:-120}" "$logs/w4a8-tests.txt" python3 -m pytest -q -p no:cacheprovider \
+    -m gpu tests/kernels/test_moe_w4a8.py
+tail -3 "$logs/w4a8-tests.txt"
+run_into "${T_W4A8:-200}" "$logs/w4a8-bench.log" python3 -m benchmarks.bench_kernels_moe_mxfp4 \
+    --paths w4a8,halves128,halves128_served --limit-s "${W4A8_LIMIT_S:-150}" \
+    --out "$out/moe-w4a8-$card.json"
+grep -E "^\||Error|rc=" "$logs/w4a8-bench.log" | cut -c1-200
 }
 has full && {
 run_into "${T_FULL:-400}" "$logs/full.log" python3 -m benchmarks.offload_serve_check --layers 43 \

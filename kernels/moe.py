@@ -37,6 +37,9 @@ expert) instead dequantise the experts chunk by chunk into a bf16 scratch and ru
 bf16 (kernels/moe_dequant.py): on the H200 3x faster at 8192 tokens than the per-element nibble
 decode. The halves layouts take this module's kernel (FMT 4) above the GEMV at every size (H100:
 1.44x the scratch path at 8192 tokens). `served_path` says which path a size takes.
+`activations="fp8"` (`features.moe_activations`, W4A8: kernels/moe_w4a8.py) replaces that halves
+kernel for "mxfp4_halves128" experts with e4m3 x and h on the FP8 MMA (`uses_w4a8`); its numerics
+are its own (dsv4/ops/w4a8.py), so the references take the same argument.
 
 Shared expert: fused only behind `features.fuse_shared_expert` (bf16 experts, decode-sized
 steps: the paged forward routes every token to slot E of the stacked storage). In checkpoints it
@@ -53,7 +56,8 @@ import triton
 import triton.language as tl
 
 from dsv4.ops.moe import swiglu
-from kernels import moe_gemv, moe_mxfp4
+from dsv4.ops.w4a8 import w4a8_swiglu, w4a8_weight
+from kernels import moe_gemv, moe_mxfp4, moe_w4a8
 from kernels.moe_align import moe_align, moe_align_ref
 from kernels.moe_dequant import gemms_through_scratch, use_dequant
 from kernels.moe_gemm import FMT_DOT_SCALED, FMT_HALVES, FORMATS, dequantize_expert, grouped_gemms
@@ -113,13 +117,15 @@ def moe_experts(
     *,
     skip: bool = False,
     tune: dict | None = None,
+    activations: str = "bf16",
 ) -> torch.Tensor:
     """Routed experts: x [T, D] bf16, expert_ids [T, K] int, weights [T, K] fp32, w13/w2 (and
     scales) in `format` (see the module doc) -> y [T, D] fp32 = sum_k w * expert(x). `skip`:
     pairs with a negative id add nothing and cost no GEMM tile (an expert-parallel rank's
     pairs of the other ranks' experts). `tune`: config overrides (BLOCK_M/N/K, GROUP_M,
     num_warps, num_stages, SWAP_AB, DEQUANT, CHUNK_EXPERTS, DOT_SCALED; GEMV and
-    moe_gemv.gemv_config's keys)."""
+    moe_gemv.gemv_config's keys). `activations` "fp8": W4A8 above the GEMV's sizes
+    (`uses_w4a8`, kernels/moe_w4a8.py)."""
     y = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
     if expert_ids.numel() == 0:
         return y
@@ -129,7 +135,7 @@ def moe_experts(
     if skip:
         rows = torch.zeros(expert_ids.numel(), x.shape[1], dtype=torch.bfloat16, device=x.device)
     rows = expert_rows(x, expert_ids, w13, w2, format, w13_scale, w2_scale, limit,
-                       rows=rows, skip=skip, tune=tune)  # fmt: skip
+                       rows=rows, skip=skip, tune=tune, activations=activations)  # fmt: skip
     return _combine(rows, weights, y, expert_ids.shape[1])
 
 
@@ -138,7 +144,7 @@ def expert_rows(x: torch.Tensor, expert_ids: torch.Tensor, w13: torch.Tensor, w2
                 w2_scale: torch.Tensor | None = None, limit: float | None = None, *,
                 rows: torch.Tensor | None = None, num_experts: int | None = None,
                 skip: bool = False, used_rows: torch.Tensor | None = None,
-                tune: dict | None = None) -> torch.Tensor:  # fmt: skip
+                tune: dict | None = None, activations: str = "bf16") -> torch.Tensor:  # fmt: skip
     """Steps 1-3 of the module doc: rows [T*K, D] bf16, rows[t*K + k] = bf16(W2_e h) of the
     pair's storage row e = expert_ids[t, k] (x [T, D] bf16; `rows` given: written in place).
     `num_experts`: the expert count the tile, GEMV / MMA and dequant choices read (default
@@ -146,7 +152,9 @@ def expert_rows(x: torch.Tensor, expert_ids: torch.Tensor, w13: torch.Tensor, w2
     its storage rows, so its math is that of the all-resident call. `skip`: pairs with e < 0
     are not computed (their rows keep what they held: an earlier round's). `used_rows` (int32
     [U] on the device, distinct): every storage row a pair names, given by a caller that knows
-    them (a pool's round): the bf16-scratch path then dequantises only those, not all rows."""
+    them (a pool's round): the bf16-scratch path then dequantises only those, not all rows.
+    `activations` "fp8": MMA-sized steps of "mxfp4_halves128" experts run W4A8
+    (kernels/moe_w4a8.py; `uses_w4a8` says when)."""
     assert format in FORMATS, format
     assert x.dim() == 2 and x.dtype == torch.bfloat16 and x.stride(1) == 1
     dim = x.shape[1]
@@ -159,6 +167,12 @@ def expert_rows(x: torch.Tensor, expert_ids: torch.Tensor, w13: torch.Tensor, w2
     if rows is None:
         rows = torch.empty(num_pairs, dim, dtype=torch.bfloat16, device=x.device)
     if num_pairs == 0:
+        return rows
+    if uses_w4a8(num_pairs, num_experts, format, activations):
+        cfg = {**moe_w4a8.w4a8_config(num_pairs, num_experts, x.is_cuda), **(tune or {})}
+        sorted_ids, tile_e = _align(expert_ids, storage_rows, cfg["BLOCK_M"], skip)
+        moe_w4a8.w4a8_gemms(x, sorted_ids, tile_e, w13, w2, (w13_scale, w2_scale), rows, topk,
+                            limit, cfg)  # fmt: skip
         return rows
     tune = dict(tune or {})
     # candidates (kernels/moe_mxfp4.py): "mxfp4" through tl.dot_scaled; the "halves" layouts
@@ -210,6 +224,18 @@ def served_path(num_pairs: int, num_experts: int, format: str) -> str:
     if GEMV_DEFAULT and moe_gemv.use_gemv(num_pairs, num_experts, format):
         return "gemv"
     return "mma"
+
+
+ACTIVATIONS = ("bf16", "fp8")  # `features.moe_activations`
+
+
+def uses_w4a8(num_pairs: int, num_experts: int, format: str, activations: str) -> bool:
+    """Whether a step runs W4A8 (kernels/moe_w4a8.py): activations "fp8", experts in the
+    "mxfp4_halves128" layout, and a step the halves MMA kernel would serve (above the GEMV's
+    sizes; decode-sized steps stay exact: weight-bound, FP8 MMA buys them nothing)."""
+    assert activations in ACTIVATIONS, activations
+    return (activations == "fp8" and format == moe_w4a8.FORMAT
+            and served_path(num_pairs, num_experts, format) == "mma")  # fmt: skip
 
 
 def _align(expert_ids: torch.Tensor, storage_rows: int, block_m: int, skip: bool):
@@ -266,6 +292,21 @@ def moe_experts_dequant(
                        tune=tune)  # fmt: skip
 
 
+def _expert_ref(x, e: int, w13, w2, format: str, w13_scale, w2_scale, limit, w4a8: bool):
+    """Storage row e's expert on x [n, D]: `swiglu` over its weights dequantised to x's dtype,
+    or with `w4a8` the W4A8 numerics over `w4a8_weight`s (halves128 codes unpacked first)."""
+    inter = w13.shape[1] // 2
+    s13, s2 = (None if s is None else s[e] for s in (w13_scale, w2_scale))
+    if w4a8:
+        block = moe_mxfp4.halves_block(format)
+        w13_e, w2_e = (w4a8_weight(moe_mxfp4.unpack_halves(w[e], block), sc)
+                       for w, sc in ((w13, s13), (w2, s2)))  # fmt: skip
+        return w4a8_swiglu(x, w13_e[:inter], w2_e, w13_e[inter:], limit)
+    w13_e = dequantize_expert(w13[e], s13, format, x.dtype)
+    w2_e = dequantize_expert(w2[e], s2, format, x.dtype)
+    return swiglu(x, w13_e[:inter], w2_e, w13_e[inter:], limit)
+
+
 def moe_experts_ref(
     x: torch.Tensor,
     expert_ids: torch.Tensor,
@@ -278,45 +319,42 @@ def moe_experts_ref(
     limit: float | None = None,
     *,
     skip: bool = False,
+    activations: str = "bf16",
 ) -> torch.Tensor:
     """Reference (and the slow path): the model's loop over experts of `swiglu`, with each
     expert's weights dequantised first, to x's dtype (an fp32 model on CPU stays fp32).
-    `skip`: pairs with a negative id add nothing."""
-    inter = w13.shape[1] // 2
+    `skip`: pairs with a negative id add nothing. `activations` "fp8": W4A8 numerics
+    (dsv4/ops/w4a8.py) where `uses_w4a8` says the kernel runs them."""
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     ids = expert_ids.long()
+    w4a8 = uses_w4a8(ids.numel(), w13.shape[0], format, activations)
     for e in ids.unique().tolist():
         if skip and e < 0:
             continue
         token_idx, slot = torch.where(ids == e)
-        s13, s2 = (None if s is None else s[e] for s in (w13_scale, w2_scale))
-        w13_e = dequantize_expert(w13[e], s13, format, x.dtype)
-        w2_e = dequantize_expert(w2[e], s2, format, x.dtype)
-        y = swiglu(x[token_idx], w13_e[:inter], w2_e, w13_e[inter:], limit)
+        y = _expert_ref(x[token_idx], e, w13, w2, format, w13_scale, w2_scale, limit, w4a8)
         out.index_add_(0, token_idx, y.float() * weights[token_idx, slot].unsqueeze(-1))
     return out
 
 
 def expert_rows_ref(x, expert_ids, w13, w2, format="bf16", w13_scale=None, w2_scale=None,
                     limit=None, *, rows=None, num_experts=None, skip=False,
-                    used_rows=None) -> torch.Tensor:  # fmt: skip
+                    used_rows=None, activations="bf16") -> torch.Tensor:  # fmt: skip
     """Reference of `expert_rows`, computed as `moe_experts_ref` computes each expert (one call
     per storage row on its pairs' tokens, ascending), so `combine_rows_ref` of these rows is
     `moe_experts_ref` bit for bit. Rows in x's dtype; pairs with a negative row are skipped.
     `used_rows` changes nothing here (it saves the kernel's dequantise work)."""
     del used_rows
-    inter, topk = w13.shape[1] // 2, expert_ids.shape[1]
+    topk = expert_ids.shape[1]
     if rows is None:
         rows = torch.zeros(expert_ids.numel(), x.shape[1], dtype=x.dtype, device=x.device)
     ids = expert_ids.long()
+    w4a8 = uses_w4a8(ids.numel(), num_experts or w13.shape[0], format, activations)
     for e in ids.unique().tolist():
         if e < 0:
             continue
         token_idx, slot = torch.where(ids == e)
-        s13, s2 = (None if s is None else s[e] for s in (w13_scale, w2_scale))
-        w13_e = dequantize_expert(w13[e], s13, format, x.dtype)
-        w2_e = dequantize_expert(w2[e], s2, format, x.dtype)
-        y = swiglu(x[token_idx], w13_e[:inter], w2_e, w13_e[inter:], limit)
+        y = _expert_ref(x[token_idx], e, w13, w2, format, w13_scale, w2_scale, limit, w4a8)
         rows[token_idx * topk + slot] = y.to(rows.dtype)
     return rows
 

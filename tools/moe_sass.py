@@ -30,15 +30,18 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels import moe_gemm, moe_gemv
+from kernels import moe_gemm, moe_gemv, moe_w4a8
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 MMA_PTRS = {"x_ptr": "*bf16", "ids_ptr": "*i32", "tile_e_ptr": "*i32", "w_ptr": "*i8",
             "s_ptr": "*u8", "h_ptr": "*bf16", "limit": "fp32"}  # fmt: skip
+W4A8_PTRS = {"x_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "ids_ptr": "*i32", "tile_e_ptr": "*i32",
+             "w_ptr": "*i8", "s_ptr": "*u8", "h_ptr": "*fp8e4nv", "hs_ptr": "*fp32",
+             "out_ptr": "*bf16", "limit": "fp32"}  # fmt: skip
 GEMV_PTRS = {"xp_ptr": "*fp32", "ids_ptr": "*i32", "tile_e_ptr": "*i32", "w_ptr": "*i32",
              "s_ptr": "*u8", "hp_ptr": "*fp32", "limit": "fp32", "out_ptr": "*bf16"}  # fmt: skip
 # instruction classes counted in the loop (SASS opcode prefixes)
-CLASSES = ("LDG", "LDS", "STS", "BAR", "HGMMA", "HMMA", "FFMA", "FMUL", "F2FP", "LOP3", "SHF",
+CLASSES = ("LDG", "LDS", "STS", "BAR", "HGMMA", "QGMMA", "HMMA", "FFMA", "FMUL", "F2FP", "LOP3", "SHF",
            "IMAD", "PRMT", "SEL", "ISETP", "LDL", "STL")  # fmt: skip
 
 
@@ -66,6 +69,16 @@ def cases():
             out.append(_mma_case(f"dot_scaled bk{bk} {tag}", 3, bm, bn, bk, warps, True))
             out.append(_mma_case(f"halves{bk} {tag}", 4, bm, bn, bk, warps, True))
             out.append(_mma_case(f"halves{bk} smem {tag}", 4, bm, bn, bk, warps, False))
+    # W4A8 (kernels/moe_w4a8.py: e4m3 MMA on the halves128 codes) at w4a8_config's tiles
+    for tag, bm, warps in (("1024", 32, 8), ("8192", 64, 8), ("8192 m128", 128, 8)):
+        for fn, per_iter in ((moe_w4a8._w13_w4a8_kernel, 2 * 128 * 64),
+                             (moe_w4a8._w2_w4a8_kernel, 128 * 64)):  # fmt: skip
+            consts = dict(UPCAST=False, BLOCK_M=bm, BLOCK_N=128, GROUP_M=4)
+            if fn is moe_w4a8._w13_w4a8_kernel:
+                consts.update(TOPK=6, HAS_LIMIT=True)
+            kind = "w13" if fn is moe_w4a8._w13_w4a8_kernel else "w2"
+            out.append((f"w4a8 {kind} {tag}", fn, W4A8_PTRS, consts,
+                        dict(num_warps=warps, num_stages=3), per_iter))  # fmt: skip
     # the stored layout and the re-packed "mxfp4_halves128" one (kernels/moe_gemv.py HALVES) at
     # gemv_config's tiles: BLOCK_M 1 at 1 and 16 tokens, 2 at 64; w13 then w2 (BLOCK_N2 16)
     for halves, bm in ((False, 1), (False, 2), (True, 1), (True, 2)):

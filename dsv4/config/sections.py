@@ -246,6 +246,12 @@ class FeatureSwitches(Section):
         "(re-packed once in place: the GEMV to 128 tokens, the halves MMA kernel above; its MMA "
         "ran 1.9x bf16 at 64 tokens and 1.6x at 1024 on an H100, its GEMV is untimed; issue 21)",
         choices=("stored", "halves128"))  # fmt: skip
+    moe_activations: str = setting(
+        "bf16", "with MXFP4 experts in mxfp4_layout halves128: bf16 (exact) or fp8 (W4A8 above "
+        "the GEMV's 128 tokens: x and the SwiGLU output rounded to e4m3 per 1x128 group, FP8 "
+        "MMA; relative error ~4 percent of a MoE layer's output on random weights; issue 21, "
+        "untimed on the card)", choices=("bf16", "fp8"),
+    )  # fmt: skip
     linear_weights: str = setting(
         "auto", "attention/shared-expert/MTP linears: bf16, checkpoint (FP8 as stored, ~1/2 "
         "of the bytes; slower than bf16 on an H200) or auto (as expert_weights auto decides; "
@@ -282,6 +288,12 @@ class FeatureSwitches(Section):
                       "(the shared expert is FP8): off with linear_weights checkpoint")  # fmt: skip
         if self.linear_activations == "fp8" and self.linear_weights == "bf16":
             self.fail("linear_activations", "fp8 activations need linear_weights checkpoint")
+        if self.moe_activations == "fp8" and self.mxfp4_layout != "halves128":
+            self.fail("moe_activations", "fp8 (W4A8) reads MXFP4 experts in mxfp4_layout "
+                      "halves128: set it too")  # fmt: skip
+        if self.moe_activations == "fp8" and self.expert_weights == "bf16":
+            self.fail("moe_activations", "fp8 (W4A8) needs MXFP4 experts: expert_weights "
+                      "checkpoint or auto")  # fmt: skip
         if self.expert_staging == 1:
             self.fail("expert_staging", "0 (off) or at least 2: the buffer is used in two halves")
 

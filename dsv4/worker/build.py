@@ -209,7 +209,8 @@ def _build(
                                    kernels=kernel_config(config),
                                    max_decode_tokens=max_decode_tokens(config),
                                    mxfp4_layout=config.features.mxfp4_layout,
-                                   staging_experts=config.features.expert_staging)  # fmt: skip
+                                   staging_experts=config.features.expert_staging,
+                                   moe_activations=config.features.moe_activations)  # fmt: skip
     if ranks is not None:
         from dsv4.parallel import shard_model
 

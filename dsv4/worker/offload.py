@@ -148,16 +148,17 @@ def expert_offload(
 
 
 def pool_options(offload: ExpertOffload, model_cfg: ModelConfig, max_decode_tokens: int,
-                 mxfp4_layout: str = "stored", staging_experts: int = 0) -> PoolOptions:  # fmt: skip
+                 mxfp4_layout: str = "stored", staging_experts: int = 0,
+                 moe_activations: str = "bf16") -> PoolOptions:  # fmt: skip
     """The paged forward's pool per the plan: each layer's cold count and residency order,
     the plan's cache slots, raised to fit `max_decode_tokens` (max batch x (1 + drafts)), MXFP4
     rows in `mxfp4_layout` (`features.mxfp4_layout`), the prefill staging buffer's experts
-    (`features.expert_staging`)."""
+    (`features.expert_staging`), the GEMMs' activations (`features.moe_activations`)."""
     e, layers = model_cfg.n_routed_experts, num_moe_layers(model_cfg)
     cold = tuple(offload.offloaded(i, e) for i in range(layers))
     order = tuple(tuple(offload.order(i, e)) for i in range(layers))
     return PoolOptions(cold, order, offload.cache_slots, max_decode_tokens, offload.planned_layers,
-                       mxfp4_layout, staging_experts)  # fmt: skip
+                       mxfp4_layout, staging_experts, moe_activations)  # fmt: skip
 
 
 def apply_offload(
@@ -169,6 +170,7 @@ def apply_offload(
     max_decode_tokens: int = 1,
     mxfp4_layout: str = "stored",
     staging_experts: int = 0,
+    moe_activations: str = "bf16",
 ) -> WorkerOffload | None:
     """Serve `model` with `offload` on the `forward_kind` forward: the one call site that picks
     the expert path. Reference: the stores the loader built (a MoE layer loaded whole is
@@ -178,7 +180,8 @@ def apply_offload(
         return None
     if forward_kind == "paged":
         cfg = model.cfg
-        options = pool_options(offload, cfg, max_decode_tokens, mxfp4_layout, staging_experts)
+        options = pool_options(offload, cfg, max_decode_tokens, mxfp4_layout, staging_experts,
+                               moe_activations)  # fmt: skip
         device = model.embed.weight.device
         pool = pool_experts(model, options, device, kernels or KernelBackendConfig())
         slots = {layer.num_slots for layer in pool.layers}

@@ -94,7 +94,8 @@ def paged_options(config: ServeConfig) -> PagedOptions | None:
                              attention_all_heads=f.attention_all_heads,
                              indexer_variants=f.indexer_variants,
                              expert_prefetch=f.expert_prefetch,
-                             mxfp4_layout=f.mxfp4_layout)  # fmt: skip
+                             mxfp4_layout=f.mxfp4_layout,
+                             moe_activations=f.moe_activations)  # fmt: skip
     return PagedOptions(metadata, switches, graph_options(config))
 
 

@@ -71,6 +71,7 @@ class PoolOptions:
     planned_layers: int = 0
     mxfp4_layout: str = "stored"  # MXFP4 rows: `dsv4.model.moe.MXFP4_LAYOUTS`
     staging_experts: int = 0  # prefill staging rows shared by all layers (0: rounds)
+    moe_activations: str = "bf16"  # "fp8": W4A8 GEMMs on halves128 rows (kernels/moe_w4a8.py)
 
     def cold(self, layer: int) -> int:
         return self.num_offloaded[min(layer, len(self.num_offloaded) - 1)]
@@ -128,9 +129,10 @@ class LayerPool:
 
     def __init__(self, weights: ExpertWeights, host: tuple[torch.Tensor, ...],
                  resident_ids: list[int], num_experts: int, counters: torch.Tensor,
-                 kernels: KernelBackendConfig) -> None:  # fmt: skip
+                 kernels: KernelBackendConfig, activations: str = "bf16") -> None:  # fmt: skip
         device = weights.w13.device
         self.weights, self.host, self.counters = weights, host, counters
+        self.activations = activations  # `features.moe_activations` of the rows' GEMMs
         self.owner_pool: ExpertPool | None = None  # set by the ExpertPool that holds it
         self.index = 0  # its place in the owner's layers (set there too)
         self.num_experts, self.num_resident = num_experts, len(resident_ids)
@@ -229,7 +231,8 @@ class LayerPool:
         w = self.weights if storage is None else storage
         return self.ops["expert_rows"](u, rows_of, w.w13, w.w2, w.format, w.w13_scale,
                                        w.w2_scale, limit, rows=out, num_experts=self.num_experts,
-                                       skip=skip, used_rows=used_rows)  # fmt: skip
+                                       skip=skip, used_rows=used_rows,
+                                       activations=self.activations)  # fmt: skip
 
     def experts(self, u: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                 limit: float | None, lookahead: bool = False) -> torch.Tensor:  # fmt: skip
@@ -367,7 +370,8 @@ def pool_experts(model: DeepseekV4, options: PoolOptions, device: torch.device |
         scales = storage[2:] if len(storage) > 2 else (None, None)
         weights = ExpertWeights(storage[0], storage[1], format=source.format,
                                 w13_scale=scales[0], w2_scale=scales[1])  # fmt: skip
-        layer = LayerPool(weights, host, resident, num, counters[i], kernels)
+        layer = LayerPool(weights, host, resident, num, counters[i], kernels,
+                          options.moe_activations)  # fmt: skip
         moe.expert_pool = layer
         layers.append(layer)
     staging = None

@@ -13,6 +13,7 @@ prompt logprobs run `head_logits` over the rows they need, from the streams (`Pa
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -22,7 +23,7 @@ from dsv4.errors import ConfigError
 from dsv4.model.block import Block
 from dsv4.model.deepseek_v4 import DeepseekV4
 from dsv4.model.fp8 import FP8Linear
-from dsv4.model.moe import MoE
+from dsv4.model.moe import MXFP4_LAYOUTS, MoE
 from dsv4.runner.kv_cache import PagedKVCache
 from dsv4.runner.paged.attention import attention_layer
 from dsv4.runner.paged.collectives import ONE_RANK, PagedCollectives
@@ -32,6 +33,8 @@ from dsv4.runner.paged.step_metadata import MetadataSwitches, StepMetadata, Step
 from dsv4.runner.paged.weights import LayerWeights, prepare_weights
 from dsv4.scheduler.batch import ScheduledBatch
 from kernels.backend import KernelBackendConfig, resolve
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from dsv4.runner.paged.expert_pool import ExpertPool
@@ -74,6 +77,11 @@ class PagedForward:
         self.metadata = metadata
         self.switches = switches
         self.weights = prepare_weights(model, switches.mxfp4_layout)
+        held = sorted({lw.experts.format for lw in self.weights})
+        if switches.moe_activations == "fp8" and held != [MXFP4_LAYOUTS["halves128"]]:
+            logger.warning("features.moe_activations fp8: routed experts held as %s, not "
+                           "mxfp4_halves128 (bf16 experts, or dimensions not whole 128-column "
+                           "blocks): W4A8 does not apply, they run exact", held)  # fmt: skip
         if switches.fuse_shared_expert:
             _check_fusable(model, self.weights)
         self.device = model.embed.weight.device
@@ -222,7 +230,8 @@ class PagedForward:
         y = self._ops["moe_experts"](u.contiguous(), ids, w, w13, w2, experts.format,
                                      experts.w13_scale, experts.w2_scale,
                                      limit=cfg.swiglu_limit,
-                                     skip=self.collectives.skips_pairs)  # [T, D] fp32  # fmt: skip
+                                     skip=self.collectives.skips_pairs,
+                                     activations=self.switches.moe_activations)  # [T, D] fp32  # fmt: skip
         if moe.shared_experts is not None and not fuse:
             y += moe.shared_experts(u).float()
         return self.collectives.after_moe(y).to(u.dtype)  # the sum over the ranks' experts

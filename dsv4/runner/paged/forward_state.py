@@ -41,6 +41,9 @@ class PagedSwitches:
     # MXFP4 experts re-packed once into the "mxfp4_halves128" layout (kernels/moe_gemv.py to
     # 128 tokens, the halves MMA kernel above: issue 21); "stored": the checkpoint's layout
     mxfp4_layout: str = "stored"
+    # "fp8": W4A8 routed experts above the GEMV's sizes (halves128 layout; kernels/moe_w4a8.py:
+    # e4m3 x and h on the FP8 MMA, its own numerics: issue 21)
+    moe_activations: str = "bf16"
 
 
 @dataclass
