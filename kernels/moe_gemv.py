@@ -21,7 +21,7 @@ field e: code e = 0 is the subnormal m/2 * 2^-126, which is why no select is nee
 becomes fp32 by one more operation (p << 16, p & 0xFFFF0000). The UE8M0 byte s enters as a
 power of two, 2^126 * 2^(s - 127), either on each weight (then the same value
 `dsv4.ops.quant.mxfp4_dequantize` returns) or, POST_SCALE (the default), on the sum of a
-quad's 32 products with x carried times 2^64: 2^(s - 65) on the sum. Either way the products
+word's eight products with x carried times 2^64: 2^(s - 65) on the sum. Either way the products
 are exact in fp32 and the outputs differ from the dequantise-then-GEMM reference only in
 summation order (the powers of two fit fp32 for s <= 128, resp. 192: weights up to |12|, resp.
 6 * 2^65, far above any checkpoint's).
@@ -40,19 +40,11 @@ Two weight layouts, one kernel each way (constexpr HALVES, chosen by the format)
   t; code c = 4 lane + q is byte 2 lane + q // 2, the low nibble when q is even, so
       col(c, j) = 128b + 64 (q % 2) + 4m + 2 lane + q // 2.
   A word now meets two scale groups, 4b + m // 8 (its even codes) and 4b + 2 + m // 8 (odd):
-  POST_SCALE keeps two sums a word quad, each times its own power of two (one more multiply a
-  quad and row; two scale bytes a quad, 2 apart, each loaded as the stored layout's one).
-  The numerics are unchanged: every product exact in fp32, only the summation order differs
-  from the dequantise-then-GEMM reference.
-
-POST_SCALE sums over a thread's 16-byte load (a word quad: one scale group stored, two halves),
-not a word: 32 products a sum, then one multiply by its scale (`_gemv_step`). Compiled for
-sm_90 as launched (tools/moe_sass.py; warp instructions a weight byte, stored / halves128):
-w13 m1 0.306 / 0.316, w2 m1 0.333 / 0.342, w13 m2 0.396 / 0.408, w2 m2 0.442 / 0.465, no
-spill, 62-80 registers (a word a sum: 0.316 / 0.332, 0.342 / 0.350, 0.411 / 0.436, 0.479 /
-0.477, 71-128 registers, halves' w2 m2 spilling 16 bytes). The halves layout's remaining ~3%:
-a quad meets two scale groups (two byte loads, two sums, two multiplies); a thread reading 32
-bytes of a row (both layouts then two groups) would remove it.
+  POST_SCALE keeps two sums a word, each times its own power of two (one more multiply a word
+  and row; the step's 16 scale bytes a row still load at once and split in registers).
+  Compiled for sm_90 (tools/moe_sass.py, gemv13 m1): 95 registers and 0.391 warp instructions
+  a weight byte against 0.375 for the stored layout. The numerics are unchanged: every product
+  exact in fp32, only the summation order differs from the dequantise-then-GEMM reference.
 
 Steps (no host sync, CUDA-graph capturable): `moe_align` with BLOCK_M rows a tile; the x
 permute (one launch); `_gemv13_kernel` (gate and up rows of a tile share the x values; SwiGLU
@@ -75,7 +67,7 @@ from kernels.specialize import sizes_vary
 # moe-mxfp4-h200.json) the GEMV took 3.76 ms at 128 tokens against 4.88 ms for the in-register
 # kernel, and 6.99 against 5.05 ms at 256.
 GEMV_MAX_PAIRS_PER_EXPERT = 3.0
-# Each word quad's 32 products summed before its scale multiplies them (one multiply a quad, not a
+# Each word's 8 products summed before its scale multiplies them (one multiply a word, not a
 # weight); x and h are then carried times 2^64 so the products e2m1 * 2^-126 * x stay normal
 # fp32 (exact for 2^-63 < |x| < 2^64; zeros exact). H200: 57 against 63 us at one token.
 POST_SCALE_DEFAULT = True
@@ -97,100 +89,87 @@ def _lanes(w, q: tl.constexpr):
 
 
 @triton.jit
-def _quad_scales(s_rows, n_ok, k0, K, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
+def _word_scales(s_rows, n_ok, k0, K, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
                  POST_SCALE: tl.constexpr, HALVES: tl.constexpr):  # fmt: skip
-    """The UE8M0 scales of the BLOCK_W // 4 word quads from column k0 (a thread's 16-byte load)
-    as fp32 powers of two, [BLOCK_N, BLOCK_W // 4] each: (the low nibbles', the high nibbles')
-    (the same tensor for the stored layout, where a quad is one 32-column group). 2^126 *
-    2^(s - 127) on each weight; POST_SCALE: 2^-64 * 2^126 * 2^(s - 127) on a quad's sum of
-    products (x is then x * 2^64: the products e2m1 * 2^-126 * x * 2^64 stay normal)."""
+    """The UE8M0 scales of the BLOCK_W words from column k0 as fp32 powers of two, [BLOCK_N,
+    BLOCK_W] each: (the low nibbles', the high nibbles') (the same tensor for the stored layout,
+    where a word lies in one 32-column group). 2^126 * 2^(s - 127) on each weight; POST_SCALE:
+    2^-64 * 2^126 * 2^(s - 127) on the sum of a word's products (x is then x * 2^64: the
+    products e2m1 * 2^-126 * x * 2^64 stay normal)."""
     bias: tl.constexpr = 62 if POST_SCALE else 126
-    a = tl.arange(0, BLOCK_W // 4)
-    u = k0 // 32 + a  # quads: 32 columns each
-    sm = (u < K // 32)[None, :] & (n_ok[:, None])
-    if HALVES:  # quad u = 4b + m // 4 of block b: groups 4b + m // 8 (low nibbles), + 2 (high)
-        # (k0 // 32 is a multiple of 4: the step is whole 128-column blocks)
-        at = s_rows[:, None] + (k0 // 32 + ((a & -4) | ((a >> 1) & 1)))[None, :]
-        lo = tl.load(at, mask=sm, other=0).to(tl.int32) & 0xFF
-        hi = tl.load(at + 2, mask=sm, other=0).to(tl.int32) & 0xFF
-        return ((lo + bias) << 23).to(tl.float32, bitcast=True), ((hi + bias) << 23).to(
-            tl.float32, bitcast=True
-        )
-    # NOTE: contiguity 1 hinted, so the load takes the quads' layout: coalesced (u contiguous),
-    # w2's [16, 16] bytes went through shared memory with two barriers a step (sm_90 compile)
-    at = s_rows[:, None] + tl.max_contiguous(u, 1)[None, :]
-    sb = tl.load(at, mask=sm, other=0).to(tl.int32) & 0xFF
-    lo = ((sb + bias) << 23).to(tl.float32, bitcast=True)
-    return lo, lo
+    if HALVES:  # block b's groups 4b, 4b + 1 (low nibbles), 4b + 2, 4b + 3 (high): one load
+        g = k0 // 32 + tl.arange(0, BLOCK_W // 4)
+        sm = (g < K // 32)[None, :] & (n_ok[:, None])
+        sb = tl.load(s_rows[:, None] + g[None, :], mask=sm, other=0).to(tl.int32) & 0xFF
+        sb = ((sb + bias) << 23).to(tl.float32, bitcast=True)
+        # [BLOCK_N, blocks, low / high, m // 8] -> the halves last, split
+        sb = tl.permute(tl.reshape(sb, [BLOCK_N, BLOCK_W // 16, 2, 2]), (0, 1, 3, 2))
+        lo, hi = tl.split(sb)  # [BLOCK_N, BLOCK_W // 16, 2]: a word octet's scale each
+        lo = tl.reshape(tl.broadcast_to(tl.reshape(lo, [BLOCK_N, BLOCK_W // 8, 1]),
+                                        [BLOCK_N, BLOCK_W // 8, 8]), [BLOCK_N, BLOCK_W])  # fmt: skip
+        hi = tl.reshape(tl.broadcast_to(tl.reshape(hi, [BLOCK_N, BLOCK_W // 8, 1]),
+                                        [BLOCK_N, BLOCK_W // 8, 8]), [BLOCK_N, BLOCK_W])  # fmt: skip
+    else:
+        g = k0 // 32 + tl.arange(0, BLOCK_W // 4)  # scale groups: 4 words each
+        sm = (g < K // 32)[None, :] & (n_ok[:, None])
+        sb = tl.load(s_rows[:, None] + g[None, :], mask=sm, other=0).to(tl.int32) & 0xFF
+        lo = ((sb + bias) << 23).to(tl.float32, bitcast=True)
+        lo = tl.reshape(tl.broadcast_to(lo[:, :, None], [BLOCK_N, BLOCK_W // 4, 4]),
+                        [BLOCK_N, BLOCK_W])  # fmt: skip
+        hi = lo
+    return lo, hi
 
 
 @triton.jit
-def _quads(t, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
-    """[BLOCK_N, BLOCK_W] -> words 4i, 4i + 1, 4i + 2, 4i + 3 as four [BLOCK_N, BLOCK_W // 4]
-    (one thread's 16-byte load: split in registers)."""
-    even, odd = tl.split(tl.reshape(t, [BLOCK_N, BLOCK_W // 4, 2, 2]))
-    t0, t2 = tl.split(even)
-    t1, t3 = tl.split(odd)
-    return t0, t1, t2, t3
-
-
-@triton.jit
-def _x_quads(x, at, mask, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
-    return _quads(tl.load(x + at, mask=mask, other=0.0), BLOCK_N, BLOCK_W)
-
-
-@triton.jit
-def _fma(acc, a, b, FIRST: tl.constexpr):
+def _fma_pair(acc, lo, hi, at_lo, at_hi, mask, FIRST: tl.constexpr):
+    """acc + lo * x[at_lo] + hi * x[at_hi] (FIRST: without acc), fp32 [BLOCK_N, BLOCK_W]."""
+    x_lo = tl.load(at_lo, mask=mask, other=0.0)
     if FIRST:
-        return a * b
-    return acc + a * b
+        acc = lo * x_lo
+    else:
+        acc += lo * x_lo
+    return acc + hi * tl.load(at_hi, mask=mask, other=0.0)
 
 
 @triton.jit
 def _gemv_step(acc0, acc1, w_rows, s_rows, x0, x1, ok0, ok1, n_ok, k0, K, stride_xc,
                BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, TWO: tl.constexpr,
                POST_SCALE: tl.constexpr, HALVES: tl.constexpr):  # fmt: skip
-    """acc0/acc1 [BLOCK_N, BLOCK_W // 4] += the products of the 8*BLOCK_W columns from k0 with
-    the permuted activation rows at x0 / x1 (scalar pointers; x1 only when TWO; ok0 / ok1
-    [BLOCK_N, BLOCK_W] whether the row is a pair): weight words at w_rows [BLOCK_N] (int32
-    pointers), UE8M0 scales at s_rows. HALVES: the words in the "mxfp4_halves128" layout (module
-    doc). Each element of acc is a word quad (a thread's 16-byte load, one scale group, two
-    for HALVES): POST_SCALE sums its 32 products before its scale multiplies them."""
+    """acc0/acc1 [BLOCK_N, BLOCK_W] += the products of the 8*BLOCK_W columns from k0 with the
+    permuted activation rows at x0 / x1 (scalar pointers; x1 only when TWO; ok0 / ok1 [BLOCK_N,
+    BLOCK_W] whether the row is a pair): weight words at w_rows [BLOCK_N] (int32 pointers),
+    UE8M0 scales at s_rows. HALVES: the words in the "mxfp4_halves128" layout (module doc)."""
     j = k0 // 8 + tl.arange(0, BLOCK_W)  # word index
-    # NOTE: masked per 4-word quad (K is a multiple of 32), so the mask is constant over each
-    # thread's 16-byte load and the load vectorises
+    # NOTE: masked per 4-word scale group (K is a multiple of 32), so the mask is constant over
+    # each thread's 16-byte load and the load vectorises
     j_ok = (j // 4) * 32 < K
     wm = n_ok[:, None] & j_ok[None, :]
-    w = _quads(tl.load(w_rows[:, None] + j[None, :], mask=wm, other=0), BLOCK_N, BLOCK_W)
-    s_even, s_odd = _quad_scales(s_rows, n_ok, k0, K, BLOCK_N, BLOCK_W, POST_SCALE, HALVES)
+    w = tl.load(w_rows[:, None] + j[None, :], mask=wm, other=0)
+    s_even, s_odd = _word_scales(s_rows, n_ok, k0, K, BLOCK_N, BLOCK_W, POST_SCALE, HALVES)
     # NOTE: x loads [BLOCK_N, BLOCK_W] (every row's threads load the same values, from L1) in
     # the weight tile's layout: loaded [BLOCK_W] and broadcast, each went through shared memory
     # with a barrier (compiled for sm_90)
     xj = j[None, :] + 0 * ok0.to(tl.int32)
-    # POST_SCALE: a quad's sums of products; HALVES two, by code parity q % 2 (the low / high
+    # POST_SCALE: a word's sums of products; HALVES two, by code parity q % 2 (the low / high
     # nibbles: each its own scale group)
     even0, even1, odd0, odd1 = acc0, acc1, acc0, acc1
     for q in tl.static_range(4):
+        lo, hi = _lanes(w, q)
+        if not POST_SCALE:
+            s = s_even if q % 2 == 0 else s_odd
+            lo, hi = lo * s, hi * s
         at_lo, at_hi = q * stride_xc + xj, (q + 4) * stride_xc + xj
-        xl0 = _x_quads(x0, at_lo, wm & ok0, BLOCK_N, BLOCK_W)
-        xh0 = _x_quads(x0, at_hi, wm & ok0, BLOCK_N, BLOCK_W)
-        if TWO:
-            xl1 = _x_quads(x1, at_lo, wm & ok1, BLOCK_N, BLOCK_W)
-            xh1 = _x_quads(x1, at_hi, wm & ok1, BLOCK_N, BLOCK_W)
-        for i in tl.static_range(4):
-            lo, hi = _lanes(w[i], q)
-            if not POST_SCALE:
-                s = s_even if q % 2 == 0 else s_odd
-                lo, hi = lo * s, hi * s
-            # a POST_SCALE sum starts at its first products (q 0; HALVES' odd sum: q 1)
-            if HALVES and POST_SCALE and q % 2 == 1:
-                odd0 = _fma(odd0, lo, xl0[i], i == 0 and q == 1) + hi * xh0[i]
-                if TWO:
-                    odd1 = _fma(odd1, lo, xl1[i], i == 0 and q == 1) + hi * xh1[i]
-            else:
-                even0 = _fma(even0, lo, xl0[i], POST_SCALE and i == 0 and q == 0) + hi * xh0[i]
-                if TWO:
-                    even1 = _fma(even1, lo, xl1[i], POST_SCALE and i == 0 and q == 0) + hi * xh1[i]
+        # a POST_SCALE word sum starts at its first products (q 0; HALVES' odd sum: q 1)
+        if HALVES and POST_SCALE and q % 2 == 1:
+            odd0 = _fma_pair(odd0, lo, hi, x0 + at_lo, x0 + at_hi, wm & ok0, q == 1)
+            if TWO:
+                odd1 = _fma_pair(odd1, lo, hi, x1 + at_lo, x1 + at_hi, wm & ok1, q == 1)
+        else:
+            even0 = _fma_pair(even0, lo, hi, x0 + at_lo, x0 + at_hi, wm & ok0,
+                              POST_SCALE and q == 0)  # fmt: skip
+            if TWO:
+                even1 = _fma_pair(even1, lo, hi, x1 + at_lo, x1 + at_hi, wm & ok1,
+                                  POST_SCALE and q == 0)  # fmt: skip
     if not POST_SCALE:
         return even0, even1
     if HALVES:
@@ -224,7 +203,7 @@ def _gemv13_kernel(
         s_e = s_ptr + e.to(tl.int64) * stride_se
         gate_w, up_w = w_e + n.to(tl.int64) * stride_wn, w_e + (n + INTER).to(tl.int64) * stride_wn
         gate_s, up_s = s_e + n.to(tl.int64) * stride_sn, s_e + (n + INTER).to(tl.int64) * stride_sn
-        g0 = tl.zeros([BLOCK_N, BLOCK_W // 4], tl.float32)
+        g0 = tl.zeros([BLOCK_N, BLOCK_W], tl.float32)
         g1, u0, u1 = g0, g0, g0
         for k0 in range(0, D, 8 * BLOCK_W):
             g0, g1 = _gemv_step(g0, g1, gate_w, gate_s, x0, x1, ok0, ok1, n_ok, k0, D, stride_xc,
@@ -291,7 +270,7 @@ def _gemv2_kernel(
         n_ok = n < D
         w_rows = w_ptr + e.to(tl.int64) * stride_we + n.to(tl.int64) * stride_wn
         s_rows = s_ptr + e.to(tl.int64) * stride_se + n.to(tl.int64) * stride_sn
-        acc0 = tl.zeros([BLOCK_N, BLOCK_W // 4], tl.float32)
+        acc0 = tl.zeros([BLOCK_N, BLOCK_W], tl.float32)
         acc1 = acc0
         for k0 in range(0, INTER, 8 * BLOCK_W):
             acc0, acc1 = _gemv_step(acc0, acc1, w_rows, s_rows, h0, h1, ok0, ok1, n_ok, k0, INTER,
