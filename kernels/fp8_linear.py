@@ -99,11 +99,15 @@ GEMV_MAX_ROWS = FP8_GEMV_MAX_ROWS  # 2
 # which ran ahead of the W8A8 GEMM at 1024 and 8192 rows on the H200 (and is exact).
 W8A8_MAX_ROWS = 64
 # With `activations="fp8"`, from this many rows (and N, K multiples of 128 on sm_90) torch's
-# block-scaled FP8 GEMM (cuBLASLt; kernels/fp8_linear_cublas.py) instead of the Triton W8A8 GEMM
-# or dequantise + cuBLAS: a candidate until issue 21's GPU A/B (bench_fp8_linear_vs_bf16.py,
-# path "w8a8_cublas") sets it. Grouped linears (wo_a) run one GEMM a group, so their own bound.
-CUBLAS_W8A8_MIN_ROWS = 64
-CUBLAS_W8A8_GROUPED_MIN_ROWS = 1024
+# block-scaled FP8 GEMM (cuBLASLt; kernels/fp8_linear_cublas.py) instead of dequantise + cuBLAS.
+# H100, 2026-12-07 (bench_fp8_linear_vs_bf16.py, path "w8a8_cublas"): it costs ~15 us whatever
+# the rows (so not at 64, the Triton W8A8's), equals the Triton W8A8 GEMM at 1024 and 8192 rows
+# and beats dequantise + cuBLAS there by 1.2-1.9x, except for N = 512 (wkv: 0.82x / 0.77x, hence
+# CUBLAS_W8A8_MIN_N). Grouped linears (wo_a) run one GEMM a group: 0.89x the exact path at 1024
+# rows, 1.07x at 8192, hence their own bound.
+CUBLAS_W8A8_MIN_ROWS = 65
+CUBLAS_W8A8_MIN_N = 1024
+CUBLAS_W8A8_GROUPED_MIN_ROWS = 4096
 
 
 def exact_path(rows: int, n: int, groups: int) -> str:
@@ -122,7 +126,7 @@ def w8a8_path(rows: int, n: int, groups: int, cublas_ok: bool) -> str:
     block-scaled GEMM; `cublas_ok`: `fp8_linear_cublas.supported`), "w8a8" (kernels/fp8_w8a8.py)
     or, outside both, the exact path's name."""
     floor = CUBLAS_W8A8_MIN_ROWS if groups == 1 else CUBLAS_W8A8_GROUPED_MIN_ROWS
-    if cublas_ok and rows >= floor:
+    if cublas_ok and rows >= floor and n * groups >= CUBLAS_W8A8_MIN_N:
         return "w8a8_cublas"
     if GEMV_MAX_ROWS < rows <= W8A8_MAX_ROWS:
         return "w8a8"

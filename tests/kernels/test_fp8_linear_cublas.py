@@ -127,6 +127,7 @@ def test_dispatch_names_the_path():
     switch keeps the Triton kernel (`supported` is False)."""
     assert fp8.w8a8_path(fp8.CUBLAS_W8A8_MIN_ROWS, 1024, 1, True) == "w8a8_cublas"
     assert fp8.w8a8_path(fp8.CUBLAS_W8A8_MIN_ROWS - 1, 1024, 1, True) == "w8a8"
+    assert fp8.w8a8_path(1024, 512, 1, True) == "dequant"  # N 512 (wkv): the exact path
     assert fp8.w8a8_path(64, 1024, 1, False) == "w8a8"
     assert fp8.w8a8_path(1024, 1024, 1, False) == "dequant"
     assert fp8.w8a8_path(1, 1024, 1, True) == "rowtile"
