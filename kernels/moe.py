@@ -28,9 +28,11 @@ on the dequantised values, as the reference's dequantise-then-GEMM):
   [E, rows, cols/32]. The even and odd columns of the x tile are loaded separately and meet the
   low and high nibbles in two half-K dots, so no nibble interleave is needed.
 - "mxfp4_halves64" / "mxfp4_halves128": the same codes re-packed per K block (kernels/
-  moe_mxfp4.py; the paged forward serves "mxfp4_halves128" under features.mxfp4_layout=halves128; stored by default until its GEMV is timed).
+  moe_mxfp4.py; the paged forward serves "mxfp4_halves128" under features.mxfp4_layout=halves128,
+  the served default since its H100 timing; the stored layout stays the A/B baseline).
 Decode-sized MXFP4 steps (<= moe_gemv.GEMV_MAX_PAIRS_PER_EXPERT pairs an expert, 128 tokens of
-V4-Flash), stored or halves128, run as a batched CUDA-core GEMV instead (kernels/moe_gemv.py:
+V4-Flash, stored; HALVES_GEMV_MAX_PAIRS_PER_EXPERT, 32 tokens, halves128) run as a batched
+CUDA-core GEMV instead (kernels/moe_gemv.py:
 1.6x bf16 experts at 1-16 tokens on the H200, 3.1x this kernel at one token); tune GEMV=False
 keeps this kernel. Prefill-sized stored MXFP4 steps (>= DEQUANT_MIN_PAIRS_PER_EXPERT pairs an
 expert) instead dequantise the experts chunk by chunk into a bf16 scratch and run these GEMMs in

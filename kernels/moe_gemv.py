@@ -67,6 +67,10 @@ from kernels.specialize import sizes_vary
 # moe-mxfp4-h200.json) the GEMV took 3.76 ms at 128 tokens against 4.88 ms for the in-register
 # kernel, and 6.99 against 5.05 ms at 256.
 GEMV_MAX_PAIRS_PER_EXPERT = 3.0
+# The same bound for the "mxfp4_halves128" layout, whose MMA kernel (kernels/moe_mxfp4.py) is
+# faster than the nibble-decoding one: 32 tokens of V4-Flash. H100, 2026-12-07: the halves
+# GEMV 592 us at 16 tokens against 745 for the halves MMA kernel, 2216 against 1821 at 64.
+HALVES_GEMV_MAX_PAIRS_PER_EXPERT = 0.75
 # Each word's 8 products summed before its scale multiplies them (one multiply a word, not a
 # weight); x and h are then carried times 2^64 so the products e2m1 * 2^-126 * x stay normal
 # fp32 (exact for 2^-63 < |x| < 2^64; zeros exact). H200: 57 against 63 us at one token.
@@ -294,7 +298,9 @@ HALVES_BLOCK = 128
 
 def use_gemv(num_pairs: int, num_experts: int, format: str) -> bool:
     """Whether `moe_experts` takes this path: MXFP4 experts at decode sizes."""
-    return format in GEMV_FORMATS and num_pairs <= GEMV_MAX_PAIRS_PER_EXPERT * num_experts
+    bound = HALVES_GEMV_MAX_PAIRS_PER_EXPERT if format == "mxfp4_halves128" else (
+        GEMV_MAX_PAIRS_PER_EXPERT)  # fmt: skip
+    return format in GEMV_FORMATS and num_pairs <= bound * num_experts
 
 
 def gemv_config(num_pairs: int, num_experts: int, on_gpu: bool, format: str = "mxfp4") -> dict:

@@ -124,5 +124,14 @@ def mx_config(num_pairs: int, num_experts: int, on_gpu: bool, halves: int | None
                     num_stages=1, SWAP_AB=True)  # fmt: skip
     per_expert = num_pairs / num_experts
     block_m = 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64
+    # halves, H100 2026-12-07 (benchmarks/results/moe-w4a8-h100.json): at 1024 tokens 64
+    # weight rows a program and 4 warps took 2987 us against 4250 for 128 and 8; at 8192 a
+    # 128-pair tile with the x tile as the MMA's A operand 11558 against 14654
+    if halves and 16 < per_expert <= 48:
+        return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=halves, GROUP_M=4, num_warps=4,
+                    num_stages=3, SWAP_AB=True)  # fmt: skip
+    if halves and per_expert > 48:
+        return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=halves, GROUP_M=4, num_warps=8,
+                    num_stages=3, SWAP_AB=False)  # fmt: skip
     return dict(BLOCK_M=block_m, BLOCK_N=64 if block_m == 16 else 128, BLOCK_K=halves or 64,
                 GROUP_M=4, num_warps=4 if block_m == 16 else 8, num_stages=3, SWAP_AB=True)  # fmt: skip

@@ -242,9 +242,10 @@ class FeatureSwitches(Section):
         choices=("auto", "bf16", "checkpoint"),
     )  # fmt: skip
     mxfp4_layout: str = setting(
-        "stored", "paged forward, MXFP4 experts: stored (as the checkpoint) or halves128 "
-        "(re-packed once in place: the GEMV to 128 tokens, the halves MMA kernel above; its MMA "
-        "ran 1.9x bf16 at 64 tokens and 1.6x at 1024 on an H100, its GEMV is untimed; issue 21)",
+        "halves128", "paged forward, MXFP4 experts: halves128 (re-packed once in place: the "
+        "GEMV to 32 tokens, the halves MMA kernel above; H100: 0.96-0.97x the stored layout at "
+        "1-16 tokens, 1.2x at 64, 2.0x at 1024, 1.4x at 8192) or stored (as the checkpoint: the "
+        "GEMV to 128 tokens, the nibble-decoding MMA kernel, a bf16 scratch from ~2K tokens)",
         choices=("stored", "halves128"))  # fmt: skip
     moe_activations: str = setting(
         "bf16", "with MXFP4 experts in mxfp4_layout halves128: bf16 (exact) or fp8 (W4A8 above "

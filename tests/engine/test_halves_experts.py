@@ -1,5 +1,6 @@
 """MXFP4 experts served in the re-packed "mxfp4_halves128" layout (`features.mxfp4_layout
-halves128`, issue 21; the default stays the stored layout until the halves GEMV is timed): the paged forward re-packs the loaded experts once, in place, and its logits equal
+halves128`, issue 21; the worker's default, `PagedSwitches`' baseline stays stored): the paged
+forward re-packs the loaded experts once, in place, and its logits equal
 those of the same checkpoint dequantised at load and of the stored layout; the reference forward,
 the expert pool (from the load-time offload split) and a later offload still work.
 

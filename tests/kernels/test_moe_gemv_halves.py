@@ -93,15 +93,16 @@ def test_gemv_halves_no_limit_equals_stored_gemv():
 
 
 def test_served_path_by_size():
-    """V4-Flash (E 256, top 6): halves128 takes the GEMV up to 128 tokens and the halves MMA
-    kernel above it at every size (never the bf16 scratch the stored layout takes)."""
-    for tokens, stored, halves in ((1, "gemv", "gemv"), (128, "gemv", "gemv"),
-                                   (129, "mma", "mma"), (1024, "mma", "mma"),
-                                   (8192, "dequant", "mma")):  # fmt: skip
+    """V4-Flash (E 256, top 6): the stored layout takes the GEMV up to 128 tokens, halves128
+    up to 32 (its MMA kernel is faster from there), then the halves MMA kernel at every size
+    (never the bf16 scratch the stored layout takes)."""
+    for tokens, stored, halves in ((1, "gemv", "gemv"), (32, "gemv", "gemv"), (33, "gemv", "mma"),
+                                   (128, "gemv", "mma"), (129, "mma", "mma"),
+                                   (1024, "mma", "mma"), (8192, "dequant", "mma")):  # fmt: skip
         assert served_path(6 * tokens, 256, "mxfp4") == stored, tokens
         assert served_path(6 * tokens, 256, FMT) == halves, tokens
     assert served_path(6, 256, "mxfp4_halves64") == "mma"  # the GEMV reads K block 128 only
-    assert moe_gemv.use_gemv(768, 256, FMT) and not moe_gemv.use_gemv(769, 256, FMT)
+    assert moe_gemv.use_gemv(192, 256, FMT) and not moe_gemv.use_gemv(193, 256, FMT)
 
 
 def test_halves_above_the_gemv_runs_the_mma_kernel():
@@ -135,7 +136,7 @@ def test_gemv_halves_production_shapes_gpu(num_tokens, block_m, post_scale):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_tokens", [1, 128, 129, 1024, 8192])
+@pytest.mark.parametrize("num_tokens", [1, 32, 33, 1024, 8192])
 def test_halves_served_paths_production_shapes_gpu(num_tokens):
     """The untuned halves128 call (GEMV, then the halves MMA kernel) at every served size."""
     check_step(_production_weights(True), num_tokens, 4096, 6, FMT, 10.0, seed=2)

@@ -54,8 +54,8 @@ def test_a_group_far_below_its_block_rounds_to_e4m3():
 
 
 def test_it_applies_above_the_gemv_sizes_only():
-    assert not uses_w4a8(256 * 3, 256, FMT, "fp8")  # 128 tokens of V4-Flash: the GEMV
-    assert uses_w4a8(256 * 3 + 6, 256, FMT, "fp8")
+    assert not uses_w4a8(6 * 32, 256, FMT, "fp8")  # 32 tokens of V4-Flash: the GEMV
+    assert uses_w4a8(6 * 33, 256, FMT, "fp8")
     assert not uses_w4a8(6144, 256, FMT, "bf16")
     assert not uses_w4a8(6144, 256, "mxfp4", "fp8")  # the stored layout: no W4A8 kernel
     with pytest.raises(AssertionError):
@@ -111,7 +111,14 @@ def test_production_shapes_and_graph_capture(num_tokens):
     x, ids, w = _step(num_tokens, 4096, 256, 6, seed=1)
     args = (x, ids, w, *weights[:2], FMT, *weights[2:], 10.0)
     y = moe_experts(*args, activations="fp8")
-    assert_moe_close(y, moe_experts_ref(*args, activations="fp8"))
+    ref = moe_experts_ref(*args, activations="fp8")
+    # not assert_moe_close's 98%-of-elements bound: where the kernel's and the reference's
+    # fp32 sums round a gate / up value to different bf16 neighbours, h can land on the other
+    # side of an e4m3 rounding and move its pair's outputs by one e4m3 step (H100: 97.5% of the
+    # elements within the bf16 paths' bound at 1024 tokens)
+    scale = ref.abs().amax().item()
+    torch.testing.assert_close(y, ref, atol=2e-2 * scale, rtol=2e-2)
+    assert ((y - ref).norm() / ref.norm()).item() < 1e-2
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = moe_experts(*args, activations="fp8")
