@@ -50,25 +50,27 @@ def chunk_tables(meta: StepMetadata, ratio: int, chunk: PrefillChunk) -> ChunkTa
     m = big_n + max(chunk.max_gather_len, max(p + e - s for p, s, e in zip(prefix, starts, ends)))
     lo = tokens.first_token[first]
     hi = tokens.first_token[reqs[-1]] + ends[-1] - starts[-1]
-    host = torch.tensor([starts, n_comp, prefix, list(reqs)], dtype=torch.int64)
-    start_d, ncomp_d, prefix_d, req_d = host.to(dev, non_blocking=True)
+    host = torch.tensor([starts, prefix], dtype=torch.int64)
+    start_d, prefix_d = host.to(dev, non_blocking=True)
     base = torch.arange(chunk.num_requests, device=dev) * m  # [R]
-    # compressed entries i < n of each request
-    i = torch.arange(max(max(n_comp), 1), device=dev)
-    ok = i[None, :] < ncomp_d[:, None]
+    # NOTE: the gathered rows' indices are built on the host from the sizes it knows (n_comp,
+    # prefix): a boolean-mask selection on the device reads its count back (a host sync, five a
+    # ratio, each draining the stream in the middle of the forward)
+    r_comp, i_comp = _ragged(n_comp)  # [n1]: each compressed entry's request, its index i
+    r_win, j_win = _ragged(prefix)  # [n2]: each window-prefix row's request, its offset j
     epb = meta.geo.layout.block_size // max(ratio, 1)
-    bt = t.block_tables.long()[req_d]  # [R, nb]
-    blocks = bt.gather(1, (i // epb).clamp(max=bt.shape[1] - 1).expand(len(starts), -1))
-    comp_src = (blocks * meta.geo.slots_per_block + i % epb)[ok]
-    comp_dst = (base[:, None] + i[None, :]).expand_as(ok)[ok]
-    # window prefix rows: positions start - prefix .. start - 1
-    j = torch.arange(max(w - 1, 1), device=dev)
-    okw = j[None, :] < prefix_d[:, None]
-    pos = start_d[:, None] - prefix_d[:, None] + j[None, :]
-    win_src = (pos % ring_slots)[okw]
-    first_tok = torch.tensor([tokens.first_token[b] for b in reqs], device=dev)
-    win_token = first_tok[:, None].expand_as(okw)[okw]
-    win_dst = (base[:, None] + big_n + j[None, :]).expand_as(okw)[okw]
+    first_tok = torch.tensor([tokens.first_token[b] for b in reqs], dtype=torch.int64)
+    on_host = torch.cat((
+        r_comp + first, i_comp // epb, i_comp % epb, r_comp * m + i_comp,  # comp_dst
+        (host[0][r_win] - host[1][r_win] + j_win) % ring_slots,  # win_src: ring slot
+        first_tok[r_win], r_win * m + big_n + j_win,  # win_token, win_dst
+    )).to(dev, non_blocking=True)  # fmt: skip
+    n1, n2 = len(i_comp), len(j_win)
+    comp_req, comp_blk, comp_off, comp_dst = on_host[: 4 * n1].view(4, n1)
+    win_src, win_token, win_dst = on_host[4 * n1 :].view(3, n2)
+    bt = t.block_tables.long()
+    blocks = bt[comp_req, comp_blk.clamp(max=bt.shape[1] - 1)]  # [n1] each entry's cache block
+    comp_src = blocks * meta.geo.slots_per_block + comp_off
     # the chunk's tokens
     treq = t.token_to_req[lo:hi].long() - first  # [T_c] request within the chunk
     p = t.positions[lo:hi]
@@ -83,6 +85,15 @@ def chunk_tables(meta: StepMetadata, ratio: int, chunk: PrefillChunk) -> ChunkTa
         cand = torch.cat((cand, torch.where(vis, base[treq][:, None] + k, -1)), dim=1)
     return ChunkTables(lo, hi, chunk.num_requests * m, comp_src, comp_dst, win_src, win_token,
                        win_dst, query_dst, base[treq], cand.int())  # fmt: skip
+
+
+def _ragged(counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """CPU int64 ([sum(counts)] the owner r of each item, [sum(counts)] its index < counts[r]),
+    request-major: the order a row-major boolean mask over [R, max(counts)] selects in."""
+    n = torch.tensor(counts, dtype=torch.int64)
+    owner = torch.repeat_interleave(torch.arange(len(counts)), n)
+    start = torch.cumsum(n, 0) - n
+    return owner, torch.arange(len(owner)) - start[owner]
 
 
 def chunks_of(meta: StepMetadata, batch_plans, ratio: int) -> tuple[PrefillChunk, ...]:
