@@ -63,7 +63,8 @@ def test_pooled_w4a8_equals_all_resident_bit_for_bit() -> None:
 
 
 @pytest.mark.parametrize("values,names", [
-    ({"features.moe_activations": "fp8"}, "mxfp4_layout halves128"),
+    ({"features.moe_activations": "fp8", "features.mxfp4_layout": "stored"},
+     "mxfp4_layout halves128"),
     ({"features.moe_activations": "fp8", "features.mxfp4_layout": "halves128",
       "features.expert_weights": "bf16"}, "expert_weights"),
 ])  # fmt: skip
@@ -71,9 +72,8 @@ def test_the_config_refuses_w4a8_without_its_layout(values, names) -> None:
     with pytest.raises(ConfigError, match="moe_activations") as err:
         load_config(values, None, {})
     assert names in str(err.value)
-    config = load_config({"features.moe_activations": "fp8", "features.mxfp4_layout": "halves128"},
-                         None, {})  # fmt: skip
-    assert config.features.moe_activations == "fp8"
+    config = load_config({"features.moe_activations": "fp8"}, None, {})  # halves128: the default
+    assert config.features.moe_activations == "fp8" and config.features.mxfp4_layout == "halves128"
 
 
 def test_experts_that_cannot_take_the_layout_run_exact_and_say_so(caplog) -> None:
