@@ -126,8 +126,9 @@ class TokenBucketLimiter:
     def is_enabled(self) -> bool:
         return self.rate_per_s > 0
 
-    def acquire(self, key: str) -> None:
-        """Take one token for `key`; raises ResourceExhausted with the wait until the next."""
+    def acquire(self, key: str, cost: int = 1) -> None:
+        """Take `cost` tokens for `key` at once (all or none: the HTTP front's choices of one
+        request); raises ResourceExhausted with the wait until there are that many."""
         if not self.is_enabled:
             return
         now_s = self._clock()
@@ -139,11 +140,11 @@ class TokenBucketLimiter:
         self._buckets[key] = bucket  # most recently used last
         while len(self._buckets) > self._max_clients:
             self._buckets.popitem(last=False)
-        if bucket.tokens < 1.0:
-            wait_s = (1.0 - bucket.tokens) / self.rate_per_s
+        if bucket.tokens < cost:
+            wait_s = (cost - bucket.tokens) / self.rate_per_s
             raise ResourceExhausted(
                 f"rate limit of {self.rate_per_s:g} requests/s (burst {self.burst}) exceeded "
                 "for this client (router.rate_limit_rps): slow down",
                 retry_after_s=wait_s,
             )
-        bucket.tokens -= 1.0
+        bucket.tokens -= cost

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Sequence
 from contextlib import aclosing
 
 import grpc
@@ -81,6 +82,14 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self._tokenizer_pool = tokenizer_pool or TokenizerPool(deps.text.encode)
         self._metrics = deps.metrics
 
+    @property
+    def gate(self) -> AdmissionGate:
+        return self._gate
+
+    @property
+    def limiter(self) -> TokenBucketLimiter:
+        return self._limiter
+
     # ---- Generate -----------------------------------------------------------------------------
 
     async def Generate(
@@ -131,13 +140,25 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 self._live.remove(flow)
         return "OK", ""
 
+    def charge_rate_limit(self, metadata: Sequence[tuple[str, str]], peer: str, cost: int) -> None:
+        """Take `cost` requests from the caller's rate limit at once: the HTTP front's choices
+        of one request, whose in-process calls then skip it (`rate_limit_paid`), so a request
+        of n choices is never refused after some of them took their share."""
+        api_key = check_api_key(metadata, self._cfg.router.api_keys)
+        try:
+            self._limiter.acquire(client_key(api_key, peer), cost)
+        except Dsv4Error:
+            self._metrics.rejections.labels(reason="rate_limit").inc()
+            raise
+
     def _admit(self, context: grpc.aio.ServicerContext) -> tuple[AdmissionTicket, str | None]:
         """(the admission slot, the request's owner for Abort: its key's bucket or None)."""
         reason = "api_key"
         try:
             api_key = check_api_key(context.invocation_metadata() or (), self._cfg.router.api_keys)
             reason = "rate_limit"
-            self._limiter.acquire(client_key(api_key, context.peer() or ""))
+            if not getattr(context, "rate_limit_paid", False):  # only in-process calls have it
+                self._limiter.acquire(client_key(api_key, context.peer() or ""))
             reason = "max_inflight"
             return self._gate.admit(), _owner(api_key)
         except Dsv4Error:

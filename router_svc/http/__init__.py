@@ -1,8 +1,8 @@
 """The router's OpenAI-compatible HTTP front (aiohttp, no torch), on when router.http_port > 0.
 
-Reading path: `app` (routes, status, SSE) -> `protocol` (request bodies, error objects) ->
-`chat` (chat template) -> `call` (the gRPC Generate path run in-process) -> `responses`
-(OpenAI response objects and stream chunks).
+Reading path: `app` (routes, status, SSE) -> `body` (a body read in time and parsed as JSON) ->
+`protocol` (request bodies, error objects) -> `chat` (chat template) -> `call` (the gRPC
+Generate path run in-process) -> `responses` (OpenAI response objects and stream chunks).
 """
 
 from router_svc.http.app import HttpFront

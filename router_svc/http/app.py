@@ -1,16 +1,19 @@
 """The OpenAI-compatible HTTP front: an aiohttp server on the router's own event loop.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (SSE with `stream: true`), GET
-/v1/models, GET /health (200 while some request could be routed, else 503: the readiness the
-gRPC health service reports as "dsv4.v1.Router"), GET /metrics (the router's Prometheus
-registry). /v1 routes need `Authorization: Bearer KEY` when router.api_keys is set.
+/v1/models, GET /v1/models/{id} (404 `model_not_found` for another id), GET /health (200 while
+some request could be routed, else 503: the readiness the gRPC health service reports as
+"dsv4.v1.Router"), GET /metrics (the router's Prometheus registry). /v1 routes need
+`Authorization: Bearer KEY` when router.api_keys is set.
 
-A generation request is checked (API key, body shape, model name), chat messages are rendered
-to a prompt (chat.py), and the rest is the gRPC Generate path run in-process (call.py). Status
-is decided by the first chunk: an error before it is the HTTP error (400 / 401 / 404 / 429 with
-Retry-After / 503 / 504); after it, the SSE stream carries one `{"error": ...}` event and ends.
-The server cancels a handler whose client disconnected (`handler_cancellation`), which cancels
-the in-process call and so frees the request's blocks on the workers.
+A generation request is checked (API key, its body read within BODY_READ_TIMEOUT_S and parsed
+(body.py), its shape, model name, and choices no more than the router admits at once), chat
+messages are rendered to a prompt (chat.py), and the rest is the gRPC Generate path run
+in-process (call.py). Status is decided by the first chunk: an error before it is the HTTP error
+(400 / 401 / 404 / 408 / 429 with Retry-After / 503 / 504); after it, the SSE stream carries one
+`{"error": ...}` event and ends. The server cancels a handler whose client disconnected
+(`handler_cancellation`), which cancels the in-process call and so frees the request's blocks
+on the workers.
 """
 
 from __future__ import annotations
@@ -29,17 +32,12 @@ from dsv4.errors import Dsv4Error, Unavailable, to_grpc_status
 from dsv4.serving.metrics import RouterMetrics
 from dsv4.types import StreamChunk
 from router_svc.admission import AUTHORIZATION_KEY, check_api_key
+from router_svc.http.body import BODY_READ_TIMEOUT_S, check_unicode, read_json
 from router_svc.http.call import InProcessCall
 from router_svc.http.chat import ChatTemplate
 from router_svc.http.choices import choice_protos, first_chunks, merged_events, whole_answer
 from router_svc.http.logprobs import token_texts
-from router_svc.http.protocol import (
-    ApiError,
-    OpenAIRequest,
-    bad_request,
-    check_unicode,
-    parse_request,
-)
+from router_svc.http.protocol import ApiError, OpenAIRequest, bad_request, parse_request, shown
 from router_svc.http.responses import SSE_DONE, Reply, sse_event
 from router_svc.pool import WorkerPool
 from router_svc.servicer import RouterServicer
@@ -55,7 +53,10 @@ def error_response(exc: ApiError) -> web.Response:
     headers = {}
     if exc.retry_after_s is not None:
         headers["Retry-After"] = str(max(1, int(exc.retry_after_s)))
-    return web.json_response(exc.body(), status=exc.status, headers=headers)
+    response = web.json_response(exc.body(), status=exc.status, headers=headers)
+    if exc.status == 408:  # the body's rest may still come: never read it as the next request
+        response.force_close()
+    return response
 
 
 def _api_error(exc: BaseException) -> ApiError:
@@ -109,6 +110,7 @@ class HttpFront:
         self._token_text = token_texts(text.codec)  # logprobs' token strings, cached
         self._runner: web.AppRunner | None = None
         self.port = 0
+        self.body_timeout_s = BODY_READ_TIMEOUT_S  # a request body's read, then 408
 
     @property
     def url(self) -> str:
@@ -121,6 +123,7 @@ class HttpFront:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model:.+}", self.model)  # ids hold "/" (paths)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.prometheus)
         return app
@@ -171,7 +174,7 @@ class HttpFront:
         except Dsv4Error:
             return None
 
-    async def models(self, request: web.Request) -> web.Response:
+    def _model_object(self, request: web.Request) -> dict[str, Any]:
         self._check_key(request, "GetModelInfo")
         try:
             info = self._servicer.model_info()
@@ -179,9 +182,19 @@ class HttpFront:
             raise _api_error(exc) from exc
         # max_model_len as vLLM lists it; vocab_size is ours (clients ignore unknown keys), so a
         # load generator can draw in-vocabulary token-id prompts without the tokenizer.
-        model = {"id": info.model_name, "object": "model", "created": 0, "owned_by": "dsv4",
-                 "max_model_len": info.max_model_len, "vocab_size": info.vocab_size}  # fmt: skip
-        return web.json_response({"object": "list", "data": [model]})
+        return {"id": info.model_name, "object": "model", "created": 0, "owned_by": "dsv4",
+                "max_model_len": info.max_model_len, "vocab_size": info.vocab_size}  # fmt: skip
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [self._model_object(request)]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        """One model (the openai client's `models.retrieve`): the served one, else 404."""
+        model, wanted = self._model_object(request), request.match_info["model"]
+        if wanted != model["id"]:
+            raise ApiError(404, f"model {shown(wanted)} is not served here: this router serves "
+                           f"{model['id']!r}", param="model", code="model_not_found")  # fmt: skip
+        return web.json_response(model)
 
     async def health(self, request: web.Request) -> web.Response:
         if self._pool.snapshot().has_route:
@@ -201,10 +214,7 @@ class HttpFront:
         return await self._generate(request, is_chat=True)
 
     async def _body(self, request: web.Request) -> Any:
-        try:
-            body = await request.json()
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise bad_request("body", f"the request body is not valid JSON: {exc}") from exc
+        body = await read_json(request, self.body_timeout_s)
         check_unicode(body)
         return body
 
@@ -215,17 +225,49 @@ class HttpFront:
             raise bad_request("messages", "this router has no tokenizer, which chat needs: "
                               "set model.tokenizer, or use /v1/completions with token ids")  # fmt: skip
         try:
-            return self._chat.render(list(parsed.messages))
+            return self._chat.render(list(parsed.messages),
+                                     add_generation_prompt=parsed.add_generation_prompt,
+                                     variables=parsed.chat_template_kwargs)  # fmt: skip
         except Dsv4Error as exc:
             raise bad_request("messages", exc.message) from exc
+
+    def _check_admissible(self, parsed: OpenAIRequest) -> None:
+        """Each choice is admitted as its own request (choices.py): a request of more choices
+        than the router admits at once could never be served, so it is a 400, not a 429 that
+        no retry ends."""
+        limiter, choices = self._servicer.limiter, parsed.num_choices
+        limits = [(self._servicer.gate.max_inflight, "router.max_inflight_requests")]
+        if limiter.is_enabled:
+            limits.append((limiter.burst, "router.rate_limit_burst"))
+        for limit, name in limits:
+            if choices > limit:
+                asked = f"n = {parsed.n}" if not parsed.batch else (
+                    f"{len(parsed.batch)} prompts x n = {parsed.n}")  # fmt: skip
+                param = "n" if parsed.n > 1 else "prompt"
+                raise bad_request(param, f"{asked}: {choices} choices, each admitted as one "
+                                  f"request, exceed this router's limit of {limit} at once "
+                                  f"({name}): ask for at most {limit}")  # fmt: skip
 
     async def _generate(self, request: web.Request, *, is_chat: bool) -> web.StreamResponse:
         self._check_key(request, "Generate")
         parsed = parse_request(await self._body(request), is_chat=is_chat)
+        try:
+            return await self._answer(request, parsed, is_chat=is_chat)
+        except ApiError as exc:
+            sent = parsed.as_sent(exc)  # the value the client sent, not its int32 clamp
+            if sent is exc:
+                raise
+            raise sent from exc
+
+    async def _answer(
+        self, request: web.Request, parsed: OpenAIRequest, *, is_chat: bool
+    ) -> web.StreamResponse:
         served = self._model_name()
         if parsed.model and served is not None and parsed.model != served:
-            raise ApiError(404, f"model {parsed.model!r} is not served here: use {served!r} "
-                           "(GET /v1/models)", param="model", code="model_not_found")  # fmt: skip
+            raise ApiError(404, f"model {shown(parsed.model)} is not served here: use "
+                           f"{served!r} (GET /v1/models)", param="model",
+                           code="model_not_found")  # fmt: skip
+        self._check_admissible(parsed)
         request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
         prompts = list(parsed.batch) or [self._prompt(parsed)]
         metadata = [(AUTHORIZATION_KEY, request.headers.get("Authorization", ""))]
@@ -256,7 +298,13 @@ class HttpFront:
         replies = [self._reply(parsed, request_id, served, prompts[i // parsed.n],
                                is_chat=is_chat, index=i, usage_chunk=False)
                    for i in range(parsed.num_choices)]  # fmt: skip
-        calls = [InProcessCall(self._servicer, proto, metadata=metadata, peer=peer_of(request))
+        try:  # all choices at once: never some admitted, then the request refused
+            self._servicer.charge_rate_limit(metadata, peer_of(request), parsed.num_choices)
+        except Dsv4Error as exc:
+            self._metrics.requests.labels(method="Generate", code=to_grpc_status(exc)[0].name).inc()
+            raise _api_error(exc) from exc
+        calls = [InProcessCall(self._servicer, proto, metadata=metadata, peer=peer_of(request),
+                               rate_limit_paid=True)
                  for proto in choice_protos(parsed, prompts, request_id)]  # fmt: skip
         async with AsyncExitStack() as stack:
             streams = [await stack.enter_async_context(aclosing(c.stream())) for c in calls]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -103,17 +104,23 @@ class ChatTemplate:
                 f"the chat template of {self.origin} does not parse: {exc}"
             ) from exc
 
-    def render(self, messages: list[dict[str, Any]]) -> str:
-        """The prompt for `messages` with the assistant's turn opened; InvalidRequest when the
+    def render(
+        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
+        variables: Mapping[str, Any] | None = None,
+    ) -> str:  # fmt: skip
+        """The prompt for `messages` (with the assistant's turn opened unless
+        `add_generation_prompt` is off); `variables`: more for the template, which may set its
+        own (a request's chat_template_kwargs, as vLLM passes them). InvalidRequest when the
         template refuses the conversation (raise_exception) or fails on it."""
+        values = {"tools": None, "documents": None, "add_generation_prompt": add_generation_prompt,
+                  **self.special_tokens, **(variables or {}), "messages": messages}  # fmt: skip
         try:
-            return self._compiled.render(  # type: ignore[attr-defined]
-                messages=messages, tools=None, documents=None, add_generation_prompt=True,
-                **self.special_tokens,
-            )  # fmt: skip
+            return self._compiled.render(values)  # type: ignore[attr-defined]
         except jinja2.TemplateError as exc:
             raise InvalidRequest(f"messages: the chat template refused them: {exc}") from exc
-        except (TypeError, ValueError, KeyError, AttributeError) as exc:
+        except (TypeError, ValueError, LookupError, AttributeError, ArithmeticError,
+                RecursionError) as exc:  # fmt: skip
+            # the request's values (deep, odd types) through the template: still its input
             raise InvalidRequest(f"messages: the chat template failed on them: {exc}") from exc
 
 

@@ -3,8 +3,10 @@
 Choice `k * n + i` is prompt k's i-th; each is its own in-process Generate call (`call.py`)
 with request id `{id}-{k * n + i}`. With a `seed`, a prompt's choice i samples with seed + i,
 so its choices differ, each reproduces, and a prompt's first choice is what the same request
-alone would answer (greedy choices are equal, as in vLLM). Every call passes admission and
-the rate limit on its own, so a request of c choices counts c. The HTTP status is decided once
+alone would answer (greedy choices are equal, as in vLLM). A request of c choices counts c:
+the client's rate limit is charged for all c at once before any starts (all or none), then
+every call passes admission on its own; more choices than the router admits at once is a 400
+(app.py), since no retry could pass. The HTTP status is decided once
 every choice has its first chunk: an error before that is the request's status, and the other
 choices are cancelled (their blocks freed, as for a client that left). The whole answer lists
 the choices by index; its usage counts each prompt once and every choice's tokens. A stream

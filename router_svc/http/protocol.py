@@ -15,7 +15,10 @@ chat's `logprobs: true` with `top_logprobs: N` (0 if unset), N in [0, 20], becom
 /v1/completions' `echo: true` answers the prompt before the completion (with `logprobs: N`, its
 tokens' logprobs first: `SamplingParams.prompt_logprobs` = N, as vLLM), `max_tokens: 0` with
 echo the prompt alone (the engine still samples one token, left out of the answer), and vLLM's
-`prompt_logprobs: N` its own field per choice; chat refuses both (400 naming them).
+`prompt_logprobs: N` its own field per choice; chat refuses both (400 naming them). Chat takes
+vLLM's `add_generation_prompt` (default true) and `chat_template_kwargs` (more template
+variables). Integers beyond int32 are clamped for the proto, and the router's message about
+them echoes the value sent (`OpenAIRequest.as_sent`).
 
 Errors: `ApiError(status, message, param, code)`, rendered as
 `{"error": {"message", "type", "param", "code"}}`; gRPC code names map through `HTTP_STATUS`.
@@ -24,7 +27,8 @@ Errors: `ApiError(status, message, param, code)`, rendered as
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from dsv4.rpc.v1 import common_pb2, router_pb2
@@ -98,26 +102,6 @@ def bad_request(param: str, message: str) -> ApiError:
     return ApiError(400, message, param=param, code="invalid_argument")
 
 
-def check_unicode(body: Any) -> None:
-    """JSON's `\\ud800` escapes decode to lone UTF-16 surrogates, which no UTF-8 text (the
-    tokenizer's, protobuf's) can hold: refuse them here, naming where, instead of failing deep
-    inside. Walks the decoded body iteratively (any depth json.loads accepted)."""
-    todo: list[tuple[str, Any]] = [("body", body)]
-    while todo:
-        path, value = todo.pop()
-        if isinstance(value, str):
-            for i, ch in enumerate(value):
-                if 0xD800 <= ord(ch) <= 0xDFFF:
-                    param = path.split(".")[1].split("[")[0] if "." in path else "body"
-                    raise bad_request(param, f"{path.removeprefix('body.')} holds a lone UTF-16 "
-                                      f"surrogate (U+{ord(ch):04X}) at character {i}: send valid "
-                                      "Unicode text")  # fmt: skip
-        elif isinstance(value, dict):
-            todo.extend((f"{path}.{k}", v) for k, v in value.items())
-        elif isinstance(value, list):
-            todo.extend((f"{path}[{i}]", v) for i, v in enumerate(value))
-
-
 @dataclass(frozen=True)
 class OpenAIRequest:
     """One /v1/completions or /v1/chat/completions body, shape-checked."""
@@ -133,6 +117,11 @@ class OpenAIRequest:
     echo: bool = False  # /v1/completions: the prompt leads each choice's text
     echo_only: bool = False  # echo with max_tokens 0: the prompt alone (a token sampled, dropped)
     prompt_logprobs: int | None = None  # vLLM's field: N top logprobs per prompt position
+    add_generation_prompt: bool = True  # chat: vLLM's field, the template opens the answer
+    chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)  # chat: vLLM's field
+    # integers clamped to int32 for the proto: param -> (clamped, as sent), so the router's
+    # range message echoes what the client sent
+    clamped: Mapping[str, tuple[int, int]] = field(default_factory=dict)
 
     @property
     def num_choices(self) -> int:
@@ -142,6 +131,17 @@ class OpenAIRequest:
     def logprobs(self) -> int | None:
         """Top logprobs asked per generated token (None: no logprobs)."""
         return self.sampling.logprobs if self.sampling.HasField("logprobs") else None
+
+    def as_sent(self, exc: ApiError) -> ApiError:
+        """The router's refusal of a clamped integer with the value the client sent in its
+        message ("max_tokens = 2147483647: ..." -> "max_tokens = 1000000000000: ...")."""
+        clamped, sent = self.clamped.get(exc.param or "", (None, None))
+        said = f"{exc.param} = {clamped}"
+        if clamped is None or not exc.message.startswith(said):
+            return exc
+        message = f"{exc.param} = {sent}" + exc.message[len(said) :]
+        return ApiError(exc.status, message, param=exc.param, code=exc.code,
+                        retry_after_s=exc.retry_after_s)  # fmt: skip
 
     def to_proto(
         self, prompt: str | tuple[int, ...], request_id: str
@@ -155,30 +155,47 @@ class OpenAIRequest:
         return msg
 
 
+def shown(value: Any) -> str:
+    """A value for an error message: short, and never a walk of a (deep) list or object."""
+    if isinstance(value, list | dict):
+        return "[...]" if isinstance(value, list) else "{...}"
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:37]}..."
+
+
 def _typed(body: dict[str, Any], name: str, kinds: tuple[type, ...], what: str) -> Any:
     value = body.get(name)
     if value is None:
         return None
     if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds):
-        raise bad_request(name, f"{name} = {value!r}: must be {what}")
+        raise bad_request(name, f"{name} = {shown(value)}: must be {what}")
     return value
 
 
-def _int(body: dict[str, Any], name: str) -> int | None:
-    """An integer parameter, clamped to int32: beyond that the router's own range message is
-    the clearer one."""
+def _int(
+    body: dict[str, Any], name: str, clamped: dict[str, tuple[int, int]], param: str = ""
+) -> int | None:
+    """An integer parameter, clamped to int32 (the router's own range message is the clearer
+    one; `clamped[param or name]` keeps what was sent, for that message)."""
     value = _typed(body, name, (int,), "an integer")
-    return None if value is None else max(-INT32_MAX, min(value, INT32_MAX))
+    if value is None:
+        return None
+    fitted = max(-INT32_MAX, min(value, INT32_MAX))
+    if fitted != value:
+        clamped[param or name] = (fitted, value)
+    return fitted
 
 
-def _sampling(body: dict[str, Any], is_chat: bool) -> common_pb2.SamplingParams:
+def _sampling(
+    body: dict[str, Any], is_chat: bool, clamped: dict[str, tuple[int, int]]
+) -> common_pb2.SamplingParams:
     msg = common_pb2.SamplingParams()
     for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty"):  # fmt: skip
         if (value := _typed(body, name, (int, float), "a number")) is not None:
             setattr(msg, name, float(value))
-    max_tokens = _int(body, "max_completion_tokens")
-    max_tokens = max_tokens if max_tokens is not None else _int(body, "max_tokens")
+    max_tokens = _int(body, "max_completion_tokens", clamped, "max_tokens")
+    max_tokens = max_tokens if max_tokens is not None else _int(body, "max_tokens", clamped)
     if max_tokens is not None:
         msg.max_new_tokens = max_tokens
     seed = _typed(body, "seed", (int,), "an integer")
@@ -186,27 +203,28 @@ def _sampling(body: dict[str, Any], is_chat: bool) -> common_pb2.SamplingParams:
         raise bad_request("seed", f"seed = {seed}: must be in [0, 2**64)")
     if seed is not None:
         msg.seed = seed
-    top_k = _int(body, "top_k") or 0
+    top_k = _int(body, "top_k", clamped) or 0
     msg.top_k = 0 if top_k == -1 else top_k  # vLLM spells "off" as -1
     stop = body.get("stop")
     stops = [stop] if isinstance(stop, str) else stop if stop is not None else []
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
         raise bad_request("stop", "stop must be a string or a list of strings")
-    msg.stop.extend(s for s in stops if s)
+    msg.stop.extend(stops)  # an empty one is refused by the router, as over gRPC
     msg.stop_token_ids.extend(_token_ids(body.get("stop_token_ids") or [], "stop_token_ids"))
     msg.ignore_eos = bool(_typed(body, "ignore_eos", (bool,), "true or false"))
     msg.logit_bias.update(_logit_bias(body.get("logit_bias")))
-    if (logprobs := _chat_logprobs(body) if is_chat else _completion_logprobs(body)) is not None:
+    logprobs = _chat_logprobs(body) if is_chat else _completion_logprobs(body, clamped)
+    if logprobs is not None:
         msg.logprobs = logprobs
     return msg
 
 
-def _completion_logprobs(body: dict[str, Any]) -> int | None:
+def _completion_logprobs(body: dict[str, Any], clamped: dict[str, tuple[int, int]]) -> int | None:
     """`logprobs: N` (its range is the router's check, as over gRPC)."""
     if body.get("top_logprobs") is not None:
         raise bad_request("top_logprobs", "top_logprobs is a chat parameter: /v1/completions "
                           f"takes logprobs: N (0 to {MAX_LOGPROBS})")  # fmt: skip
-    return _int(body, "logprobs")
+    return _int(body, "logprobs", clamped)
 
 
 def _chat_logprobs(body: dict[str, Any]) -> int | None:
@@ -232,11 +250,11 @@ def _logit_bias(value: Any) -> dict[int, float]:
     for key, bias in value.items():
         token = int(key) if isinstance(key, str) and _INTEGER.fullmatch(key) else None
         if token is None or not -INT32_MAX <= token <= INT32_MAX:
-            raise bad_request("logit_bias", f"logit_bias key {key!r}: must be a token id "
+            raise bad_request("logit_bias", f"logit_bias key {shown(key)}: must be a token id "
                               '(an integer, written as a string: {"50256": -100})')  # fmt: skip
         if isinstance(bias, bool) or not isinstance(bias, int | float):
-            raise bad_request("logit_bias", f"logit_bias[{key}] = {bias!r}: must be a number "
-                              "in [-100, 100]")  # fmt: skip
+            raise bad_request("logit_bias", f"logit_bias[{key}] = {shown(bias)}: must be a "
+                              "number in [-100, 100]")  # fmt: skip
         out[token] = float(bias)
     return out
 
@@ -275,12 +293,18 @@ def _content(message: dict[str, Any], index: int) -> str:
         return content or ""
     if isinstance(content, list):
         parts = []
-        for part in content:
+        for j, part in enumerate(content):
             if not isinstance(part, dict) or part.get("type") != "text":
                 raise bad_request(
                     "messages", f"messages[{index}].content: only text parts are supported"
                 )
-            parts.append(str(part.get("text", "")))
+            where = f"messages[{index}].content[{j}]"
+            if "text" not in part:
+                raise bad_request("messages", f'{where} is a text part without text: send '
+                                  '{"type": "text", "text": "..."}')  # fmt: skip
+            if not isinstance(text := part["text"], str):
+                raise bad_request("messages", f"{where}.text = {shown(text)}: must be a string")
+            parts.append(text)
         return "".join(parts)
     raise bad_request("messages", f"messages[{index}].content must be a string or text parts")
 
@@ -295,6 +319,21 @@ def _messages(body: dict[str, Any]) -> tuple[dict[str, Any], ...]:
             raise bad_request("messages", f"messages[{i}] must be an object with a string role")
         out.append({**message, "content": _content(message, i)})
     return tuple(out)
+
+
+def _template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's `chat_template_kwargs`: more variables for the chat template (they may set its
+    own, `add_generation_prompt` or a special token, as in vLLM; not the messages)."""
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict):
+        raise bad_request("chat_template_kwargs", f"chat_template_kwargs = {shown(kwargs)}: "
+                          "must be an object of template variables")  # fmt: skip
+    if "messages" in kwargs:
+        raise bad_request("chat_template_kwargs", "chat_template_kwargs cannot set messages: "
+                          "send them as the request's messages")  # fmt: skip
+    return kwargs
 
 
 def parse_request(body: Any, *, is_chat: bool) -> OpenAIRequest:
@@ -319,18 +358,22 @@ def parse_request(body: Any, *, is_chat: bool) -> OpenAIRequest:
         raise bad_request("stream_options", "stream_options needs stream = true")
     if options is not None and not isinstance(options, dict):
         raise bad_request("stream_options", "stream_options must be an object")
-    include_usage = bool((options or {}).get("include_usage"))
+    include_usage = bool(_typed(options or {}, "include_usage", (bool,), "true or false"))
     prompts = () if is_chat else _prompts(body)
     batch = prompts if len(prompts) > 1 else ()
     if len(batch) * n > MAX_CHOICES:
         raise bad_request("prompt", f"{len(batch)} prompts x n = {n}: at most {MAX_CHOICES} "
                           "choices a request")  # fmt: skip
-    sampling = _sampling(body, is_chat)
+    clamped: dict[str, tuple[int, int]] = {}
+    sampling = _sampling(body, is_chat, clamped)
     echo = bool(_typed(body, "echo", (bool,), "true or false"))
     echo_only = echo and sampling.HasField("max_new_tokens") and sampling.max_new_tokens == 0
     if echo_only:
         sampling.max_new_tokens = 1  # the engine samples one token at least
     prompt_logprobs = _prompt_logprobs(body, sampling, echo=echo)
+    opens_answer = (
+        _typed(body, "add_generation_prompt", (bool,), "true or false") if is_chat else None
+    )
     return OpenAIRequest(
         model=model,
         prompt=prompts[0] if len(prompts) == 1 else None,
@@ -343,6 +386,9 @@ def parse_request(body: Any, *, is_chat: bool) -> OpenAIRequest:
         echo=echo,
         echo_only=echo_only,
         prompt_logprobs=prompt_logprobs,
+        add_generation_prompt=opens_answer is not False,
+        chat_template_kwargs=_template_kwargs(body) if is_chat else {},
+        clamped=clamped,
     )
 
 
@@ -352,7 +398,7 @@ def _prompt_logprobs(
     """vLLM's `prompt_logprobs: N` (returned as its own field); `SamplingParams.
     prompt_logprobs` is the most the answer needs: N, or `logprobs` when echo puts the prompt's
     tokens in the logprobs object (vLLM's rule)."""
-    asked = _int(body, "prompt_logprobs")
+    asked = _typed(body, "prompt_logprobs", (int,), "an integer")
     if asked is not None and not 0 <= asked <= MAX_LOGPROBS:
         raise bad_request("prompt_logprobs", f"prompt_logprobs = {asked}: must be in [0, "
                           f"{MAX_LOGPROBS}] (the most likely tokens returned per prompt "

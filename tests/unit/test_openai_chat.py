@@ -121,6 +121,7 @@ def test_request_bodies_become_router_protos() -> None:
         ({"prompt": "x", "stop": [1]}, "stop"), ({"prompt": "x", "echo": "yes"}, "echo"),
         ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
         ({"prompt": [1, 2**40]}, "prompt"),
+        ({"prompt": "x", "stream": True, "stream_options": {"include_usage": "x"}}, "include_usage"),
     ],
 )  # fmt: skip
 def test_bad_bodies_name_the_parameter(body: object, param: str) -> None:

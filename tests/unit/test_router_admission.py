@@ -74,6 +74,18 @@ def test_token_bucket_burst_refill_and_retry_hint() -> None:
         limiter.acquire("a")
 
 
+def test_token_bucket_takes_several_tokens_all_or_none() -> None:
+    clock = Clock()
+    limiter = TokenBucketLimiter(2.0, burst=4, clock=clock)
+    limiter.acquire("a", cost=3)
+    with pytest.raises(ResourceExhausted) as info:
+        limiter.acquire("a", cost=2)  # one left: refused, and the one stays
+    assert info.value.retry_after_s == pytest.approx(0.5)  # until two are there
+    limiter.acquire("a")
+    clock.now_s += 1.0
+    limiter.acquire("a", cost=2)
+
+
 def test_token_bucket_is_off_at_rate_zero_and_bounded_in_clients() -> None:
     TokenBucketLimiter(0.0).acquire("anyone")
     limiter = TokenBucketLimiter(1.0, max_clients=2, clock=Clock())
