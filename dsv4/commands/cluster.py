@@ -23,9 +23,11 @@ the operator's tools (deploy/scripts/drain.py), removed at `stop()`.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import logging
 import os
+import re
 import secrets
 import signal
 import subprocess
@@ -35,11 +37,11 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from dsv4.commands.placement import CUDA_VISIBLE, Placement, visible_devices
-from dsv4.errors import Unavailable
-from dsv4.serving.ports import free_port
+from dsv4.errors import ConfigError, Unavailable, UsageError
+from dsv4.serving.ports import free_port, owns_listener, reserve_port
 
 if TYPE_CHECKING:
     from dsv4.config import ServeConfig
@@ -52,6 +54,8 @@ AUTO_PORTS = -1
 ROUTER_HEALTH_NAME = "dsv4.v1.Router"  # SERVING once some request can be routed (readiness)
 SECRET_ENV = "DSV4_SHARED_SECRET"  # the env twin of --shared-secret
 SECRET_FLAG = "--shared-secret"
+# How `dsv4.commands.cli.main` starts a service's one error line: "dsv4 prefill: error: ..."
+_ERROR_LINE = re.compile(r"^dsv4 [\w-]+: (?:error: )?")
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,17 @@ class ClusterSpec:
     metrics_base_port: int = AUTO_PORTS
     http_port: int = 0  # the router's OpenAI-compatible HTTP port; 0: off
     placement: Placement | None = None  # each worker's cards (--gpus); None: inherited
+    ready_timeout_s: float = 120.0  # `start()`'s wait for every service to be SERVING
+
+    def fixed_ports(self) -> list[int]:
+        """The ports the launcher gives services itself (router, HTTP, set metrics ports);
+        the others are `free_port`s."""
+        ports = [self.router_port] if self.with_router else []
+        ports += [self.http_port] if self.http_port and self.with_router else []
+        if self.metrics_base_port > 0:
+            workers = self.num_prefill + self.num_decode
+            ports += [self.metrics_base_port + i for i in range(workers + 1)]
+        return ports
 
 
 @dataclass
@@ -92,6 +107,31 @@ class _Service:
         with contextlib.suppress(OSError):
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-num_lines:])
         return ""
+
+
+class StartFailed(Unavailable):
+    """A service did not come up: it exited (`exit_code`; 2 for a user error, as `dsv4`
+    exits), another process answers on its port (`foreign`), or it was not SERVING in time
+    (`exit_code` None). `reason`: one line, the service's own error line where it wrote one;
+    the message adds the log tail."""
+
+    def __init__(self, service: _Service, what: str, *, exit_code: int | None = None,
+                 foreign: bool = False) -> None:  # fmt: skip
+        tail = service.log_tail()
+        super().__init__(f"{service.name} {what}:\n{tail}")
+        self.service_name, self.role, self.what = service.name, service.role, what
+        self.exit_code, self.foreign = exit_code, foreign
+        self.reason = error_line(tail) if exit_code is not None else ""
+
+
+def error_line(log_text: str) -> str:
+    """A service's own one-line error (`dsv4 ROLE: error: ...` without that prefix), else
+    the log's last line."""
+    lines = [line.strip() for line in log_text.splitlines() if line.strip()]
+    for line in reversed(lines):
+        if found := _ERROR_LINE.match(line):
+            return line[found.end() :]
+    return lines[-1] if lines else ""
 
 
 @dataclass
@@ -139,10 +179,15 @@ class LocalCluster:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def start(self, ready_timeout_s: float = 120.0) -> None:
-        """Start every service and wait until all are SERVING; raises `Unavailable` (with the
-        failing service's log tail) after stopping whatever started."""
+    def start(self, ready_timeout_s: float | None = None) -> None:
+        """Start every service and wait until all are SERVING (`ready_timeout_s`, default the
+        spec's); raises `StartFailed` (with the failing service's log tail) after stopping
+        whatever started."""
         spec = self.spec
+        if ready_timeout_s is None:
+            ready_timeout_s = spec.ready_timeout_s
+        for port in spec.fixed_ports():
+            reserve_port(port)  # no worker gets the router's port from `free_port`
         if spec.log_dir:
             log_dir = Path(spec.log_dir)
             log_dir.mkdir(parents=True, exist_ok=True)
@@ -235,20 +280,22 @@ class LocalCluster:
         return base if role == "router" else base + 1 + index  # workers start first
 
     def wait_ready(self, timeout_s: float, services: list[_Service] | None = None) -> None:
-        """Poll grpc.health.v1 of each service until SERVING; a service that exits fails."""
+        """Poll grpc.health.v1 of each service until SERVING; a service that exits, or whose
+        port another process answers on, fails (`StartFailed`)."""
         give_up_s = time.monotonic() + timeout_s
         for service in services or self.services:
             health_name = ROUTER_HEALTH_NAME if service.role == "router" else ""
-            while not is_serving(service.address, health_name, credentials=self.credentials):
-                if service.process.poll() is not None:
-                    raise Unavailable(
-                        f"{service.name} exited with {service.process.returncode} during start-up:"
-                        f"\n{service.log_tail()}"
-                    )
+            while True:
+                serving = is_serving(service.address, health_name, credentials=self.credentials)
+                if service.process.poll() is not None:  # after the check: who answered?
+                    code = service.process.returncode
+                    raise StartFailed(service, f"exited with {code} during start-up",
+                                      exit_code=code)  # fmt: skip
+                if serving:
+                    _check_own(service)
+                    break
                 if time.monotonic() > give_up_s:
-                    raise Unavailable(
-                        f"{service.name} not SERVING after {timeout_s:.0f} s:\n{service.log_tail()}"
-                    )
+                    raise StartFailed(service, f"not SERVING after {timeout_s:g} s")
                 time.sleep(HEALTH_POLL_INTERVAL_S)
 
     def dead_services(self) -> list[_Service]:
@@ -278,6 +325,15 @@ class LocalCluster:
         if self._secret_dir is not None:
             self._secret_dir.cleanup()
             self._secret_dir, self.secret_path = None, ""
+
+
+def _check_own(service: _Service) -> None:
+    """The server that answered on the service's port is the service (not one that held the
+    port before it started, which it then fails to bind)."""
+    port = int(service.address.rpartition(":")[2])
+    if owns_listener(service.process.pid, port) is False:
+        raise StartFailed(service, f"did not start: another process answers on {service.address}",
+                          foreign=True)  # fmt: skip
 
 
 def terminate(process: subprocess.Popen[bytes], sig: int) -> None:
@@ -331,15 +387,32 @@ def configured_secret(service_args: tuple[str, ...]) -> str:
 
 def service_config(service_args: tuple[str, ...], env: Mapping[str, str]) -> ServeConfig:
     """The config a service started with `service_args` and `env` reads (argparse: a repeated
-    flag's last value wins; flags it does not know are left aside), before `resolve_auto`."""
-    import argparse
+    flag's last value wins; flags it does not know are left aside), before `resolve_auto`;
+    `UsageError` for a value the service would refuse to parse."""
+    from dsv4.config import config_from_args
 
-    from dsv4.config import add_config_args, config_from_args
-
-    parser = argparse.ArgumentParser(add_help=False)
-    add_config_args(parser)
-    args, _ = parser.parse_known_args(list(service_args))
+    args, _ = _service_parser().parse_known_args(list(service_args))
     return config_from_args(args, env)
+
+
+def unknown_service_flags(service_args: tuple[str, ...]) -> list[str]:
+    """The `service_args` no service knows (each would exit 2 on them)."""
+    return _service_parser().parse_known_args(list(service_args))[1]
+
+
+def _service_parser() -> argparse.ArgumentParser:
+    from dsv4.config import add_config_args
+
+    parser = RaisingParser(add_help=False)
+    add_config_args(parser)
+    return parser
+
+
+class RaisingParser(argparse.ArgumentParser):
+    """argparse whose errors are a `UsageError` (one line), not the usage and an exit."""
+
+    def error(self, message: str) -> NoReturn:  # type: ignore[override]
+        raise UsageError(message)
 
 
 def channel_credentials(service_args: tuple[str, ...]) -> object:
@@ -357,17 +430,34 @@ def channel_credentials(service_args: tuple[str, ...]) -> object:
     return grpc.ssl_channel_credentials(root, key, cert)
 
 
+def tiny_ratios(layers: str) -> tuple[int, ...]:
+    """`--layers` (compress ratios, e.g. "0,4,128,4") as the tiny model takes them;
+    `UsageError` naming the flag otherwise."""
+    from dsv4.model.tiny import shape_config
+
+    try:
+        ratios = tuple(int(r) for r in layers.split(","))
+        shape_config("tiny", "fp8", "fp4").with_overrides(
+            num_hidden_layers=len(ratios), compress_ratios=ratios
+        )
+    except ValueError:
+        raise UsageError(f"--layers {layers}: give compress ratios such as 0,4,128,4") from None
+    except ConfigError as exc:
+        raise UsageError(f"--layers {layers}: {exc.fix}") from None
+    return ratios
+
+
 def ensure_tiny_checkpoint(cache_dir: Path, layers: str, seed: int = 0) -> Path:
     """The tiny checkpoint for `layers` (compress ratios, e.g. "0,4,128,4"), written once."""
-    name = f"tiny-seed{seed}" + (f"-layers{layers.replace(',', '_')}" if layers else "")
+    ratios = tiny_ratios(layers) if layers else ()
+    name = f"tiny-seed{seed}" + (f"-layers{'_'.join(map(str, ratios))}" if ratios else "")
     out = cache_dir / name
     if (out / "config.json").exists():
         return out
     from dsv4.model.tiny import shape_config, write_checkpoint
 
     cfg = shape_config("tiny", "fp8", "fp4")
-    if layers:
-        ratios = tuple(int(r) for r in layers.split(","))
+    if ratios:
         cfg = cfg.with_overrides(num_hidden_layers=len(ratios), compress_ratios=ratios)
     cache_dir.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=cache_dir))

@@ -23,6 +23,11 @@ The card planned under `--gpus` is the smallest one given (`--device-memory-gib`
 Without `--gpus` the workers stay on one card even where more are visible (spreading them
 unasked could take cards other jobs use); the plan line then names how many are visible
 (`spread_hint`).
+
+Whatever the device, every rank process of every worker needs host memory (the Python runtime
+and torch: `PROCESS_HOST_BYTES` at least), and on CPU each worker holds its weights there too:
+a cluster whose processes cannot all fit the host's available memory is refused before any
+starts (`check_host_memory`), naming --num-prefill / --num-decode.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from dsv4.commands.cluster import ClusterSpec, service_config
 from dsv4.commands.placement import (
@@ -56,6 +62,8 @@ from dsv4.worker.fit import (
 LAYOUTS = ("auto", "disaggregated", "colocated")
 DISAGGREGATED, COLOCATED = "disaggregated", "colocated"
 MIN_FRACTION = 0.01  # cache.memory_fraction's own minimum
+# An idle tiny-model CPU worker holds ~1 GiB resident, part of it shared libraries: a floor.
+PROCESS_HOST_BYTES = 3 * GIB // 4
 NO_CARD = "no card to plan (a CPU device: give --device-memory-gib G to plan G GiB as one card)"
 
 
@@ -209,8 +217,9 @@ def plan_layout(
 ) -> tuple[ClusterSpec, LayoutChoice]:
     """`spec` laid out as `requested` on the cards its workers will use (`gpus`: the `--gpus`
     asked; None: the one card they share), and the choice."""
-    configs = {role: service_config(("--model", spec.model_dir, *spec.service_args, *args),
-                                    os.environ)
+    redis = ("--redis", spec.redis_url) if spec.redis_url else ()  # its URL checked too
+    configs = {role: service_config(("--model", spec.model_dir, *redis, *spec.service_args,
+                                     *args), os.environ)
                for role, args in (("prefill", spec.prefill_args), ("decode", spec.decode_args))}  # fmt: skip
     device = configs["decode"].model.device
     if gpus is not None:
@@ -237,7 +246,51 @@ def plan_layout(
     if gpus is None and requested != COLOCATED:
         hint = spread_hint(len(visible), max(_ranks(c) for c in resolved.values()))
         choice = dataclasses.replace(choice, reason=choice.reason + hint)
-    return laid_out(spec, choice), choice
+    placed = laid_out(spec, choice)
+    check_host_memory(spec, placed, resolved, host_available_bytes())
+    return placed, choice
+
+
+def check_host_memory(spec: ClusterSpec, placed: ClusterSpec, resolved: dict[str, ServeConfig],
+                      available: int) -> None:  # fmt: skip
+    """`UsageError` naming --num-prefill / --num-decode (as `spec` has them) when the rank
+    processes of `placed`'s workers need more than the `available` host bytes (0: unknown,
+    nothing checked): `PROCESS_HOST_BYTES` each, and on CPU each worker's weights."""
+    if not available:
+        return
+    pools = (("prefill", placed.num_prefill), ("decode", placed.num_decode))
+    processes = sum(count * _ranks(resolved[role]) for role, count in pools)
+    on_cpu = resolved["decode"].model.device == "cpu"
+    weights = checkpoint_bytes(spec.model_dir) if on_cpu else 0
+    workers = placed.num_prefill + placed.num_decode
+    need = processes * PROCESS_HOST_BYTES + workers * weights
+    if need <= available:
+        return
+    each = f"{size_text(PROCESS_HOST_BYTES)} a process" + (
+        f" + {size_text(weights)} of weights a worker" if weights else "")  # fmt: skip
+    raise UsageError(
+        f"--num-prefill {spec.num_prefill} --num-decode {spec.num_decode}: {processes} worker "
+        f"process{'es' * (processes != 1)} need at least {size_text(need)} of host memory "
+        f"({each}), {size_text(available)} available; give fewer workers"
+    )
+
+
+def checkpoint_bytes(model_dir: str) -> int:
+    """The checkpoint's weight files on disk (0 for `random:DIR`, whose weights are drawn)."""
+    return sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
+
+
+def host_available_bytes() -> int:
+    """MemAvailable of /proc/meminfo (0 where there is none)."""
+    try:
+        lines = Path("/proc/meminfo").read_text().splitlines()
+    except OSError:
+        return 0
+    for line in lines:
+        name, _, value = line.partition(":")
+        if name == "MemAvailable":
+            return int(value.split()[0]) * 1024
+    return 0
 
 
 def spread_hint(visible: int, most_ranks: int) -> str:

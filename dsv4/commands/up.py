@@ -9,11 +9,20 @@ colocated worker; on one card, or with `--gpus` on cards of their own (`dsv4.com
 The plan line says which, where and why (not printed when there is no card to plan and no
 layout was asked for: the CPU default). A layout that cannot fit is one line on stderr and exit
 1; a `--gpus` that names cards not there is a usage error (exit 2).
+
+Everything that can be checked is checked before any service starts (a failed start takes
+seconds, and a worker count nobody meant could fill the host's memory): each flag's range, the
+workers the host's memory can hold (`dsv4.commands.layout.check_host_memory`), that the ports
+the launcher gives (--port, --http-port, --metrics-base-port and the next ones) are free, and
+that no service would refuse a flag `up` passes on. A service that still fails to start is one
+line on stderr carrying its own error: exit 2 when that was a user error (the service exited
+2), else 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import signal
 import sys
 import time
@@ -24,12 +33,20 @@ from dsv4.commands.cluster import (
     DEFAULT_CACHE_DIR,
     ClusterSpec,
     LocalCluster,
+    RaisingParser,
+    StartFailed,
     ensure_tiny_checkpoint,
+    unknown_service_flags,
 )
 from dsv4.commands.layout import LAYOUTS, LayoutChoice, plan_layout
 from dsv4.commands.placement import parse_gpus
 from dsv4.errors import Dsv4Error, UsageError
 from dsv4.plan import PlanDoesNotFit
+from dsv4.serving.ports import bind_problem
+
+MAX_POOL_WORKERS = 64  # a pool of more workers on one host is a typo, not a plan
+MAX_RANKS = 64  # rank processes of one worker (a card each on CUDA)
+PORT_MAX = 65535
 
 
 def add_up_args(parser: argparse.ArgumentParser) -> None:
@@ -51,14 +68,16 @@ def add_up_args(parser: argparse.ArgumentParser) -> None:
         "on one card, as --device says)",
     )  # fmt: skip
     parser.add_argument("--model", default="tiny", help="checkpoint dir, or tiny (written once)")
-    parser.add_argument("--layers", default="", help="tiny only: compress ratios, e.g. 0,4")
+    parser.add_argument("--layers", default="", help="--model tiny only: compress ratios, e.g. 0,4")
     parser.add_argument("--redis", default="", help="Redis registry URL (default: static lists)")
     parser.add_argument("--cache-dir", default=str(DEFAULT_CACHE_DIR), help="tiny checkpoint dir")
     parser.add_argument("--log-dir", default="", help="service logs (default: a temp dir)")
-    parser.add_argument("--ready-timeout-s", type=float, default=180.0)
+    parser.add_argument(
+        "--ready-timeout-s", type=float, default=180.0, help="wait for every service's SERVING"
+    )
     parser.add_argument("--grace-s", type=float, default=10.0, help="SIGTERM -> SIGKILL delay")
     parser.add_argument(
-        "--metrics-base-port", type=int, default=AUTO_PORTS,
+        "--metrics-base-port", type=int, default=None,
         help="Prometheus /metrics: router on this port, workers on the next ones "
         "(default: a free port each, printed; 0: off)",
     )  # fmt: skip
@@ -95,22 +114,69 @@ def _rate_text(text: str) -> str:
 def _check_up_args(args: argparse.Namespace) -> None:
     """What can be checked before any service starts (a failed start takes seconds)."""
     for flag, count in (("--num-prefill", args.num_prefill), ("--num-decode", args.num_decode)):
-        if count < 1:
-            raise UsageError(f"{flag} {count}: give at least 1 (each pool needs a worker)")
+        if not 1 <= count <= MAX_POOL_WORKERS:
+            raise UsageError(f"{flag} {count}: give 1..{MAX_POOL_WORKERS} workers (each a "
+                             "process of its own holding the model)")  # fmt: skip
     for flag, ranks in (("--prefill-ranks", args.prefill_ranks),
                         ("--decode-ranks", args.decode_ranks)):  # fmt: skip
-        if ranks < 0:
-            raise UsageError(f"{flag} {ranks}: give 1 or more ranks (0: as the flags say)")
-    if not 0 < args.port < 65536:
+        if not 0 <= ranks <= MAX_RANKS:
+            raise UsageError(f"{flag} {ranks}: give 1..{MAX_RANKS} ranks (0: as the flags say)")
+    if not 0 < args.port <= PORT_MAX:
         raise UsageError(f"--port {args.port}: give a TCP port in 1..65535")
-    if not 0 <= args.http_port < 65536:
+    if not 0 <= args.http_port <= PORT_MAX:
         raise UsageError(f"--http-port {args.http_port}: give a TCP port in 1..65535 (0: off)")
+    if args.http_port == args.port:
+        raise UsageError(f"--http-port {args.http_port}: --port has it; give another port")
+    base = args.metrics_base_port
+    if base is not None and not 0 <= base <= PORT_MAX:
+        raise UsageError(f"--metrics-base-port {base}: give a TCP port in 1..65535 (0: off; "
+                         "left out: a free port each)")  # fmt: skip
+    for flag, seconds in (("--ready-timeout-s", args.ready_timeout_s),
+                          ("--grace-s", args.grace_s)):  # fmt: skip
+        if not (math.isfinite(seconds) and seconds > 0):
+            raise UsageError(f"{flag} {seconds:g}: give a positive number of seconds")
     model_dir = Path(args.model.removeprefix("random:"))
     if args.model != "tiny" and not (model_dir / "config.json").is_file():
         raise UsageError(
             f"--model {args.model}: no config.json there; give a checkpoint dir, random:DIR "
             "(dsv4 make-tiny DIR --config-only) or tiny"
         )
+    if args.layers and args.model != "tiny":
+        raise UsageError(f"--layers {args.layers}: only for --model tiny (a checkpoint has its "
+                         "own layers; dsv4 make-tiny DIR --layers writes one)")  # fmt: skip
+    unknown = unknown_service_flags(tuple(getattr(args, "extra_args", ())))
+    if unknown:
+        raise UsageError(f"unrecognized arguments: {' '.join(unknown)} (dsv4 {args.command} "
+                         "passes flags it does not know to every service; see dsv4 decode -h)")  # fmt: skip
+
+
+def check_ports(spec: ClusterSpec) -> None:
+    """The ports the launcher gives its services are in range and free now (a bind test):
+    `UsageError` naming the flag otherwise."""
+    problem = bind_problem(spec.host, 0)
+    if problem:
+        raise UsageError(f"--host {spec.host}: {problem}")
+    ports = [("--port", spec.router_port)]
+    ports += [("--http-port", spec.http_port)] if spec.http_port else []
+    base = spec.metrics_base_port
+    if base > 0:
+        workers = spec.num_prefill + spec.num_decode
+        if base + workers > PORT_MAX:
+            raise UsageError(f"--metrics-base-port {base}: the router's /metrics takes it and "
+                             f"the {workers} workers' the next ports, past {PORT_MAX}; give at "
+                             f"most {PORT_MAX - workers}")  # fmt: skip
+        taken = {port: flag for flag, port in ports if base <= port <= base + workers}
+        if taken:
+            port, flag = next(iter(taken.items()))
+            raise UsageError(f"--metrics-base-port {base}: the services' /metrics take "
+                             f"{base}..{base + workers}, {flag} has {port}; give another")  # fmt: skip
+        ports += [("--metrics-base-port", base + i) for i in range(workers + 1)]
+    for flag, port in ports:
+        problem = bind_problem(spec.host, port)
+        if problem:
+            given = port if flag != "--metrics-base-port" else base
+            raise UsageError(f"{flag} {given}: {problem} (another server, or another dsv4 "
+                             "up?); give a free port")  # fmt: skip
 
 
 def cluster_from_args(args: argparse.Namespace) -> tuple[ClusterSpec, LayoutChoice]:
@@ -124,11 +190,12 @@ def _spec_from_args(args: argparse.Namespace) -> ClusterSpec:
     model = args.model
     if model == "tiny":
         model = str(ensure_tiny_checkpoint(Path(args.cache_dir), args.layers))
+    base = AUTO_PORTS if args.metrics_base_port is None else args.metrics_base_port
     return ClusterSpec(
         model_dir=model, host=args.host, router_port=args.port, num_prefill=args.num_prefill,
         num_decode=args.num_decode, redis_url=args.redis, log_dir=args.log_dir,
         service_args=tuple(getattr(args, "extra_args", ())), grace_s=args.grace_s,
-        metrics_base_port=args.metrics_base_port, http_port=args.http_port,
+        metrics_base_port=base, http_port=args.http_port, ready_timeout_s=args.ready_timeout_s,
         prefill_args=_ranks_args(args.prefill_ranks), decode_args=_ranks_args(args.decode_ranks),
     )  # fmt: skip
 
@@ -142,6 +209,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     spec = _laid_out(args)
     if spec is None:
         return 1
+    _say_redis_wait(args)
     signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         with LocalCluster(spec) as cluster:
@@ -159,16 +227,22 @@ def cmd_up(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         _say("dsv4 cluster stopped")
         return 0
+    except StartFailed as exc:
+        return _start_failed(args, exc)
     except Dsv4Error as exc:
-        _say(f"dsv4 up: {exc.message}")
+        _error(args, exc.message)
         return 1
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """up + `dsv4 loadtest` (random 32-128 input, 10-38 output tokens) + report + shutdown."""
+    if args.num_prompts < 1:
+        raise UsageError(f"--num-prompts {args.num_prompts}: give at least 1 request")
+    _load_args("127.0.0.1:1", args, Path("summary.json"))  # the load test's flags, checked now
     spec = _laid_out(args)
     if spec is None:
         return 1
+    _say_redis_wait(args)
     signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         with LocalCluster(spec) as cluster:
@@ -180,22 +254,74 @@ def cmd_demo(args: argparse.Namespace) -> int:
             return status
     except KeyboardInterrupt:
         return 130
+    except StartFailed as exc:
+        return _start_failed(args, exc)
     except Dsv4Error as exc:
-        _say(f"dsv4 demo: {exc.message}")
+        _error(args, exc.message)
         return 1
 
 
 def _laid_out(args: argparse.Namespace) -> ClusterSpec | None:
-    """The spec, after the plan line (printed unless nothing was planned or asked); None after
-    a one-line refusal on stderr (exit 1: the layout cannot fit, as `dsv4 plan` exits)."""
+    """The spec, after the plan line (printed unless nothing was planned or asked), its ports
+    checked; None after a one-line refusal on stderr (exit 1: the layout cannot fit, as
+    `dsv4 plan` exits)."""
     try:
         spec, choice = cluster_from_args(args)
     except PlanDoesNotFit as exc:
-        sys.stderr.write(f"dsv4 {args.command}: error: {' '.join(exc.message.split())}\n")
+        _error(args, exc.message)
         return None
+    check_ports(spec)
     if choice.memory_fraction or args.layout != "auto" or args.gpus is not None:
         _say(choice.line)
     return spec
+
+
+def _start_failed(args: argparse.Namespace, exc: StartFailed) -> int:
+    """One line on stderr for a service that did not start, with its own error line: exit 2
+    when that was a user error (the service exited 2) or another server holds --port."""
+    ranks = getattr(args, f"{exc.role}_ranks", 0)
+    shaped = f" (--{exc.role}-ranks {ranks})" if ranks else ""
+    text = f"{exc.service_name}{shaped} {exc.what}"
+    if exc.reason:
+        text += f": {exc.reason}"
+    if exc.foreign:
+        text += "; give a free --port" if exc.role == "router" else "; run it again"
+    elif exc.exit_code is None:  # not SERVING in time
+        waiting = _redis_problem(args.redis) if args.redis else ""
+        text += f" (--ready-timeout-s {args.ready_timeout_s:g}: a longer one waits more)"
+        text += f"; Redis at {args.redis} (--redis): {waiting}" if waiting else ""
+    if args.log_dir:
+        text += f"; logs in {args.log_dir}"
+    elif exc.exit_code != 2:
+        text += "; --log-dir DIR keeps the services' logs"
+    _error(args, text)
+    return 2 if exc.exit_code == 2 or (exc.foreign and exc.role == "router") else 1
+
+
+def _say_redis_wait(args: argparse.Namespace) -> None:
+    """The services wait for an unreachable Redis (up to --ready-timeout-s): say so once."""
+    problem = _redis_problem(args.redis) if args.redis else ""
+    if problem:
+        sys.stderr.write(f"dsv4 {args.command}: waiting for Redis at {args.redis} (--redis): "
+                         f"{problem}; the services retry for up to --ready-timeout-s "
+                         f"{args.ready_timeout_s:g} s\n")  # fmt: skip
+        sys.stderr.flush()
+
+
+def _redis_problem(url: str) -> str:
+    """Why Redis at `url` does not answer a PING now (within about a second); "" when it does."""
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    try:
+        client = redis.Redis.from_url(url, socket_connect_timeout=1.0, socket_timeout=1.0,
+                                      retry=Retry(NoBackoff(), 0))  # fmt: skip
+        with client:
+            client.ping()
+    except (redis.RedisError, ValueError, OSError) as exc:
+        return " ".join(str(exc).split()).rstrip(".") or type(exc).__name__
+    return ""
 
 
 def _metrics_and_logs(cluster: LocalCluster) -> str:
@@ -207,9 +333,28 @@ def _raise_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
+def _error(args: argparse.Namespace, text: str) -> None:
+    sys.stderr.write(f"dsv4 {args.command}: error: {' '.join(text.split())}\n")
+    sys.stderr.flush()
+
+
 def _say(text: str) -> None:
     sys.stdout.write(text + "\n")
     sys.stdout.flush()
+
+
+def _load_args(target: str, args: argparse.Namespace, summary_path: Path) -> argparse.Namespace:
+    """`dsv4 loadtest`'s flags for the demo's load; `UsageError` for one it refuses."""
+    from loadgen.cli import add_loadtest_args
+
+    parser = RaisingParser(prog=f"dsv4 {args.command}")
+    add_loadtest_args(parser)
+    return parser.parse_args([
+        "--target", target, "--num-prompts", str(args.num_prompts),
+        "--random-input-len", "80", "--random-output-len", "24",
+        "--random-range-ratio", "0.6", "--request-rate", args.request_rate,
+        "--timeout-s", "120", "--no-progress", "--result-json", str(summary_path),
+    ])  # fmt: skip
 
 
 def _run_demo_load(target: str, args: argparse.Namespace) -> int:
@@ -217,19 +362,11 @@ def _run_demo_load(target: str, args: argparse.Namespace) -> int:
     import json
     import tempfile
 
-    from loadgen.cli import add_loadtest_args, run_loadtest
+    from loadgen.cli import run_loadtest
 
-    parser = argparse.ArgumentParser()
-    add_loadtest_args(parser)
     with tempfile.TemporaryDirectory(prefix="dsv4-demo-") as tmp:
         summary_path = Path(tmp) / "summary.json"
-        load_args = parser.parse_args([
-            "--target", target, "--num-prompts", str(args.num_prompts),
-            "--random-input-len", "80", "--random-output-len", "24",
-            "--random-range-ratio", "0.6", "--request-rate", args.request_rate,
-            "--timeout-s", "120", "--no-progress", "--result-json", str(summary_path),
-        ])  # fmt: skip
-        status = run_loadtest(load_args)
+        status = run_loadtest(_load_args(target, args, summary_path))
         if status != 0 or not summary_path.exists():
             return status or 1
         summary = json.loads(summary_path.read_text())

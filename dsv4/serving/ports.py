@@ -1,12 +1,17 @@
-"""Loopback ports for the processes this project starts (services, rank rendezvous)."""
+"""Loopback ports for the processes this project starts (services, rank rendezvous), and the
+checks a launcher makes before and after starting a server on one."""
 
 from __future__ import annotations
 
+import errno
+import os
 import socket
+from pathlib import Path
 
 from dsv4.errors import Unavailable
 
 _HANDED_OUT: set[int] = set()
+_LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp's st column
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -20,3 +25,61 @@ def free_port(host: str = "127.0.0.1") -> int:
             _HANDED_OUT.add(port)
             return port
     raise Unavailable("no fresh free port after 100 tries")
+
+
+def reserve_port(port: int) -> None:
+    """Never hand out `port` from `free_port` (a port the launcher gives a service itself)."""
+    _HANDED_OUT.add(port)
+
+
+def bind_problem(host: str, port: int) -> str:
+    """Why a server could not listen on `host:port` now, in a few words; "" when it could.
+    A bind test with SO_REUSEADDR, as gRPC and http.server set it: a port in TIME_WAIT is free,
+    one another server listens on is not (on this address or the wildcard one)."""
+    try:
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                       flags=socket.AI_PASSIVE)  # fmt: skip
+    except (socket.gaierror, UnicodeError) as exc:
+        return f"cannot resolve host {host!r} ({exc})"
+    problems = []
+    for family, kind, proto, _, address in addresses:
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(address)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    return f"{host}:{port} is already in use"
+                problems.append(f"cannot listen on {host}:{port} ({exc.strerror})")
+                continue
+        return ""  # a server binds every address it can; one is enough
+    return problems[0] if problems else f"{host}:{port} resolves to no address"
+
+
+def owns_listener(pid: int, port: int) -> bool | None:
+    """Whether process `pid` holds the socket listening on TCP `port` (Linux: the listener's
+    inode in /proc/net/tcp{,6} among the process's fds); None where /proc cannot tell."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if len(fields) > 9 and fields[3] == _LISTEN and fields[1].endswith(f":{port:04X}"):
+                inodes.add(fields[9])
+    if not inodes:
+        return None
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return None
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:[") and target[8:-1] in inodes:
+            return True
+    return False
