@@ -217,8 +217,21 @@ def main(argv: list[str] | None = None) -> int:
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
-        return int(args.handler(args))
+        code = int(args.handler(args))
+        sys.stdout.flush()  # a closed pipe fails here, not in the interpreter's exit flush
+        return code
     except Exception as exc:
+        if isinstance(exc, BrokenPipeError) and sys.__stdout__ is not None:
+            # `dsv4 plan | head`: the reader has what it wanted, so stop quietly, as `cat` does.
+            # Only when stdout is that pipe (POLLERR: no reader left), not a peer's socket.
+            import select
+
+            fd, poll = sys.__stdout__.fileno(), select.poll()
+            poll.register(fd, select.POLLOUT)
+            if any(event & select.POLLERR for _, event in poll.poll(0)):
+                # stdout onto /dev/null: the exit's flush of what is left would fail again
+                os.dup2(os.open(os.devnull, os.O_WRONLY), fd)
+                return 0
         if os.environ.get(DEBUG_ENV):
             raise
         print(f"dsv4 {args.command}: error: {_one_line(exc)}", file=sys.stderr)

@@ -15,6 +15,7 @@ import json
 import re
 import sys
 
+from dsv4.config.sections import SEED_LIMIT
 from dsv4.errors import InvalidRequest, UsageError
 
 
@@ -23,6 +24,18 @@ def parse_ints(flag: str, text: str, what: str) -> tuple[int, ...]:
         return tuple(int(t) for t in text.split(",") if t.strip())
     except ValueError:
         raise UsageError(f"{flag} {text!r}: give comma-separated {what}") from None
+
+
+def seed_arg(text: str) -> int:
+    """argparse type of --seed: the server's range, a uint64. Outside it the server refuses
+    the request and the sampler's generator overflows, so it is refused at parse time."""
+    try:
+        seed = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not 0 <= seed < SEED_LIMIT:
+        raise argparse.ArgumentTypeError(f"{seed}: give a seed in [0, 2**64)")
+    return seed
 
 
 # The server's messages name wire fields (`sampling.top_p`, `prompt_token_ids`); a user of
@@ -121,7 +134,7 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", type=seed_arg, default=None)
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--stop", action="append", help="a stop string (repeatable)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")

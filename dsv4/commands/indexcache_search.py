@@ -46,9 +46,20 @@ def stdlib_text() -> str:
     return "\n".join(sources)
 
 
-def calibration_ids(model_dir: str, calib: str, vocab_size: int, max_tokens: int) -> list[int]:
+def calibration_text(calib: str) -> str:
+    """--calib's text ('stdlib': `stdlib_text`); a file that is not UTF-8 is a usage error."""
+    if calib == "stdlib":
+        return stdlib_text()
+    try:
+        return Path(calib).read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise UsageError(
+            f"--calib {calib}: not UTF-8 text ({exc.reason} at byte {exc.start}); give a text file"
+        ) from exc
+
+
+def calibration_ids(model_dir: str, text: str, vocab_size: int, max_tokens: int) -> list[int]:
     """Token ids of the calibration text (the checkpoint's tokenizer, else bytes mod vocab)."""
-    text = stdlib_text() if calib == "stdlib" else Path(calib).read_text(encoding="utf-8")
     from dsv4.text.tokenizer import TextCodec
 
     codec = TextCodec.from_dir_if_present(model_dir)
@@ -223,8 +234,9 @@ def run(args: argparse.Namespace) -> int:
     from dsv4.model.weights import load_model
 
     _check_args(args)
+    text = calibration_text(args.calib)  # before the model loads (minutes for a large one)
     model, cfg = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device)
-    ids = calibration_ids(args.model, args.calib, cfg.vocab_size, args.max_tokens)
+    ids = calibration_ids(args.model, text, cfg.vocab_size, args.max_tokens)
     batch = segments(ids, min(args.seq_len, cfg.max_position_embeddings)).to(args.device)
     report = {
         "model": str(args.model),

@@ -32,6 +32,7 @@ import argparse
 import json
 import math
 import os
+from collections.abc import Callable
 from dataclasses import asdict, replace
 from typing import Any
 
@@ -40,6 +41,7 @@ from dsv4.config.cli import CONFIG_PATH_DEST
 from dsv4.config.load import CONFIG_PATH_ENV, SPECS
 from dsv4.config.model import ModelConfig
 from dsv4.config.resolve import resolve_auto
+from dsv4.config.sections import MAX_MEMORY_GIB
 from dsv4.errors import ConfigError, UsageError
 from dsv4.plan import MemoryPlan, PlanRequest, plan_memory, shape_config
 from dsv4.plan.residency import Residency, ResidencyError, read_residency, write_residency
@@ -86,6 +88,22 @@ _SETTINGS: tuple[tuple[tuple[str, ...], str, str], ...] = (
 )  # fmt: skip
 
 
+def _count(least: int, zero: str = "") -> Callable[[str], int]:
+    """argparse type: an integer >= `least` (`zero` says what 0 means). A negative TP, EP or
+    GPU count planned "fits" with negative bytes; refused here, as a usage error of the flag."""
+
+    def count(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"{value}: give an integer >= {least}{zero}")
+        return value
+
+    return count
+
+
 def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="per-GPU memory plan: fits / fits with expert offload / no")
     which = p.add_mutually_exclusive_group(required=True)
@@ -94,18 +112,19 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     which.add_argument("--shape", choices=["flash", "pro"], help="full-depth V4-Flash or V4-Pro")
     p.add_argument("--gpu-mem", type=float, required=True, help="GiB per GPU")
     p.add_argument(
-        "--gpus", type=int, default=None,
+        "--gpus", type=_count(1), default=None,
         help="GPUs of the layout (default: the worker's tensor_parallel_size, 1)",
     )  # fmt: skip
     p.add_argument(
         "--gpus-per-node",
-        type=int,
+        type=_count(0, " (0: min(--gpus, 8))"),
         default=0,
         help="GPUs sharing one node's --host-mem (0: min(--gpus, 8))",
     )
-    p.add_argument("--tp", type=int, default=0, help="tensor parallel size (0: --gpus)")
-    p.add_argument("--ep", type=int, default=0, help="expert parallel size (0: --gpus; a "
-                   "worker of T ranks has T with --expert-parallel, else 1)")  # fmt: skip
+    p.add_argument("--tp", type=_count(0, " (0: --gpus)"), default=0,
+                   help="tensor parallel size (0: --gpus)")  # fmt: skip
+    p.add_argument("--ep", type=_count(0, " (0: --gpus)"), default=0, help="expert parallel size "
+                   "(0: --gpus; a worker of T ranks has T with --expert-parallel, else 1)")  # fmt: skip
     p.add_argument(
         "--host-mem-fraction", type=float, default=1.0,
         help="share of --host-mem that may be pinned (default 1: --host-mem is the pinned "
@@ -121,9 +140,10 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
                    "for that fetch estimate (25: PCIe Gen4 x16; a Gen5 x16 host measures ~55)")  # fmt: skip
     p.add_argument("--spec-tokens", type=int, default=None, help="MTP draft tokens (0: MTP off; "
                    "default: as --config says, off)")  # fmt: skip
-    p.add_argument("--cache-slots", type=int, default=0, help="cold-expert slots per layer (0: "
-                   "the worker's, a captured decode step's tokens x top-k on the paged forward, "
-                   f"top-k on the reference; {_CHANGED} top-k)")  # fmt: skip
+    p.add_argument("--cache-slots", type=_count(0, " (0: the worker's)"), default=0,
+                   help="cold-expert slots per layer (0: the worker's, a captured decode step's "
+                   f"tokens x top-k on the paged forward, top-k on the reference; {_CHANGED} "
+                   "top-k)")  # fmt: skip
     p.add_argument("--config", dest=CONFIG_PATH_DEST, metavar="PATH", default=None,
                    help=f"the worker's YAML config (env {CONFIG_PATH_ENV}); layers: defaults < "
                    "YAML < env < flags")  # fmt: skip
@@ -193,8 +213,9 @@ def plan_edit(args: argparse.Namespace, config: ServeConfig) -> RequestEdit:
 
 def plan_from_args(args: argparse.Namespace) -> tuple[ServeConfig, MemoryPlan]:
     """(the worker's config as start-up plans it, the plan); raises ConfigError."""
-    if not (math.isfinite(args.gpu_mem) and args.gpu_mem > 0):
-        raise ConfigError("gpu_mem_gib", args.gpu_mem, "give device memory in GiB (> 0)")
+    if not (math.isfinite(args.gpu_mem) and 0 < args.gpu_mem <= MAX_MEMORY_GIB):
+        fix = f"give device memory in GiB, in (0, {MAX_MEMORY_GIB}]"
+        raise ConfigError("gpu_mem_gib", args.gpu_mem, fix)
     if not 0 < args.host_mem_fraction <= 1:
         raise UsageError(f"--host-mem-fraction {args.host_mem_fraction}: give a share in (0, 1]")
     config, model_cfg = worker_config(args)

@@ -31,9 +31,10 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from dsv4.config.model import ModelConfig, tiny_config
+from dsv4.errors import UsageError
 from dsv4.model.deepseek_v4 import DeepseekV4
 from dsv4.model.inventory import model_tensors
-from dsv4.model.tiny import encode_tensor, output_dir, random_model
+from dsv4.model.tiny import check_seed, encode_tensor, output_dir, random_model
 from dsv4.text.tokenizer import build_tokenizer
 
 log = logging.getLogger(__name__)
@@ -121,6 +122,9 @@ def train_tiny(
 ) -> TrainReport:
     """Train from `random_model(tiny_config(), seed)` until `steps` steps or `minutes` of wall
     time (whichever first), evaluate on the held-out module, write the checkpoint."""
+    check_seed(seed)
+    if steps is None and not math.isfinite(minutes):  # with --steps, inf: no time limit
+        raise UsageError(f"--minutes {minutes}: give a finite budget, or --steps N")
     output_dir(out_dir)  # an unwritable OUT_DIR fails now, not after the training
     torch.manual_seed(seed)
     cfg = tiny_config()

@@ -8,6 +8,7 @@ in `__post_init__`, so a `ServeConfig` built any way (layers, tests) is always v
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from collections.abc import Iterator
 from functools import cache
@@ -109,10 +110,27 @@ def check_value(spec: FieldSpec, value: Any) -> None:
         raise ConfigError(spec.key, shown, f"must be {_type_name(spec.type)} ({spec.where()})")
     if spec.choices is not None and value not in spec.choices:
         raise ConfigError(spec.key, shown, f"use one of {', '.join(spec.choices)}")
+    # NaN compares false with every bound and inf passes a min: both would start a service
+    # whose every use of the value fails (no setting takes inf for "no limit": 0 says that)
+    if spec.type is float and not math.isfinite(value):
+        raise ConfigError(spec.key, shown, f"must be a finite number{_bounds(spec)}")
     if spec.min is not None and value < spec.min:
-        raise ConfigError(spec.key, shown, f"must be >= {spec.min:g}")
+        raise ConfigError(spec.key, shown, f"must be >= {_number(spec.min)}")
     if spec.max is not None and value > spec.max:
-        raise ConfigError(spec.key, shown, f"must be <= {spec.max:g}")
+        raise ConfigError(spec.key, shown, f"must be <= {_number(spec.max)}")
+
+
+def _bounds(spec: FieldSpec) -> str:
+    if spec.min is not None and spec.max is not None:
+        return f" in [{_number(spec.min)}, {_number(spec.max)}]"
+    if spec.min is not None:
+        return f" >= {_number(spec.min)}"
+    return f" <= {_number(spec.max)}" if spec.max is not None else ""
+
+
+def _number(bound: float) -> str:
+    """A bound as written: ints whole (a seed's 2**64 - 1 is no 1.84467e+19), floats short."""
+    return str(bound) if isinstance(bound, int) else f"{bound:g}"
 
 
 def _has_type(value: Any, expected: type) -> bool:

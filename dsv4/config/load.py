@@ -69,8 +69,14 @@ def yaml_layer(path: str | Path) -> dict[str, Any]:
         raise ConfigError(
             "config", str(path), f"cannot read the YAML file: {exc.strerror}"
         ) from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            "config",
+            str(path),
+            f"not UTF-8 text ({exc.reason} at byte {exc.start}): give a YAML file",
+        ) from exc
     except yaml.YAMLError as exc:
-        raise ConfigError("config", str(path), f"not valid YAML: {exc}") from exc
+        raise ConfigError("config", str(path), f"not valid YAML: {_yaml_problem(exc)}") from exc
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -85,6 +91,15 @@ def yaml_layer(path: str | Path) -> dict[str, Any]:
         for name, value in (fields or {}).items():
             flat[f"{section}.{name}"] = value
     return _known_keys(flat, f"YAML file {path}")
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """PyYAML's error as one line: its problem and where (its own text quotes the offending
+    line with a caret under it, several lines that a log line or a terminal would split)."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return " ".join(f"{problem}{where}".split())
 
 
 def env_layer(env: Mapping[str, str]) -> dict[str, Any]:

@@ -181,16 +181,36 @@ class ModelConfig:
 
     @classmethod
     def from_file(cls, path: str | Path) -> ModelConfig:
+        """Read config.json (or the dir holding it). Whatever is wrong with the file is a
+        ConfigError naming it: a user's checkpoint, not a bug of ours."""
         path = Path(path)
         if path.is_dir():
             path = path / "config.json"
         try:
-            raw = json.loads(path.read_text())
+            raw = json.loads(path.read_bytes())
         except FileNotFoundError as exc:
             raise ConfigError("model", str(path), "point --model at a checkpoint dir") from exc
-        except json.JSONDecodeError as exc:
+        except ValueError as exc:  # not JSON, or not UTF-8 text
             raise ConfigError("model", str(path), f"config.json is not valid JSON: {exc}") from exc
-        return cls.from_hf_dict(raw)
+        if not isinstance(raw, dict):
+            kind = type(raw).__name__
+            raise ConfigError("model", str(path), f"config.json must hold an object, not a {kind}")
+        missing = [key for key in _REQUIRED if raw.get(key) is None]
+        if raw.get("compress_ratios") is None and raw.get("layer_types") is None:
+            missing.append("compress_ratios (or layer_types)")
+        if missing:
+            raise ConfigError("model", str(path), f"config.json lacks {', '.join(missing)}: "
+                              "give a DeepSeek-V4 checkpoint's config.json")  # fmt: skip
+        try:
+            return cls.from_hf_dict(raw)
+        except ConfigError as exc:  # a value out of range: say in which file
+            raise ConfigError(exc.field_name, exc.value, f"{exc.fix} (in {path})") from exc
+        except (TypeError, ValueError, LookupError, AttributeError, ArithmeticError) as exc:
+            # a value of the wrong kind (a string for a count, a number for a mapping, a 0 divisor)
+            raise ConfigError(
+                "model", str(path), f"config.json has a malformed value ({type(exc).__name__}: "
+                f"{exc}): compare it with a DeepSeek-V4 checkpoint's config.json",
+            ) from exc  # fmt: skip
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The official spelling (what `dsv4 make-tiny` writes); transformers reads it too."""
@@ -254,6 +274,10 @@ _PLAIN_FIELDS = (
     "num_nextn_predict_layers",
     "max_position_embeddings",
 )
+
+
+# What `from_hf_dict` cannot default (compress_ratios or layer_types is checked beside them).
+_REQUIRED = ("num_hidden_layers",)
 
 
 def _read_ratios(raw: dict[str, Any], n: int) -> tuple[tuple[int, ...], int]:

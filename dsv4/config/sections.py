@@ -17,6 +17,11 @@ RANDOM_PREFIX = "random:"
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 _ADDRESS = re.compile(r"[^\s:]+:\d{1,5}|\[[0-9a-fA-F:.]+\]:\d{1,5}")
 PORT = {"min": 0, "max": 65535}
+# Seeds are uint64, as torch generators take them and the wire's SamplingParams.seed holds them.
+SEED_LIMIT = 1 << 64
+# GiB of one device or host: a PiB is beyond any machine, and its byte counts stay well inside
+# the float and int arithmetic of the plan (1e300 GiB overflowed it).
+MAX_MEMORY_GIB = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -53,14 +58,17 @@ class ModelSection(Section):
         60.0, "ranks of a replica: start-up rendezvous and every collective give up after this",
         min=1.0,
     )  # fmt: skip
-    seed: int = setting(0, "seed of model init ('tiny') and default sampling", min=0)
+    seed: int = setting(
+        0, "seed of model init ('tiny') and default sampling", min=0, max=SEED_LIMIT - 1
+    )
     host_memory_gib: float = setting(
         0.0, "pinned host memory (GiB) for routed experts the device cannot hold: the start-up "
         "plan offloads the fewest experts per layer that fit; 0: never offload", min=0,
+        max=MAX_MEMORY_GIB,
     )  # fmt: skip
     device_memory_gib: float = setting(
         0.0, "device memory (GiB) the start-up plan may use; 0: the GPU's total (on CPU: no "
-        "plan, unless set)", min=0,
+        "plan, unless set)", min=0, max=MAX_MEMORY_GIB,
     )  # fmt: skip
     expert_residency: str = setting(
         "", "with offload: per-layer expert order file (most used first; the first stay on the "

@@ -18,7 +18,8 @@ import torch
 from safetensors.torch import save_file
 
 from dsv4.config.model import ModelConfig, flash_config, tiny_config
-from dsv4.errors import CheckpointError
+from dsv4.config.sections import SEED_LIMIT
+from dsv4.errors import CheckpointError, UsageError
 from dsv4.model.fp8 import quantized_linears_, served_linear_format
 from dsv4.model.inventory import TensorSpec, checkpoint_tensors, model_tensors, quantized_kind
 from dsv4.model.moe import MoE, quantized_experts_, served_expert_format, stack_experts_
@@ -76,8 +77,19 @@ def encode_tensor(
     return {name: value.to(_STORE_DTYPES[fmt]).contiguous()}
 
 
+def check_seed(seed: int) -> None:
+    """make-tiny / train-tiny --seed: a uint64, as the server's seeds (torch's generators
+    overflow past 2**64 - 1 and wrap negative seeds)."""
+    if not 0 <= seed < SEED_LIMIT:
+        raise UsageError(f"--seed {seed}: give a seed in [0, 2**64)")
+
+
 def output_dir(out_dir: str | Path) -> Path:
-    """`out_dir`, created (with parents) and writable, or a CheckpointError saying which."""
+    """`out_dir`, created (with parents) and writable, or a CheckpointError saying which (a
+    UsageError for an empty path: Path("") is ".", the files would land in the current dir)."""
+    if not str(out_dir).strip():
+        shown = repr(str(out_dir))
+        raise UsageError(f"OUT_DIR {shown}: give the directory to write into (. for the current)")
     out = Path(out_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -100,6 +112,7 @@ def write_checkpoint(
     with_tokenizer: bool = True,
 ) -> Path:
     """Write config.json, sharded safetensors + index, and tokenizer.json into `out_dir`."""
+    check_seed(seed)
     out = output_dir(out_dir)
     gen = torch.Generator().manual_seed(seed)
     shards: list[dict[str, torch.Tensor]] = [{}]

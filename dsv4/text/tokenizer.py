@@ -10,7 +10,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from dsv4.errors import CheckpointError
+from dsv4.errors import CheckpointError, ConfigError
 
 _CORPUS = """\
 Beautiful is better than ugly. Explicit is better than implicit. Simple is better than complex.
@@ -55,6 +55,19 @@ def build_tokenizer(vocab_size: int, bos_id: int = 0, eos_id: int = 1) -> Tokeni
     return tok
 
 
+def read_tokenizer(path: Path) -> Tokenizer:
+    """A tokenizer.json, or a ConfigError naming the file (not a CheckpointError: a worker
+    serves token ids without a tokenizer, not with a broken one)."""
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:  # the tokenizers package raises a bare Exception on a bad file
+        reason = " ".join(str(exc).split())
+        fix = "replace it with the model's own, or delete it to run token ids only"
+        raise ConfigError(
+            "model.tokenizer", str(path), f"not a tokenizer.json ({reason}): {fix}"
+        ) from exc
+
+
 class TextCodec:
     """Encode prompts and decode streamed token ids, incrementally (for stop strings)."""
 
@@ -66,7 +79,7 @@ class TextCodec:
         path = Path(model_dir) / "tokenizer.json"
         if not path.exists():
             raise CheckpointError(f"{path} is missing: the model directory has no tokenizer")
-        return cls(Tokenizer.from_file(str(path)))
+        return cls(read_tokenizer(path))
 
     @classmethod
     def from_dir_if_present(cls, model_dir: str | Path) -> TextCodec | None:
@@ -74,7 +87,7 @@ class TextCodec:
         tokenizer.json: callers then take and return token ids, as vLLM's
         --skip-tokenizer-init does)."""
         path = Path(model_dir) / "tokenizer.json"
-        return cls(Tokenizer.from_file(str(path))) if path.exists() else None
+        return cls(read_tokenizer(path)) if path.exists() else None
 
     @property
     def tokenizer(self) -> Tokenizer:
