@@ -12,12 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from dsv4.commands.cli import DEBUG_ENV, build_parser, main
+from dsv4.commands.cli import DEBUG_ENV, build_parser
 from dsv4.config import load_config
 from dsv4.config.load import SPECS
 from dsv4.config.model import ModelConfig
 from dsv4.config.sections import SEED_LIMIT
 from dsv4.errors import ConfigError
+from tests.unit.test_cli_errors import run
 
 REPO = Path(__file__).resolve().parents[2]
 PLAN = ["plan", "--shape", "flash", "--gpu-mem", "80"]
@@ -42,14 +43,6 @@ def binary(tmp_path: Path) -> str:
     path = tmp_path / "binary.yaml"
     path.write_bytes(b"\x00\xff\xfe")
     return str(path)
-
-
-def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
-    try:
-        code = main(argv)
-    except SystemExit as exc:  # argparse, and `dsv4 router`'s own exit
-        code = exc.code if isinstance(exc.code, int) else 1
-    return code, capsys.readouterr().err
 
 
 def assert_user_error(code: int, err: str, names: str) -> None:
