@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -117,6 +118,9 @@ def config_from_args(args: argparse.Namespace) -> LoadtestConfig:
         raise LoadtestConfigError(f"--max-concurrency {args.max_concurrency}: must be >= 1")
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise LoadtestConfigError(PLOT_MISSING)  # before the run, not after it
+    for flag, path in (("--result-json", args.result_json), ("--plot", args.plot),
+                       ("--per-request-jsonl", args.per_request_jsonl)):  # fmt: skip
+        _check_output(flag, path)
     backend = BACKEND_ALIASES.get(args.backend, args.backend)
     endpoint = resolve_endpoint(
         backend, args.target, args.host, args.port, args.base_url, args.endpoint,
@@ -207,3 +211,15 @@ def rate_from_text(text: str) -> float:
     if math.isnan(rate) or rate <= 0:
         raise argparse.ArgumentTypeError(f"request rate must be > 0 or inf, got {text!r}")
     return rate
+
+
+def _check_output(flag: str, path: str | None) -> None:
+    """An output file's folder must exist and be writable before the run, not after it (a
+    typo in a path used to cost the whole run, then fail with a bare errno line)."""
+    if not path:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise LoadtestConfigError(f"{flag} {path}: folder {folder} does not exist")
+    if os.path.isdir(path) or not os.access(folder, os.W_OK):
+        raise LoadtestConfigError(f"{flag} {path}: cannot write a file there")

@@ -244,6 +244,20 @@ def test_bad_target_flags_are_one_line(flags, says):
     assert line.startswith("loadtest: ") and says in line
 
 
+@pytest.mark.parametrize("flag", ["--result-json", "--plot", "--per-request-jsonl"])
+def test_an_unwritable_output_path_fails_before_the_run(flag, tmp_path):
+    """A typo in an output path costs nothing: refused before any client is made."""
+    err = io.StringIO()
+    bad = str(tmp_path / "missing" / "out.file")
+    assert run_loadtest(_args("--target", "a:1", flag, bad), client_factory=_never, err=err) == 2
+    (line,) = err.getvalue().splitlines()
+    assert line.startswith(f"loadtest: {flag} {bad}: folder ") and "does not exist" in line
+    err = io.StringIO()
+    assert run_loadtest(_args("--target", "a:1", flag, str(tmp_path)), client_factory=_never,
+                        err=err) == 2  # fmt: skip
+    assert "cannot write a file there" in err.getvalue()
+
+
 def _never(options):
     raise AssertionError("no client may be made for bad flags")
 
