@@ -145,7 +145,7 @@ def add_loadtest_args(parser: argparse.ArgumentParser) -> None:
     a.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
     a.add_argument("--max-concurrency", type=positive_int, default=None)
     a.add_argument("--num-warmups", type=non_negative_int, default=0)
-    a.add_argument("--seed", type=int, default=0)
+    a.add_argument("--seed", type=non_negative_int, default=0)
     a.add_argument("--sweep-rates", default=None, metavar="R1,R2,..", help="one run per rate")
     o = parser.add_argument_group("output")
     o.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el")

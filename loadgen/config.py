@@ -7,8 +7,10 @@ import argparse
 import importlib.util
 import math
 import os
+import ssl
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from loadgen.arrivals import ArrivalSpec
 from loadgen.client import BACKEND_ALIASES, ClientOptions
@@ -121,6 +123,7 @@ def config_from_args(args: argparse.Namespace) -> LoadtestConfig:
     for flag, path in (("--result-json", args.result_json), ("--plot", args.plot),
                        ("--per-request-jsonl", args.per_request_jsonl)):  # fmt: skip
         _check_output(flag, path)
+    _check_tls_ca(args.tls_ca)
     backend = BACKEND_ALIASES.get(args.backend, args.backend)
     endpoint = resolve_endpoint(
         backend, args.target, args.host, args.port, args.base_url, args.endpoint,
@@ -223,3 +226,25 @@ def _check_output(flag: str, path: str | None) -> None:
         raise LoadtestConfigError(f"{flag} {path}: folder {folder} does not exist")
     if os.path.isdir(path) or not os.access(folder, os.W_OK):
         raise LoadtestConfigError(f"{flag} {path}: cannot write a file there")
+
+
+def _check_tls_ca(path: str | None) -> None:
+    """--tls-ca must be a readable PEM certificate before anything connects (gRPC's C core
+    would log four lines and fail the run; ssl an error that names no flag)."""
+    if not path:
+        return
+    fix = "give the PEM file of the CA that signed the server's certificate"
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise LoadtestConfigError(
+            f"--tls-ca {path}: cannot read it ({exc.strerror}): {fix}"
+        ) from None
+    if b"-----BEGIN CERTIFICATE-----" not in data:
+        raise LoadtestConfigError(f"--tls-ca {path}: not a PEM certificate: {fix}")
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cafile=path)
+    except (ssl.SSLError, ValueError):
+        raise LoadtestConfigError(
+            f"--tls-ca {path}: a PEM certificate that does not parse: {fix}"
+        ) from None

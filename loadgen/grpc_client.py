@@ -24,7 +24,12 @@ from loadgen.client import (
     RequestRecord,
     TokenListener,
 )
-from loadgen.target import check_tcp_reachable
+from loadgen.target import (
+    LoadtestConfigError,
+    check_tcp_reachable,
+    not_grpc_message,
+    sniff_protocol,
+)
 from loadgen.workloads import LoadRequest
 
 GENERATE_METHOD = "/dsv4.v1.Router/Generate"
@@ -73,6 +78,18 @@ class GrpcRouterClient:
     async def check_reachable(self) -> None:
         """Raise TargetUnreachable unless something accepts TCP connections at the target."""
         await check_tcp_reachable(self.options.target)
+
+    async def _protocol_problem(self, exc: BaseException) -> str:
+        """Why an UNAVAILABLE call failed when the target speaks another protocol: HTTP/1 (the
+        HTTP front), or plaintext gRPC under --tls-ca; "" otherwise."""
+        target = self.options.target
+        details = getattr(exc, "details", lambda: "")() or ""
+        found = "http1" if "http1.x" in details else await sniff_protocol(target)
+        if found == "http1":
+            return not_grpc_message(target)
+        if found == "http2" and self.options.tls_ca_path:  # TLS servers never answer so
+            return f"{target} speaks gRPC without TLS: drop --tls-ca (or give its TLS port)"
+        return ""
 
     async def __aenter__(self) -> GrpcRouterClient:
         return self
@@ -128,14 +145,18 @@ class GrpcRouterClient:
         return builder.build()
 
     async def fetch_model_info(self) -> ModelInfoView | None:
-        """The server's ModelInfo, or None when the call fails (older server, no access)."""
+        """The server's ModelInfo, or None when the call fails (older server, no access).
+        Raises LoadtestConfigError when the target speaks another protocol."""
         try:
             info = await self._stub.GetModelInfo(
                 self._router_pb2.GetModelInfoRequest(),
                 timeout=self.options.timeout_s or 10.0,
                 metadata=self._metadata,
             )
-        except self._grpc.aio.AioRpcError:
+        except self._grpc.aio.AioRpcError as exc:
+            unavailable = exc.code() == self._grpc.StatusCode.UNAVAILABLE
+            if unavailable and (problem := await self._protocol_problem(exc)):
+                raise LoadtestConfigError(problem) from None
             return None
         return ModelInfoView(
             model_name=info.model_name,

@@ -145,6 +145,8 @@ class RunSummary:
     server: ServerTotals
     percentiles: tuple[float, ...]
     stats: tuple[tuple[str, MetricStats], ...]
+    # (status code, the first failed request's error message) per code with a message
+    failed_examples: tuple[tuple[str, str], ...] = ()
 
     def stat(self, metric: str) -> MetricStats:
         return dict(self.stats)[metric]
@@ -214,11 +216,13 @@ def summarize(
 ) -> RunSummary:
     """Aggregate `records` of one run lasting `duration_s` into a `RunSummary`."""
     ok = [(r, lat) for r in records if (lat := request_latency(r)) is not None]
-    failed = Counter(
-        STATUS_EMPTY_RESPONSE if r.is_success else r.status_code
-        for r in records
-        if request_latency(r) is None
-    )
+    failed_records = [r for r in records if request_latency(r) is None]
+    codes = [STATUS_EMPTY_RESPONSE if r.is_success else r.status_code for r in failed_records]
+    failed = Counter(codes)
+    examples: dict[str, str] = {}
+    for code, r in zip(codes, failed_records):
+        if r.error:
+            examples.setdefault(code, r.error)
     in_tokens = sum(r.num_input_tokens for r, _ in ok)
     out_tokens = sum(r.num_output_tokens for r, _ in ok)
     samples = {
@@ -256,4 +260,5 @@ def summarize(
         server=server_totals(records),
         percentiles=tuple(float(p) for p in percentiles),
         stats=tuple((m, metric_stats(samples[m], percentiles)) for m in METRIC_NAMES),
+        failed_examples=tuple(sorted(examples.items())),
     )

@@ -30,7 +30,13 @@ from loadgen.client import (
     RequestRecord,
     TokenListener,
 )
-from loadgen.target import REACH_TIMEOUT_S, check_tcp_reachable
+from loadgen.target import (
+    REACH_TIMEOUT_S,
+    LoadtestConfigError,
+    check_tcp_reachable,
+    not_http_message,
+    sniff_protocol,
+)
 from loadgen.workloads import LoadRequest
 
 READ_BUFSIZE = 1 << 20  # one SSE line may hold a long event
@@ -100,12 +106,16 @@ class OpenAIClient:
     async def fetch_model_info(self) -> ModelInfoView | None:
         """The --model entry of /v1/models, else its first model (as `vllm bench serve`
         picks); None when the server has no such list. Without --model, requests then name
-        the model found here."""
+        the model found here. Raises LoadtestConfigError when the target speaks gRPC."""
         try:
             timeout = self._aiohttp.ClientTimeout(total=REACH_TIMEOUT_S)
             async with self._session.get(self.options.models_url, timeout=timeout) as response:
                 listing = await response.json(content_type=None) if response.status == 200 else {}
-        except (TimeoutError, self._aiohttp.ClientError, ValueError):
+        except (TimeoutError, ValueError):  # before ClientError: a timeout is one of those too
+            return None
+        except self._aiohttp.ClientError:
+            if await sniff_protocol(self.options.target) == "http2":  # a gRPC port
+                raise LoadtestConfigError(not_http_message(self.options.target)) from None
             return None
         models = listing.get("data") if isinstance(listing, dict) else None
         listed = [m for m in models or () if isinstance(m, dict) and m.get("id")]

@@ -36,6 +36,7 @@ METRIC_FOOTNOTE = (
     "ITL = gap between consecutive token-carrying messages, pooled; a message with\n"
     "several tokens (speculative decoding) is one gap. Percentiles: numpy linear."
 )
+EXAMPLE_CHARS = 120  # a failure's example message in the table: one line, cut to this
 
 
 @dataclass(frozen=True)
@@ -156,6 +157,12 @@ def write_per_request_jsonl(
         stream.write(json.dumps(request_to_json(record, run_start_s, request_rate)) + "\n")
 
 
+def one_line(message: str, limit: int = EXAMPLE_CHARS) -> str:
+    """`message` on one line (whitespace runs collapsed), cut to `limit` characters."""
+    text = " ".join(message.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _fmt(value: float | None, digits: int = 2) -> str:
     return "n/a" if value is None else f"{value:.{digits}f}"
 
@@ -171,8 +178,11 @@ def format_summary_table(summary: RunSummary, info: RunInfo) -> str:
     rate = summary.request_rate
     row("Successful requests:", summary.completed)
     row("Failed requests:", summary.failed)
+    examples = dict(summary.failed_examples)
     for code, count in summary.failed_by_status:
         row(f"  {code}:", count)
+        if code in examples:  # what the server said, so the user sees what to fix
+            lines.append(f"    e.g. {one_line(examples[code])}")
     row("Request rate configured (RPS):", "inf" if math.isinf(rate) else f"{rate:.2f}")
     row("Maximum request concurrency:", summary.max_concurrency or "none")
     row("Benchmark duration (s):", _fmt(summary.duration_s))

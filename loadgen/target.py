@@ -18,6 +18,9 @@ from urllib.parse import urlsplit
 DEFAULT_PORTS = {"grpc": 50051, "openai": 8000, "openai-chat": 8000}
 DEFAULT_ENDPOINTS = {"openai": "/v1/completions", "openai-chat": "/v1/chat/completions"}
 REACH_TIMEOUT_S = 3.0
+# An HTTP/2 client's first bytes: the connection preface and an empty SETTINGS frame.
+H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+H2_SETTINGS_FRAME_TYPE = 4
 
 
 class LoadtestConfigError(ValueError):
@@ -119,6 +122,40 @@ async def check_tcp_reachable(target: str, timeout_s: float = REACH_TIMEOUT_S) -
     writer.close()
     with contextlib.suppress(OSError):
         await writer.wait_closed()
+
+
+async def sniff_protocol(target: str, timeout_s: float = REACH_TIMEOUT_S) -> str:
+    """What plaintext protocol the server at HOST:PORT answers an HTTP/2 preface with: "http1"
+    (an HTTP/1.x status line: an HTTP server such as the OpenAI front), "http2" (a SETTINGS
+    frame: a gRPC server) or "" (no answer, TLS, anything else). Only asked after a failure:
+    an HTTP/1 server logs the preface as a bad request."""
+    host, _, port = target.rpartition(":")
+    writer = None
+    try:
+        connect = asyncio.open_connection(host.strip("[]"), int(port))
+        reader, writer = await asyncio.wait_for(connect, timeout_s)
+        writer.write(H2_PREFACE)
+        head = await asyncio.wait_for(reader.read(16), timeout_s)
+    except (OSError, TimeoutError, ValueError):
+        return ""
+    finally:
+        if writer is not None:
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+    if head.startswith(b"HTTP/"):
+        return "http1"
+    if len(head) >= 4 and head[3] == H2_SETTINGS_FRAME_TYPE:
+        return "http2"
+    return ""
+
+
+def not_grpc_message(target: str) -> str:
+    return f"{target} does not speak gRPC (is it the HTTP front? use --backend openai)"
+
+
+def not_http_message(target: str) -> str:
+    return f"{target} speaks gRPC, not HTTP (is it the router's gRPC port? use --backend grpc)"
 
 
 def unreachable_message(target: str, reason: str) -> str:

@@ -18,6 +18,7 @@ import collections
 import logging
 import os
 import signal
+import ssl
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -63,6 +64,55 @@ def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
         ("grpc.server.max_pending_requests_hard_limit", 20_000),
         ("grpc.so_reuseport", 0),  # a second router on the same port must fail, not share
     ]
+
+
+def _read_pem(field: str, flag: str, path: str, marker: bytes, what: str) -> bytes:
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise ConfigError(field, path, f"cannot read it ({exc.strerror})", flag=flag) from None
+    if marker not in data:
+        raise ConfigError(field, path, f"not a PEM {what}: give the {what} file", flag=flag)
+    return data
+
+
+def check_tls_files(cfg: ServeConfig) -> None:
+    """The TLS files must load before the port is bound: gRPC's C core only fails the bind,
+    which read as a port already taken. Raises ConfigError naming the flag."""
+    s = cfg.security
+    cert_field, key_field = "security.tls_cert_path", "security.tls_key_path"
+    if s.tls_ca_path:
+        _read_pem("security.tls_ca_path", "--tls-ca", s.tls_ca_path,
+                  b"-----BEGIN CERTIFICATE-----", "CA certificate")  # fmt: skip
+        try:
+            ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cafile=s.tls_ca_path)
+        except (ssl.SSLError, ValueError):
+            fix = "a PEM certificate that does not parse: give the CA certificate file"
+            raise ConfigError("security.tls_ca_path", s.tls_ca_path, fix, flag="--tls-ca") from None
+    if not s.tls_cert_path:
+        return
+    _read_pem(cert_field, "--tls-cert", s.tls_cert_path, b"-----BEGIN CERTIFICATE-----",
+              "certificate")  # fmt: skip
+    key = _read_pem(key_field, "--tls-key", s.tls_key_path, b"PRIVATE KEY-----", "private key")
+    if b"ENCRYPTED" in key:
+        fix = "an encrypted key: give it unencrypted (openssl pkey -in KEY -out PLAIN.pem)"
+        raise ConfigError(key_field, s.tls_key_path, fix, flag="--tls-key")
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cafile=s.tls_cert_path)
+    except (ssl.SSLError, ValueError):
+        fix = "a PEM certificate that does not parse: give the server's certificate file"
+        raise ConfigError(cert_field, s.tls_cert_path, fix, flag="--tls-cert") from None
+    try:  # the password callback: an encrypted key fails here instead of prompting
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(
+            s.tls_cert_path, s.tls_key_path, password=lambda: b""
+        )
+    except ssl.SSLError as exc:
+        fix = (
+            f"does not match the certificate {s.tls_cert_path}: give the key it was issued for"
+            if exc.reason == "KEY_VALUES_MISMATCH"
+            else "a PEM private key that does not parse: give the server's private key file"
+        )
+        raise ConfigError(key_field, s.tls_key_path, fix, flag="--tls-key") from None
 
 
 def registry_from_config(cfg: ServeConfig) -> WorkerRegistry:
@@ -233,6 +283,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         cfg = config_from_args(args, os.environ)
         require_shared_secret(cfg)
+        check_tls_files(cfg)
     except ConfigError as exc:
         parser.exit(2, f"dsv4 router: {exc}\n")
     r = cfg.router

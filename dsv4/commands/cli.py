@@ -44,7 +44,7 @@ def _cmd_make_tiny(args: argparse.Namespace) -> int:
         out = write_model_spec(args.out_dir, cfg)
         print(f"wrote {args.shape} config + tokenizer to {out}: serve it as --model random:{out}")
         return 0
-    out = write_checkpoint(args.out_dir, cfg, seed=args.seed)
+    out = write_checkpoint(args.out_dir, cfg, seed=args.seed, progress=True)
     print(f"wrote {args.shape} checkpoint to {out}")
     return 0
 

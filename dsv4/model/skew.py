@@ -18,6 +18,7 @@ import math
 import torch
 
 from dsv4.config.model import ModelConfig
+from dsv4.config.sections import SEED_LIMIT
 from dsv4.ops.moe import route
 
 CALIBRATION_TOKENS = 4096
@@ -87,7 +88,8 @@ def zipf_routing_(model: torch.nn.Module, seed: int) -> None:
 
     moes = [m for m in model.modules() if isinstance(m, MoE)]
     layer_ranks = zipf_layer_ranks(len(moes), moes[0].cfg.n_routed_experts, seed)
-    gen = torch.Generator().manual_seed(seed + 1)
+    # seed + 1 wrapped into uint64: the largest allowed seed must not overflow torch's seed
+    gen = torch.Generator().manual_seed((seed + 1) % SEED_LIMIT)
     scale = fit_zipf_scale(moes[0].cfg, gen)
     for moe, ranks in zip(moes, layer_ranks):
         gate, cfg = moe.gate, moe.cfg

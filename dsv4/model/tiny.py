@@ -12,10 +12,12 @@ small hyper-connection logits, sinks and position biases of order 0.1-1.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+from tqdm import tqdm
 
 from dsv4.config.model import ModelConfig, flash_config, tiny_config
 from dsv4.config.sections import SEED_LIMIT
@@ -110,14 +112,18 @@ def write_checkpoint(
     seed: int = 0,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
     with_tokenizer: bool = True,
+    progress: bool = False,
 ) -> Path:
-    """Write config.json, sharded safetensors + index, and tokenizer.json into `out_dir`."""
+    """Write config.json, sharded safetensors + index, and tokenizer.json into `out_dir`.
+    `progress`: tqdm bars on stderr while weights are drawn and shards written (a Flash-shaped
+    checkpoint takes minutes on a CPU)."""
     check_seed(seed)
     out = output_dir(out_dir)
     gen = torch.Generator().manual_seed(seed)
     shards: list[dict[str, torch.Tensor]] = [{}]
     shard_bytes = 0
-    for spec in model_tensors(cfg):
+    bar = {"file": sys.stderr, "disable": not progress, "mininterval": 0.5, "dynamic_ncols": True}
+    for spec in tqdm(model_tensors(cfg), desc="drawing weights", unit="tensor", **bar):
         stored = encode_tensor(spec.name, random_tensor(spec, cfg, gen), spec.fmt, cfg)
         size = sum(t.numel() * t.element_size() for t in stored.values())
         if shards[-1] and shard_bytes + size > max_shard_bytes:
@@ -127,7 +133,7 @@ def write_checkpoint(
         shard_bytes += size
     weight_map: dict[str, str] = {}
     total_bytes = 0
-    for i, shard in enumerate(shards):
+    for i, shard in enumerate(tqdm(shards, desc="writing shards", unit="shard", **bar)):
         fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         save_file(shard, str(out / fname), metadata={"format": "pt"})
         for key, tensor in shard.items():
