@@ -19,6 +19,19 @@ def bf16_rne(x):
 
 
 @triton.jit
+def swiglu_bf16(acc_g, acc_u, limit, HAS_LIMIT: tl.constexpr):
+    """h = bf16(silu(min(g, limit)) * clamp(u, -limit, limit)) from the fp32 gate and up sums,
+    each rounded to bf16 first: `dsv4.ops.moe.swiglu`'s roundings (F.linear's bf16 outputs),
+    the one definition the MoE GEMM, GEMV and W4A8 kernels share. Any shape, fp32 holding bf16."""
+    g = bf16_rne(acc_g)
+    u = bf16_rne(acc_u)
+    if HAS_LIMIT:
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+    return bf16_rne(g / (1.0 + tl.exp(-g)) * u)
+
+
+@triton.jit
 def pow2_ceil_exp(ratio):
     """ceil(log2(ratio)) for positive normal fp32 values, from the exponent bits."""
     bits = ratio.to(tl.int32, bitcast=True)

@@ -16,7 +16,7 @@ import triton.language as tl
 from dsv4.ops.quant import dequantize
 from kernels import moe_mxfp4
 from kernels.fp8_dequant import scale_operand
-from kernels.jit_helpers import bf16_rne, e2m1_value, tile_ids
+from kernels.jit_helpers import bf16_rne, e2m1_value, swiglu_bf16, tile_ids
 from kernels.specialize import sizes_vary
 
 FORMATS = ("bf16", "fp8", "mxfp4", *moe_mxfp4.HALVES_FORMATS)
@@ -145,12 +145,7 @@ def _w13_kernel(
             acc_u = _dot_w(acc_u, a0, a1, w_e, s_e, n + INTER, n_ok, k0, D, stride_wn, stride_sn,
                            stride_sk, FMT, SCALE_E8M0, BLOCK_K, BLOCK_N, UPCAST,
                            SWAP_AB)  # fmt: skip
-        g = bf16_rne(acc_g)  # the reference's F.linear outputs are bf16
-        u = bf16_rne(acc_u)
-        if HAS_LIMIT:
-            g = tl.minimum(g, limit)
-            u = tl.minimum(tl.maximum(u, -limit), limit)
-        h = bf16_rne(g / (1.0 + tl.exp(-g)) * u)
+        h = swiglu_bf16(acc_g, acc_u, limit, HAS_LIMIT)
         if SWAP_AB:  # elementwise so far: one transpose, of h
             h = tl.trans(h)
         h_at = h_ptr + rows.to(tl.int64)[:, None] * stride_h + n[None, :]

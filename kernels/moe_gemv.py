@@ -59,7 +59,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.jit_helpers import bf16_rne
+from kernels.jit_helpers import bf16_rne, swiglu_bf16
 from kernels.specialize import sizes_vary
 
 # Average (token, slot) pairs an expert up to which `kernels.moe.moe_experts` takes this path
@@ -234,12 +234,7 @@ def _row_ok(p0, p1, num_pairs, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
 @triton.jit
 def _swiglu_store(acc_g, acc_u, h_row, n, mask, stride_hc, limit, HAS_LIMIT: tl.constexpr,
                   POST_SCALE: tl.constexpr, HALVES: tl.constexpr):  # fmt: skip
-    g = bf16_rne(tl.sum(acc_g, axis=1))  # [BLOCK_N]: F.linear's bf16 outputs
-    u = bf16_rne(tl.sum(acc_u, axis=1))
-    if HAS_LIMIT:
-        g = tl.minimum(g, limit)
-        u = tl.minimum(tl.maximum(u, -limit), limit)
-    h = bf16_rne(g / (1.0 + tl.exp(-g)) * u)
+    h = swiglu_bf16(tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1), limit, HAS_LIMIT)  # [BLOCK_N]
     if POST_SCALE:  # the second GEMV's activation, times 2^64 (exact)
         h = h * 18446744073709551616.0
     # column n of h at [c, j] of the row's permuted [8, I/8], col(c, j) = n (`column_map`)

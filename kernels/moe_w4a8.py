@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from kernels.fp8_w8a8 import _quantize_groups, _to_e4m3, quantize_activations
-from kernels.jit_helpers import bf16_rne, tile_ids
+from kernels.jit_helpers import bf16_rne, swiglu_bf16, tile_ids
 from kernels.moe_mxfp4 import _e2m1_bits
 from kernels.specialize import sizes_vary
 
@@ -105,12 +105,7 @@ def _w13_w4a8_kernel(
                                 n_ok, k0, stride_sk, UPCAST)  # fmt: skip
             acc_u = _w4a8_block(acc_u, a0, a1, a_scale, w_e + (n + INTER) * stride_wn,
                                 s_e + (n + INTER) * stride_sn, n_ok, k0, stride_sk, UPCAST)  # fmt: skip
-        g = bf16_rne(acc_g)  # [BLOCK_N, BLOCK_M]: the reference's gate / up outputs are bf16
-        u = bf16_rne(acc_u)
-        if HAS_LIMIT:
-            g = tl.minimum(g, limit)
-            u = tl.minimum(tl.maximum(u, -limit), limit)
-        h = tl.trans(bf16_rne(g / (1.0 + tl.exp(-g)) * u))  # [BLOCK_M, BLOCK_N = 128]
+        h = tl.trans(swiglu_bf16(acc_g, acc_u, limit, HAS_LIMIT))  # [BLOCK_M, BLOCK_N = 128]
         q, s = _quantize_groups(h)  # one 1x128 group per pair: the w2 kernel's K step
         cols = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N))[None, :]
         rows64 = rows.to(tl.int64)
