@@ -92,6 +92,13 @@ def mxfp4_quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return packed.view(torch.int8), scale.to(torch.float8_e8m0fnu)
 
 
+def mxfp4_codes(packed: torch.Tensor) -> torch.Tensor:
+    """Stored MXFP4 bytes [..., cols/2] (int8 or uint8, low nibble = even column) -> the e2m1
+    codes [..., cols] uint8 in column order."""
+    raw = packed.view(torch.uint8)
+    return torch.stack((raw & 15, raw >> 4), dim=-1).flatten(-2)
+
+
 def mxfp4_dequantize(
     packed_int8: torch.Tensor, scale_e8m0: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
@@ -102,9 +109,7 @@ def mxfp4_dequantize(
         raise ValueError(
             f"MXFP4 scale shape {tuple(scale_e8m0.shape)} != {(out_dim, in_dim // MXFP4_BLOCK)}"
         )
-    raw = packed_int8.view(torch.uint8)
-    nibbles = torch.stack((raw & 0xF, raw >> 4), dim=-1).view(out_dim, in_dim)
-    values = e2m1_decode(nibbles).view(out_dim, in_dim // MXFP4_BLOCK, MXFP4_BLOCK)
+    values = e2m1_decode(mxfp4_codes(packed_int8)).view(out_dim, in_dim // MXFP4_BLOCK, MXFP4_BLOCK)
     return (values * scale_e8m0.float()[..., None]).view(out_dim, in_dim).to(dtype)
 
 
@@ -126,9 +131,9 @@ def repack_halves(packed: torch.Tensor, block_k: int) -> torch.Tensor:
     << 4. Row by row (a row slice of a repacked tensor is the repacked row slice); cols must be
     a multiple of block_k."""
     assert block_k in HALVES_BLOCKS and packed.shape[-1] % (block_k // 2) == 0, packed.shape
-    raw = packed.view(torch.uint8)
-    codes = torch.stack((raw & 15, raw >> 4), dim=-1).flatten(-2)  # [..., cols], column order
-    blocks = codes.unflatten(-1, (-1, 2, block_k // 2))  # [..., cols / block_k, 2, block_k / 2]
+    blocks = mxfp4_codes(packed).unflatten(
+        -1, (-1, 2, block_k // 2)
+    )  # [..., cols / block_k, 2, block_k / 2]
     out = blocks[..., 0, :] | (blocks[..., 1, :] << 4)
     return out.flatten(-2).view(torch.int8)
 

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from dsv4.ops.fp8 import w8a8_activations
 from dsv4.ops.moe import gated_silu
-from dsv4.ops.quant import MXFP4_BLOCK, e2m1_decode
+from dsv4.ops.quant import MXFP4_BLOCK, e2m1_decode, mxfp4_codes
 
 W4A8_BLOCK = 128  # columns per reference exponent r (= the activation group, the kernel's K step)
 
@@ -34,9 +34,7 @@ def w4a8_weight(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     [rows, cols/32] -> fp32 [rows, cols]: the values the W4A8 MMA multiplies (module doc)."""
     rows, cols = packed.shape[0], packed.shape[1] * 2
     assert cols % W4A8_BLOCK == 0, cols
-    raw = packed.view(torch.uint8)
-    codes = torch.stack((raw & 15, raw >> 4), dim=-1).view(rows, cols)
-    values = e2m1_decode(codes).float().view(rows, cols // MXFP4_BLOCK, MXFP4_BLOCK)
+    values = e2m1_decode(mxfp4_codes(packed)).view(rows, cols // MXFP4_BLOCK, MXFP4_BLOCK)
     s = scale.view(torch.uint8).int()  # [rows, G]
     r = s.view(rows, -1, W4A8_BLOCK // MXFP4_BLOCK).amax(-1)  # [rows, cols/128]
     rel = (s - r.repeat_interleave(W4A8_BLOCK // MXFP4_BLOCK, -1)).clamp(min=-126)
