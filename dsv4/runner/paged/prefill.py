@@ -50,9 +50,7 @@ def chunk_tables(meta: StepMetadata, ratio: int, chunk: PrefillChunk) -> ChunkTa
     m = big_n + max(chunk.max_gather_len, max(p + e - s for p, s, e in zip(prefix, starts, ends)))
     lo = tokens.first_token[first]
     hi = tokens.first_token[reqs[-1]] + ends[-1] - starts[-1]
-    host = torch.tensor([starts, prefix], dtype=torch.int64)
-    start_d, prefix_d = host.to(dev, non_blocking=True)
-    base = torch.arange(chunk.num_requests, device=dev) * m  # [R]
+    host = torch.tensor([starts, prefix], dtype=torch.int64)  # [2, R]
     # NOTE: the gathered rows' indices are built on the host from the sizes it knows (n_comp,
     # prefix): a boolean-mask selection on the device reads its count back (a host sync, five a
     # ratio, each draining the stream in the middle of the forward)
@@ -60,14 +58,17 @@ def chunk_tables(meta: StepMetadata, ratio: int, chunk: PrefillChunk) -> ChunkTa
     r_win, j_win = _ragged(prefix)  # [n2]: each window-prefix row's request, its offset j
     epb = meta.geo.layout.block_size // max(ratio, 1)
     first_tok = torch.tensor([tokens.first_token[b] for b in reqs], dtype=torch.int64)
-    on_host = torch.cat((
+    on_dev = torch.cat((  # one upload of everything the host knows
+        host.flatten(),  # starts, prefix
         r_comp + first, i_comp // epb, i_comp % epb, r_comp * m + i_comp,  # comp_dst
         (host[0][r_win] - host[1][r_win] + j_win) % ring_slots,  # win_src: ring slot
         first_tok[r_win], r_win * m + big_n + j_win,  # win_token, win_dst
     )).to(dev, non_blocking=True)  # fmt: skip
-    n1, n2 = len(i_comp), len(j_win)
-    comp_req, comp_blk, comp_off, comp_dst = on_host[: 4 * n1].view(4, n1)
-    win_src, win_token, win_dst = on_host[4 * n1 :].view(3, n2)
+    nr, n1, n2 = chunk.num_requests, len(i_comp), len(j_win)
+    start_d, prefix_d = on_dev[: 2 * nr].view(2, nr)
+    comp_req, comp_blk, comp_off, comp_dst = on_dev[2 * nr : 2 * nr + 4 * n1].view(4, n1)
+    win_src, win_token, win_dst = on_dev[2 * nr + 4 * n1 :].view(3, n2)
+    base = torch.arange(nr, device=dev) * m  # [R]
     bt = t.block_tables.long()
     blocks = bt[comp_req, comp_blk.clamp(max=bt.shape[1] - 1)]  # [n1] each entry's cache block
     comp_src = blocks * meta.geo.slots_per_block + comp_off
