@@ -183,21 +183,6 @@ def cuda_graph_pool(cfg: ModelConfig, num_seqs: int, k: int, tp: int, moe_tp: in
     )
 
 
-# The tensors the paged forward copies to fp32 once at load (dsv4/runner/paged/weights.py:
-# each compressor's wkv over wgate, one [2 c d', D] matrix; each router's weight [E, D]). The
-# fp32 tensors it reads as they are (ape, sinks, router biases) are the model's own.
-_PAGED_FP32_COPIES = (".compressor.wkv.weight", ".compressor.wgate.weight", ".ffn.gate.weight")
-
-
-@functools.lru_cache(maxsize=16)
-def paged_fp32_copies(cfg: ModelConfig) -> Buffer:
-    """The paged forward's fp32 weight copies of every layer of `cfg` (its MTP layer too)."""
-    elements = sum(math.prod(spec.shape) for spec in model_tensors(cfg)
-                   if spec.name.endswith(_PAGED_FP32_COPIES))  # fmt: skip
-    return Buffer("paged_fp32_weights", elements * FP32,
-                  "compressor wkv|wgate and router weights as fp32, once (paged forward)")  # fmt: skip
-
-
 def mtp_buffers(cfg: ModelConfig, num_seqs: int, k: int, tp: int) -> Buffer:
     """Draft logits [S, k, V/tp] fp32 and draft streams [S, 1 + k, M, D] bf16."""
     vocab = -(-cfg.vocab_size // tp)

@@ -29,7 +29,6 @@ from dsv4.plan.budget import (
     dequant_workspace,
     kv_plan,
     mtp_buffers,
-    paged_fp32_copies,
     step_workspace,
 )
 from dsv4.plan.verdict import DOES_NOT_FIT, FITS, decide
@@ -58,8 +57,6 @@ class PlanRequest:
     max_num_batched_tokens: int = 16384
     num_speculative_tokens: int = 0  # > 0: MTP on (its weights, KV and draft buffers count)
     cuda_graphs: bool = True
-    # the paged forward on a bf16/fp16 model: its fp32 compressor and router copies count
-    paged_fp32_copies: bool = True
     memory_fraction: float = 0.9
     runtime_reserve_gib: float = 1.0
     host_mem_fraction: float = 0.8  # share of host RAM that may be pinned for experts
@@ -216,8 +213,6 @@ def plan_memory(request: PlanRequest) -> MemoryPlan:
         buffers += [replace(b, name=f"cuda_graphs_{b.name}") for b in decode]  # their own pool
     if spec_on:
         buffers.append(mtp_buffers(served, req.max_num_seqs, k, tp))
-    if req.paged_fp32_copies:
-        buffers.append(paged_fp32_copies(cfg))  # the idle MTP layer's too
     base = MemoryPlan(
         request=req,
         weights=weights,

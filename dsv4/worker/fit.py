@@ -12,7 +12,6 @@ from collections.abc import Callable
 from dsv4.cache.packing import CacheOptions
 from dsv4.config import ServeConfig
 from dsv4.config.model import ModelConfig
-from dsv4.config.resolve import model_dtype
 from dsv4.plan import (
     FITS,
     MemoryPlan,
@@ -237,12 +236,6 @@ def size_text(nbytes: int) -> str:
     return f"{nbytes / GIB:.1f} GiB" if nbytes >= GIB // 10 else f"{nbytes / (1 << 20):.1f} MiB"
 
 
-def _makes_fp32_copies(config: ServeConfig, on_cuda: bool) -> bool:
-    """The paged forward copies compressor and router weights to fp32 at load: on a bf16/fp16
-    model only (an fp32 model's `.float()` is the tensor itself; dtype auto is bf16 on CUDA)."""
-    return config.features.forward == "paged" and model_dtype(config.model.dtype, on_cuda) != "fp32"
-
-
 def startup_request(
     config: ServeConfig,
     model_cfg: ModelConfig,
@@ -281,7 +274,6 @@ def _worker_request(
         cuda_graphs=config.features.cuda_graphs
         and config.features.forward == "paged"
         and on_cuda,  # as `graph_options` decides
-        paged_fp32_copies=_makes_fp32_copies(config, on_cuda),
         memory_fraction=config.cache.memory_fraction,
         # the paged forward's expert pool fetches a decode step's misses in one round: its
         # slots hold every expert such a step can miss (`dsv4.runner.paged.expert_pool`)

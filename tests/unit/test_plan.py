@@ -148,7 +148,10 @@ def test_the_prefill_staging_buffer_counts_only_with_offload():
     base = PlanRequest(FLASH, gpu_mem_gib=141, host_mem_gib=128, max_num_seqs=16)
     plain, staged = (plan_memory(replace(base, staging_experts=n)) for n in (0, 32))
     eb, k = staged.expert_bytes, staged.offloaded_per_layer
-    assert staged.verdict == FITS_WITH_OFFLOAD and k > plain.offloaded_per_layer
+    assert staged.verdict == FITS_WITH_OFFLOAD and k >= plain.offloaded_per_layer
+    # the plain plan's slack either holds the 32 staging experts or K grows to make room
+    slack = plain.usable_bytes - plain.needed_bytes
+    assert (k > plain.offloaded_per_layer) == (slack < 32 * eb)
     assert staged.device_expert_bytes == (43 * (256 - k + staged.cache_slots) + 32) * eb
     assert staged.needed_bytes <= staged.usable_bytes < staged.needed_bytes + 43 * eb
     whole = plan_memory(PlanRequest(FLASH, num_gpus=8, gpu_mem_gib=141, staging_experts=32))

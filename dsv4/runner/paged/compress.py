@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dsv4.model.compressor import Compressor
+from dsv4.model.layers import linear_fp32
 from dsv4.model.rope import inv_freq
 from dsv4.ops.rope import rope_cos_sin
 from dsv4.runner.paged.geometry import CompressorGeometry
@@ -106,9 +107,9 @@ def run_compressor(
     x: torch.Tensor,
 ) -> None:
     """x [T, D] (the attention input) -> entries of the boundary tokens into the cache and
-    state rows into the ring. `weights`: wkv and wgate stacked (one GEMM), ape, in fp32."""
+    state rows into the ring. `weights`: wkv and wgate stacked (one GEMM, fp32 out), ape."""
     t = meta.t
-    proj = torch.nn.functional.linear(x.float(), weights.proj)  # [T, 2 c d'] fp32
+    proj = linear_fp32(x, weights.proj)  # [T, 2 c d'] fp32
     kv, gate = proj.chunk(2, dim=1)
     gate = gate + weights.ape[tables.phase]
     kv = kv.contiguous()

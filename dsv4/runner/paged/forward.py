@@ -23,6 +23,7 @@ from dsv4.errors import ConfigError
 from dsv4.model.block import Block
 from dsv4.model.deepseek_v4 import DeepseekV4
 from dsv4.model.fp8 import FP8Linear
+from dsv4.model.layers import linear_fp32
 from dsv4.model.moe import MXFP4_LAYOUTS, MoE
 from dsv4.runner.kv_cache import PagedKVCache
 from dsv4.runner.paged.attention import attention_layer
@@ -207,7 +208,7 @@ class PagedForward:
         """u [T, D] -> [T, D]: routing, the grouped routed experts (in their served format:
         bf16, or the checkpoint's MXFP4 / FP8 dequantised in the kernel), the shared expert."""
         cfg, experts = self.cfg, lw.experts
-        logits = torch.nn.functional.linear(u.float(), lw.gate_weight)  # [T, E] fp32
+        logits = linear_fp32(u, lw.gate_weight)  # [T, E] fp32
         w, ids = moe.route(logits, token_ids, self._route, self._hash_route, lw.gate_bias)
         if self.routing_stats is not None:  # counts[layer of moe] += selections, on the device
             self.routing_stats.record(moe, ids)
@@ -241,7 +242,7 @@ class PagedForward:
         experts [T, K] (a hash layer's are exact: they follow the token ids), and its pool
         copies the predicted misses in on the copy stream (`LayerPool.prefetch`)."""
         assert lw.pool is not None
-        logits = torch.nn.functional.linear(u.float(), lw.gate_weight)  # [T, E] fp32
+        logits = linear_fp32(u, lw.gate_weight)  # [T, E] fp32
         _, predicted = moe.route(logits, token_ids, self._route, self._hash_route, lw.gate_bias)
         lw.pool.prefetch(predicted)
 

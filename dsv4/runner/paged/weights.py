@@ -4,12 +4,13 @@
   layout of `kernels.moe`; the per-expert parameters are views of it, so the weights exist
   once (the reference path still works). Experts served in the checkpoint's MXFP4 / FP8
   (`features.expert_weights=checkpoint`) are loaded straight into that layout, with scales.
-- Compressors: wkv and wgate stacked and upcast to fp32 once ([2 c d', D]), and the ape table
-  upcast once: the compressor's math is fp32 (docs/model.md#compressor) and upcasting per step would
-  re-read the bf16 weights (and launch a cast per compressor).
+- Compressors: wkv and wgate stacked once ([2 c d', D], one GEMM), in the model's dtype: the
+  module's two weights become views of it, so the bytes exist once. The math is fp32
+  (docs/model.md#compressor): `linear_fp32` multiplies bf16 by bf16 into fp32 on the tensor cores,
+  whose products are exact, so no fp32 copy is made. The ape table is upcast once.
 - Attention output: wo_a viewed [G, o_lora, (H/G) d] for the grouped projection.
-- Router weight and bias, attention sinks: fp32 copies made once (the router's and the sink's
-  math is fp32; converting per step was a copy kernel per layer in every decode step).
+- Router weight: the model's own (fp32 math through `linear_fp32`, as the compressor's). Router
+  bias and attention sinks: fp32 once (converting per step was a copy kernel per layer).
 On a rank of a sharded replica (`dsv4.parallel.shard_model`) they come from its shard: the
 rank's experts (or every expert's intermediate slice), its heads' sinks and output groups.
 """
@@ -46,7 +47,7 @@ def stack_experts(moe: MoE, mxfp4_layout: str = "stored") -> ExpertWeights:
 
 @dataclass(frozen=True)
 class CompressorWeights:
-    proj: torch.Tensor  # [2 c d', D] fp32: wkv over wgate (one GEMM)
+    proj: torch.Tensor  # [2 c d', D] the model's dtype: wkv over wgate (one GEMM)
     ape: torch.Tensor  # [r, c d'] fp32: the gate's position bias, row p mod r
 
 
@@ -55,14 +56,26 @@ class LayerWeights:
     experts: ExpertWeights  # a pool's: its [R + S] device rows
     compressor: CompressorWeights | None
     indexer_compressor: CompressorWeights | None
-    gate_weight: torch.Tensor  # [E, D] fp32
+    gate_weight: torch.Tensor  # [E, D] the router's weight (the model's tensor)
     gate_bias: torch.Tensor | None  # [E] fp32 (None: a hash-routed layer)
     attn_sink: torch.Tensor  # [H] fp32 (a rank's H / W heads)
     pool: LayerPool | None = None  # offloaded experts (expert_pool.py): routed through it
 
 
-def _stacked_fp32(comp) -> CompressorWeights:
-    proj = torch.cat((comp.wkv.weight, comp.wgate.weight)).float().contiguous()
+def _stacked(comp) -> CompressorWeights:
+    """wkv over wgate as one [2 c d', D] matrix; the module's weights become views of it (a
+    second paged forward over the same model finds them stacked and shares the matrix)."""
+    wkv, wgate = comp.wkv.weight, comp.wgate.weight
+    n = wkv.shape[0]
+    proj = getattr(comp, "stacked_proj", None)
+    if (
+        proj is None
+        or proj[:n].data_ptr() != wkv.data_ptr()
+        or proj[n:].data_ptr() != wgate.data_ptr()
+    ):
+        proj = torch.cat((wkv.data, wgate.data)).contiguous()
+        wkv.data, wgate.data = proj[:n], proj[n:]
+        comp.stacked_proj = proj
     return CompressorWeights(proj, comp.ape.float().contiguous())
 
 
@@ -72,12 +85,12 @@ def prepare_weights(model: DeepseekV4, mxfp4_layout: str = "stored") -> tuple[La
     out = []
     for block in (*model.layers, *model.mtp):
         attn = block.attn
-        comp = _stacked_fp32(attn.compressor) if attn.compressor is not None else None
-        idx = _stacked_fp32(attn.indexer.compressor) if attn.indexer is not None else None
+        comp = _stacked(attn.compressor) if attn.compressor is not None else None
+        idx = _stacked(attn.indexer.compressor) if attn.indexer is not None else None
         gate = block.ffn.gate
         bias = None if gate.is_hash else gate.bias.float().contiguous()
         pool = block.ffn.expert_pool
         experts = pool.weights if pool is not None else stack_experts(block.ffn, mxfp4_layout)
-        out.append(LayerWeights(experts, comp, idx, gate.weight.float().contiguous(), bias,
+        out.append(LayerWeights(experts, comp, idx, gate.weight, bias,
                                 attn.attn_sink.float().contiguous(), pool))  # fmt: skip
     return tuple(out)
