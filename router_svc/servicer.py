@@ -46,6 +46,7 @@ from router_svc.observe import StreamObserver
 logger = logging.getLogger(__name__)
 
 RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"
+DEADLINE_SLACK_S = 0.01  # a cancellation this close to the deadline is the deadline's
 
 
 def _set_error(context: grpc.aio.ServicerContext, exc: BaseException) -> tuple[str, str]:
@@ -58,6 +59,16 @@ def _set_error(context: grpc.aio.ServicerContext, exc: BaseException) -> tuple[s
         pushback_ms = str(max(1, math.ceil(retry_after_s * 1000)))
         context.set_trailing_metadata(((RETRY_PUSHBACK_KEY, pushback_ms),))
     return code.name, message
+
+
+def _deadline_passed(context: grpc.aio.ServicerContext) -> bool:
+    """Whether the call's own deadline is what ended it: gRPC cancels a handler whose client
+    deadline passed just as it does one whose client left, and the two are told apart here."""
+    try:
+        remaining_s = context.time_remaining()
+    except Exception:  # a context that cannot tell
+        return False
+    return remaining_s is not None and remaining_s <= DEADLINE_SLACK_S
 
 
 def _owner(api_key: str | None) -> str | None:
@@ -101,6 +112,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         try:
             code, details = await self._generate(request, context, observer, received_at_s)
         finally:
+            if code == "CANCELLED" and _deadline_passed(context):  # gRPC ended the call
+                code, details = "DEADLINE_EXCEEDED", "the client's gRPC deadline passed"
             observer.finish(code, details)
 
     async def _generate(

@@ -25,6 +25,7 @@ from contextlib import AsyncExitStack, aclosing
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from dsv4.config import ServeConfig
@@ -82,6 +83,21 @@ async def _openai_errors(request: web.Request, handler: Any) -> web.StreamRespon
         return error_response(ApiError(500, f"internal error: {type(exc).__name__}: {exc}"))
 
 
+class _ServerLog(logging.LoggerAdapter):  # type: ignore[type-arg]
+    """aiohttp's server logger for this front: a request it could not parse (a header line
+    too long, a bad character, a broken chunk) is the client's fault, answered 400 by aiohttp,
+    and logged as one WARNING line, not an ERROR with a traceback any client could fill the
+    log with; every other exception keeps its traceback."""
+
+    def exception(self, msg: object, *args: Any, exc_info: Any = True, **kw: Any) -> None:
+        if isinstance(exc_info, HttpProcessingError) and 400 <= (exc_info.code or 0) < 500:
+            message = " ".join(str(exc_info.message).split())[:200]
+            said = str(msg) % args if args else str(msg)  # "Error handling request from PEER"
+            self.warning("%s: answered %d: %s", said, exc_info.code, message)
+            return
+        self.logger.exception(msg, *args, exc_info=exc_info, **kw)
+
+
 def peer_of(request: web.Request) -> str:
     """The client as gRPC names peers ("ipv4:HOST:PORT"), so rate limits key on the host."""
     peername = request.transport.get_extra_info("peername") if request.transport else None
@@ -134,6 +150,7 @@ class HttpFront:
         runner = web.AppRunner(
             self.app(), handler_cancellation=True, access_log=None,
             shutdown_timeout=self._cfg.worker.drain_timeout_s,
+            logger=_ServerLog(logging.getLogger("aiohttp.server"), {}),
         )  # fmt: skip
         await runner.setup()
         site = web.TCPSite(runner, r.host, r.http_port, reuse_port=False)

@@ -9,9 +9,11 @@ many choices of each prompt, and /v1/completions takes a batch of prompts (strin
 token-id lists); a request holds at most MAX_CHOICES choices in all
 (router_svc/http/choices.py). OpenAI's `presence_penalty`, `frequency_penalty` and
 `logit_bias` (token ids as string keys) and vLLM's extensions `repetition_penalty`, `top_k`,
-`ignore_eos` and `stop_token_ids` are accepted. Logprobs: /v1/completions' `logprobs: N`,
-chat's `logprobs: true` with `top_logprobs: N` (0 if unset), N in [0, 20], become
-`SamplingParams.logprobs` (the answer's shapes: router_svc/http/logprobs.py).
+`ignore_eos`, `stop_token_ids` and `priority` (lower first, as vLLM's; the gRPC field's sign
+is the other way) are accepted; vLLM's others that change the answer (`min_tokens`, `min_p`,
+guided decoding, a request's `chat_template`, ...) are refused unless off. Logprobs:
+/v1/completions' `logprobs: N`, chat's `logprobs: true` with `top_logprobs: N` (0 if unset),
+N in [0, 20], become `SamplingParams.logprobs` (the answer's shapes: router_svc/http/logprobs.py).
 /v1/completions' `echo: true` answers the prompt before the completion (with `logprobs: N`, its
 tokens' logprobs first: `SamplingParams.prompt_logprobs` = N, as vLLM), `max_tokens: 0` with
 echo the prompt alone (the engine still samples one token, left out of the answer), and vLLM's
@@ -58,12 +60,27 @@ _PARAM_OF_FIELD = {
 }  # fmt: skip
 _INTEGER = re.compile(r"-?[0-9]{1,12}")
 _FIELD_AT_START = re.compile(r"(sampling\.\w+|prompt_token_ids|prompt|request_id)\b")
-# Parameters whose only supported value is "off": (name, the values that mean off).
+# Parameters whose only supported value is "off": (name, the values that mean off). OpenAI's,
+# then vLLM's extensions that change the answer on vLLM (min_tokens, min_p, guided decoding,
+# ...): a vLLM client sends them, and ignoring them would answer something else without a word.
 _OFF_ONLY = (
     ("best_of", (None, 1)), ("suffix", (None, "")), ("tools", (None, [])),
     ("functions", (None, [])), ("response_format", (None, {"type": "text"})),
+    ("tool_choice", (None, "none", "auto")),
+    ("min_tokens", (None, 0)), ("min_p", (None, 0)), ("use_beam_search", (None, False)),
+    ("length_penalty", (None, 1)), ("include_stop_str_in_output", (None, False)),
+    ("skip_special_tokens", (None, True)), ("allowed_token_ids", (None,)),
+    ("bad_words", (None, [])), ("truncate_prompt_tokens", (None,)),
+    ("return_tokens_as_token_ids", (None, False)), ("logits_processors", (None,)),
+    ("guided_json", (None,)), ("guided_regex", (None,)), ("guided_choice", (None,)),
+    ("guided_grammar", (None,)), ("structured_outputs", (None,)), ("prompt_embeds", (None,)),
 )  # fmt: skip
 _NOT_ON_CHAT = (("echo", (None, False)), ("prompt_logprobs", (None,)))  # /v1/completions' only
+# vLLM's chat-only options this server does not implement (a per-request template, ...)
+_CHAT_OFF_ONLY = (
+    ("chat_template", (None,)), ("continue_final_message", (None, False)),
+    ("documents", (None,)),
+)  # fmt: skip
 
 
 class ApiError(Exception):
@@ -119,6 +136,7 @@ class OpenAIRequest:
     prompt_logprobs: int | None = None  # vLLM's field: N top logprobs per prompt position
     add_generation_prompt: bool = True  # chat: vLLM's field, the template opens the answer
     chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)  # chat: vLLM's field
+    priority: int = 0  # vLLM's field: lower is served first (the gRPC field: larger first)
     # integers clamped to int32 for the proto: param -> (clamped, as sent), so the router's
     # range message echoes what the client sent
     clamped: Mapping[str, tuple[int, int]] = field(default_factory=dict)
@@ -152,6 +170,7 @@ class OpenAIRequest:
         else:
             msg.prompt_token_ids.ids.extend(prompt)
         msg.sampling.CopyFrom(self.sampling)
+        msg.priority = -self.priority  # int32 clamped: its negation is one too
         return msg
 
 
@@ -345,9 +364,10 @@ def parse_request(body: Any, *, is_chat: bool) -> OpenAIRequest:
     n = 1 if n is None else n
     if not 1 <= n <= MAX_CHOICES:
         raise bad_request("n", f"n = {n}: must be in [1, {MAX_CHOICES}] (choices of each prompt)")
-    for name, off in _OFF_ONLY:
+    for name, off in (*_OFF_ONLY, *(_CHAT_OFF_ONLY if is_chat else ())):
         if body.get(name) not in off:
-            raise bad_request(name, f"{name} is not supported by this server: leave it unset")
+            raise bad_request(name, f"{name} = {shown(body[name])} is not supported by this "
+                              "server: leave it unset")  # fmt: skip
     for name, off in _NOT_ON_CHAT if is_chat else ():
         if body.get(name) not in off:
             raise bad_request(name, f"{name} is not supported on /v1/chat/completions: leave "
@@ -359,6 +379,9 @@ def parse_request(body: Any, *, is_chat: bool) -> OpenAIRequest:
     if options is not None and not isinstance(options, dict):
         raise bad_request("stream_options", "stream_options must be an object")
     include_usage = bool(_typed(options or {}, "include_usage", (bool,), "true or false"))
+    if (options or {}).get("continuous_usage_stats") not in (None, False):
+        raise bad_request("stream_options", "stream_options.continuous_usage_stats is not "
+                          "supported by this server: the last chunk carries the usage")  # fmt: skip
     prompts = () if is_chat else _prompts(body)
     batch = prompts if len(prompts) > 1 else ()
     if len(batch) * n > MAX_CHOICES:
@@ -388,6 +411,7 @@ def parse_request(body: Any, *, is_chat: bool) -> OpenAIRequest:
         prompt_logprobs=prompt_logprobs,
         add_generation_prompt=opens_answer is not False,
         chat_template_kwargs=_template_kwargs(body) if is_chat else {},
+        priority=_int(body, "priority", clamped) or 0,
         clamped=clamped,
     )
 

@@ -376,6 +376,19 @@ def test_client_deadline_bounds_the_request() -> None:
             deadline_ms = c.prefills[0].log.requests[0].deadline_unix_ms
             assert sent_at_ms < deadline_ms <= sent_at_ms + 600
             await eventually(lambda: bool(d0.log.cancelled))
+            # counted as its deadline, not as a client that went away: gRPC cancels the handler
+            # at the deadline as it does for a client that left, and that used to win the race
+            # with the router's own deadline most of the time
+            for _ in range(2):
+                await status_of(collect(c.stub, gen_request(50), timeout=0.3))
+
+            def ended() -> dict[str, float | None]:
+                return {code: c.server.registry.get_sample_value(
+                    "dsv4_router_requests_total", {"method": "Generate", "code": code})
+                    for code in ("DEADLINE_EXCEEDED", "CANCELLED")}  # fmt: skip
+
+            await eventually(lambda: sum(v or 0 for v in ended().values()) == 3)
+            assert ended() == {"DEADLINE_EXCEEDED": 3.0, "CANCELLED": None}, ended()
 
     run(body())
 

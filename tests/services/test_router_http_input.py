@@ -252,3 +252,82 @@ def test_clamped_integers_are_refused_with_the_value_sent() -> None:
                     assert refused(*answer, param).startswith(f"{param} = {sent}:"), answer
 
     run(body())
+
+
+def test_vllm_parameters_that_change_the_answer_are_refused_not_ignored() -> None:
+    """min_tokens, min_p, guided decoding, a request's chat_template... were dropped without a
+    word, so a vLLM client got an answer to a request it did not send; off values still pass."""
+
+    async def body() -> None:
+        async with front() as (_, url):
+            for path, extra, param in (
+                ("/completions", {"min_tokens": 5}, "min_tokens"),
+                ("/completions", {"min_p": 0.1}, "min_p"),
+                ("/completions", {"include_stop_str_in_output": True},
+                 "include_stop_str_in_output"),
+                ("/completions", {"guided_choice": ["a", "b"]}, "guided_choice"),
+                ("/completions", {"skip_special_tokens": False}, "skip_special_tokens"),
+                ("/completions", {"use_beam_search": True}, "use_beam_search"),
+                ("/completions", {"stream": True, "stream_options":
+                                  {"continuous_usage_stats": True}}, "stream_options"),
+                ("/chat/completions", {"chat_template": "{{ messages }}"}, "chat_template"),
+                ("/chat/completions", {"continue_final_message": True},
+                 "continue_final_message"),
+                ("/chat/completions", {"tool_choice": "required"}, "tool_choice"),
+            ):  # fmt: skip
+                request = {"messages": CHAT} if path.startswith("/chat") else {"prompt": "hi"}
+                answer = await post(url + path, {**request, "max_tokens": 2, **extra})
+                assert "not supported" in refused(*answer, param), (extra, answer)
+            off = {"min_tokens": 0, "min_p": 0.0, "skip_special_tokens": True,
+                   "include_stop_str_in_output": False, "tool_choice": "none"}  # fmt: skip
+            status, answer = await post(url + "/completions", {"prompt": "hi", "max_tokens": 2,
+                                                               **off})  # fmt: skip
+            assert status == 200, answer
+
+    run(body())
+
+
+def test_vllm_priority_reaches_the_workers_lower_first() -> None:
+    """vLLM's `priority` (lower is served first) was dropped; the gRPC field is larger first."""
+
+    async def body() -> None:
+        async with front() as (c, url):
+            for priority in (-3, 0, 7, 10**12):
+                status, answer = await post(
+                    url + "/completions", {"prompt": "hi", "max_tokens": 2, "priority": priority}
+                )
+                assert status == 200, answer
+            sent = [r.priority for r in c.prefills[0].log.requests]
+            assert sent == [3, 0, -7, -(2**31 - 1)], sent
+            answer = await post(url + "/completions", {"prompt": "hi", "priority": "high"})
+            assert "must be an integer" in refused(*answer, "priority")
+
+    run(body())
+
+
+def test_an_unparseable_request_is_one_warning_line_not_an_error_traceback(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A header line over aiohttp's limit or a control character in one: aiohttp answers 400,
+    and used to log an ERROR with a traceback, so any client could fill the router's log."""
+
+    async def body() -> None:
+        async with front() as (c, url):
+            assert c.server.http is not None
+            for head in (b"X-Request-Id: " + b"a" * 10_000, b"X-Request-Id: bad\x01id"):
+                reader, writer = await asyncio.open_connection("127.0.0.1", c.server.http.port)
+                try:
+                    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\n" + head +
+                                 b"\r\nContent-Length: 2\r\n\r\n{}")  # fmt: skip
+                    answer = await asyncio.wait_for(reader.read(), 10.0)
+                    assert answer.split(b" ")[1] == b"400", answer[:200]
+                finally:
+                    writer.close()
+            assert (await post(url + "/completions", {"prompt": "hi", "max_tokens": 2}))[0] == 200
+
+    with caplog.at_level(logging.WARNING):
+        run(body())
+    no_errors_logged(caplog)
+    warned = [r for r in caplog.records if r.name == "aiohttp.server"]
+    assert len(warned) == 2 and all(r.exc_info is None for r in warned), caplog.text
+    assert all("\n" not in r.getMessage() and "400" in r.getMessage() for r in warned)
