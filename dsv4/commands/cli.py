@@ -58,7 +58,8 @@ def _cmd_train_tiny(args: argparse.Namespace) -> int:
     if args.steps is not None and args.steps < 1:
         raise UsageError(f"--steps {args.steps}: give at least 1 (or leave it out: train by time)")
 
-    report = train_tiny(args.out_dir, minutes=args.minutes, seed=args.seed, steps=args.steps)
+    report = train_tiny(args.out_dir, minutes=args.minutes, seed=args.seed, steps=args.steps,
+                        moe_intermediate_size=args.moe_intermediate_size)  # fmt: skip
     print(json.dumps(report.summary()))
     return 0
 
@@ -85,6 +86,9 @@ def _add_train_tiny(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--minutes", type=float, default=3.0, help="wall-time budget")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=None, help="stop after N steps (default: time)")
+    p.add_argument("--moe-intermediate-size", type=int, default=None,
+                   help="the experts' I (default the tiny 64; 128 takes features.mxfp4_layout "
+                   "halves128, so W4A8 experts apply)")  # fmt: skip
     p.set_defaults(handler=_cmd_train_tiny)
 
 

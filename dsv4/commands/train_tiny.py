@@ -51,6 +51,8 @@ MTP_LOSS_WEIGHT = 0.3
 PEAK_LR = 3e-3
 WARMUP_STEPS = 10
 HELDOUT_TOKENS = 1024
+MXFP4_GROUP = 32  # columns an MXFP4 scale covers: the V4-format re-stores need whole groups
+MAX_MOE_INTERMEDIATE = 1024  # past this the "tiny" model stops training in CPU minutes
 
 
 @dataclass(frozen=True)
@@ -117,17 +119,35 @@ def _lr_at(step: int, progress: float) -> float:
     return PEAK_LR * warmup * (0.1 + 0.45 * (1 + math.cos(math.pi * min(progress, 1.0))))
 
 
+def check_moe_intermediate_size(size: int) -> None:
+    """train-tiny --moe-intermediate-size: a multiple of 32 (the experts re-store as MXFP4,
+    one scale per 32 columns) in [32, 1024]; 128 gives experts that take `features.mxfp4_layout
+    halves128` (whole 128-column blocks), which the default 64 cannot."""
+    if not (MXFP4_GROUP <= size <= MAX_MOE_INTERMEDIATE and size % MXFP4_GROUP == 0):
+        raise UsageError(f"--moe-intermediate-size {size}: give a multiple of {MXFP4_GROUP} in "
+                         f"[{MXFP4_GROUP}, {MAX_MOE_INTERMEDIATE}], e.g. 64 (the tiny shape) or "
+                         "128 (experts that take features.mxfp4_layout halves128)")  # fmt: skip
+
+
 def train_tiny(
-    out_dir: str | Path, minutes: float = 3.0, seed: int = 0, steps: int | None = None
+    out_dir: str | Path,
+    minutes: float = 3.0,
+    seed: int = 0,
+    steps: int | None = None,
+    moe_intermediate_size: int | None = None,
 ) -> TrainReport:
     """Train from `random_model(tiny_config(), seed)` until `steps` steps or `minutes` of wall
-    time (whichever first), evaluate on the held-out module, write the checkpoint."""
+    time (whichever first), evaluate on the held-out module, write the checkpoint.
+    `moe_intermediate_size`: the experts' (and shared expert's) I, default the tiny shape's."""
     check_seed(seed)
+    cfg = tiny_config()
+    if moe_intermediate_size is not None:
+        check_moe_intermediate_size(moe_intermediate_size)
+        cfg = cfg.with_overrides(moe_intermediate_size=moe_intermediate_size)
     if steps is None and not math.isfinite(minutes):  # with --steps, inf: no time limit
         raise UsageError(f"--minutes {minutes}: give a finite budget, or --steps N")
     output_dir(out_dir)  # an unwritable OUT_DIR fails now, not after the training
     torch.manual_seed(seed)
-    cfg = tiny_config()
     model = random_model(cfg, seed=seed).train()
     corpus = stdlib_tokens(TRAIN_MODULES, cfg.vocab_size)
     gen = torch.Generator().manual_seed(seed)

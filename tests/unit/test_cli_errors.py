@@ -46,6 +46,7 @@ BAD = [
     (["train-tiny", "/proc/nope"], "OUT_DIR"),
     (["train-tiny", "{tmp}/t", "--minutes", "0"], "--minutes"),
     (["train-tiny", "{tmp}/t", "--steps", "0"], "--steps"),
+    (["train-tiny", "{tmp}/t", "--moe-intermediate-size", "100"], "--moe-intermediate-size"),
     ([*PLAN, "--gpus", "0"], "--gpus"),
     (["plan", "--shape", "pro", "--gpu-mem", "0"], "--gpu-mem"),
     ([*PLAN, "--host-mem", "-1"], "--host-mem"),
