@@ -22,7 +22,10 @@ COPY decode_svc ./decode_svc
 COPY router_svc ./router_svc
 COPY loadgen ./loadgen
 COPY benchmarks ./benchmarks
+# The checks run outside the source tree: from it, `import` would find the copied sources, not
+# what the wheel installed.
 RUN pip install ".[router]" \
+ && cd / && dsv4 --version \
  && python -c "import sys, router_svc.server, loadgen.cli; assert 'torch' not in sys.modules"
 
 RUN groupadd --gid 10001 dsv4 \

@@ -38,7 +38,9 @@ COPY decode_svc ./decode_svc
 COPY router_svc ./router_svc
 COPY loadgen ./loadgen
 COPY benchmarks ./benchmarks
+# The checks run outside the source tree (from it, `import` finds the copied sources).
 RUN pip install ".[worker,gpu]" \
+ && cd / && dsv4 --version \
  && python -c "import dsv4, prefill_svc, decode_svc, nixl_cu13, triton, torch"
 COPY deploy/scripts/drain.py /opt/dsv4/drain.py
 

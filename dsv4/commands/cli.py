@@ -16,6 +16,18 @@ from collections.abc import Callable
 
 Handler = Callable[[argparse.Namespace], int]
 DEBUG_ENV = "DSV4_DEBUG"
+# The top-level modules of pyproject's optional extras and the extra that installs each: on the
+# base (router) install, a command that needs one is a user error naming the extra, not a bug.
+EXTRA_OF_MODULE = {
+    "torch": "worker",
+    "triton": "worker",
+    "safetensors": "worker",
+    "nixl": "worker",
+    "nixl_cu12": "worker",
+    "nixl_cu13": "worker",
+    "flashinfer": "gpu",
+    "matplotlib": "plot",
+}
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -238,10 +250,35 @@ def main(argv: list[str] | None = None) -> int:
                 return 0
         if os.environ.get(DEBUG_ENV):
             raise
+        missing = _missing_extra(exc)
+        if missing is not None:
+            print(f"dsv4 {args.command}: error: {missing}", file=sys.stderr)
+            return 2
         print(f"dsv4 {args.command}: error: {_one_line(exc)}", file=sys.stderr)
         return 1 if _is_bug(exc) else 2
     except KeyboardInterrupt:
         return 130
+
+
+def _missing_extra(exc: BaseException) -> str | None:
+    """The line for a command that needs a module of an extra this install left out (the base
+    set has no torch); None for anything else, e.g. a module of an installed package missing."""
+    import importlib.util
+
+    name = exc.name if isinstance(exc, ModuleNotFoundError) else None
+    top = (name or "").split(".")[0]
+    extra = EXTRA_OF_MODULE.get(top)
+    if extra is None:
+        return None
+    try:
+        if importlib.util.find_spec(top) is not None:
+            return None  # installed: a submodule is missing, a bug
+    except ImportError:
+        pass  # a finder that refuses the name: not installed, as far as this process goes
+    return (
+        f"this command needs {top}, which is not installed (the base install is the router's): "
+        f"pip install 'dsv4-serve[{extra}]'"
+    )
 
 
 def _is_bug(exc: BaseException) -> bool:

@@ -85,6 +85,25 @@ def test_images_install_the_package_extras_not_hand_copied_lists():
         assert not [a for a in pinned if "torch==" not in a], f"{image}: a hand-copied list"
 
 
+def test_images_check_the_installed_package_not_the_copied_sources():
+    """The build-time check after `pip install .` runs from outside WORKDIR (the copied sources
+    shadow the installed package there, hiding a module the wheel left out) and runs the
+    console script the manifests start."""
+    for image in IMAGES:
+        workdir, check = None, None
+        for word, args in instructions(DOCKER / f"{image}.Dockerfile"):
+            workdir = args if word == "WORKDIR" else workdir
+            if word == "RUN" and 'pip install ".[' in args:
+                check, source = args.split('pip install ".[', 1)[1], workdir
+                break
+        assert check is not None, f"{image}: no pip install of the package"
+        steps = [s.strip() for s in check.split("&&")[1:]]
+        assert steps and steps[0].startswith("cd "), f"{image}: the check runs in {source}"
+        target = steps[0].split()[1]
+        assert not (target + "/").startswith(source.rstrip("/") + "/"), f"{image}: cd {target}"
+        assert "dsv4 --version" in steps, f"{image}: the console script is not run"
+
+
 # ---- the preStop drain script against a fake worker ------------------------------------------
 
 

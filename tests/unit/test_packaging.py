@@ -181,6 +181,44 @@ def test_router_starts_without_torch_triton_or_nixl() -> None:
     assert "serving dsv4.v1.Router" in stderr
 
 
+def test_every_package_data_pattern_ships_a_file() -> None:
+    """A `[tool.setuptools.package-data]` pattern that matches nothing is silently dropped from
+    the wheel (dsv4's py.typed was declared and never shipped)."""
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    for package, patterns in setuptools.get("package-data", {}).items():
+        for pattern in patterns:
+            found = list((REPO / package.replace(".", "/")).glob(pattern))
+            assert found, f"package-data {package}: {pattern} matches no file"
+
+
+def test_every_module_of_the_optional_extras_names_its_extra() -> None:
+    """`dsv4.commands.cli.EXTRA_OF_MODULE` against pyproject: each distribution of the worker,
+    gpu and plot extras has its import name there, mapped to that extra."""
+    from dsv4.commands.cli import EXTRA_OF_MODULE
+
+    for extra in ("worker", "gpu", "plot"):
+        for name in EXTRAS[extra]:
+            module = name.removesuffix("-python").replace("-", "_")
+            assert EXTRA_OF_MODULE.get(module) == extra, f"{name} of [{extra}]: add {module!r}"
+
+
+@pytest.mark.parametrize(
+    "argv", [["make-tiny", "{tmp}/tiny"], ["generate", "--model", "{tmp}", "--prompt", "hi"]]
+)
+def test_a_worker_command_on_the_router_install_names_the_extra(argv, tmp_path: Path) -> None:
+    """The base install has no torch: a command that needs it is a user error (exit 2) that
+    says what to install, not an internal error asking for a bug report."""
+    code = _WITHOUT_HEAVY.format(heavy=HEAVY)
+    args = [a.format(tmp=tmp_path) for a in argv]
+    env = {k: v for k, v in os.environ.items() if k != "DSV4_DEBUG"}
+    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                         cwd=REPO, env=env, timeout=120)  # fmt: skip
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2, out.stderr
+    assert len(lines) == 1 and "internal error" not in lines[0], out.stderr
+    assert "torch" in lines[0] and "pip install 'dsv4-serve[worker]'" in lines[0], lines[0]
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(
     not os.environ.get("DSV4TEST_FRESH_VENV"),
