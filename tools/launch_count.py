@@ -1,0 +1,494 @@
+"""Where one fresh prefill step's device launches are, per layer and component, without a GPU.
+
+    python tools/launch_count.py --prompt-len 1024 --formats bf16,checkpoint --out /tmp/l.json
+
+The step: benchmarks/prefill_attribution.py's (`runner.execute` of a fresh prompt on the prefill
+worker `build_worker_runtime` builds, Triton kernels, fp8 KV, MXFP4 indexer keys), run twice on
+the CPU (the second counted) on a tiny model with the slice's layer kinds (`--layers`) and the
+V4-Flash values that steer control flow (`model_config`). Counted as on CUDA: aten ops on device
+tensors that launch (`Launches`; a same-dtype copy of contiguous tensors is a memcpy, which the
+profiler's "launches" leave out; `MULTI_KERNEL` ops launch more than their one count), Triton
+launches, host syncs (scalar reads, `.tolist()`/`.cpu()`, uploads without non_blocking,
+`SYNC_OPS`, bool-mask indexing, repeat_interleave without output_size). On the device
+(`Residency`): tensors older than the step (weights, cache, cached tables), factories given a
+`device=` other than "cpu", `.to(device)` uploads, results of ops on device tensors. `is_cuda`
+is True for those and `torch.cuda` reports an H100, so wrappers take their CUDA branches
+(`.device.type` stays "cpu": decode-sized configs read it). Registered kernel ops run dry
+(`_dry_op`); other launches run on the interpreter. Components (`LaunchCounter.where`): the
+innermost registered op (`OP_COMPONENTS`), else the innermost frame with a rule (an nn.Module
+by name: `MODULE_RULES`; a dsv4/ function: `FUNCTION_RULES`); the layer is the `block` of
+`PagedForward._block` on the stack, else "step" (metadata, embedding, head, sampler).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # launches outside a registered op run on it
+
+import argparse
+import contextlib
+import functools
+import json
+import linecache
+import re
+import sys
+import tempfile
+from collections import Counter, defaultdict
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
+from torch.utils.weak import WeakIdKeyDictionary
+from triton.runtime.autotuner import Autotuner
+from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.jit import JITFunction
+
+import dsv4.runner.paged.forward as paged_forward
+from dsv4.commands.cluster import service_config
+from dsv4.config.model import tiny_config
+from dsv4.model.tiny import write_model_spec
+from dsv4.scheduler.request import Request
+from dsv4.worker.build import build_worker_runtime
+from kernels import registry
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# registered op -> component; None: its frames decide (a linear, a KV row store or gather)
+# (ops not named here: "other")
+OP_COMPONENTS = {"hc_pre": "hc_pre", "hc_pre_first_layer": "hc_pre", "hc_post": "hc_post",
+                 "hc_head": "head", "norm_rope": "norm_rope", "rope": "rope",
+                 "compressor_step": "compressor", "ring_offsets": "compressor",
+                 "indexer_select_all": "indexer", "indexer_logits": "indexer",
+                 "indexer_topk": "indexer", "indexer_logits_topk": "indexer",
+                 "sparse_attention_prefill": "sparse_attention",
+                 "sparse_attention_decode": "sparse_attention", "route": "router",
+                 "hash_route": "router", "moe_align": "moe_align", "expert_rows": "experts_gemm",
+                 "combine_rows": "moe_combine", "moe_experts": "moe_combine", "sample": "sampler",
+                 "c128_index_table": "metadata", "c4_global_topk_slots": "metadata",
+                 "token_to_req_indices": "metadata", "window_slot_table": "metadata",
+                 "fp8_linear": None, "fp8_grouped_linear": None, "kv_store": None,
+                 "kv_gather": None}  # fmt: skip
+MODULE_RULES = ((r"\.compressor\b", "compressor"), (r"\.indexer\.", "indexer"),
+                (r"attn\.(wq_a|wq_b|wkv|q_norm|kv_norm)$", "qkv_proj"),
+                (r"attn\.(wo_a|wo_b)$", "out_proj"), (r"ffn\.shared_experts", "shared_expert"),
+                (r"ffn\.gate$", "router"), (r"^embed$", "embed"), (r"^(head|norm)$", "head"),
+                (r"(attn|ffn)_norm$", "norm_rope"))  # fmt: skip
+# dsv4/ file -> "function[:text on its current line]=component ..." ("*": any function), the
+# first match of the innermost frame that has one
+FUNCTION_RULES = {
+    "runner/paged/forward.py": "_moe:gate_weight=router _moe:shared_experts=shared_expert "
+    "_moe=moe_other _block:hc_post=hc_post run:repeat_interleave=hc_pre _sample_rows=head "
+    "head_logits=head __call__=metadata",
+    "runner/paged/forward_state.py": "prefill_chunks=chunk_tables store_window=kv_store "
+    "compressor_tables=compressor rope=metadata",
+    "runner/paged/attention.py": "_workspace=workspace _topk=indexer "
+    "attention_layer:_project_out=out_proj attention_layer=sparse_attention",
+    "runner/paged/step_metadata.py": "*=metadata", "runner/paged/geometry.py": "*=metadata",
+    "runner/paged/prefill.py": "*=chunk_tables", "runner/paged/compress.py": "*=compressor",
+    "runner/paged/indexer.py": "*=indexer", "model/attention.py": "_project_out=out_proj",
+    "model/moe.py": "route=router", "model/block.py": "*:hc_=hc_pre",
+    "runner/sampler.py": "*=sampler", "runner/logprobs.py": "*=sampler",
+}  # fmt: skip
+# token-parallel: rows independent of each other and of the cache (piecewise graphs per token
+# bucket could capture them); attention side: cache tables, cache reads/writes, attention
+TOKEN_PARALLEL = ("embed", "hc_pre", "hc_post", "norm_rope", "qkv_proj", "rope", "out_proj",
+                  "router", "moe_align", "experts_gemm", "moe_combine", "moe_other",
+                  "shared_expert", "head")  # fmt: skip
+ATTENTION_SIDE = ("compressor", "indexer", "chunk_tables", "workspace", "kv_store",
+                  "sparse_attention")  # fmt: skip
+NO_LAUNCH = {"view", "_unsafe_view", "_reshape_alias", "as_strided", "slice", "select", "t",
+             "transpose", "unsqueeze", "squeeze", "expand", "detach", "alias", "permute",
+             "view_as_real", "split", "split_with_sizes", "unbind", "chunk", "narrow",
+             "lift_fresh", "empty", "empty_strided", "empty_like", "new_empty", "set_",
+             "resize_", "diagonal", "unfold", "sym_size", "sym_stride", "sym_numel",
+             "_local_scalar_dense", "is_nonzero", "equal", "record_stream"}  # fmt: skip
+SYNC_OPS = {"nonzero", "_unique", "_unique2", "unique_dim", "unique_consecutive", "masked_select",
+            "bincount", "_local_scalar_dense", "is_nonzero", "equal"}  # fmt: skip
+# one count here, several kernels on CUDA (cub radix sorts and scans, nonzero's count + select)
+MULTI_KERNEL = {"aten::sort", "aten::argsort", "aten::topk", "aten::cumsum", "aten::nonzero"}
+FACTORIES = {"empty", "zeros", "ones", "full", "arange", "tensor", "as_tensor", "empty_strided",
+             "rand", "randn", "randint", "linspace", "eye", "randperm"}  # fmt: skip
+H100 = SimpleNamespace(multi_processor_count=132, major=9, minor=0)  # get_device_properties
+_CALL_IMPL = torch.nn.Module._call_impl.__code__
+_IS_CUDA = torch._C.TensorBase.__dict__["is_cuda"]  # Tensor.is_cuda's descriptor
+_OURS = (str(ROOT / "dsv4") + os.sep, str(ROOT / "kernels") + os.sep)
+_BLOCK = paged_forward.PagedForward._block.__code__
+
+
+def _is_device_arg(device) -> bool:  # the forward passes its own torch.device
+    return device is not None and not (isinstance(device, str) and device.startswith("cpu"))
+
+
+class LaunchCounter:
+    """Launches, memcpys and syncs of the step while `counting` (module doc)."""
+
+    def __init__(self) -> None:
+        self.names: dict[int, str] = {}  # id(module) -> qualified name
+        self.layers: dict[int, str] = {}  # id(block) -> "0", "1", ...
+        self.on_device = WeakIdKeyDictionary()  # tensor -> bool, for tensors made in steps
+        self.events: list[tuple[str, ...]] = []  # (kind, op, region, component, site)
+        self.syncs: list[tuple[str, ...]] = []  # (call, region, component, site)
+        self.mismatches: Counter = Counter()  # ops whose reference values could not be copied
+        self.counting = False
+        self.silent = 0  # > 0: a reference computes values, nothing is counted
+        self.dry = 0  # > 0: inside a registered op's Triton wrapper, launches skipped
+        self.ops: list[str] = []  # registered ops running, innermost last
+        self.factory: list[bool] = []  # device residency of the factory call running
+
+    def device(self, t) -> bool:
+        return self.on_device.get(t, True) if isinstance(t, torch.Tensor) else False
+
+    def mark(self, out, on: bool):
+        tree_map_only(torch.Tensor, lambda t: self.on_device.__setitem__(t, on), out)
+        return out
+
+    @property
+    def active(self) -> bool:
+        return self.counting and not self.silent
+
+    @contextlib.contextmanager
+    def quiet(self):
+        self.silent += 1
+        try:
+            yield
+        finally:
+            self.silent -= 1
+
+    def record(self, kind: str, op: str) -> None:
+        self.events.append((kind, op, *self.where()))
+
+    def sync(self, call: str) -> None:
+        self.syncs.append((call, *self.where()))
+
+    def where(self) -> tuple[str, str, str]:
+        """(region, component, site: innermost file:line of dsv4/ or kernels/) of the caller."""
+        region, component, site = "step", None, None
+        if self.ops:
+            component = OP_COMPONENTS.get(self.ops[-1], "other")
+        frame = sys._getframe(2)
+        while frame is not None:
+            code = frame.f_code
+            ours = code.co_filename.startswith(_OURS)
+            if ours and site is None:
+                site = f"{os.path.relpath(code.co_filename, ROOT)}:{frame.f_lineno}"
+            if code is _CALL_IMPL and component is None:
+                name = self.names.get(id(frame.f_locals.get("self")), "")
+                component = next((c for p, c in MODULE_RULES if re.search(p, name)), None)
+            elif code is _BLOCK:
+                region = "layer" + self.layers.get(id(frame.f_locals.get("block")), "?")
+                break
+            elif component is None and ours:
+                component = _function_rule(frame)
+            frame = frame.f_back
+        return region, component or "other", site or "?"
+
+
+def _function_rule(frame) -> str | None:
+    code = frame.f_code
+    path = os.path.relpath(code.co_filename, ROOT).split(os.sep, 1)[-1]
+    for rule in FUNCTION_RULES.get(path, "").split():
+        place, component = rule.split("=")
+        func, _, text = place.partition(":")
+        if func in ("*", code.co_name) and text in linecache.getline(code.co_filename,
+                                                                     frame.f_lineno):  # fmt: skip
+            return component
+    return None
+
+
+class _Counting:
+    def __init__(self, c: LaunchCounter) -> None:
+        super().__init__()
+        self.c = c
+
+
+class Residency(_Counting, TorchFunctionMode):
+    """Python-level calls that decide where a tensor lives and what a transfer costs."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs, c, name = kwargs or {}, self.c, getattr(func, "__name__", "")
+        if not c.active:
+            return func(*args, **kwargs)
+        if getattr(func, "__self__", None) is _IS_CUDA:
+            return c.device(args[0])
+        src = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if name == "pin_memory":  # a host buffer either way (and no CUDA to pin with here)
+            return src
+        if name in FACTORIES or name.endswith("_like") or name.startswith("new_"):
+            on = _is_device_arg(kwargs.get("device")) or (
+                src is not None and "device" not in kwargs and c.device(src))  # fmt: skip
+            c.factory.append(on)
+            try:  # (a pinned host buffer is a host buffer; no CUDA to pin with here)
+                out = func(*args, **{k: v for k, v in kwargs.items() if k != "pin_memory"})
+            finally:
+                c.factory.pop()
+            if on and name in ("tensor", "as_tensor", "new_tensor"):  # built on the host:
+                c.record("memcpy", "memcpy HtoD")  # a blocking upload (memcpy_and_sync)
+                c.sync(f"torch.{name}(device=)")
+            return c.mark(out, on)
+        if name == "mm" and kwargs.get("out_dtype") is not None:  # CUDA-only overload
+            c.record("kernel", "aten::mm.dtype")
+            with c.quiet():
+                return c.mark(torch.mm(args[0].float(), args[1].float()), True)
+        if src is not None and name in ("to", "cuda", "cpu", "tolist", "numpy"):
+            return self._transfer(func, name, src, args, kwargs)
+        return func(*args, **kwargs)
+
+    def _transfer(self, func, name, src, args, kwargs):
+        c, out = self.c, func(*args, **kwargs)
+        dev = [("cuda" if c.device(a) else "cpu") if isinstance(a, torch.Tensor) else a
+               for a in (*args[1:], kwargs.get("device"))
+               if isinstance(a, (str, torch.device, torch.Tensor))]  # fmt: skip
+        up = name == "cuda" or (name == "to" and bool(dev) and _is_device_arg(dev[0]))
+        down = name in ("cpu", "tolist", "numpy") or (name == "to" and bool(dev) and not up)
+        if (up and not c.device(src)) or (down and c.device(src)):
+            if out is src:  # on the CPU `.to` returns its input: the copy is another tensor
+                with c.quiet():
+                    out = src.clone()
+            c.record("memcpy", "memcpy HtoD" if up else "memcpy DtoH")
+            if not kwargs.get("non_blocking"):  # CUDA: cudaMemcpyAsync + cudaStreamSynchronize
+                c.sync(f"Tensor.{name}" + (" to the device without non_blocking" if up else ""))
+            return c.mark(out, up) if isinstance(out, torch.Tensor) else out
+        return out
+
+
+class Launches(_Counting, TorchDispatchMode):
+    """aten ops: which launch on the device, which are memcpys, which sync."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out, c = func(*args, **kwargs), self.c
+        if not c.active:
+            return out
+        name = func.overloadpacket.__name__
+        if c.dry and name in ("empty", "empty_strided", "empty_like", "new_empty"):
+            out.zero_()  # a skipped launch writes nothing: zeros, not garbage, reach the host
+        tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+        on = any(c.device(t) for t in tensors) if tensors else bool(c.factory and c.factory[-1])
+        if name == "copy_" and c.device(args[0]) != c.device(args[1]):
+            on = c.device(args[0])
+            c.record("memcpy", "memcpy HtoD" if on else "memcpy DtoH")
+            if not (kwargs.get("non_blocking") or (len(args) > 2 and args[2])):
+                c.sync("copy_ to the device" if on else "copy_ to the host")
+            return c.mark(out, on)
+        c.mark(out, on)
+        if not on:
+            return out
+        if name in SYNC_OPS or _syncs(name, args, kwargs):
+            c.sync(f"aten::{name}")
+            c.record("memcpy", "memcpy DtoH")  # the value, or the output's size, read back
+        if name not in NO_LAUNCH and any(t.numel() for t in tree_flatten(out)[0] if
+                                         isinstance(t, torch.Tensor)):  # fmt: skip
+            memcpy = _is_memcpy(name, tensors, out)
+            c.record(*(("memcpy", "memcpy DtoD") if memcpy else ("kernel", f"aten::{name}")))
+        return out
+
+
+def _syncs(name: str, args, kwargs) -> bool:  # the host reads the output's size back
+    if name in ("index", "index_put", "index_put_"):
+        return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1] or ())
+    tensor_repeats = len(args) < 2 or isinstance(args[1], torch.Tensor)
+    return name == "repeat_interleave" and tensor_repeats and kwargs.get("output_size") is None
+
+
+def _is_memcpy(name: str, inputs, out) -> bool:
+    """A same-dtype copy between contiguous tensors: cudaMemcpyAsync, no kernel."""
+    if name not in ("copy_", "clone", "_to_copy") or not inputs:
+        return False
+    src = inputs[1 if name == "copy_" else 0]  # out: the copy, a tensor
+    return src.dtype == out.dtype and src.is_contiguous() and out.is_contiguous()
+
+
+def _dry_op(c: LaunchCounter, spec):
+    """`spec`'s Triton wrapper run dry, its reference computing the values (module doc)."""
+    triton_fn, ref_fn, name = spec.triton_fn, spec.ref_fn, spec.name
+
+    @functools.wraps(triton_fn)
+    def op(*args, **kwargs):
+        if not c.active:  # outside the step: the kernel; inside a reference: the reference
+            return (ref_fn if c.counting else triton_fn)(*args, **kwargs)
+        c.ops.append(name)
+        c.dry += 1
+        try:
+            out = triton_fn(*args, **kwargs)
+        finally:
+            c.dry -= 1
+            c.ops.pop()
+        if c.dry:  # inside another dry op: that op's reference computes the values
+            return out
+        with c.quiet():
+            return _fill(c, name, out, ref_fn(*args, **kwargs))
+
+    return op
+
+
+def _fill(c: LaunchCounter, name: str, out, ref):
+    """The wrapper's outputs (CUDA dtypes, layouts) holding the reference's values."""
+    outs, spec = tree_flatten(out)
+    refs = tree_flatten(ref)[0]
+    if len(outs) != len(refs) or any(isinstance(o, torch.Tensor) and not (
+            isinstance(r, torch.Tensor) and o.shape == r.shape) for o, r in zip(outs, refs)):  # fmt: skip
+        c.mismatches[name] += 1
+        return ref
+    return tree_unflatten([o.copy_(r) if isinstance(o, torch.Tensor) else r
+                           for o, r in zip(outs, refs)], spec)  # fmt: skip
+
+
+def _launch_hook(c: LaunchCounter, original):
+    def run(self, *args, **kwargs):
+        if not c.active or kwargs.get("warmup"):
+            return original(self, *args, **kwargs)
+        c.record("triton", getattr(self.fn, "__name__", str(self.fn)))
+        if c.dry:
+            return None
+        with c.quiet():  # outside every registered op: on the interpreter
+            return original(self, *args, **kwargs)
+
+    return run
+
+
+@contextlib.contextmanager
+def patched(c: LaunchCounter):
+    """Registered ops dry (in the registry and every module that imported them), launches
+    hooked, autotuning untimed (its first config), an H100 behind torch.cuda; undone on exit."""
+    with contextlib.ExitStack() as undo:
+
+        def swap(owner, attr, value):
+            undo.callback(setattr, owner, attr, getattr(owner, attr))
+            setattr(owner, attr, value)
+
+        ours = [m for n, m in sys.modules.items() if n.split(".")[0] in ("dsv4", "kernels")]
+        for spec in registry.all_ops():
+            wrapper = _dry_op(c, spec)
+            undo.callback(registry._OPS.__setitem__, spec.name, spec)
+            registry._OPS[spec.name] = type(spec)(spec.name, wrapper, spec.ref_fn, spec.family,
+                                                  spec.baseline_fn)  # fmt: skip
+            for mod in ours:
+                for attr, value in list(vars(mod).items()):
+                    if value is spec.triton_fn:
+                        swap(mod, attr, wrapper)
+        for cls in (InterpretedFunction, JITFunction):
+            swap(cls, "run", _launch_hook(c, cls.run))
+        swap(Autotuner, "_bench", lambda self, *a, config, **k: [0.0, 0.0, 0.0])
+        swap(torch.cuda, "get_device_properties", lambda *a, **k: H100)
+        swap(torch.cuda, "get_device_capability", lambda *a, **k: (9, 0))
+        swap(torch.cuda, "current_device", lambda: 0)
+        swap(torch.cuda, "is_current_stream_capturing", lambda: False)
+        yield
+
+
+FORMATS = ("bf16", "checkpoint")  # checkpoint: MXFP4 experts (halves128) + FP8 linears
+
+
+def model_config(ratios: tuple[int, ...], experts: int, fmt: str):
+    """The tiny model with `ratios` and V4-Flash's window 128 (chunk tables), top-k 512 (does the
+    indexer run), 6 experts a token (the MoE path), 128-column expert blocks (halves128)."""
+    over = {"num_hidden_layers": len(ratios), "compress_ratios": ratios, "sliding_window": 128,
+            "index_topk": 512, "n_routed_experts": experts, "num_experts_per_tok": 6,
+            "moe_intermediate_size": 128, "num_nextn_predict_layers": 0,
+            "max_position_embeddings": 1 << 20}  # fmt: skip
+    if fmt == "checkpoint":
+        over.update(expert_dtype="fp4", linear_dtype="fp8")
+    return tiny_config().with_overrides(**over)
+
+
+def count_step(fmt: str, prompt_len: int, ratios: tuple[int, ...], experts: int) -> dict:
+    """The record of one fresh `prompt_len`-token prefill step (`summarize`)."""
+    cfg = model_config(ratios, experts, fmt)
+    c = LaunchCounter()
+    with tempfile.TemporaryDirectory(prefix="launches-") as work, patched(c):
+        spec = write_model_spec(Path(work) / fmt, cfg)
+        flags = ("--model", f"random:{spec}", "--device", "cpu", "--dtype", "bf16",
+                 "--kernels", "triton", "--kv-dtype", "fp8", "--indexer-key-dtype", "mxfp4",
+                 "--max-model-len", str(max(prompt_len + 64, 512)), "--num-blocks", "64",
+                 "--max-num-batched-tokens", str(max(prompt_len, 512)), "--role", "prefill",
+                 "--expert-weights", fmt, "--linear-weights", fmt, "--forward", "paged")  # fmt: skip
+        core = build_worker_runtime(service_config(flags, {}), with_transport=False).engine.core
+        model = core.runner.forward.paged.model
+        c.names = {id(m): n for n, m in model.named_modules()}
+        c.layers = {id(b): str(i) for i, b in enumerate(model.layers)}
+        gen = torch.Generator().manual_seed(prompt_len)
+        prompt = tuple(torch.randint(2, cfg.vocab_size, (prompt_len,), generator=gen).tolist())
+        core.add_request(Request("launches", prompt, max_new_tokens=1, eos_token_id=None))
+        batch = core.scheduler.schedule()
+        assert [r.num_tokens for r in batch.requests if r.is_prefill] == [prompt_len]
+        with Residency(c), Launches(c):
+            c.counting = True
+            try:
+                core.runner.execute(batch)  # warm: lazily built tables, autotuner choices
+                c.events.clear(), c.syncs.clear(), c.mismatches.clear()
+                core.runner.execute(batch)  # rewrites the same KV rows, as the benchmark does
+            finally:
+                c.counting = False
+    return summarize(c, fmt, prompt_len, ratios, experts)
+
+
+def summarize(c: LaunchCounter, fmt: str, prompt_len: int, ratios, experts: int) -> dict:
+    """launches = aten kernels + Triton (memcpys apart); components: {name: {region: n}}."""
+    launches = [e for e in c.events if e[0] != "memcpy"]
+    regions = sorted({e[2] for e in launches}, key=lambda r: (r == "step", len(r), r))
+    table: dict[str, dict[str, int]] = defaultdict(lambda: dict.fromkeys(regions, 0))
+    for _, _, region, component, _ in launches:
+        table[component][region] += 1
+    total = {k: sum(v.values()) for k, v in table.items()}
+    group = lambda names: sum(total.get(n, 0) for n in names)  # noqa: E731
+    return {
+        "name": "launch_count", "format": fmt, "prompt_len": prompt_len,
+        "layers": ",".join(map(str, ratios)), "experts": experts, "launches": len(launches),
+        "kernels": sum(e[0] == "kernel" for e in launches),
+        "triton": sum(e[0] == "triton" for e in launches),
+        "memcpy": dict(Counter(e[1] for e in c.events if e[0] == "memcpy")),
+        "host_syncs": len(c.syncs), "sync_calls": dict(Counter(s[0] for s in c.syncs)),
+        "sync_sites": dict(Counter(f"{s[0]} @ {s[3]}" for s in c.syncs)), "regions": regions,
+        "components": {k: dict(table[k]) for k in sorted(table, key=lambda k: -total[k])},
+        "token_parallel": group(TOKEN_PARALLEL), "attention_side": group(ATTENTION_SIDE),
+        "rest": len(launches) - group(TOKEN_PARALLEL) - group(ATTENTION_SIDE),
+        "top_ops": Counter(e[1] for e in launches).most_common(30),
+        "multi_kernel_ops": dict(Counter(e[1] for e in launches if e[1] in MULTI_KERNEL)),
+        "top_sites": Counter(f"{e[4]} {e[1]}" for e in launches).most_common(40),
+        "value_mismatches": dict(c.mismatches),
+    }  # fmt: skip
+
+
+def report(rec: dict, top: int = 15) -> str:
+    regions = rec["regions"]
+    lines = [f"{rec['format']}, {rec['prompt_len']} tokens, layers {rec['layers']}: "
+             f"{rec['launches']} launches ({rec['kernels']} aten kernels, {rec['triton']} "
+             f"Triton), memcpys {rec['memcpy']}, host syncs {rec['host_syncs']}",
+             f"{'component':18s}" + "".join(f"{r:>8s}" for r in regions) + f"{'total':>8s}"]  # fmt: skip
+    for comp, row in rec["components"].items():
+        cells = "".join(f"{row.get(r, 0):8d}" for r in regions)
+        lines.append(f"{comp:18s}{cells}{sum(row.values()):8d}")
+    lines += [f"token-parallel {rec['token_parallel']}, attention side {rec['attention_side']}, "
+              f"step-level/other {rec['rest']}",
+              f"multi-kernel ops (one count each): {rec['multi_kernel_ops']}", "host syncs:",
+              *(f"  {n:5d}  {s}" for s, n in rec["sync_sites"].items()), "top ops:",
+              *(f"  {n:5d}  {op}" for op, n in rec["top_ops"][:top]), "top sources:",
+              *(f"  {n:5d}  {site}" for site, n in rec["top_sites"][:top])]  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--layers", default="0,4,128,4", help="compress ratio of each layer")
+    ap.add_argument("--experts", type=int, default=256, help="routed experts (V4-Flash: 256)")
+    ap.add_argument("--formats", default="bf16,checkpoint", help=f"comma list of {FORMATS}")
+    ap.add_argument("--out", type=Path, help="write the records as JSON")
+    args = ap.parse_args(argv)
+    formats = [f for f in args.formats.split(",") if f]
+    if unknown := set(formats) - set(FORMATS):
+        ap.error(f"unknown formats {sorted(unknown)}: pick from {FORMATS}")
+    ratios = tuple(int(r) for r in args.layers.split(","))
+    records = [count_step(fmt, args.prompt_len, ratios, args.experts) for fmt in formats]
+    print("\n\n".join(map(report, records)))
+    if args.out:
+        args.out.write_text(json.dumps(records, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
