@@ -18,7 +18,19 @@ MAX_EXPERTS experts) one Triton program does it all, bit-identical to the refere
 3. fill sorted_ids with the sentinel, barrier, scatter the pairs to their destinations.
 4. tile_e[t] = #{e : tile_end[e] <= t} (searchsorted right) = inclusive cumsum of the
    histogram of tile_end over tiles; -1 from the last used tile on.
-Above the limits (prefill) the reference runs: there the launches are negligible.
+Above MAX_PAIRS (prefill steps from ~342 tokens of V4-Flash) three launches do the same in
+CHUNK-pair chunks, bit-identical again (the reference's ~27 torch ops, a sort and two scans
+among them, were a prefill step's largest source of launches: tools/launch_count.py):
+A. per chunk c: counts[c, e] (a histogram of its ids);
+B. one program: base[c, e] = first_slot[e] + the pairs of e in chunks before c (a running sum
+   down the chunks), first_slot[e] = (tile_end[e] - tiles[e]) * block_m; it also keeps
+   counts[e] and tile_end[e] for C;
+C. programs < num_chunks: sort their chunk as in 2., a pair's rank among its expert's pairs in
+   the chunk is j - (exclusive cumsum of the chunk's histogram)[e], its slot base[c, e] + rank;
+   the other programs own BLOCK_TT tiles each: tile_e by a search of tile_end, the sentinel into
+   the padding slots of their tiles (slot offset >= counts[e] in its expert's run, or past the
+   used tiles). Those slots are never a pair's, so both halves run in one launch.
+Above MAX_PAIRS_CHUNKED (or E > MAX_EXPERTS, or no kernel backend) the reference runs.
 """
 
 from __future__ import annotations
@@ -36,6 +48,9 @@ from kernels.specialize import sizes_vary
 MAX_PAIRS = 2048
 MAX_EXPERTS = 512
 _FILL_BLOCK = 2048  # sentinel-fill chunk (sorted_ids can be (n/bm + E) * bm >> BLOCK_N rows)
+CHUNK = 2048  # pairs a program sorts on the chunked path (the one-program path's largest sort)
+MAX_PAIRS_CHUNKED = 1 << 20  # 64 chunks of 16K-token V4-Flash steps fit many times over
+_TILE_BLOCK = 64  # tiles a program of launch C owns (tile_e, padding sentinels)
 
 
 @triton.jit
@@ -107,6 +122,76 @@ def _align_kernel(
     tl.store(tile_e_ptr + t, tile_e, mask=t < max_tiles)
 
 
+@triton.jit(**sizes_vary("n"))
+def _chunk_counts_kernel(ids_ptr, counts_ptr, n, num_experts,
+                         CHUNK_C: tl.constexpr, BLOCK_E: tl.constexpr):  # fmt: skip
+    # launch A: counts [num_chunks, BLOCK_E] int32, row c = the histogram of chunk c's ids
+    c = tl.program_id(0)
+    p = c * CHUNK_C + tl.arange(0, CHUNK_C)
+    expert = tl.load(ids_ptr + p, mask=p < n, other=0).to(tl.int32)
+    counts = tl.histogram(expert, BLOCK_E, mask=p < n)
+    tl.store(counts_ptr + c * BLOCK_E + tl.arange(0, BLOCK_E), counts)
+
+
+@triton.jit(**sizes_vary("num_chunks"))
+def _chunk_bases_kernel(counts_ptr, base_ptr, stats_ptr, num_chunks, num_experts, block_m,
+                        BLOCK_E: tl.constexpr):  # fmt: skip
+    # launch B (one program): base [num_chunks, BLOCK_E] int32 = each chunk's first slot per
+    # expert; stats [2, BLOCK_E] = (counts[e], tile_end[e]) for launch C
+    e = tl.arange(0, BLOCK_E)
+    total = tl.zeros([BLOCK_E], tl.int32)
+    for c in range(0, num_chunks):
+        total += tl.load(counts_ptr + c * BLOCK_E + e)
+    tiles = (total + block_m - 1) // block_m
+    tile_end = tl.cumsum(tiles, 0)
+    running = (tile_end - tiles) * block_m  # first_slot[e]
+    for c in range(0, num_chunks):
+        tl.store(base_ptr + c * BLOCK_E + e, running)
+        running += tl.load(counts_ptr + c * BLOCK_E + e)
+    tl.store(stats_ptr + e, total)
+    tl.store(stats_ptr + BLOCK_E + e, tl.where(e < num_experts, tile_end, 1 << 30))
+
+
+@triton.jit(**sizes_vary("n", "max_tiles", "num_chunks"))
+def _chunk_scatter_kernel(
+    ids_ptr, base_ptr, stats_ptr, sorted_ptr, tile_e_ptr,
+    n, num_experts, block_m, max_tiles, num_chunks,
+    CHUNK_C: tl.constexpr, LOG_C: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_TT: tl.constexpr, BLOCK_M: tl.constexpr,
+):  # fmt: skip
+    # launch C: programs < num_chunks scatter their chunk's pairs; the rest own BLOCK_TT tiles
+    pid = tl.program_id(0)
+    e = tl.arange(0, BLOCK_E)
+    if pid < num_chunks:
+        j = tl.arange(0, CHUNK_C)
+        p = pid * CHUNK_C + j
+        is_pair = p < n
+        expert = tl.load(ids_ptr + p, mask=is_pair, other=0).to(tl.int32)
+        expert = tl.where(is_pair, expert, num_experts)  # padding lanes sort last
+        hist = tl.histogram(expert, BLOCK_E, mask=is_pair)
+        key = _sort(expert * CHUNK_C + j, LOG_C)  # stable: ascending pairs within an expert
+        sorted_e = tl.minimum(key // CHUNK_C, BLOCK_E - 1)
+        rank = j - tl.gather(tl.cumsum(hist, 0) - hist, sorted_e, 0)
+        dest = tl.load(base_ptr + pid * BLOCK_E + sorted_e) + rank
+        in_chunk = tl.sum(is_pair.to(tl.int32), 0)  # sorted lanes >= this are padding
+        tl.store(sorted_ptr + dest, pid * CHUNK_C + key % CHUNK_C, mask=j < in_chunk)
+    else:
+        t = (pid - num_chunks) * BLOCK_TT + tl.arange(0, BLOCK_TT)  # [BLOCK_TT] tiles
+        tile_end = tl.load(stats_ptr + BLOCK_E + e)  # [BLOCK_E], 2**30 past E
+        owner = tl.sum((tile_end[None, :] <= t[:, None]).to(tl.int32), 1)  # searchsorted right
+        used = owner < num_experts
+        tl.store(tile_e_ptr + t, tl.where(used, owner, -1), mask=t < max_tiles)
+        safe = tl.minimum(owner, num_experts - 1)
+        count = tl.load(stats_ptr + safe)
+        first = tl.load(stats_ptr + BLOCK_E + safe) - (count + block_m - 1) // block_m
+        r = tl.arange(0, BLOCK_M)
+        # NOTE: names differ from the other branch's (the compiler merges same-named values)
+        tile_slot = t[:, None] * block_m + r[None, :]  # [BLOCK_TT, BLOCK_M]
+        pad = (~used[:, None]) | (tile_slot - first[:, None] * block_m >= count[:, None])
+        ok = (t[:, None] < max_tiles) & (r[None, :] < block_m) & pad
+        tl.store(sorted_ptr + tile_slot, tl.zeros([BLOCK_TT, BLOCK_M], tl.int32) + n, mask=ok)
+
+
 def _block(size: int) -> int:
     """Power-of-two block >= size, at least 128 (one element per thread of 4 warps): fewer
     compiled variants across decode batch sizes."""
@@ -121,13 +206,15 @@ def _can_launch(t: torch.Tensor) -> bool:
 def moe_align(expert_ids: torch.Tensor, num_experts: int, block_m: int):
     """expert_ids [T, K] -> (sorted_ids [max_tiles * block_m] int32, tile_e [max_tiles] int32);
     see the module doc. One launch for 0 < T*K <= MAX_PAIRS and E <= MAX_EXPERTS on CUDA (or
-    the interpreter), else `moe_align_ref`. No host sync either way."""
+    the interpreter), three up to MAX_PAIRS_CHUNKED, else `moe_align_ref`. No host sync."""
     flat = expert_ids.reshape(-1)
     n = flat.numel()
-    if not (0 < n <= MAX_PAIRS and num_experts <= MAX_EXPERTS and _can_launch(flat)):
+    if not (0 < n <= MAX_PAIRS_CHUNKED and num_experts <= MAX_EXPERTS and _can_launch(flat)):
         return moe_align_ref(expert_ids, num_experts, block_m)
     if flat.dtype not in (torch.int32, torch.int64):
         flat = flat.long()
+    if n > MAX_PAIRS:
+        return _moe_align_chunked(flat.contiguous(), num_experts, block_m)
     max_tiles = n // block_m + min(n, num_experts)
     sorted_ids = torch.empty(max_tiles * block_m, dtype=torch.int32, device=flat.device)
     tile_e = torch.empty(max_tiles, dtype=torch.int32, device=flat.device)
@@ -137,6 +224,32 @@ def moe_align(expert_ids: torch.Tensor, num_experts: int, block_m: int):
         n, num_experts, block_m, max_tiles,
         BLOCK_N=block_n, LOG_N=block_n.bit_length() - 1, BLOCK_E=_block(num_experts),
         BLOCK_T=_block(max_tiles + 1), BLOCK_S=_FILL_BLOCK, num_warps=4 if block_n <= 512 else 8,
+    )  # fmt: skip
+    return sorted_ids, tile_e
+
+
+def _moe_align_chunked(flat: torch.Tensor, num_experts: int, block_m: int):
+    """The three-launch path (module doc, A-C) for MAX_PAIRS < n <= MAX_PAIRS_CHUNKED."""
+    n, dev = flat.numel(), flat.device
+    max_tiles = n // block_m + min(n, num_experts)
+    num_chunks = triton.cdiv(n, CHUNK)
+    block_e = _block(num_experts)
+    sorted_ids = torch.empty(max_tiles * block_m, dtype=torch.int32, device=dev)
+    tile_e = torch.empty(max_tiles, dtype=torch.int32, device=dev)
+    # one scratch: counts [chunks, BLOCK_E], base [chunks, BLOCK_E], stats [2, BLOCK_E]
+    scratch = torch.empty((2 * num_chunks + 2) * block_e, dtype=torch.int32, device=dev)
+    counts = scratch[: num_chunks * block_e]
+    base = scratch[num_chunks * block_e : 2 * num_chunks * block_e]
+    stats = scratch[2 * num_chunks * block_e :]
+    _chunk_counts_kernel[(num_chunks,)](flat, counts, n, num_experts, CHUNK_C=CHUNK,
+                                        BLOCK_E=block_e, num_warps=8)  # fmt: skip
+    _chunk_bases_kernel[(1,)](counts, base, stats, num_chunks, num_experts, block_m,
+                              BLOCK_E=block_e, num_warps=4)  # fmt: skip
+    grid = (num_chunks + triton.cdiv(max_tiles, _TILE_BLOCK),)
+    _chunk_scatter_kernel[grid](
+        flat, base, stats, sorted_ids, tile_e, n, num_experts, block_m, max_tiles, num_chunks,
+        CHUNK_C=CHUNK, LOG_C=CHUNK.bit_length() - 1, BLOCK_E=block_e, BLOCK_TT=_TILE_BLOCK,
+        BLOCK_M=triton.next_power_of_2(block_m), num_warps=8,
     )  # fmt: skip
     return sorted_ids, tile_e
 

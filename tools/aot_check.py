@@ -97,6 +97,19 @@ def cases():
                          {"ids_ptr": ids, "sorted_ptr": "*i32", "tile_e_ptr": "*i32"},
                          dict(BLOCK_N=block_n, LOG_N=block_n.bit_length() - 1, BLOCK_E=block_e,
                               BLOCK_T=block_t, BLOCK_S=2048)))  # fmt: skip
+    # the chunked align of prefill steps (kernels/moe_align.py launches A-C), E = 256 and 512
+    for ids, block_e, block_m in (("*i32", 256, 64), ("*i64", 512, 1)):
+        out.append(_case("kernels.moe_align", "_chunk_counts_kernel",
+                         {"ids_ptr": ids, "counts_ptr": "*i32"},
+                         dict(CHUNK_C=2048, BLOCK_E=block_e)))  # fmt: skip
+        out.append(_case("kernels.moe_align", "_chunk_bases_kernel",
+                         {"counts_ptr": "*i32", "base_ptr": "*i32", "stats_ptr": "*i32"},
+                         dict(BLOCK_E=block_e)))  # fmt: skip
+        out.append(_case("kernels.moe_align", "_chunk_scatter_kernel",
+                         {"ids_ptr": ids, "base_ptr": "*i32", "stats_ptr": "*i32",
+                          "sorted_ptr": "*i32", "tile_e_ptr": "*i32"},
+                         dict(CHUNK_C=2048, LOG_C=11, BLOCK_E=block_e, BLOCK_TT=64,
+                              BLOCK_M=block_m)))  # fmt: skip
     # the expert pool's slot table at V4-Flash's E = 256: resolve (i32/i64 ids), prefetch
     for ids, prefetch in (("*i32", False), ("*i64", False), ("*i64", True)):
         out.append(_case("kernels.expert_slots", "_resolve_kernel",

@@ -109,3 +109,12 @@ def test_checkpoint_formats_dequantise_the_fp8_linears(bf16_slice):
     linears_per_layer = 8  # wq_a, wq_b, wkv, wo_a, wo_b, the shared expert's w1, w2, w3
     assert dequant == linears_per_layer * len(SLICE)
     assert rec["launches"] == bf16_slice["launches"] + dequant
+
+
+def test_a_prefill_step_aligns_in_three_launches_and_syncs_once():
+    """400 tokens x top-6: 2400 pairs, past the one-program align (MAX_PAIRS 2048). The
+    chunked align is three launches a layer (its torch fallback was 27); the one host sync
+    left is the sampled token's (the sample rows' upload queues without one)."""
+    rec = lc.count_step("bf16", 400, SLICE, experts=8)
+    assert {rec["components"]["moe_align"][f"layer{i}"] for i in range(4)} == {3}
+    assert rec["sync_calls"] == {"Tensor.tolist": 1}

@@ -177,7 +177,10 @@ class PagedForward:
         rows = meta.shape.sample_rows
         if rows is None:
             return x.contiguous()
-        return x[torch.tensor(rows, dtype=torch.long).to(self.device)].contiguous()
+        # non_blocking: a pageable upload without it waits for the stream (the step's last sync
+        # before sampling); with it the rows are staged and the copy queues behind the layers
+        index = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
+        return x[index].contiguous()
 
     def _prefetch_targets(self) -> list[tuple[MoE, LayerWeights] | None]:
         layers = self.model.layers
