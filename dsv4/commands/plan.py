@@ -80,8 +80,8 @@ _SETTINGS: tuple[tuple[tuple[str, ...], str, str], ...] = (
     (("--dtype",), "model.dtype", ""),
     (("--expert-staging",), "features.expert_staging", ""),
     (("--linear-format", "--linear-weights"), "features.linear_weights",
-     "linears as the worker holds them: bf16, checkpoint (FP8) or auto (bf16 where the bf16 "
-     "plan fits without offload, else checkpoint; the worker line shows which)"),
+     "linears as the worker holds them: bf16, checkpoint (FP8) or auto (checkpoint on a GPU, "
+     "bf16 with several tensor-parallel ranks; the worker line shows which)"),
     (("--expert-format", "--expert-weights"), "features.expert_weights",
      "routed experts as the worker holds them: bf16, checkpoint (MXFP4/FP8) or auto (as "
      "--linear-format auto)"),

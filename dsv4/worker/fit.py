@@ -106,22 +106,27 @@ def resolve_weight_formats(
     config: ServeConfig, model_cfg: ModelConfig, total: int, edit: RequestEdit | None = None
 ) -> ServeConfig:
     """`features.expert_weights` / `linear_weights` "auto" resolved, the one place that does
-    (issue 22): bf16 where the worker's plan with bf16 weights fits the device without offload
-    (bf16 runs faster where it fits: docs/BENCHMARKS.md), else the checkpoint's formats:
-    experts where the model stores them as MXFP4 / FP8, linears where it stores FP8 (a model
-    storing bf16 ones: bf16). Linears auto with `linear_activations` fp8: checkpoint. bf16 with
-    no plan (`total` 0: a CPU device without a device budget) and for several ranks (tensor
-    parallelism shards bf16 weights only). A shared-expert fuse that the resolved formats
-    forbid is turned off with a warning. Logs what auto chose and why."""
+    (issues 21, 22): the checkpoint's formats on a GPU, since they serve faster end to end than
+    bf16 (4-layer V4-Flash slice on an H100: TPOT 1.24x at batch 1, 1.54x at 64 streams, TTFT
+    of a 1024-token prompt 1.00x; docs/BENCHMARKS.md, session 19) in a quarter / half of the
+    bytes: experts where the model stores them as MXFP4 / FP8, linears where it stores FP8 (a
+    model storing bf16 ones: bf16). Linears auto with `linear_activations` fp8: checkpoint.
+    bf16 with no plan (`total` 0: a CPU device without a device budget) and for several
+    tensor-parallel ranks, the config's or the plan edit's (tensor parallelism shards bf16
+    weights only); on a CPU device with a budget (the formats run their dequantising
+    references there) bf16 where the bf16 plan fits without offload. A shared-expert fuse that the
+    resolved formats forbid is turned off with a warning. Logs what auto chose and why."""
     f = config.features
     if AUTO not in (f.expert_weights, f.linear_weights):
         return config
     fp8_activations = f.linear_activations == "fp8"
-    if config.model.tensor_parallel_size > 1:
-        as_stored, why = False, "tensor parallelism shards bf16 weights only"
-    elif not total:
+    if not total:
         as_stored, why = False, "no device plan"
-    else:
+    elif _tensor_parallel(config, model_cfg, total, edit):
+        as_stored, why = False, "tensor parallelism shards bf16 weights only"
+    elif config.model.device.startswith("cuda"):
+        as_stored, why = True, "faster end to end than bf16 (docs/BENCHMARKS.md)"
+    else:  # a CPU device runs the formats' dequantising references: bf16 where it fits
         as_stored, why = _bf16_short(config, model_cfg, total, edit)
     experts, linears = f.expert_weights, f.linear_weights
     if experts == AUTO:
@@ -146,6 +151,22 @@ def resolve_weight_formats(
         fuse = False
     return dataclasses.replace(config, features=dataclasses.replace(
         f, expert_weights=experts, linear_weights=linears, fuse_shared_expert=fuse))  # fmt: skip
+
+
+def _tensor_parallel(
+    config: ServeConfig, model_cfg: ModelConfig, total: int, edit: RequestEdit | None
+) -> bool:
+    """Whether the worker (its config, or `dsv4 plan`'s edit of its request) shards its weights
+    over several tensor-parallel ranks."""
+    if config.model.tensor_parallel_size > 1:
+        return True
+    f = config.features  # the request takes resolved formats; its ranks do not depend on them
+    linears = "checkpoint" if f.linear_activations == "fp8" else "bf16"  # fp8 needs as stored
+    trial = dataclasses.replace(config, features=dataclasses.replace(
+        f, expert_weights="bf16" if f.expert_weights == AUTO else f.expert_weights,
+        linear_weights=linears if f.linear_weights == AUTO else f.linear_weights))  # fmt: skip
+    request = startup_request(trial, model_cfg, total, edit)
+    return (request.tp or request.num_gpus) > 1
 
 
 def _bf16_short(
