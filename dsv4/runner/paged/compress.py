@@ -6,6 +6,8 @@ which tokens get a compress program (boundary tokens only, or every token for th
 always-launch baseline / a graph-captured step), their in-step counts, the ring slots of their
 candidate positions, where their entry goes and its rope angle. Per compressor the ring slots
 become element offsets of that layer's state page and the entry addresses get the page offset.
+An eager step builds the tables on the host (numpy) and uploads them once (4 launches where the
+device formulas made ~36); a captured step, whose replays bring new positions, keeps those.
 
 A token's state row is saved only if no later token of its request in the same step reuses the
 ring slot (p >= end - slots): the save kernel writes rows in parallel.
@@ -13,15 +15,19 @@ ring slot (p >= end - slots): the save kernel writes rows in parallel.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
+from dsv4.config.model import ModelConfig
 from dsv4.model.compressor import Compressor
 from dsv4.model.layers import linear_fp32
 from dsv4.model.rope import inv_freq
 from dsv4.ops.rope import rope_cos_sin
 from dsv4.runner.paged.geometry import CompressorGeometry
+from dsv4.runner.paged.prefill import ragged, upload_packed
 from dsv4.runner.paged.step_metadata import StepMetadata
 from dsv4.runner.paged.weights import CompressorWeights
 from kernels import compressor as compressor_kernels
@@ -52,25 +58,67 @@ class CompressorTables:
         key = (g.entry_stride, g.entry_unit)
         offsets = self._entry_offsets.get(key)
         if offsets is None:
-            offsets = self.entry_block * g.entry_stride + self.entry_row * g.entry_unit
+            offsets = torch.add(self.entry_row * g.entry_unit, self.entry_block,
+                                alpha=g.entry_stride)  # fmt: skip
             self._entry_offsets[key] = offsets
         return offsets + g.entry_base
 
 
 def compressor_tables(meta: StepMetadata, ratio: int, *, all_tokens: bool) -> CompressorTables:
-    """Built once per step and ratio. Boundary tokens come from host-known positions."""
-    t, positions = meta.t, meta.shape.host_positions
+    """Built once per step and ratio: on the host for an eager step, from the device tensors
+    for a captured one (a replay has new inputs and no host work; every token a program)."""
+    if meta.tokens is None or meta.shape.host_positions is None:
+        assert all_tokens, "boundary tokens come from host positions"
+        return _device_tables(meta, ratio)
+    return _host_tables(meta, ratio, all_tokens)
+
+
+def _host_tables(meta: StepMetadata, ratio: int, all_tokens: bool) -> CompressorTables:
+    """Everything but the entries' cache blocks and the rope's cos/sin from host-known starts
+    and ends (numpy), in one upload: 4 launches instead of ~36 (the formulas of
+    `_device_tables`, the same values and dtypes)."""
+    tokens, t = meta.tokens, meta.t
+    cfg = meta.geo.layout.model
+    num_cand = cfg.overlap(ratio) * ratio
+    slots = num_cand + meta.geo.layout.options.num_speculative_tokens
+    starts = np.asarray(tokens.starts, dtype=np.int64)  # [B]
+    ends = np.asarray(tokens.ends, dtype=np.int64)
+    treq, local = ragged(ends - starts)  # [T] each token's request, index in the step
+    pos = starts[treq] + local  # [T]
+    idx = np.arange(len(pos)) if all_tokens else np.flatnonzero((pos + 1) % ratio == 0)  # [NB]
+    req, p = treq[idx], pos[idx]
+    cand = p[:, None] - num_cand + 1 + np.arange(num_cand)  # [NB, c*r]
+    entry = np.maximum((p + 1) // ratio - 1, 0)  # [NB]
+    epb = meta.geo.layout.block_size // ratio
+    # fp32 angles as rope_cos_sin forms them (an exact product: the same bits on any device)
+    angles = (entry * ratio).astype(np.float32)[:, None] * _host_inv_freq(cfg, ratio)
+    # a token's state row is saved unless a later token of its request reuses the ring slot
+    save = np.where(pos >= ends[treq] - slots, pos % slots, -1)  # [T]
+    tok_d, req_d, nis, cand_slots, col, row, angles_d, save_d, phase = upload_packed([
+        idx.astype(np.int32), req, (p - starts[req] + 1).astype(np.int32),
+        np.where(cand >= 0, cand % slots, -1),
+        np.minimum(entry // epb, t.block_tables.shape[1] - 1), entry % epb,  # block column, row
+        angles, save, pos % ratio,
+    ], t.positions.device)  # fmt: skip
+    block = t.block_tables[req_d, col].long()  # [NB] int64 the entry's token block
+    return CompressorTables(ratio, all_tokens, tok_d, req_d, nis, cand_slots, block, row,
+                            angles_d.cos(), angles_d.sin(), save_d, phase)  # fmt: skip
+
+
+@functools.lru_cache(maxsize=16)
+def _host_inv_freq(cfg: ModelConfig, ratio: int) -> np.ndarray:
+    """[rope/2] fp32 (numpy: a host array, never read back from a device tensor)."""
+    return inv_freq(cfg, ratio).numpy().copy()
+
+
+def _device_tables(meta: StepMetadata, ratio: int) -> CompressorTables:
+    """Every token a program, from the step's device tensors only (captured decode steps)."""
+    t = meta.t
     cfg = meta.geo.layout.model
     dev = t.positions.device
-    c = cfg.overlap(ratio)
-    num_cand = c * ratio
+    num_cand = cfg.overlap(ratio) * ratio
     slots = num_cand + meta.geo.layout.options.num_speculative_tokens
-    if all_tokens:
-        idx = torch.arange(t.positions.shape[0], device=dev, dtype=torch.int32)
-    else:
-        assert positions is not None, "boundary tokens come from host positions"
-        host = [i for i, p in enumerate(positions) if (p + 1) % ratio == 0]
-        idx = torch.tensor(host, dtype=torch.int32).to(dev, non_blocking=True)
+    idx = torch.arange(t.positions.shape[0], device=dev, dtype=torch.int32)
     tok = idx.long()
     req = t.token_to_req[tok].long()
     p = t.positions[tok]
@@ -84,7 +132,7 @@ def compressor_tables(meta: StepMetadata, ratio: int, *, all_tokens: bool) -> Co
     keep = t.positions >= t.ends[treq] - slots
     save = torch.where(keep, t.positions % slots, -1)
     nis = (p - t.starts[req] + 1).int()
-    return CompressorTables(ratio, all_tokens, idx, req, nis, cand_slots, block, entry % epb,
+    return CompressorTables(ratio, True, idx, req, nis, cand_slots, block, entry % epb,
                             cos.contiguous(), sin.contiguous(), save, t.positions % ratio)  # fmt: skip
 
 

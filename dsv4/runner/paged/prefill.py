@@ -8,16 +8,27 @@ decoded from the cache, the chunk's rows are the fresh K=V rows. Every query's c
 window, then all visible C128 entries or the C4 top-k) are workspace rows. The tables below
 depend only on the ratio, so all layers of a kind share them (#45863); each layer adds its own
 page offsets when it gathers (`comp_base`, its window ring page).
+
+All but the entries' cache blocks is arithmetic on what the host knows (starts, ends, flat
+token offsets): built with numpy, it crosses in one upload (`upload_packed`) and the device
+only gathers, 1-7 launches a table. As device formulas it was 21-33 launches a table, each
+paid for on the host (a 1024-token step of the Flash slice: 79); the host arrays stay small
+(the [T_c, W] window candidates cross as one [T_c + R (W - 1)] sequence whose W-wide windows
+they are).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from dsv4.runner.paged.step_metadata import StepMetadata
 from dsv4.scheduler.batch import PrefillChunk
+
+_ALIGN = 16  # bytes: every uploaded table starts 16-aligned, as a fresh allocation (Triton)
 
 
 @dataclass(frozen=True)
@@ -37,64 +48,102 @@ class ChunkTables:
 
 def chunk_tables(meta: StepMetadata, ratio: int, chunk: PrefillChunk) -> ChunkTables:
     tokens, t = meta.tokens, meta.t
-    cfg = meta.geo.layout.model
-    w, dev = cfg.sliding_window, t.positions.device
+    w, dev = meta.geo.layout.model.sliding_window, t.positions.device
     ring_slots = meta.geo.layers[0].window.slots
+    nr = chunk.num_requests
     first = tokens.num_decode_requests + chunk.start
-    reqs = range(first, first + chunk.num_requests)
-    starts = [tokens.starts[b] for b in reqs]
-    ends = [tokens.ends[b] for b in reqs]
-    n_comp = [e // ratio if ratio else 0 for e in ends]
-    prefix = [min(s, w - 1) for s in starts]
-    big_n = max(chunk.max_compressed_len, max(n_comp))
-    m = big_n + max(chunk.max_gather_len, max(p + e - s for p, s, e in zip(prefix, starts, ends)))
-    lo = tokens.first_token[first]
-    hi = tokens.first_token[reqs[-1]] + ends[-1] - starts[-1]
-    host = torch.tensor([starts, prefix], dtype=torch.int64)  # [2, R]
+    reqs = slice(first, first + nr)
+    starts = np.asarray(tokens.starts[reqs], dtype=np.int64)  # [R]
+    ends = np.asarray(tokens.ends[reqs], dtype=np.int64)  # [R]
+    first_tok = np.asarray(tokens.first_token[reqs], dtype=np.int64)  # [R]
+    lens = ends - starts  # [R] tokens of each request in the chunk
+    n_comp = ends // ratio if ratio else np.zeros_like(ends)  # [R] entries 0..n-1
+    prefix = np.minimum(starts, w - 1)  # [R] window prefix rows
+    big_n = max(chunk.max_compressed_len, int(n_comp.max()))
+    m = big_n + max(chunk.max_gather_len, int((prefix + lens).max()))
+    lo, hi = int(first_tok[0]), int(first_tok[-1] + lens[-1])
+    row0 = np.arange(nr) * m  # [R] first workspace row of each request
     # NOTE: the gathered rows' indices are built on the host from the sizes it knows (n_comp,
     # prefix): a boolean-mask selection on the device reads its count back (a host sync, five a
     # ratio, each draining the stream in the middle of the forward)
-    r_comp, i_comp = _ragged(n_comp)  # [n1]: each compressed entry's request, its index i
-    r_win, j_win = _ragged(prefix)  # [n2]: each window-prefix row's request, its offset j
+    r_comp, i_comp = ragged(n_comp)  # [n1]: each compressed entry's request, its index i
+    r_win, j_win = ragged(prefix)  # [n2]: each window-prefix row's request, its offset j
     epb = meta.geo.layout.block_size // max(ratio, 1)
-    first_tok = torch.tensor([tokens.first_token[b] for b in reqs], dtype=torch.int64)
-    on_dev = torch.cat((  # one upload of everything the host knows
-        host.flatten(),  # starts, prefix
-        r_comp + first, i_comp // epb, i_comp % epb, r_comp * m + i_comp,  # comp_dst
-        (host[0][r_win] - host[1][r_win] + j_win) % ring_slots,  # win_src: ring slot
-        first_tok[r_win], r_win * m + big_n + j_win,  # win_token, win_dst
-    )).to(dev, non_blocking=True)  # fmt: skip
-    nr, n1, n2 = chunk.num_requests, len(i_comp), len(j_win)
-    start_d, prefix_d = on_dev[: 2 * nr].view(2, nr)
-    comp_req, comp_blk, comp_off, comp_dst = on_dev[2 * nr : 2 * nr + 4 * n1].view(4, n1)
-    win_src, win_token, win_dst = on_dev[2 * nr + 4 * n1 :].view(3, n2)
-    base = torch.arange(nr, device=dev) * m  # [R]
-    bt = t.block_tables.long()
-    blocks = bt[comp_req, comp_blk.clamp(max=bt.shape[1] - 1)]  # [n1] each entry's cache block
-    comp_src = blocks * meta.geo.slots_per_block + comp_off
-    # the chunk's tokens
-    treq = t.token_to_req[lo:hi].long() - first  # [T_c] request within the chunk
-    p = t.positions[lo:hi]
-    own0 = base[treq] + big_n + prefix_d[treq] - start_d[treq]  # + position = own row
-    query_dst = own0 + p
-    q = p[:, None] - w + 1 + torch.arange(w, device=dev)
-    cand = torch.where(q >= 0, own0[:, None] + q, -1)
+    # [4, n1] each entry's block table cell (request, column), row in the block, comp_dst
+    comp = np.stack((r_comp + first, np.minimum(i_comp // epb, t.block_tables.shape[1] - 1),
+                     i_comp % epb, row0[r_comp] + i_comp))  # fmt: skip
+    # [3, n2] each window-prefix row's ring slot (win_src), a token of its request, its row
+    win = np.stack((((starts - prefix)[r_win] + j_win) % ring_slots, first_tok[r_win],
+                    row0[r_win] + big_n + j_win))  # fmt: skip
+    # Window candidates of position p: rows own0 + q, q = p-W+1..p (-1 where q < 0): the
+    # W-wide window at p - s of its request's sequence over q = s-W+1..e-1, which is pad =
+    # W-1-prefix times -1, then rows row0 + N + 0, 1, ... (sequence i -> i + off where i >= thr)
+    seq_len = lens + w - 1  # [R]
+    seq_start = np.cumsum(seq_len) - seq_len
+    pad = w - 1 - prefix
+    thr_off = np.repeat(np.stack((seq_start + pad, row0 + big_n - seq_start - pad)), seq_len,
+                        axis=1)  # [2, T_c + R (W - 1)]  # fmt: skip
+    i_seq = np.arange(thr_off.shape[1])
+    window_seq = np.where(i_seq >= thr_off[0], i_seq + thr_off[1], -1).astype(np.int32)
+    # the chunk's flat tokens i = 0..T_c-1: per-request offsets + i -> (query_dst, ws_base,
+    # the start of its window in window_seq, its position)
+    tok_start = first_tok - lo  # [R]
+    per_tok = np.repeat(np.stack((row0 + big_n + prefix - tok_start, row0, seq_start - tok_start,
+                                  starts - tok_start)), lens, axis=1)  # [4, T_c]  # fmt: skip
+    per_tok[[0, 2, 3]] += np.arange(hi - lo)
+    host = [comp, win, per_tok[:3], window_seq]
+    if ratio == 128:  # then every visible entry k < (p + 1) // 128: row base + k
+        width = max(int(n_comp.max()), 1)
+        visible = np.stack(((per_tok[3] + 1) // 128, per_tok[1])).astype(np.int32)  # [2, T_c]
+        host += [np.arange(width, dtype=np.int32), visible]
+    on_dev = upload_packed(host, dev)  # the one upload
+    (comp_req, comp_col, comp_off, comp_dst), (win_src, win_token, win_dst) = on_dev[:2]
+    (query_dst, ws_base, row), seq = on_dev[2:4]
+    blocks = t.block_tables[comp_req, comp_col]  # [n1] int32 each entry's cache block
+    comp_src = torch.add(comp_off, blocks, alpha=meta.geo.slots_per_block)  # [n1] int64
+    cand = seq.unfold(0, w, 1)[row]  # [T_c, W] int32
     if ratio == 128:
-        width = max(max(n_comp), 1)
-        k = torch.arange(width, device=dev)
-        vis = k[None, :] < ((p + 1) // 128)[:, None]
-        cand = torch.cat((cand, torch.where(vis, base[treq][:, None] + k, -1)), dim=1)
-    return ChunkTables(lo, hi, chunk.num_requests * m, comp_src, comp_dst, win_src, win_token,
-                       win_dst, query_dst, base[treq], cand.int())  # fmt: skip
+        k, (visible, base) = on_dev[4:]
+        c128 = torch.where(k < visible[:, None], base[:, None] + k, -1)  # [T_c, width] int32
+        cand = torch.cat((cand, c128), dim=1)
+    return ChunkTables(lo, hi, nr * m, comp_src, comp_dst, win_src, win_token, win_dst,
+                       query_dst, ws_base, cand)  # fmt: skip
 
 
-def _ragged(counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """CPU int64 ([sum(counts)] the owner r of each item, [sum(counts)] its index < counts[r]),
+def upload_packed(arrays: Sequence[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """C-contiguous host arrays (int64, int32, fp32; any shapes) -> their device twins as views
+    of ONE non-blocking upload (pageable, as `step_metadata.upload`), each `_ALIGN`-aligned.
+    A few us of host time a table (two or three view ops and a numpy copy)."""
+    offsets, total = [], 0
+    for a in arrays:
+        offsets.append(total)
+        total += -(-a.nbytes // _ALIGN) * _ALIGN
+    host = torch.empty(total, dtype=torch.uint8)  # [bytes]
+    flat = host.numpy()
+    for a, lo in zip(arrays, offsets):
+        flat[lo : lo + a.nbytes] = a.reshape(-1).view(np.uint8)
+    dev = host.to(device, non_blocking=True)
+    typed: dict[np.dtype, torch.Tensor] = {}  # the whole upload viewed as each dtype
+    out = []
+    for a, lo in zip(arrays, offsets):
+        if a.dtype not in typed:
+            typed[a.dtype] = dev.view(_TORCH[a.dtype])
+        first = lo // a.itemsize
+        whole = typed[a.dtype][first : first + a.size]
+        out.append(whole if a.ndim == 1 else whole.view(a.shape))
+    return out
+
+
+_TORCH = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32,
+          np.dtype(np.float32): torch.float32}  # fmt: skip
+
+
+def ragged(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """int64 ([sum(counts)] the owner r of each item, [sum(counts)] its index < counts[r]),
     request-major: the order a row-major boolean mask over [R, max(counts)] selects in."""
-    n = torch.tensor(counts, dtype=torch.int64)
-    owner = torch.repeat_interleave(torch.arange(len(counts)), n)
-    start = torch.cumsum(n, 0) - n
-    return owner, torch.arange(len(owner)) - start[owner]
+    owner = np.repeat(np.arange(len(counts)), counts)
+    start = np.cumsum(counts) - counts
+    return owner, np.arange(len(owner)) - start[owner]
 
 
 def chunks_of(meta: StepMetadata, batch_plans, ratio: int) -> tuple[PrefillChunk, ...]:
