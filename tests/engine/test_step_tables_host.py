@@ -17,10 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dsv4.model.rope import inv_freq
-from dsv4.ops.rope import rope_cos_sin
 from dsv4.runner.paged import forward_state
-from dsv4.runner.paged.compress import CompressorTables
+from dsv4.runner.paged.compress import CompressorTables, _device_tables
 from dsv4.runner.paged.decode_graphs import GraphOptions
 from dsv4.runner.paged.forward_state import PagedSwitches
 from dsv4.runner.paged.prefill import ChunkTables
@@ -41,32 +39,19 @@ MAX_CHUNK_LAUNCHES = {0: 3, 4: 3, 128: 7}
 
 
 def reference_compressor_tables(meta, ratio: int, all_tokens: bool) -> CompressorTables:
-    """The device formulas before the host tables (dsv4/runner/paged/compress.py at 46a8ca1)."""
-    t, positions = meta.t, meta.shape.host_positions
-    cfg = meta.geo.layout.model
-    dev = t.positions.device
-    num_cand = cfg.overlap(ratio) * ratio
-    slots = num_cand + meta.geo.layout.options.num_speculative_tokens
+    """The device formulas before the host tables: every token's are what captured steps still
+    build (`compress._device_tables`, unchanged since 46a8ca1); boundary-only programs are the
+    rows of those whose position closes a window ((p + 1) % ratio == 0, from the host
+    positions as before), with the per-token save slots and phases as they are."""
+    every = _device_tables(meta, ratio)
     if all_tokens:
-        idx = torch.arange(t.positions.shape[0], device=dev, dtype=torch.int32)
-    else:
-        host = [i for i, p in enumerate(positions) if (p + 1) % ratio == 0]
-        idx = torch.tensor(host, dtype=torch.int32).to(dev)
-    tok = idx.long()
-    req = t.token_to_req[tok].long()
-    p = t.positions[tok]
-    cand = p[:, None] - num_cand + 1 + torch.arange(num_cand, device=dev)
-    cand_slots = torch.where(cand >= 0, cand % slots, -1)
-    entry = ((p + 1) // ratio - 1).clamp(min=0)
-    epb = meta.geo.layout.block_size // ratio
-    block = t.block_tables.long()[req, (entry // epb).clamp(max=t.block_tables.shape[1] - 1)]
-    cos, sin = rope_cos_sin(entry * ratio, inv_freq(cfg, ratio, dev))
-    treq = t.token_to_req.long()
-    keep = t.positions >= t.ends[treq] - slots
-    save = torch.where(keep, t.positions % slots, -1)
-    nis = (p - t.starts[req] + 1).int()
-    return CompressorTables(ratio, all_tokens, idx, req, nis, cand_slots, block, entry % epb,
-                            cos.contiguous(), sin.contiguous(), save, t.positions % ratio)  # fmt: skip
+        return every
+    positions = meta.shape.host_positions
+    host = [i for i, p in enumerate(positions) if (p + 1) % ratio == 0]
+    rows = torch.tensor(host, dtype=torch.long, device=meta.t.positions.device)
+    picked = {f.name: getattr(every, f.name)[rows] for f in dataclasses.fields(every)
+              if f.name not in ("ratio", "all_tokens", "save_slots", "phase", "_entry_offsets")}  # fmt: skip
+    return dataclasses.replace(every, all_tokens=False, _entry_offsets={}, **picked)
 
 
 def reference_chunk_tables(meta, ratio: int, chunk) -> ChunkTables:
