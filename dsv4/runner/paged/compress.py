@@ -27,8 +27,7 @@ from dsv4.model.layers import linear_fp32
 from dsv4.model.rope import inv_freq
 from dsv4.ops.rope import rope_cos_sin
 from dsv4.runner.paged.geometry import CompressorGeometry
-from dsv4.runner.paged.prefill import ragged, upload_packed
-from dsv4.runner.paged.step_metadata import StepMetadata
+from dsv4.runner.paged.step_metadata import StepMetadata, ragged, upload_packed
 from dsv4.runner.paged.weights import CompressorWeights
 from kernels import compressor as compressor_kernels
 from kernels.backend import resolve

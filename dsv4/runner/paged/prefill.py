@@ -19,16 +19,13 @@ they are).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from dsv4.runner.paged.step_metadata import StepMetadata
+from dsv4.runner.paged.step_metadata import StepMetadata, ragged, upload_packed
 from dsv4.scheduler.batch import PrefillChunk
-
-_ALIGN = 16  # bytes: every uploaded table starts 16-aligned, as a fresh allocation (Triton)
 
 
 @dataclass(frozen=True)
@@ -108,42 +105,6 @@ def chunk_tables(meta: StepMetadata, ratio: int, chunk: PrefillChunk) -> ChunkTa
         cand = torch.cat((cand, c128), dim=1)
     return ChunkTables(lo, hi, nr * m, comp_src, comp_dst, win_src, win_token, win_dst,
                        query_dst, ws_base, cand)  # fmt: skip
-
-
-def upload_packed(arrays: Sequence[np.ndarray], device: torch.device) -> list[torch.Tensor]:
-    """C-contiguous host arrays (int64, int32, fp32; any shapes) -> their device twins as views
-    of ONE non-blocking upload (pageable, as `step_metadata.upload`), each `_ALIGN`-aligned.
-    A few us of host time a table (two or three view ops and a numpy copy)."""
-    offsets, total = [], 0
-    for a in arrays:
-        offsets.append(total)
-        total += -(-a.nbytes // _ALIGN) * _ALIGN
-    host = torch.empty(total, dtype=torch.uint8)  # [bytes]
-    flat = host.numpy()
-    for a, lo in zip(arrays, offsets):
-        flat[lo : lo + a.nbytes] = a.reshape(-1).view(np.uint8)
-    dev = host.to(device, non_blocking=True)
-    typed: dict[np.dtype, torch.Tensor] = {}  # the whole upload viewed as each dtype
-    out = []
-    for a, lo in zip(arrays, offsets):
-        if a.dtype not in typed:
-            typed[a.dtype] = dev.view(_TORCH[a.dtype])
-        first = lo // a.itemsize
-        whole = typed[a.dtype][first : first + a.size]
-        out.append(whole if a.ndim == 1 else whole.view(a.shape))
-    return out
-
-
-_TORCH = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32,
-          np.dtype(np.float32): torch.float32}  # fmt: skip
-
-
-def ragged(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """int64 ([sum(counts)] the owner r of each item, [sum(counts)] its index < counts[r]),
-    request-major: the order a row-major boolean mask over [R, max(counts)] selects in."""
-    owner = np.repeat(np.arange(len(counts)), counts)
-    start = np.cumsum(counts) - counts
-    return owner, np.arange(len(owner)) - start[owner]
 
 
 def chunks_of(meta: StepMetadata, batch_plans, ratio: int) -> tuple[PrefillChunk, ...]:
