@@ -160,13 +160,19 @@ def _tensor_parallel(
     over several tensor-parallel ranks."""
     if config.model.tensor_parallel_size > 1:
         return True
-    f = config.features  # the request takes resolved formats; its ranks do not depend on them
-    linears = "checkpoint" if f.linear_activations == "fp8" else "bf16"  # fp8 needs as stored
-    trial = dataclasses.replace(config, features=dataclasses.replace(
+    # the request takes resolved formats; its ranks do not depend on which
+    request = startup_request(_auto_as_bf16(config), model_cfg, total, edit)
+    return (request.tp or request.num_gpus) > 1
+
+
+def _auto_as_bf16(config: ServeConfig) -> ServeConfig:
+    """`config` with its "auto" weight formats as bf16 (linears as stored under
+    `linear_activations` fp8, which holds them so whatever auto decides)."""
+    f = config.features
+    linears = "checkpoint" if f.linear_activations == "fp8" else "bf16"
+    return dataclasses.replace(config, features=dataclasses.replace(
         f, expert_weights="bf16" if f.expert_weights == AUTO else f.expert_weights,
         linear_weights=linears if f.linear_weights == AUTO else f.linear_weights))  # fmt: skip
-    request = startup_request(trial, model_cfg, total, edit)
-    return (request.tp or request.num_gpus) > 1
 
 
 def _bf16_short(
@@ -174,18 +180,9 @@ def _bf16_short(
 ) -> tuple[bool, str]:
     """(whether the worker's plan with its auto formats as bf16 falls short of the device
     without offload, the numbers that say so)."""
-    f = config.features
-    fp8 = f.linear_activations == "fp8"  # holds the linears as stored whatever auto decides
-    trial = dataclasses.replace(
-        config,
-        model=dataclasses.replace(config.model, host_memory_gib=0.0),  # without offload
-        features=dataclasses.replace(
-            f,
-            expert_weights="bf16" if f.expert_weights == AUTO else f.expert_weights,
-            linear_weights=("checkpoint" if fp8 else "bf16")
-            if f.linear_weights == AUTO
-            else f.linear_weights,
-        ),
+    as_bf16 = _auto_as_bf16(config)
+    trial = dataclasses.replace(  # without offload
+        as_bf16, model=dataclasses.replace(as_bf16.model, host_memory_gib=0.0)
     )
     try:
         plan = plan_memory(startup_request(trial, model_cfg, total, edit))
