@@ -61,13 +61,13 @@ import torch.nn.functional as F
 from benchmarks.runtime_tokens import runtime_greedy_tokens
 from dsv4.commands.train_tiny import (
     HELDOUT_MODULE,
-    check_moe_intermediate_size,
     save_checkpoint,
     stdlib_tokens,
+    tiny_train_config,
     train_tiny,
 )
 from dsv4.config import load_config
-from dsv4.config.model import ModelConfig, tiny_config
+from dsv4.config.model import ModelConfig
 from dsv4.errors import Dsv4Error, UsageError
 from dsv4.model.fp8 import set_linear_activations_
 from dsv4.model.moe import MXFP4_LAYOUTS, MoE, halves_fit, mxfp4_layout_
@@ -316,10 +316,7 @@ def model_config(model: Path | None, inter: int | None) -> ModelConfig:
     tiny shape with moe_intermediate_size `inter`."""
     if model is not None:
         return ModelConfig.from_file(model)
-    if inter is None:
-        return tiny_config()
-    check_moe_intermediate_size(inter)
-    return tiny_config().with_overrides(moe_intermediate_size=inter)
+    return tiny_train_config(inter)
 
 
 def runnable_paths(paths: list[str], cfg: ModelConfig, forward: str, named: bool) -> list[str]:

@@ -129,6 +129,15 @@ def check_moe_intermediate_size(size: int) -> None:
                          "128 (experts that take features.mxfp4_layout halves128)")  # fmt: skip
 
 
+def tiny_train_config(moe_intermediate_size: int | None = None) -> ModelConfig:
+    """The shape train-tiny trains: the tiny config, with the experts' (and shared expert's)
+    I = `moe_intermediate_size` when given (`check_moe_intermediate_size`)."""
+    if moe_intermediate_size is None:
+        return tiny_config()
+    check_moe_intermediate_size(moe_intermediate_size)
+    return tiny_config().with_overrides(moe_intermediate_size=moe_intermediate_size)
+
+
 def train_tiny(
     out_dir: str | Path,
     minutes: float = 3.0,
@@ -140,10 +149,7 @@ def train_tiny(
     time (whichever first), evaluate on the held-out module, write the checkpoint.
     `moe_intermediate_size`: the experts' (and shared expert's) I, default the tiny shape's."""
     check_seed(seed)
-    cfg = tiny_config()
-    if moe_intermediate_size is not None:
-        check_moe_intermediate_size(moe_intermediate_size)
-        cfg = cfg.with_overrides(moe_intermediate_size=moe_intermediate_size)
+    cfg = tiny_train_config(moe_intermediate_size)
     if steps is None and not math.isfinite(minutes):  # with --steps, inf: no time limit
         raise UsageError(f"--minutes {minutes}: give a finite budget, or --steps N")
     output_dir(out_dir)  # an unwritable OUT_DIR fails now, not after the training
