@@ -126,13 +126,55 @@ def count_events(events, repeats: int) -> dict:
             "sync_calls": {k: round(v, 1) for k, v in sorted(syncs.items())}}  # fmt: skip
 
 
+def gap_timeline(events, repeats: int, top: int = 8, min_gap_us: float = 5.0) -> dict:
+    """Where the GPU idles inside each STEP_MARK range (us, mean per step): `lead_us` from the
+    mark's start on the host to the step's first GPU op (host work before anything runs, e.g.
+    tables built on the host), `between_us` idle time between the step's GPU ops (launch
+    overhead the GPU outran, mid-step host work), `tail_us` from its last op to the mark's
+    end; `gaps_over_min` the gaps of at least `min_gap_us` a step, and `top_gaps` the `top`
+    (op before, op after) transitions with the most idle time a step. Profiler CPU and GPU
+    timestamps share one clock (Kineto aligns them); streams overlap, so a gap is measured
+    from the latest end seen so far."""
+    marks = sorted((e.time_range for e in events
+                    if e.name == STEP_MARK and str(e.device_type).endswith("CPU")),
+                   key=lambda r: r.start)  # fmt: skip
+    ops = sorted((e for e in events
+                  if str(e.device_type).endswith("CUDA") and e.name != STEP_MARK),
+                 key=lambda e: e.time_range.start)  # fmt: skip
+    lead = between = tail = 0.0
+    count = 0
+    by_pair: dict[tuple[str, str], float] = defaultdict(float)
+    for mark in marks:
+        mine = [e for e in ops if mark.start <= e.time_range.start <= mark.end]
+        if not mine:
+            continue
+        lead += mine[0].time_range.start - mark.start
+        end, before = mine[0].time_range.end, mine[0].name
+        for e in mine[1:]:
+            gap = e.time_range.start - end
+            if gap > 0:
+                between += gap
+                by_pair[(before[:60], e.name[:60])] += gap
+                count += gap >= min_gap_us
+            if e.time_range.end >= end:
+                end, before = e.time_range.end, e.name
+        tail += max(mark.end - end, 0.0)
+    n = max(repeats, 1)
+    worst = sorted(by_pair.items(), key=lambda kv: -kv[1])[:top]
+    return {"lead_us": round(lead / n, 1), "between_us": round(between / n, 1),
+            "tail_us": round(tail / n, 1), "gaps_over_min": round(count / n, 1),
+            "top_gaps": [(a, b, round(us / n, 1)) for (a, b), us in worst]}  # fmt: skip
+
+
 def launches_and_syncs(step: Callable[[], object], device: torch.device, repeats: int = 3) -> dict:
-    """-> {"launches", "host_syncs", "dtoh_copies", "sync_calls": {call: per step}} of
-    `step()` (count_events); {} when the device is not CUDA. A profile of its own: the
-    closing synchronize lies outside every STEP_MARK range, so it is not counted."""
+    """-> {"launches", "host_syncs", "dtoh_copies", "sync_calls": {call: per step},
+    "gap_timeline": `gap_timeline`'s dict} of `step()` (count_events); {} when the device is
+    not CUDA. A profile of its own: the closing synchronize lies outside every STEP_MARK
+    range, so it is not counted."""
     if device.type != "cuda":
         return {}
-    return count_events(_profiled(step, device, repeats, mark=True).events(), repeats)
+    events = _profiled(step, device, repeats, mark=True).events()
+    return {**count_events(events, repeats), "gap_timeline": gap_timeline(events, repeats)}
 
 
 def _profiled(step: Callable[[], object], device: torch.device, repeats: int, mark: bool):

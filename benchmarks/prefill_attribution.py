@@ -47,7 +47,7 @@ from dsv4.worker.build import build_worker_runtime
 
 FORMATS = {"bf16": "experts=bf16,linears=bf16", "checkpoint": "experts=mxfp4,linears=fp8"}
 GPU_FIELDS = ("kernels_us", "gaps_us", "launches", "host_syncs", "dtoh_copies", "sync_calls",
-              "components_us", "top_kernels")  # fmt: skip
+              "components_us", "top_kernels", "gap_timeline")  # fmt: skip
 
 
 def build_runtime(args, fmt: str, work: Path):
@@ -142,6 +142,11 @@ def summary(rec: dict) -> str:
         lines.append(f"  {name:20s} {us:10.1f} us  {100 * us / rec['wall_us']:5.1f}%")
     for name, us in rec["top_kernels"] or ():
         lines.append(f"    {us:10.1f} us  {name}")
+    if gaps := rec.get("gap_timeline"):
+        lines.append(f"  idle: lead {gaps['lead_us']} us, between ops {gaps['between_us']} us "
+                     f"({gaps['gaps_over_min']} gaps >= 5 us), tail {gaps['tail_us']} us")  # fmt: skip
+        for before, after, us in gaps["top_gaps"]:
+            lines.append(f"    {us:10.1f} us  {before} -> {after}")
     return "\n".join(lines)
 
 

@@ -57,6 +57,25 @@ def test_count_events_counts_per_step_inside_the_step_marks():
                      "sync_calls": {"cudaStreamSynchronize": 1.0}}  # fmt: skip
 
 
+def test_gap_timeline_splits_idle_time_into_lead_between_and_tail():
+    """Per step: host time before the first GPU op, idle time between ops (from the latest end
+    seen: overlapping streams are not gaps), after the last; the worst transitions by name."""
+    mark = attribution.STEP_MARK
+    events = []
+    for i in range(2):
+        t = 1000.0 * i
+        events += [_event(mark, "CPU", t, t + 200), _event(mark, "CUDA", t + 30, t + 31)]
+        events += [_event("host_built", "CUDA", t + 40, t + 50),  # lead 40
+                   _event("_w13_kernel", "CUDA", t + 50, t + 100),
+                   _event("side_stream", "CUDA", t + 60, t + 70),  # inside w13: no gap
+                   _event("_attn_kernel", "CUDA", t + 120, t + 130),  # 20 after w13
+                   _event("_w2_kernel", "CUDA", t + 133, t + 190)]  # 3, then tail 10  # fmt: skip
+    events.append(_event("outside", "CUDA", 5000.0, 5010.0))  # in no step
+    found = attribution.gap_timeline(events, repeats=2, top=1)
+    assert found == {"lead_us": 40.0, "between_us": 23.0, "tail_us": 10.0, "gaps_over_min": 1.0,
+                     "top_gaps": [("_w13_kernel", "_attn_kernel", 20.0)]}  # fmt: skip
+
+
 def test_attribute_and_counts_are_empty_off_cuda():
     import torch
 
