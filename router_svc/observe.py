@@ -6,6 +6,9 @@ the per-request log lines (with the request id bound by the servicer).
 `dsv4 loadtest`: TTFT = received -> first token written; ITL = gap between messages carrying
 tokens; E2E = received -> last message; TPOT = (E2E - TTFT) / (tokens - 1). TPOT and E2E are
 recorded for successful requests only (a failed request has no meaningful end-to-end time).
+`vllm:request_success_total{finished_reason}` counts a successful call by its last chunk's
+finish reason (stop, length, abort) and a call whose client went away (CANCELLED) as abort, as
+vLLM counts an aborted request; calls that failed with another status are not counted.
 Event loop only.
 """
 
@@ -15,7 +18,7 @@ import logging
 import time
 
 from dsv4.serving.metrics import RouterMetrics
-from dsv4.types import StreamChunk
+from dsv4.types import FinishReason, StreamChunk
 
 logger = logging.getLogger(__name__)
 
@@ -27,8 +30,11 @@ class StreamObserver:
         self._first_token_at_s: float | None = None
         self._last_token_at_s = 0.0
         self.num_tokens = 0
+        self.finish_reason: FinishReason | None = None
 
     def on_chunk(self, chunk: StreamChunk) -> None:
+        if chunk.finish_reason is not None:
+            self.finish_reason = chunk.finish_reason
         if not chunk.token_ids:
             return
         now_s = time.monotonic()
@@ -45,6 +51,10 @@ class StreamObserver:
         """Record the request's end; `code` is a grpc.StatusCode name ("OK" on success)."""
         m = self._metrics
         m.requests.labels(method="Generate", code=code).inc()
+        if code == "OK" and self.finish_reason is not None:
+            m.request_success[self.finish_reason.value].inc()
+        elif code == "CANCELLED":  # the client went away: vLLM's abort
+            m.request_success[FinishReason.ABORT.value].inc()
         e2e_s = time.monotonic() - self._received_at_s
         if code == "OK":
             m.e2e.observe(e2e_s)

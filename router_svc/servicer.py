@@ -134,7 +134,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 deadline = self._deadline(context)
                 validated = await self._validate(request, deadline)
                 bind_request_id(validated.request_id)
-                self._metrics.prompt_tokens.inc(validated.num_prompt_tokens)
+                if getattr(context, "counts_prompt", True):  # False: another choice's prompt
+                    self._metrics.prompt_tokens.inc(validated.num_prompt_tokens)
                 flow = RequestFlow(validated, deadline, self._deps, received_at_s)
                 self._live.add(flow, owner)
             except Dsv4Error as exc:

@@ -153,7 +153,8 @@ class AsyncEngine:
         )
 
     def load(self) -> EngineLoad:
-        """The load as of the last step (read from any thread)."""
+        """The load as of the last step or command, taken before any stream or caller hears
+        of it (read from any thread)."""
         return self._load
 
     # ---- commands ------------------------------------------------------------------------
@@ -174,8 +175,10 @@ class AsyncEngine:
             try:
                 result = fn()
             except BaseException as exc:  # delivered to the awaiting caller
+                self._load = self.core.load()
                 loop.call_soon_threadsafe(_set_exception, future, exc)
             else:
+                self._load = self.core.load()  # the caller may read the load once it hears
                 loop.call_soon_threadsafe(_set_result, future, result)
 
         if self.is_hung:
@@ -334,13 +337,13 @@ class AsyncEngine:
             stream = self._streams.get(out.request_id)
             if stream is not None:
                 stream.push(out)
-        self._load = self.core.load()
 
     def _run_step(self, step: Callable[[], list[RequestOutput]]) -> list[RequestOutput] | None:
         """The step's outputs, or None when it raised (its requests then ended)."""
         try:
-            return step()
+            outputs = step()
         except StepFailed as exc:  # the core already ended the step's requests
+            self._load = self.core.load()
             self._on_step_failure(exc)
             for request_id in exc.request_ids:
                 self._fail(request_id, exc)
@@ -350,6 +353,9 @@ class AsyncEngine:
             self._on_step_failure(failure)
             self.core.discard_in_flight()
             self._abort_all(failure)
+        else:
+            self._load = self.core.load()  # before any stream hears of the step
+            return outputs
         return None
 
     def _run_commands(self, block: bool) -> None:
@@ -447,6 +453,7 @@ class AsyncEngine:
     def _abort_all(self, exc: BaseException | None = None) -> None:
         for request_id in list(self.core.scheduler.request_ids()):
             self.core.abort(request_id)
+        self._load = self.core.load()
         for request_id in list(self._streams):
             self._fail(request_id, exc or Unavailable(f"{self.name} is shutting down"))
 

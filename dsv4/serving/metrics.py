@@ -10,11 +10,13 @@ Where vLLM has a name for a series, the series has vLLM's name and a `model_name
 vLLM dashboards, llm-d's scheduler and autoscalers read it unchanged: the router (what
 clients see) exports `vllm:time_to_first_token_seconds`, `vllm:inter_token_latency_seconds`,
 `vllm:request_time_per_output_token_seconds`, `vllm:e2e_request_latency_seconds`,
-`vllm:prompt_tokens_total`, `vllm:generation_tokens_total` and `vllm:num_requests_running`
-(admitted, unfinished requests); every worker (an engine) exports `vllm:num_requests_running`,
-`vllm:num_requests_waiting` and `vllm:kv_cache_usage_perc` (a fraction in [0, 1], as vLLM's).
-The `dsv4_*` series are what vLLM has no name for. prometheus_client appends `_total` to a
-counter's name, so counters are declared without it.
+`vllm:prompt_tokens_total` (each prompt of a request once, however many choices it asks for,
+as vLLM counts it), `vllm:generation_tokens_total`, `vllm:request_success_total` (by
+`finished_reason`) and `vllm:num_requests_running` (admitted, unfinished requests); every
+worker (an engine) exports `vllm:num_requests_running`, `vllm:num_requests_waiting` and
+`vllm:kv_cache_usage_perc` (a fraction in [0, 1], as vLLM's). The `dsv4_*` series are what
+vLLM has no name for. prometheus_client appends `_total` to a counter's name, so counters are
+declared without it.
 
 Live state (KV blocks, queue depth, leases) is read when Prometheus scrapes, through callbacks
 into the services (`Gauge.set_function`, `CallbackCounter`): the callbacks run on the
@@ -31,7 +33,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from wsgiref.simple_server import WSGIServer
 
@@ -60,6 +62,7 @@ REQUEST_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.
 TRANSFER_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                       2.5, 5.0, 10.0)  # fmt: skip
 MODEL_LABEL = ("model_name",)  # vLLM's label on every vllm:* series
+FINISHED_REASONS = ("stop", "length", "abort")  # vllm:request_success_total's finished_reason
 DEFAULT_PORT = -1  # metrics.prometheus_port's default: the role's port below
 DEFAULT_PORTS = {"router": 9400, "prefill": 9401, "decode": 9402, "colocated": 9402}
 
@@ -182,12 +185,14 @@ class RouterMetrics:
     decode_full_retries: Counter
     workers: Gauge
     in_flight: Gauge
+    request_success: Mapping[str, Counter]  # finished_reason -> its child
 
     @classmethod
     def create(cls, registry: CollectorRegistry, model_name: str = "") -> RouterMetrics:
         """Series with a vLLM name carry `model_name`; the fields hold their labelled child,
         so callers observe / inc / set_function without naming the label."""
         r, m = registry, {"model_name": model_name}
+        success = Counter("vllm:request_success", "Generate calls finished, by finish reason: stop, length, or abort (an Abort call, or a client that went away)", (*MODEL_LABEL, "finished_reason"), registry=r)  # fmt: skip
         return cls(
             requests=Counter("dsv4_router_requests", "Router RPCs by method and final gRPC status code", ("method", "code"), registry=r),
             rejections=Counter("dsv4_router_admission_rejections", "Generate calls refused before any work, by reason (api_key, rate_limit, max_inflight)", ("reason",), registry=r),
@@ -203,6 +208,7 @@ class RouterMetrics:
             decode_full_retries=Counter("dsv4_router_decode_full_retries", "Rounds of decode hand-offs tried again after every decode worker refused as full (router.decode_full_wait_s)", registry=r),
             workers=Gauge("dsv4_router_workers", "Workers the router knows, by role and health", ("role", "health"), registry=r),
             in_flight=Gauge("vllm:num_requests_running", "Generate calls admitted and not finished", MODEL_LABEL, registry=r).labels(**m),
+            request_success={reason: success.labels(**m, finished_reason=reason) for reason in FINISHED_REASONS},
         )  # fmt: skip
 
 

@@ -321,8 +321,8 @@ class HttpFront:
             self._metrics.requests.labels(method="Generate", code=to_grpc_status(exc)[0].name).inc()
             raise _api_error(exc) from exc
         calls = [InProcessCall(self._servicer, proto, metadata=metadata, peer=peer_of(request),
-                               rate_limit_paid=True)
-                 for proto in choice_protos(parsed, prompts, request_id)]  # fmt: skip
+                               rate_limit_paid=True, counts_prompt=i % parsed.n == 0)
+                 for i, proto in enumerate(choice_protos(parsed, prompts, request_id))]  # fmt: skip
         async with AsyncExitStack() as stack:
             streams = [await stack.enter_async_context(aclosing(c.stream())) for c in calls]
             firsts = await first_chunks(streams)

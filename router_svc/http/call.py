@@ -42,12 +42,16 @@ class InProcessCall:
         metadata: Sequence[tuple[str, str]],
         peer: str,
         rate_limit_paid: bool = False,
+        counts_prompt: bool = True,
     ) -> None:
         self._servicer, self._request = servicer, request
         self._metadata, self._peer = tuple(metadata), peer
         # the HTTP request's rate limit was charged for all its choices at once
         # (RouterServicer.charge_rate_limit): the servicer skips it for this call
         self.rate_limit_paid = rate_limit_paid
+        # False for a prompt's choices after its first: vllm:prompt_tokens_total counts each
+        # prompt of a request once, as vLLM and the answer's usage do
+        self.counts_prompt = counts_prompt
         self._queue: asyncio.Queue[Any] = asyncio.Queue()  # unbounded: the end always fits
         self._room = asyncio.Semaphore(MAX_BUFFERED_CHUNKS)
         self._code: Any = None  # a grpc.StatusCode once the servicer set one

@@ -9,7 +9,9 @@ every call passes admission on its own; more choices than the router admits at o
 (app.py), since no retry could pass. The HTTP status is decided once
 every choice has its first chunk: an error before that is the request's status, and the other
 choices are cancelled (their blocks freed, as for a client that left). The whole answer lists
-the choices by index; its usage counts each prompt once and every choice's tokens. A stream
+the choices by index; its usage counts each prompt once and every choice's tokens, and so
+does `vllm:prompt_tokens_total` (a prompt's later choices are calls made with `counts_prompt`
+off, app.py), as vLLM counts a request's prompt once. A stream
 interleaves the choices' chunks as they come, each with its index, then (with
 `include_usage`) one usage chunk; an error after the first chunks ends it with one error
 event, the other choices cancelled.
