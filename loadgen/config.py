@@ -210,7 +210,12 @@ def build_requests(
 
 def rate_from_text(text: str) -> float:
     """argparse type for --request-rate: a positive number or `inf`."""
-    rate = float(text)
+    try:
+        rate = float(text)
+    except ValueError:  # argparse would name this function instead of the fix
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a number: give requests per second (> 0) or inf"
+        ) from None
     if math.isnan(rate) or rate <= 0:
         raise argparse.ArgumentTypeError(f"request rate must be > 0 or inf, got {text!r}")
     return rate

@@ -161,3 +161,14 @@ def test_a_negative_seed_is_refused_naming_the_flag(capsys):
         _args("--seed", "-1")
     assert exc.value.code == 2
     assert "argument --seed: -1 must be at least 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("rate", "says"), [("abc", "'abc' is not a number"),
+                                            ("0", "request rate must be > 0 or inf")])  # fmt: skip
+def test_a_bad_request_rate_says_what_to_give(rate, says, capsys):
+    """A word used to read "invalid rate_from_text value: 'abc'", naming our function."""
+    with pytest.raises(SystemExit) as exc:
+        _args("--request-rate", rate)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument --request-rate: {says}" in err and "rate_from_text" not in err, err
