@@ -15,6 +15,8 @@ on the same inputs in this process. Paths (kernels/moe_mxfp4.py):
 - "dot_scaled": tl.dot_scaled on the stored layout (tune DOT_SCALED);
 - "halves64" / "halves128": the halves MMA kernel (tune GEMV False) on the re-packed layouts;
 - "gemv_halves128": the GEMV on the halves128 layout (tune GEMV True), decode sizes only;
+- "halves128_bf16" / "halves128_fp32": "halves128" with the codes upcast on the GPU straight
+  into bf16 bits (inline PTX) / through fp32 bits (tune HALVES_FP32; kernels/moe_mxfp4.py);
 - "w4a8": halves128 experts with activations "fp8" (kernels/moe_w4a8.py, e4m3 x and h on the
   FP8 MMA; its own switch, features.moe_activations), above the GEMV's sizes only.
 Each candidate is timed at every config of CONFIGS[size] (the first: `mx_config`'s default).
@@ -74,6 +76,9 @@ def _paths(w_fp4, dry: bool) -> dict:
     served = paths["halves128"][0]
     paths["halves128_served"] = (served, "mxfp4_halves128", None, "all", "bf16")
     paths["gemv_halves128"] = (served, "mxfp4_halves128", {"GEMV": True}, "gemv", "bf16")
+    for name, fp32 in (("halves128_bf16", False), ("halves128_fp32", True)):
+        paths[name] = (served, "mxfp4_halves128", {"GEMV": False, "HALVES_FP32": fp32}, "all",
+                       "bf16")  # fmt: skip
     paths["w4a8"] = (served, "mxfp4_halves128", None, "mma", "fp8")
     return paths
 

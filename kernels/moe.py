@@ -62,7 +62,14 @@ from dsv4.ops.w4a8 import w4a8_swiglu, w4a8_weight
 from kernels import moe_gemv, moe_mxfp4, moe_w4a8
 from kernels.moe_align import moe_align, moe_align_ref
 from kernels.moe_dequant import gemms_through_scratch, use_dequant
-from kernels.moe_gemm import FMT_DOT_SCALED, FMT_HALVES, FORMATS, dequantize_expert, grouped_gemms
+from kernels.moe_gemm import (
+    FMT_DOT_SCALED,
+    FMT_HALVES,
+    FMT_HALVES_FP32,
+    FORMATS,
+    dequantize_expert,
+    grouped_gemms,
+)
 from kernels.registry import register_op
 from kernels.specialize import sizes_vary
 
@@ -74,8 +81,13 @@ SWAP_AB_DEFAULT = False
 # MXFP4 at decode sizes through kernels/moe_gemv.py (moe_gemv.use_gemv); False: the in-register
 # MMA kernel below at every size (tune GEMV overrides either way).
 GEMV_DEFAULT = True
+# The halves MMA kernel's upcast on the GPU (kernels/moe_mxfp4.py): through fp32 bits (True,
+# timed on H100s and H200s) or straight into bf16 bits with inline PTX (False: 0.31 warp
+# instructions a weight byte against 0.48 compiled for sm_90; not run on a card yet, so not
+# served); tune HALVES_FP32 picks either.
+HALVES_FP32_DEFAULT = True
 # a tune of the MMA kernel: no GEMV
-_MMA_KEYS = {"SWAP_AB", "BLOCK_K", "GROUP_M", "num_stages", "DOT_SCALED"}
+_MMA_KEYS = {"SWAP_AB", "BLOCK_K", "GROUP_M", "num_stages", "DOT_SCALED", "HALVES_FP32"}
 
 
 @triton.jit(**sizes_vary("T"))
@@ -180,7 +192,10 @@ def expert_rows(x: torch.Tensor, expert_ids: torch.Tensor, w13: torch.Tensor, w2
     # candidates (kernels/moe_mxfp4.py): "mxfp4" through tl.dot_scaled; the "halves" layouts
     dot_scaled, halves = tune.pop("DOT_SCALED", False), moe_mxfp4.halves_block(format)
     assert not dot_scaled or format == "mxfp4", format
-    fmt = FMT_DOT_SCALED if dot_scaled else FMT_HALVES if halves else FORMATS.index(format)
+    # HALVES_FP32: the halves kernel's GPU upcast through fp32 bits, or through bf16 bits
+    fp32 = tune.pop("HALVES_FP32", HALVES_FP32_DEFAULT)
+    fmt = (FMT_DOT_SCALED if dot_scaled else (FMT_HALVES_FP32 if fp32 else FMT_HALVES) if halves
+           else FORMATS.index(format))  # fmt: skip
     path = served_path(num_pairs, num_experts, format)
     # prefill-sized MXFP4: the experts through a bf16 scratch, chunk by chunk (kernels/moe_dequant)
     dequant = tune.pop("DEQUANT", fmt == 2 and path == "dequant")

@@ -22,7 +22,9 @@ from kernels.specialize import sizes_vary
 FORMATS = ("bf16", "fp8", "mxfp4", *moe_mxfp4.HALVES_FORMATS)
 # FMT codes past FORMATS' first three (kernels/moe_mxfp4.py): "mxfp4" through tl.dot_scaled
 # (tune DOT_SCALED), and the "halves" layouts
-FMT_DOT_SCALED, FMT_HALVES = 3, 4
+# and FMT 5, the halves through fp32 bits on the GPU too (kernels/moe.py HALVES_FP32_DEFAULT;
+# FMT 4 upcasts to bf16 bits there, kernels/moe_mxfp4.py)
+FMT_DOT_SCALED, FMT_HALVES, FMT_HALVES_FP32 = 3, 4, 5
 
 
 @triton.jit
@@ -30,11 +32,11 @@ def _load_a(a_rows, k0, row_ok, K, FMT: tl.constexpr, BLOCK_K: tl.constexpr,
             UPCAST: tl.constexpr):  # fmt: skip
     """The [BLOCK_M, BLOCK_K] activation tile at columns k0.. of rows `a_rows` (pointers);
     for MXFP4 its even and odd columns as two [BLOCK_M, BLOCK_K/2] tiles."""
-    kk = k0 + tl.arange(0, BLOCK_K // 2 if FMT == 4 else BLOCK_K)
+    kk = k0 + tl.arange(0, BLOCK_K // 2 if FMT >= 4 else BLOCK_K)
     a = tl.load(a_rows[:, None] + kk[None, :], mask=row_ok[:, None] & (kk < K)[None, :], other=0.0)
     if UPCAST and FMT != 3:  # the interpreter computes on raw bf16 bits otherwise
         a = a.to(tl.float32)
-    if FMT == 4:  # "halves": x columns k0.. and k0 + BLOCK_K/2.., each its own load
+    if FMT >= 4:  # "halves": x columns k0.. and k0 + BLOCK_K/2.., each its own load
         a1 = tl.load(a_rows[:, None] + (kk + BLOCK_K // 2)[None, :], mask=row_ok[:, None],
                      other=0.0)  # fmt: skip
         a0, a1 = a, a1.to(a.dtype)

@@ -21,6 +21,16 @@ the even / odd columns back into the MMA operand.
   0.5, is the subnormal m/2 * 2^-126: no select). One fp32 multiply by 2^(s-1) (the UE8M0 byte
   s shifted into an exponent) gives e2m1 * 2^(s-127), exactly `mxfp4_dequantize`'s value, then
   one conversion to bf16 (exact: a 2-bit mantissa).
+  On the GPU the codes go straight into bf16 bits instead, two at a time in one 32-bit
+  register (`_E2M1_BF16_ASM`: sign to bit 15 of its 16-bit lane, e1 e0 m to bits 8..6: the same
+  e2m1 * 2^-126, 0.5 a bf16 subnormal), then one packed bf16 multiply by 2^(s-1) (exact: a
+  power of two; HMUL2 keeps subnormals). sm_90 compile (Triton 3.9, tools/moe_sass.py): 0.31
+  warp instructions a weight byte against 0.48 through fp32, which spends an FMUL a code, an
+  F2FP a pair and per-byte unpacking (served once the card has run it: kernels/moe.py
+  HALVES_FP32_DEFAULT). 2^(s-1) is a finite bf16 only for s <= 128 (weights below
+  16): the halves layouts hold no larger scale byte (`dsv4.ops.quant.halves_scales_fit`, checked
+  where experts are re-packed; a layer with larger ones keeps the stored layout). The
+  interpreter computes the same values through the fp32 bits.
 Both compute on the dequantised values in bf16 with fp32 accumulation: outputs equal the
 dequantise-then-GEMM reference up to fp32 summation order.
 """
@@ -45,10 +55,36 @@ def _e2m1_bits(code):
     return (((code & 8) << 28) | ((code & 7) << 22)).to(tl.float32, bitcast=True)
 
 
+# 2 bytes [b1 b0] (a 16-bit operand) -> their low nibbles and their high nibbles as bf16 pairs
+# (e2m1 * 2^-126, a 32-bit register each, b0's code in the low lane): the bytes spread to
+# [0 b1 0 b0] by one PRMT, then per output the sign to bit 15 of each lane and e1 e0 m to bits
+# 8..6: two shifts and two logic ops for two codes.
+_E2M1_BF16_ASM = tl.constexpr("""
+{
+.reg .b32 w, z, t, u, v;
+cvt.u32.u16 w, $2;
+mov.b32 z, 0;
+prmt.b32 t, w, z, 0x4140;
+shl.b32 u, t, 12; shl.b32 v, t, 6;
+and.b32 u, u, 0x80008000; and.b32 v, v, 0x01C001C0; or.b32 $0, u, v;
+shl.b32 u, t, 8; shl.b32 v, t, 2;
+and.b32 u, u, 0x80008000; and.b32 v, v, 0x01C001C0; or.b32 $1, u, v;
+}
+""")
+
+
+@triton.jit
+def _e2m1_bf16(packed):
+    """uint8 bytes (two e2m1 codes each) -> (low nibbles, high nibbles) as bf16 e2m1 * 2^-126
+    (GPU only: inline PTX, which the interpreter cannot run)."""
+    return tl.inline_asm_elementwise(_E2M1_BF16_ASM, "=r,=r,h", [packed],
+                                     dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=2)  # fmt: skip
+
+
 @triton.jit
 def _scales(s_rows, g0, stride_sk, mk, BLOCK_N: tl.constexpr, HALF: tl.constexpr,
-            SWAP_AB: tl.constexpr):  # fmt: skip
-    """The UE8M0 bytes of the HALF/32 scale groups from g0 as 2^(s-1) in fp32, broadcast to
+            SWAP_AB: tl.constexpr, AS_BF16: tl.constexpr = False):  # fmt: skip
+    """The UE8M0 bytes of the HALF/32 scale groups from g0 as 2^(s-1) in fp32 (or bf16), broadcast to
     their columns: [BLOCK_N, HALF] (SWAP_AB) or [HALF, BLOCK_N]. s_rows: scale row pointers
     ([BLOCK_N, 1] or [1, BLOCK_N]); mk: the rows' mask."""
     if SWAP_AB:
@@ -56,7 +92,10 @@ def _scales(s_rows, g0, stride_sk, mk, BLOCK_N: tl.constexpr, HALF: tl.constexpr
     else:
         g = g0 + tl.arange(0, HALF // 32)[:, None]
     sb = tl.load(s_rows + g * stride_sk, mask=mk, other=127).to(tl.int32) & 0xFF
-    scale = ((sb + 126) << 23).to(tl.float32, bitcast=True)  # 2^126 * 2^(s - 127)
+    if AS_BF16:  # the same 2^(s-1) as a bf16: exponent field s + 126 (s <= 128: the layout's)
+        scale = ((sb + 126) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        scale = ((sb + 126) << 23).to(tl.float32, bitcast=True)  # 2^126 * 2^(s - 127)
     # NOTE: one return at the end: compiled (not interpreted), code after a return in a
     # constexpr branch was still traced
     if HALF == 32:  # one group a half (BLOCK_K 64): the [BLOCK_N, 1] column broadcasts as it is
@@ -74,7 +113,7 @@ def _scales(s_rows, g0, stride_sk, mk, BLOCK_N: tl.constexpr, HALF: tl.constexpr
 def dot_mx(acc, a0, a1, w_rows, s_rows, wn_ok, k0, K, stride_sk, FMT: tl.constexpr,
            BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr):  # fmt: skip
     """One K step of `kernels.moe_gemm._dot_w` for FMT 3 ("dot_scaled": a0 is the [BLOCK_M, BLOCK_K]
-    x tile) and FMT 4 ("halves": a0 / a1 the x columns k0.. / k0 + BLOCK_K/2.., [BLOCK_M,
+    x tile) and FMT 4 / 5 ("halves"; 5 upcasts through fp32 on the GPU too: a0 / a1 the x columns k0.. / k0 + BLOCK_K/2.., [BLOCK_M,
     BLOCK_K/2] each). w_rows / s_rows: the expert's weight rows / scale rows (pointers, [BLOCK_N,
     1] with SWAP_AB, else [1, BLOCK_N]); acc [BLOCK_M, BLOCK_N], SWAP_AB [BLOCK_N, BLOCK_M]."""
     if SWAP_AB:  # weight tiles [BLOCK_N, BLOCK_K/2]: the rows as stored
@@ -96,12 +135,17 @@ def dot_mx(acc, a0, a1, w_rows, s_rows, wn_ok, k0, K, stride_sk, FMT: tl.constex
             acc = tl.dot_scaled(a0, None, "bf16", packed.to(tl.uint8), tl.trans(sb), "e2m1", acc)
     else:
         # the low nibbles' columns k0 + [0, BLOCK_K/2), the high nibbles' the next BLOCK_K/2
-        g_lo = k0 // 32
-        s_lo = _scales(s_rows, g_lo, stride_sk, wn_ok, BLOCK_N, BLOCK_K // 2, SWAP_AB)
-        s_hi = _scales(s_rows, g_lo + BLOCK_K // 64, stride_sk, wn_ok, BLOCK_N, BLOCK_K // 2,
-                       SWAP_AB)  # fmt: skip
-        lo = (_e2m1_bits(packed) * s_lo).to(a0.dtype)
-        hi = (_e2m1_bits(packed >> 4) * s_hi).to(a0.dtype)
+        g_lo, g_hi = k0 // 32, k0 // 32 + BLOCK_K // 64
+        if FMT == 4 and a0.dtype == tl.bfloat16:  # the GPU (the interpreter cannot run PTX)
+            s_lo = _scales(s_rows, g_lo, stride_sk, wn_ok, BLOCK_N, BLOCK_K // 2, SWAP_AB, True)
+            s_hi = _scales(s_rows, g_hi, stride_sk, wn_ok, BLOCK_N, BLOCK_K // 2, SWAP_AB, True)
+            lo, hi = _e2m1_bf16(packed.to(tl.uint8))
+            lo, hi = lo * s_lo, hi * s_hi
+        else:  # the same values through fp32 bits (FMT 5: kernels/moe.py HALVES_FP32_DEFAULT)
+            s_lo = _scales(s_rows, g_lo, stride_sk, wn_ok, BLOCK_N, BLOCK_K // 2, SWAP_AB)
+            s_hi = _scales(s_rows, g_hi, stride_sk, wn_ok, BLOCK_N, BLOCK_K // 2, SWAP_AB)
+            lo = (_e2m1_bits(packed) * s_lo).to(a0.dtype)
+            hi = (_e2m1_bits(packed >> 4) * s_hi).to(a0.dtype)
         if SWAP_AB:
             acc = tl.dot(lo, tl.trans(a0), acc)
             acc = tl.dot(hi, tl.trans(a1), acc)

@@ -17,6 +17,7 @@ router runs through the model's hot ops (`dsv4.model.hot_ops`).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Protocol
@@ -29,7 +30,17 @@ from dsv4.errors import ConfigError
 from dsv4.model.hot_ops import REFERENCE_OPS, HotOps
 from dsv4.model.layers import linear, linear_fp32
 from dsv4.ops.moe import gated_silu, swiglu
-from dsv4.ops.quant import MXFP4_BLOCK, dequantize, halves_block, repack_halves, unpack_halves
+from dsv4.ops.quant import (
+    HALVES_MAX_SCALE_BYTE,
+    MXFP4_BLOCK,
+    dequantize,
+    halves_block,
+    halves_scales_fit,
+    repack_halves,
+    unpack_halves,
+)
+
+logger = logging.getLogger(__name__)
 
 # ModelConfig.expert_dtype of a checkpoint -> the `kernels.moe` format its experts are served in
 SERVED_FORMATS = {"fp4": "mxfp4", "fp8": "fp8"}
@@ -339,10 +350,18 @@ def mxfp4_layout_(moe: MoE, layout: str) -> ExpertWeights | None:
     in place, one expert at a time (no second copy), and `moe.stacked_experts` renamed to the
     format. The reference forward reads either (`ExpertWeights.dequantized` unpacks). Other
     formats, experts already in `layout`, and dimensions not multiples of 128 (`halves_fit`)
-    are left as they are. Returns the storage."""
+    are left as they are; experts with a scale byte above HALVES_MAX_SCALE_BYTE keep (or get)
+    the stored layout. Returns the storage."""
     stacked, want = moe.stacked_experts, mxfp4_format(moe.cfg, layout)
     if stacked is None or stacked.format not in MXFP4_LAYOUTS.values() or stacked.format == want:
         return stacked
+    if halves_block(want) and not halves_scales_fit(stacked.w13_scale, stacked.w2_scale):
+        logger.warning("MXFP4 experts with scale bytes above %d (weights of 16 or more), which "
+                       "the halves layouts do not hold: this layer keeps the stored layout",
+                       HALVES_MAX_SCALE_BYTE)  # fmt: skip
+        want = "mxfp4"
+        if stacked.format == want:
+            return stacked
     with torch.no_grad():
         for w in (stacked.w13, stacked.w2):
             for e in range(w.shape[0]):

@@ -118,6 +118,19 @@ def mxfp4_dequantize(
 HALVES_BLOCKS = (64, 128)
 
 
+# The largest UE8M0 scale byte the "halves" layouts hold (a block scale of 2: weights below
+# 16): the GPU kernel multiplies the codes' bf16 bits by 2^(s-1) in bf16, finite to s = 128
+# (kernels/moe_mxfp4.py). Real expert weights sit far below it (|w| ~ 0.1: s ~ 120).
+HALVES_MAX_SCALE_BYTE = 128
+
+
+def halves_scales_fit(*scales: torch.Tensor | None) -> bool:
+    """Whether every UE8M0 byte of `scales` (float8_e8m0fnu or uint8) is at most
+    HALVES_MAX_SCALE_BYTE: experts that may take a "halves" layout (one host read a tensor)."""
+    return all(int(s.view(torch.uint8).max()) <= HALVES_MAX_SCALE_BYTE
+               for s in scales if s is not None and s.numel())  # fmt: skip
+
+
 def halves_block(fmt: str) -> int | None:
     """The K block of a "halves" format name ("mxfp4_halves64" / "mxfp4_halves128"); None for
     any other format."""

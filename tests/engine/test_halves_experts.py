@@ -20,8 +20,10 @@ from dsv4.model.offload import offload_model
 from dsv4.model.offload_load import ExpertOffload
 from dsv4.model.tiny import random_model, write_checkpoint
 from dsv4.model.weights import load_model
+from dsv4.ops.quant import HALVES_MAX_SCALE_BYTE, halves_scales_fit
 from dsv4.runner.paged import PoolOptions, pool_experts
 from dsv4.runner.paged.forward_state import PagedSwitches
+from dsv4.runner.paged.pool_storage import expert_rows_of
 from kernels.backend import KernelBackendConfig
 from tests.engine.conftest import make_core
 from tests.engine.test_expert_pool import _lockstep
@@ -105,3 +107,35 @@ def test_layout_round_trip_and_what_stays_stored() -> None:
     assert kept.format == "mxfp4"
     with pytest.raises(ConfigError, match="mxfp4_layout"):
         mxfp4_layout_(moe, "quarters")
+
+
+def test_a_scale_byte_past_the_halves_bound_keeps_the_stored_layout(caplog) -> None:
+    """The GPU kernel multiplies by 2^(s-1) in bf16, finite to s = 128: experts holding a larger
+    scale byte (weights of 16 or more) stay stored, bit for bit, and the start-up log says so;
+    128 itself still converts."""
+    moe = random_model(FP4, seed=1, expert_weights="checkpoint").layers[0].ffn
+    stacked = moe.stacked_experts
+    w13 = stacked.w13.clone()
+    scale = stacked.w2_scale.view(torch.uint8)
+    scale[3, 5, 1] = HALVES_MAX_SCALE_BYTE + 1
+    with caplog.at_level("WARNING"):
+        kept = mxfp4_layout_(moe, "halves128")
+    assert kept.format == "mxfp4" and torch.equal(kept.w13, w13)
+    assert "keeps the stored layout" in caplog.text
+    scale[3, 5, 1] = HALVES_MAX_SCALE_BYTE
+    assert mxfp4_layout_(moe, "halves128").format == "mxfp4_halves128"
+    assert halves_scales_fit(stacked.w13_scale, stacked.w2_scale, None)
+
+
+def test_an_offload_store_past_the_halves_bound_pools_stored() -> None:
+    """The pool's rows of an offload store take the same decision as a stacked storage: one
+    cold expert's scale byte above the bound keeps the layer's rows (device and host) stored."""
+    order = tuple((7, 2, 5, 0, 1, 3, 4, 6) for _ in range(FP4.num_hidden_layers))
+    split = random_model(FP4, seed=4, expert_weights="checkpoint",
+                         offload=ExpertOffload(5, 2, order))  # fmt: skip
+    store = split.layers[0].ffn.expert_store
+    cold = next(e for e in range(FP4.n_routed_experts) if e not in store.resident_row)
+    store.parts(cold)["w3"][1].view(torch.uint8)[0, 0] = HALVES_MAX_SCALE_BYTE + 1
+    rows = expert_rows_of(split.layers[0].ffn, "halves128")
+    assert rows.format == "mxfp4"
+    assert expert_rows_of(split.layers[1].ffn, "halves128").format == "mxfp4_halves128"

@@ -47,13 +47,20 @@ def test_halves_match_ref(block_k, swap_ab):
     check_step(weights, 5, 256, 2, fmt, 10.0, seed=block_k, tune={"SWAP_AB": swap_ab})
 
 
-@pytest.mark.parametrize("path", ["dot_scaled", "halves64"])
+EVERY_CODE_PATHS = {"dot_scaled": ("mxfp4", {"DOT_SCALED": True}), "halves64": ("mxfp4_halves64", {}),
+                    "halves64_bf16": ("mxfp4_halves64", {"HALVES_FP32": False}),
+                    "halves64_fp32": ("mxfp4_halves64", {"HALVES_FP32": True})}  # fmt: skip
+
+
+@pytest.mark.parametrize("path", ["dot_scaled", "halves64", "halves64_bf16"])
 def test_every_code_and_scale(path):
     """Every byte under UE8M0 scales 2^-127 (subnormal weights) .. 2, through one-hot x
-    columns: each gate / up output is one dequantised weight."""
+    columns: each gate / up output is one dequantised weight. On the GPU "halves64_bf16"
+    upcasts the codes straight into bf16 bits (inline PTX) and "halves64_fp32" through fp32
+    bits; the interpreter runs every halves path through fp32."""
     dim, inter = 128, 64
     weights = every_code_weights(dim, inter)
-    fmt, tune = ("mxfp4", {"DOT_SCALED": True}) if path == "dot_scaled" else ("mxfp4_halves64", {})
+    fmt, tune = EVERY_CODE_PATHS[path]
     if fmt != "mxfp4":
         weights = _halves(weights, 64)
     ids = torch.zeros(1, 1, dtype=torch.int32, device=DEVICE)
@@ -66,10 +73,19 @@ def test_every_code_and_scale(path):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("path", ["halves64_bf16", "halves64_fp32"])
+def test_every_code_and_scale_on_the_gpu(path):
+    """The bf16-bit upcast's inline PTX (and its fp32 baseline) on the card: every byte and
+    scale, subnormal weights and the largest scale the layout holds (128) included."""
+    test_every_code_and_scale(path)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("num_tokens", [1, 64, 1024])
 def test_candidates_at_production_shapes(num_tokens):
     weights = _weights(256, 4096, 2048, "mxfp4", seed=0)
     check_step(weights, num_tokens, 4096, 6, "mxfp4", 10.0, seed=1, tune={"DOT_SCALED": True})
     for block_k in moe_mxfp4.HALVES_BLOCKS:
-        check_step(_halves(weights, block_k), num_tokens, 4096, 6, f"mxfp4_halves{block_k}",
-                   10.0, seed=1)  # fmt: skip
+        for fp32 in (False, True):  # the upcast to bf16 bits and through fp32 bits
+            check_step(_halves(weights, block_k), num_tokens, 4096, 6, f"mxfp4_halves{block_k}",
+                       10.0, seed=1, tune={"HALVES_FP32": fp32})  # fmt: skip

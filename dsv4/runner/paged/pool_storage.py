@@ -27,9 +27,19 @@ from dsv4.errors import ConfigError
 from dsv4.model.moe import MoE, mxfp4_format, mxfp4_layout_
 from dsv4.model.offload import OffloadedExperts
 from dsv4.model.offload_load import host_blobs
-from dsv4.ops.quant import repack_halves
+from dsv4.ops.quant import halves_block, halves_scales_fit, repack_halves
 
 Parts = tuple[torch.Tensor, ...]  # (w13, w2) or (w13, w2, w13_scale, w2_scale) of one expert
+
+
+def _store_scales_fit(store: OffloadedExperts, num: int) -> bool:
+    """Whether every expert of an MXFP4 offload store may take a "halves" layout
+    (`halves_scales_fit`): its scales read once, expert by expert, before any row is made."""
+    for e in range(num):
+        views = store.parts(e)
+        if not halves_scales_fit(*(views[name][1] for name in ("w1", "w2", "w3"))):
+            return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -52,6 +62,8 @@ def expert_rows_of(moe: MoE, mxfp4_layout: str = "stored") -> ExpertRows:
     store = moe.expert_store
     if isinstance(store, OffloadedExperts):
         fmt = mxfp4_format(moe.cfg, mxfp4_layout) if store.fmt.is_mxfp4 else "bf16"
+        if halves_block(fmt) and not _store_scales_fit(store, num):
+            fmt = "mxfp4"  # as `mxfp4_layout_` decides for a stacked storage
 
         def from_store(e: int) -> Parts:
             views = store.parts(e)
