@@ -23,7 +23,9 @@ Two launches per step:
 The compress launch runs first, so a long prefill chunk may reuse ring slots freely.
 A decode step without a boundary token (127 of 128 steps at ratio 128) launches only the save;
 `compressor_step_always` is the earlier approach (#48957's baseline): the compress kernel
-launched over every token, with non-boundary programs exiting at once.
+launched over every token, with non-boundary programs exiting at once. The paged forward's glue
+runs inside both launches (`ape`/`phase`: z + ape[p % r] at each read; `PagedAddress`: ring
+slots and block-table columns to rows), where torch took ~7 launches per compressor call.
 
 Roundings are emulated with integer ops (bf16 RNE, e4m3 RNE with saturation, power-of-two
 scales from the exponent bits), so the bytes match the torch codecs on the GPU and under the
@@ -42,6 +44,7 @@ from dsv4.ops.norm import rms_norm
 from dsv4.ops.rope import apply_rope
 from kernels.jit_helpers import bf16_rne, e4m3_bits, pow2, pow2_ceil_exp
 from kernels.registry import register_op
+from kernels.ring_offsets import PagedAddress, ring_row
 from kernels.specialize import sizes_vary
 
 FORMATS = ("fp8_ue8m0", "mxfp4", "fp8_fp32scale", "bf16", "fp32")  # the last two: debug caches
@@ -71,22 +74,31 @@ def _e2m1_bits(v):
     return idx | ((v < 0).to(tl.int32) << 3)
 
 
-@triton.jit
+@triton.jit(**sizes_vary("num_reqs", "stride_bt"))
 def _compress_kernel(
-    # Inputs: kv, gate [T, W] fp32 (W = c*d'), positions [T], state ring [S, 2W] fp32
+    # Inputs: kv, gate [T, W] fp32 (W = c*d', any row strides), positions [T], state ring
+    # [S, 2W] fp32
     kv_ptr, gate_ptr, pos_ptr, state_ptr,
     # Per boundary b (per token in ALL_TOKENS mode): token index, in-step count, ring rows
     # [NB, NC], cos/sin [NB, ROPE/2], destination cache row; norm weight [D]
     bnd_ptr, nis_ptr, win_ptr, cos_ptr, sin_ptr, slot_ptr, w_ptr,
     # Output: cache [rows, >= entry bytes] uint8
     cache_ptr,
+    # HAS_APE: ape [r, W] fp32 added to gate by each token's phase [T] (gate holds z alone)
+    ape_ptr, phase_ptr,
+    # PAGED (`PagedAddress`): ring_ids [B, NR] int64, block tables [B, nb], each program's
+    # request [NB], entry rows [NB]; ring rows are ring slots, slot_ptr block-table columns
+    ring_ptr, bt_ptr, req_ptr, erow_ptr,
     # Strides (elements / bytes) and scalars
-    stride_kv, stride_gate, stride_state, stride_win, stride_cs, stride_cache, eps,
+    stride_kv, stride_gate, stride_state, stride_win, stride_cs, stride_cache, stride_ape, eps,
+    num_reqs, stride_ring, rbi, epb, block_stride, offset_bytes, row_bytes,
+    stride_bt, entry_stride, entry_unit, entry_base,
     # Meta-parameters
     D: tl.constexpr, ROPE: tl.constexpr, RATIO: tl.constexpr, OVERLAP: tl.constexpr,
     FMT: tl.constexpr,  # 0 fp8_ue8m0, 1 mxfp4, 2 fp8_fp32scale, 3 bf16, 4 fp32
     BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
     ALL_TOKENS: tl.constexpr,  # baseline: one program per token, non-boundary ones idle
+    HAS_APE: tl.constexpr, PAGED: tl.constexpr,
 ):  # fmt: skip
     NC: tl.constexpr = RATIO * (2 if OVERLAP else 1)  # candidates per entry
     W: tl.constexpr = D * (2 if OVERLAP else 1)
@@ -101,6 +113,8 @@ def _compress_kernel(
         ch = tl.arange(0, BLOCK_D)
         ch_ok = ch < D
         nis = tl.load(nis_ptr + b)
+        if PAGED:
+            req = tl.load(req_ptr + b)
         # ---- online softmax over the NC candidates, per channel --------------------------
         m = tl.full([BLOCK_D], float("-inf"), tl.float32)
         den = tl.zeros([BLOCK_D], tl.float32)
@@ -110,6 +124,9 @@ def _compress_kernel(
             back = NC - 1 - j  # distance from the boundary token
             in_step = back < nis
             row = tl.load(win_ptr + b.to(tl.int64) * stride_win + j, mask=~in_step, other=-1)
+            if PAGED:  # ring slots [BLOCK_C] -> state rows
+                row = ring_row(ring_ptr, req, row, num_reqs, stride_ring, rbi, epb,
+                                block_stride, offset_bytes, row_bytes)  # fmt: skip
             in_ring = (~in_step) & (row >= 0)
             if OVERLAP:  # previous window: first halves; this window: second halves
                 col = tl.where(j < RATIO, 0, D)[:, None] + ch[None, :]
@@ -122,6 +139,9 @@ def _compress_kernel(
             a = tl.load(kv_ptr + t_src[:, None] * stride_kv + col, mask=mk_s, other=0.0)
             a += tl.load(state_ptr + r_src[:, None] * stride_state + col, mask=mk_r, other=0.0)
             g_s = tl.load(gate_ptr + t_src[:, None] * stride_gate + col, mask=mk_s, other=0.0)
+            if HAS_APE:  # z + ape[p % r]: the fp32 add the torch glue made
+                ph = tl.load(phase_ptr + t_src, mask=in_step, other=0).to(tl.int64)
+                g_s += tl.load(ape_ptr + ph[:, None] * stride_ape + col, mask=mk_s, other=0.0)
             g_r = tl.load(state_ptr + r_src[:, None] * stride_state + W + col, mask=mk_r,
                           other=0.0)  # fmt: skip
             g = tl.where(mk_s, g_s, tl.where(mk_r, g_r, float("-inf")))
@@ -150,7 +170,12 @@ def _compress_kernel(
         new_odd = bf16_rne(even * sin + odd * cos)
         y = tl.reshape(tl.join(new_even, new_odd), [BLOCK_D])
         # ---- quantise into the entry bytes ---------------------------------------------
-        out = cache_ptr + tl.load(slot_ptr + b).to(tl.int64) * stride_cache
+        dst = tl.load(slot_ptr + b).to(tl.int64)
+        if PAGED:  # block-table column -> token block -> cache row
+            bt_row = tl.where(req < 0, req + num_reqs, req).to(tl.int64)  # -1: the last, as torch
+            dst = tl.load(bt_ptr + bt_row * stride_bt + dst).to(tl.int64) * entry_stride
+            dst += tl.load(erow_ptr + b).to(tl.int64) * entry_unit + entry_base
+        out = cache_ptr + dst * stride_cache
         if FMT == 0:  # [nope e4m3 | rope bf16 | one UE8M0 byte per 64 nope dims, 8-padded]
             NOPE: tl.constexpr = D - ROPE
             NBLK: tl.constexpr = (NOPE + 63) // 64
@@ -196,16 +221,24 @@ def _compress_kernel(
             tl.store(out + D + k, sb.to(tl.uint8))
 
 
-@triton.jit(**sizes_vary("T"))
+@triton.jit(**sizes_vary("T", "num_reqs"))
 def _save_kernel(
-    # [a | z] of every token into its ring row (slot -1: skip)
-    kv_ptr, gate_ptr, slots_ptr, state_ptr,
-    T, W, stride_kv, stride_gate, stride_state,
-    BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr,
+    # [a | z (+ ape[phase] if HAS_APE)] of every token into its ring row (slot -1: skip);
+    # PAGED: slots are ring slots of the token's request [T] (`_compress_kernel`'s arguments)
+    kv_ptr, gate_ptr, slots_ptr, state_ptr, ape_ptr, phase_ptr, ring_ptr, treq_ptr,
+    T, W, stride_kv, stride_gate, stride_state, stride_ape,
+    num_reqs, stride_ring, rbi, epb, block_stride, offset_bytes, row_bytes,
+    BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr, HAS_APE: tl.constexpr, PAGED: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     slot = tl.load(slots_ptr + rows, mask=rows < T, other=-1)
+    if PAGED:
+        req = tl.load(treq_ptr + rows, mask=rows < T, other=0)
+        slot = ring_row(ring_ptr, req, slot, num_reqs, stride_ring, rbi, epb, block_stride,
+                         offset_bytes, row_bytes)  # fmt: skip
     ok = slot >= 0
+    if HAS_APE:
+        ph = tl.load(phase_ptr + rows, mask=ok, other=0).to(tl.int64)[:, None]
     src = rows.to(tl.int64)[:, None]
     dst = state_ptr + tl.maximum(slot, 0).to(tl.int64)[:, None] * stride_state
     for w0 in range(0, W, BLOCK_W):
@@ -214,6 +247,8 @@ def _save_kernel(
         a = tl.load(kv_ptr + src * stride_kv + w[None, :], mask=mk)
         tl.store(dst + w[None, :], a, mask=mk)
         z = tl.load(gate_ptr + src * stride_gate + w[None, :], mask=mk)
+        if HAS_APE:
+            z += tl.load(ape_ptr + ph * stride_ape + w[None, :], mask=mk)
         tl.store(dst + W + w[None, :], z, mask=mk)
 
 
@@ -226,8 +261,30 @@ def _check(kv, gate, state, cache, ratio, fmt, dim, rope_dim):
     assert cache.shape[1] >= entry_bytes(fmt, dim, rope_dim), (cache.shape, fmt)
 
 
+def _options(kv, ape, phase, paged):
+    """Kernel arguments of the optional glue, dummies (never read) where it is off:
+    ((ape, phase, stride_ape, HAS_APE), (ring_ids, num_reqs and the ring scalars), PAGED)."""
+    if ape is None:
+        ape_args = (kv, kv, 0, False)
+    else:
+        assert ape.dtype == torch.float32 and ape.stride(1) == 1 and ape.shape[1] == kv.shape[1]
+        assert phase is not None and phase.shape == kv.shape[:1], (phase, kv.shape)
+        ape_args = (ape, phase, ape.stride(0), True)
+    if paged is None:
+        return ape_args, (kv, 0, 0, 0, 1, 0, 0, 0), False
+    ring, bt = paged.ring_ids, paged.block_tables
+    assert ring.dtype == torch.int64 and ring.stride(1) == 1 and bt.stride(1) == 1
+    assert bt.shape[0] == ring.shape[0], (bt.shape, ring.shape)
+    assert paged.token_reqs.shape == kv.shape[:1], (paged.token_reqs.shape, kv.shape)
+    ring_args = (ring, ring.shape[0], ring.stride(0), paged.ring_block_index,
+                 paged.entries_per_block, paged.block_stride, paged.offset_bytes,
+                 paged.entry_bytes)  # fmt: skip
+    return ape_args, ring_args, True
+
+
 def _launch_compress(kv, gate, positions, state, bnd, nis, window_rows, norm_weight, cos, sin,
-                     cache, entry_slots, n, ratio, fmt, rope_dim, eps, all_tokens):  # fmt: skip
+                     cache, entry_slots, n, ratio, fmt, rope_dim, eps, all_tokens, paged,
+                     opts):  # fmt: skip
     overlap = ratio == 4
     dim = kv.shape[1] // (2 if overlap else 1)
     block_d = max(64, triton.next_power_of_2(dim))
@@ -235,97 +292,111 @@ def _launch_compress(kv, gate, positions, state, bnd, nis, window_rows, norm_wei
     block_c = min(num_cand, max(1, 4096 // block_d))
     window_rows = window_rows.contiguous()
     cos, sin = cos.contiguous(), sin.contiguous()
+    (ape, phase, stride_ape, has_ape), (ring, *ring_scalars), on = opts
+    bt, reqs, erows = (paged.block_tables, paged.reqs, paged.entry_rows) if on else (bnd,) * 3
+    entry = ((paged.block_tables.stride(0), paged.entry_stride, paged.entry_unit,
+              paged.entry_base) if on else (0, 1, 1, 0))  # fmt: skip
     _compress_kernel[(n,)](
         kv, gate, positions, state,
         bnd, nis, window_rows, cos, sin, entry_slots, norm_weight,
-        cache,
+        cache, ape, phase, ring, bt, reqs, erows,
         kv.stride(0), gate.stride(0), state.stride(0), window_rows.stride(0), cos.stride(0),
-        cache.stride(0), float(eps),
+        cache.stride(0), stride_ape, float(eps), *ring_scalars, *entry,
         D=dim, ROPE=rope_dim, RATIO=ratio, OVERLAP=overlap, FMT=FORMATS.index(fmt),
-        BLOCK_D=block_d, BLOCK_C=block_c, ALL_TOKENS=all_tokens,
+        BLOCK_D=block_d, BLOCK_C=block_c, ALL_TOKENS=all_tokens, HAS_APE=has_ape, PAGED=on,
         num_warps=8 if block_d >= 512 else 4,
     )  # fmt: skip
 
 
-def _launch_save(kv, gate, state, save_slots):
+def _launch_save(kv, gate, state, save_slots, paged, opts):
     num_tokens, width = kv.shape
     if num_tokens == 0:
         return
+    (ape, phase, stride_ape, has_ape), (ring, *ring_scalars), on = opts
     block_w = min(triton.next_power_of_2(width), 1024 if kv.is_cuda else 4096)
     block_t = max(1, min(triton.next_power_of_2(num_tokens), 4096 // block_w))
     _save_kernel[(triton.cdiv(num_tokens, block_t),)](
-        kv, gate, save_slots, state, num_tokens, width,
-        kv.stride(0), gate.stride(0), state.stride(0), BLOCK_T=block_t, BLOCK_W=block_w,
+        kv, gate, save_slots, state, ape, phase, ring, paged.token_reqs if on else save_slots,
+        num_tokens, width, kv.stride(0), gate.stride(0), state.stride(0), stride_ape,
+        *ring_scalars, BLOCK_T=block_t, BLOCK_W=block_w, HAS_APE=has_ape, PAGED=on,
     )  # fmt: skip
 
 
-def compressor_step(
-    kv: torch.Tensor,
-    gate: torch.Tensor,
-    positions: torch.Tensor,
-    state: torch.Tensor,
-    save_slots: torch.Tensor,
-    boundary: torch.Tensor,
-    num_in_step: torch.Tensor,
-    window_rows: torch.Tensor,
-    norm_weight: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    cache: torch.Tensor,
-    entry_slots: torch.Tensor,
-    *,
-    ratio: int,
-    fmt: str,
-    rope_dim: int,
-    eps: float = 1e-6,
-    entry_dtype: torch.dtype = torch.bfloat16,
-) -> torch.Tensor:
+def compressor_step(kv: torch.Tensor, gate: torch.Tensor, positions: torch.Tensor,
+                    state: torch.Tensor, save_slots: torch.Tensor, boundary: torch.Tensor,
+                    num_in_step: torch.Tensor, window_rows: torch.Tensor,
+                    norm_weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    cache: torch.Tensor, entry_slots: torch.Tensor, *, ratio: int, fmt: str,
+                    rope_dim: int, eps: float = 1e-6, entry_dtype: torch.dtype = torch.bfloat16,
+                    ape: torch.Tensor | None = None, phase: torch.Tensor | None = None,
+                    paged: PagedAddress | None = None) -> torch.Tensor:  # fmt: skip
     """One step of a compressor: entries of the boundary tokens into `cache`, then the state.
 
-    kv, gate [T, c*d'] fp32 (gate includes ape); positions [T]; state [S, 2*c*d'] fp32 ring
-    rows; save_slots [T] int32 (ring row per token, -1 = skip). Per boundary token b (NB of
-    them, NB may be 0): boundary [NB] int32 token index, num_in_step [NB] int32 (tokens of its
-    request in this step up to and including it), window_rows [NB, c*r] int32 (ring rows of
-    positions p-c*r+1..p, -1 if < 0; read only where not in this step), cos/sin [NB, rope/2]
-    fp32 at position p+1-r, entry_slots [NB] int32 (row of `cache`). norm_weight [d'];
+    kv, gate [T, c*d'] fp32, unit column stride, any row stride (e.g. the two halves of one
+    [T, 2 c d'] projection); positions [T]; state [S, 2*c*d'] fp32 ring rows; save_slots [T]
+    int32 (ring row per token, -1 = skip). Per boundary token b (NB of them, NB may be 0):
+    boundary [NB] int32 token index, num_in_step [NB] int32 (tokens of its request in this
+    step up to and including it), window_rows [NB, c*r] int32 (ring rows of positions
+    p-c*r+1..p, -1 if < 0; read only where not in this step), cos/sin [NB, rope/2] fp32 at
+    position p+1-r, entry_slots [NB] int32 (row of `cache`). norm_weight [d'];
     cache [rows, >= entry_bytes(fmt)] uint8. Returns `cache` (written in place).
+
+    Glue done in the kernels (each launch of its own in torch): with `ape` [r, c*d'] fp32 and
+    `phase` [T] int (p mod r), gate holds z alone and every read adds ape[phase] (the same
+    fp32 add); with `paged`, save_slots / window_rows are ring slots and entry_slots columns
+    of the programs' block tables, addressed as `PagedAddress.resolve` does.
     """
     dim = kv.shape[1] // (2 if ratio == 4 else 1)
     _check(kv, gate, state, cache, ratio, fmt, dim, rope_dim)
     assert entry_dtype == torch.bfloat16, "the kernel rounds entries to bf16 (the served dtype)"
+    opts = _options(kv, ape, phase, paged)
     num_b = boundary.shape[0]
     if num_b:  # #48957: no compress launch on a step without a boundary token
         _launch_compress(kv, gate, positions, state, boundary, num_in_step, window_rows,
                          norm_weight, cos, sin, cache, entry_slots, num_b, ratio, fmt, rope_dim,
-                         eps, all_tokens=False)  # fmt: skip
-    _launch_save(kv, gate, state, save_slots)
+                         eps, False, paged, opts)  # fmt: skip
+    _launch_save(kv, gate, state, save_slots, paged, opts)
     return cache
 
 
 def compressor_step_always(kv, gate, positions, state, save_slots, boundary, num_in_step,
                            window_rows, norm_weight, cos, sin, cache, entry_slots, *, ratio,
-                           fmt, rope_dim, eps=1e-6, entry_dtype=torch.bfloat16):  # fmt: skip
+                           fmt, rope_dim, eps=1e-6, entry_dtype=torch.bfloat16, ape=None,
+                           phase=None, paged=None):  # fmt: skip
     """The pre-#48957 slow path: the compress kernel over EVERY token (per-token tables:
-    num_in_step [T], window_rows [T, c*r], cos/sin [T, rope/2], entry_slots [T]), non-boundary
-    programs idle; `boundary` is ignored. Then the state save."""
+    num_in_step [T], window_rows [T, c*r], cos/sin [T, rope/2], entry_slots [T]; `paged.reqs`
+    and `paged.entry_rows` [T]), non-boundary programs idle; `boundary` is ignored. Then the
+    state save."""
     dim = kv.shape[1] // (2 if ratio == 4 else 1)
     _check(kv, gate, state, cache, ratio, fmt, dim, rope_dim)
+    opts = _options(kv, ape, phase, paged)
     if kv.shape[0]:
         _launch_compress(kv, gate, positions, state, boundary, num_in_step, window_rows,
                          norm_weight, cos, sin, cache, entry_slots, kv.shape[0], ratio, fmt,
-                         rope_dim, eps, all_tokens=True)  # fmt: skip
-    _launch_save(kv, gate, state, save_slots)
+                         rope_dim, eps, True, paged, opts)  # fmt: skip
+    _launch_save(kv, gate, state, save_slots, paged, opts)
     return cache
+
+
+def _glue_ref(gate, save_slots, window_rows, entry_slots, ape, phase, paged):
+    """The torch form of the kernels' optional glue (module doc of `compressor_step`)."""
+    if ape is not None:
+        gate = gate + ape[phase.long()]  # [T, c d'] fp32
+    if paged is not None:
+        save_slots, window_rows, entry_slots = paged.resolve(save_slots, window_rows, entry_slots)
+    return gate, save_slots, window_rows, entry_slots
 
 
 def compressor_step_ref(
     kv, gate, positions, state, save_slots, boundary, num_in_step, window_rows, norm_weight,
     cos, sin, cache, entry_slots, ratio=4, fmt="fp8_ue8m0", rope_dim=64, eps=1e-6,
-    entry_dtype=torch.bfloat16,
+    entry_dtype=torch.bfloat16, ape=None, phase=None, paged=None,
 ):  # fmt: skip
     """Reference: gathers each boundary window from the step and the ring, then the model's
     `compress_windows`, RMSNorm and `apply_rope` in `entry_dtype` (the model dtype: bf16, as
     the kernel; fp32 for exactness tests of an fp32 model) and `kv_codec.encode_rows`."""
+    gate, save_slots, window_rows, entry_slots = _glue_ref(gate, save_slots, window_rows,
+                                                           entry_slots, ape, phase, paged)  # fmt: skip
     overlap = ratio == 4
     width = kv.shape[1]
     dim = width // (2 if overlap else 1)
@@ -361,9 +432,12 @@ def compressor_step_ref(
 
 def compressor_step_always_ref(kv, gate, positions, state, save_slots, boundary, num_in_step,
                                window_rows, norm_weight, cos, sin, cache, entry_slots, *, ratio,
-                               fmt, rope_dim, eps=1e-6, entry_dtype=torch.bfloat16):  # fmt: skip
+                               fmt, rope_dim, eps=1e-6, entry_dtype=torch.bfloat16, ape=None,
+                               phase=None, paged=None):  # fmt: skip
     """Reference of `compressor_step_always` (per-token tables, `boundary` ignored): the tokens
     that close a window are picked on the device (a host sync: CPU and tests only)."""
+    gate, save_slots, window_rows, entry_slots = _glue_ref(gate, save_slots, window_rows,
+                                                           entry_slots, ape, phase, paged)  # fmt: skip
     closes = ((positions.long() + 1) % ratio == 0).nonzero().squeeze(1)
     return compressor_step_ref(
         kv, gate, positions, state, save_slots, closes.int(), num_in_step[closes],

@@ -18,9 +18,11 @@ from dsv4.ops.rope import apply_rope
 from kernels.compressor import (
     compressor_step,
     compressor_step_always,
+    compressor_step_always_ref,
     compressor_step_ref,
     entry_bytes,
 )
+from kernels.ring_offsets import PagedAddress
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -198,3 +200,124 @@ def test_compressor_step_production_shapes_gpu(ratio, dim, fmt):
     assert torch.equal(s_tri, s_ref)
     idx = meta["entry_slots"].long()
     _assert_entries_close(c_tri[idx], c_ref[idx], fmt, dim, 64)
+
+
+def _rows(flat: torch.Tensor, width: int) -> torch.Tensor:
+    """[n, width] rows of `flat` addressed by element offset (stride (1, 1)), as the paged
+    cache's state and indexer views (dsv4/runner/paged/geometry.py)."""
+    return torch.as_strided(flat, (flat.numel() - width + 1, width), (1, 1))
+
+
+def _paged_case(prefix_lens, query_lens, ratio, fmt, dim, rope, seed):
+    """The paged forward's call: kv and gate the halves of one [T, 2W] projection, z without
+    ape, ring slots over multi-block state rings (ring block index 1, 3 padded rows a block)
+    and entries by block-table column in a byte-addressed page. Returns the projection, ape,
+    norm weight, per-token tables, their PagedAddress and the flat state and cache storages."""
+    c = 2 if ratio == 4 else 1
+    width, num_cand, ring = c * dim, c * ratio, c * ratio + 1
+    g = torch.Generator().manual_seed(seed)
+    pos, req, nis, save = [], [], [], []
+    for b, (p0, q) in enumerate(zip(prefix_lens, query_lens)):
+        for i in range(q):
+            pos += [p0 + i]
+            req += [b]
+            nis += [i + 1]
+            save += [(p0 + i) % ring if i >= q - ring else -1]  # the last `ring` tokens only
+    num_t, num_b = len(pos), len(query_lens)
+    p = torch.tensor(pos, dtype=torch.long)
+    cand = p[:, None] - num_cand + 1 + torch.arange(num_cand)
+    entry = ((p + 1) // ratio - 1).clamp(min=0)
+    epb_e, epb_s, rbi = 2, 3, 1  # entries a token block, state rows a ring block
+    nb = max(-(-(p0 + q) // ratio) for p0, q in zip(prefix_lens, query_lens)) // epb_e + 1
+    row_bytes = 2 * width * 4 + 16
+    s_stride = 64 + epb_s * row_bytes  # a ring block: 64 bytes of another layer, then rows
+    nr = rbi + -(-ring // epb_s)
+    ring_ids = torch.randperm(num_b * nr + 3, generator=g)[: num_b * nr].view(num_b, nr)
+    state = torch.randn(int(ring_ids.max() + 1) * s_stride // 4, generator=g)
+    unit = entry_bytes(fmt, dim, rope) + 5
+    e_stride, e_base = epb_e * unit + 40, 24
+    blocks = torch.randperm(num_b * nb + 2, generator=g)[: num_b * nb].view(num_b, nb).int()
+    cache = torch.zeros((int(blocks.max()) + 1) * e_stride, dtype=torch.uint8)
+    proj = (torch.randn(num_t, 2 * width, generator=g) * 2).to(DEVICE)
+    ape = torch.randn(ratio, width, generator=g).to(DEVICE)
+    weight = (1 + 0.2 * torch.randn(dim, generator=g)).bfloat16().to(DEVICE)
+    angles = (entry * ratio).float()[:, None] * torch.rand(rope // 2, generator=g)[None, :]
+    treq = torch.tensor(req, device=DEVICE)
+    paged = PagedAddress(ring_ids.to(DEVICE), blocks.to(DEVICE), treq.int(), treq,
+                         (entry % epb_e).to(DEVICE), rbi, epb_s, s_stride, 64, row_bytes,
+                         e_stride, unit, e_base)  # fmt: skip
+    i32 = dict(dtype=torch.int32, device=DEVICE)
+    per_tok = dict(
+        positions=p.to(DEVICE), save_slots=torch.tensor(save, device=DEVICE),
+        boundary=torch.arange(num_t, **i32), num_in_step=torch.tensor(nis, **i32),
+        window_rows=torch.where(cand >= 0, cand % ring, -1).to(DEVICE),  # [T, NC] ring slots
+        cos=angles.cos().to(DEVICE), sin=angles.sin().to(DEVICE),
+        entry_slots=(entry // epb_e).clamp(max=nb - 1).to(DEVICE),  # block-table columns
+    )  # fmt: skip
+    return proj, ape, weight, per_tok, paged, state.to(DEVICE), cache.to(DEVICE)
+
+
+def _pick(per_tok, paged, rows):
+    """Boundary-program tables: the per-token rows of the tokens in `rows`."""
+    picked = {k: (v if k in ("positions", "save_slots") else v[rows]) for k, v in per_tok.items()}
+    picked["boundary"] = rows.int()
+    return picked, paged._replace(reqs=paged.reqs[rows], entry_rows=paged.entry_rows[rows])
+
+
+def _call(fn, kv, gate, tabs, weight, state, cache, kw, **glue):
+    """`fn` on copies of the flat storages -> (state, cache) storages after it."""
+    state, cache = state.clone(), cache.clone()
+    fn(kv, gate, tabs["positions"], _rows(state, kv.shape[1] * 2), tabs["save_slots"],
+       tabs["boundary"], tabs["num_in_step"], tabs["window_rows"], weight, tabs["cos"],
+       tabs["sin"], _rows(cache, kw["unit"]), tabs["entry_slots"], ratio=kw["ratio"],
+       fmt=kw["fmt"], rope_dim=kw["rope"], **glue)  # fmt: skip
+    return state, cache
+
+
+GLUE_CASES = [  # (ratio, dim, rope, fmt, prefix lens, query lens)
+    (4, 64, 32, "fp8_ue8m0", [2, 10, 0], [2, 2, 9]),  # decodes, window 0, a chunk wrapping
+    (4, 128, 64, "mxfp4", [5, 0], [9, 3]),
+    (8, 64, 32, "fp8_fp32scale", [3, 13], [5, 3]),
+    (128, 64, 32, "fp8_ue8m0", [127, 200], [1, 56]),
+    (4, 64, 32, "fp8_ue8m0", [6], [1]),  # no boundary: the save alone
+]
+
+
+@pytest.mark.parametrize("always", [False, True], ids=["boundary", "always"])
+@pytest.mark.parametrize(("ratio", "dim", "rope", "fmt", "prefix", "query"), GLUE_CASES)
+def test_glue_in_the_kernels_is_bitwise_the_torch_glue(ratio, dim, rope, fmt, prefix, query,
+                                                        always):  # fmt: skip
+    """ape, the strided halves and the PagedAddress inside the kernels write the same state and
+    cache bits as the torch glue run_compressor made before (gate + ape[phase], .contiguous(),
+    ring_offsets, the block gather and entry offsets), and agree with the reference."""
+    proj, ape, weight, per_tok, paged, state, cache = _paged_case(prefix, query, ratio, fmt, dim,
+                                                                  rope, ratio + len(query))  # fmt: skip
+    closes = ((per_tok["positions"] + 1) % ratio == 0).nonzero().squeeze(1)
+    if always:
+        fn, ref, (tabs, addr) = compressor_step_always, compressor_step_always_ref, (per_tok, paged)
+    else:
+        fn, ref, (tabs, addr) = compressor_step, compressor_step_ref, _pick(per_tok, paged, closes)
+    n = entry_bytes(fmt, dim, rope)
+    kw = dict(ratio=ratio, fmt=fmt, rope=rope, unit=paged.entry_unit)
+    glue = dict(ape=ape, phase=per_tok["positions"] % ratio, paged=addr)
+    kv, gate = proj.chunk(2, dim=1)  # [T, W] views of row stride 2W
+    # before: the torch glue, then the kernels on contiguous kv and gate and resolved rows
+    save, window, entry = addr.resolve(tabs["save_slots"], tabs["window_rows"],
+                                       tabs["entry_slots"])  # fmt: skip
+    old = dict(tabs, save_slots=save, window_rows=window, entry_slots=entry)
+    s_old, c_old = _call(fn, kv.contiguous(), gate + ape[glue["phase"]], old, weight, state,
+                         cache, kw)  # fmt: skip
+    s_new, c_new = _call(fn, kv, gate, tabs, weight, state, cache, kw, **glue)
+    assert torch.equal(s_new, s_old) and torch.equal(c_new, c_old)
+    assert not torch.equal(s_new, state)  # the save wrote rows
+    s_ref, c_ref = _call(ref, kv, gate, tabs, weight, state, cache, kw, **glue)
+    assert torch.equal(s_new, s_ref)
+    # entries of the programs that close a window: close to the reference; no other byte moved
+    written = entry if not always else entry[closes]
+    at = written.long()[:, None] + torch.arange(n, device=DEVICE)  # [NB, n] byte offsets
+    if written.numel():
+        _assert_entries_close(c_new[at], c_ref[at], fmt, dim, rope)
+    untouched = torch.ones_like(cache, dtype=torch.bool)
+    untouched[at.reshape(-1)] = False
+    assert torch.equal(c_new[untouched], cache[untouched])
+    assert torch.equal(c_ref[untouched], cache[untouched])

@@ -4,10 +4,13 @@ the cache, every token's [a | z + ape] row into the compressor's state ring (#48
 Per compress ratio and step (`CompressorTables`, shared by every compressor of that ratio):
 which tokens get a compress program (boundary tokens only, or every token for the
 always-launch baseline / a graph-captured step), their in-step counts, the ring slots of their
-candidate positions, where their entry goes and its rope angle. Per compressor the ring slots
-become element offsets of that layer's state page and the entry addresses get the page offset.
-An eager step builds the tables on the host (numpy) and uploads them once (4 launches where the
-device formulas made ~36); a captured step, whose replays bring new positions, keeps those.
+candidate positions, where their entry goes and its rope angle. Per compressor the kernels map
+the ring slots to element offsets of that layer's state page and the entries' block-table
+columns to cache rows (`kernels.ring_offsets.PagedAddress`), add ape to the gate and read kv and
+gate as the two halves of the projection: a call is the GEMM and the two compressor launches.
+An eager step builds the tables on the host (numpy) and uploads them once (2 launches, cos and
+sin, where the device formulas made ~36); a captured step, whose replays bring new positions,
+keeps those.
 
 A token's state row is saved only if no later token of its request in the same step reuses the
 ring slot (p >= end - slots): the save kernel writes rows in parallel.
@@ -16,7 +19,7 @@ ring slot (p >= end - slots): the save kernel writes rows in parallel.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -31,6 +34,7 @@ from dsv4.runner.paged.step_metadata import StepMetadata, ragged, upload_packed
 from dsv4.runner.paged.weights import CompressorWeights
 from kernels import compressor as compressor_kernels
 from kernels.backend import resolve
+from kernels.ring_offsets import PagedAddress
 
 
 @dataclass(frozen=True)
@@ -41,26 +45,14 @@ class CompressorTables:
     reqs: torch.Tensor  # [NB] int64: its request
     num_in_step: torch.Tensor  # [NB] int32
     cand_slots: torch.Tensor  # [NB, c*r] int64 ring slots of positions p-c*r+1..p (-1 if < 0)
-    entry_block: torch.Tensor  # [NB] int64 token block of the entry (p + 1) // r - 1
-    entry_row: torch.Tensor  # [NB] int64 its row in the block
+    # entry i = (p + 1) // r - 1: block-table column of its token block (clamped to the
+    # table), its row in the block; the kernel reads the block (`PagedAddress`)
+    entry_col: torch.Tensor  # [NB] int64
+    entry_row: torch.Tensor  # [NB] int64
     cos: torch.Tensor  # [NB, rope/2] fp32 at the entry position r * i
     sin: torch.Tensor
     save_slots: torch.Tensor  # [T] int64 ring slot per token, -1 = not saved
     phase: torch.Tensor  # [T] int64 position mod ratio: each token's ape row
-    # (entry stride, entry unit) -> [NB] int64 block * stride + row * unit: the part of the entry
-    # address that every compressor of this ratio and entry format shares (filled on first use)
-    _entry_offsets: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict, repr=False,
-                                                                compare=False)  # fmt: skip
-
-    def entry_address(self, g: CompressorGeometry) -> torch.Tensor:
-        """[NB] int64 address of each program's entry in g's cache page (KV slot or byte)."""
-        key = (g.entry_stride, g.entry_unit)
-        offsets = self._entry_offsets.get(key)
-        if offsets is None:
-            offsets = torch.add(self.entry_row * g.entry_unit, self.entry_block,
-                                alpha=g.entry_stride)  # fmt: skip
-            self._entry_offsets[key] = offsets
-        return offsets + g.entry_base
 
 
 def compressor_tables(meta: StepMetadata, ratio: int, *, all_tokens: bool) -> CompressorTables:
@@ -73,9 +65,9 @@ def compressor_tables(meta: StepMetadata, ratio: int, *, all_tokens: bool) -> Co
 
 
 def _host_tables(meta: StepMetadata, ratio: int, all_tokens: bool) -> CompressorTables:
-    """Everything but the entries' cache blocks and the rope's cos/sin from host-known starts
-    and ends (numpy), in one upload: 4 launches instead of ~36 (the formulas of
-    `_device_tables`, the same values and dtypes)."""
+    """Everything but the rope's cos/sin from host-known starts and ends (numpy), in one
+    upload: 2 launches instead of ~36 (the formulas of `_device_tables`, the same values and
+    dtypes)."""
     tokens, t = meta.tokens, meta.t
     cfg = meta.geo.layout.model
     num_cand = cfg.overlap(ratio) * ratio
@@ -99,8 +91,7 @@ def _host_tables(meta: StepMetadata, ratio: int, all_tokens: bool) -> Compressor
         np.minimum(entry // epb, t.block_tables.shape[1] - 1), entry % epb,  # block column, row
         angles, save, pos % ratio,
     ], t.positions.device)  # fmt: skip
-    block = t.block_tables[req_d, col].long()  # [NB] int64 the entry's token block
-    return CompressorTables(ratio, all_tokens, tok_d, req_d, nis, cand_slots, block, row,
+    return CompressorTables(ratio, all_tokens, tok_d, req_d, nis, cand_slots, col, row,
                             angles_d.cos(), angles_d.sin(), save_d, phase)  # fmt: skip
 
 
@@ -125,24 +116,24 @@ def _device_tables(meta: StepMetadata, ratio: int) -> CompressorTables:
     cand_slots = torch.where(cand >= 0, cand % slots, -1)
     entry = ((p + 1) // ratio - 1).clamp(min=0)
     epb = meta.geo.layout.block_size // ratio
-    block = t.block_tables.long()[req, (entry // epb).clamp(max=t.block_tables.shape[1] - 1)]
+    col = (entry // epb).clamp(max=t.block_tables.shape[1] - 1)
     cos, sin = rope_cos_sin(entry * ratio, inv_freq(cfg, ratio, dev))
     treq = t.token_to_req.long()
     keep = t.positions >= t.ends[treq] - slots
     save = torch.where(keep, t.positions % slots, -1)
     nis = (p - t.starts[req] + 1).int()
-    return CompressorTables(ratio, True, idx, req, nis, cand_slots, block, entry % epb,
+    return CompressorTables(ratio, True, idx, req, nis, cand_slots, col, entry % epb,
                             cos.contiguous(), sin.contiguous(), save, t.positions % ratio)  # fmt: skip
 
 
-def _state_offsets(meta: StepMetadata, g: CompressorGeometry, slots: torch.Tensor,
-                   reqs: torch.Tensor) -> torch.Tensor:  # fmt: skip
-    """Ring slots (-1 = none) of requests -> float offsets of their rows in the state page
-    (`kernels.ring_offsets`: one launch on the Triton backend)."""
-    ring = g.state
-    fn = resolve("ring_offsets", meta.kernels, slots.device)
-    return fn(meta.t.ring_ids, reqs, slots, ring.ring_block_index, ring.entries_per_block,
-              meta.geo.stride, ring.offset_bytes, ring.entry_bytes)  # fmt: skip
+def paged_address(meta: StepMetadata, g: CompressorGeometry,
+                  tables: CompressorTables) -> PagedAddress:  # fmt: skip
+    """Where g's state rows and entries live for the kernels (no tensor work: views only)."""
+    t, ring = meta.t, g.state
+    return PagedAddress(t.ring_ids, t.block_tables, t.token_to_req, tables.reqs,
+                        tables.entry_row, ring.ring_block_index, ring.entries_per_block,
+                        meta.geo.stride, ring.offset_bytes, ring.entry_bytes, g.entry_stride,
+                        g.entry_unit, g.entry_base)  # fmt: skip
 
 
 def run_compressor(
@@ -155,23 +146,19 @@ def run_compressor(
 ) -> None:
     """x [T, D] (the attention input) -> entries of the boundary tokens into the cache and
     state rows into the ring. `weights`: wkv and wgate stacked (one GEMM, fp32 out), ape."""
-    t = meta.t
+    t, geo = meta.t, meta.geo
     proj = linear_fp32(x, weights.proj)  # [T, 2 c d'] fp32
-    kv, gate = proj.chunk(2, dim=1)
-    gate = gate + weights.ape[tables.phase]
-    kv = kv.contiguous()
-    geo = meta.geo
-    save = _state_offsets(meta, g, tables.save_slots, t.token_to_req.long())
-    rows = _state_offsets(meta, g, tables.cand_slots, tables.reqs)
-    entry = tables.entry_address(g)
+    kv, gate = proj.chunk(2, dim=1)  # [T, c d'] views: the kernels take the row stride
     fn = resolve("compressor_step", meta.kernels, x.device)
     if tables.all_tokens:
         on_triton = fn is compressor_kernels.compressor_step
         fn = (compressor_kernels.compressor_step_always if on_triton
               else compressor_kernels.compressor_step_always_ref)  # fmt: skip
     fn(
-        kv, gate, t.positions, geo.state_rows(g), save, tables.tokens, tables.num_in_step, rows,
-        module.norm.weight, tables.cos, tables.sin, geo.entry_rows(g), entry,
-        ratio=g.ratio, fmt=g.entry_format, rope_dim=meta.geo.layout.model.qk_rope_head_dim,
-        eps=module.cfg.rms_norm_eps, entry_dtype=x.dtype,
+        kv, gate, t.positions, geo.state_rows(g), tables.save_slots, tables.tokens,
+        tables.num_in_step, tables.cand_slots, module.norm.weight, tables.cos, tables.sin,
+        geo.entry_rows(g), tables.entry_col, ratio=g.ratio, fmt=g.entry_format,
+        rope_dim=geo.layout.model.qk_rope_head_dim, eps=module.cfg.rms_norm_eps,
+        entry_dtype=x.dtype, ape=weights.ape, phase=tables.phase,
+        paged=paged_address(meta, g, tables),
     )  # fmt: skip
