@@ -11,6 +11,7 @@ from kernels import registry  # noqa: I001  (first: the op modules register into
 from kernels.backend import KernelBackendConfig, dispatch, resolve, select_backend
 from kernels.compressor import compressor_step
 from kernels.fp8_linear import fp8_grouped_linear, fp8_linear
+from kernels.gated_silu import gated_silu
 from kernels.indexer import indexer_logits
 from kernels.indexer_fused import indexer_logits_topk
 from kernels.indexer_select import indexer_select_all, indexer_topk
@@ -51,6 +52,7 @@ __all__ = [
     "expert_rows",
     "fp8_grouped_linear",
     "fp8_linear",
+    "gated_silu",
     "hash_route",
     "hc_head",
     "hc_post",

@@ -71,7 +71,7 @@ OP_COMPONENTS = {"hc_pre": "hc_pre", "hc_pre_first_layer": "hc_pre", "hc_post": 
                  "c128_index_table": "metadata", "c4_global_topk_slots": "metadata",
                  "token_to_req_indices": "metadata", "window_slot_table": "metadata",
                  "fp8_linear": None, "fp8_grouped_linear": None, "kv_store": None,
-                 "kv_gather": None}  # fmt: skip
+                 "kv_gather": None, "gated_silu": None}  # fmt: skip
 MODULE_RULES = ((r"\.compressor\b", "compressor"), (r"\.indexer\.", "indexer"),
                 (r"attn\.(wq_a|wq_b|wkv|q_norm|kv_norm)$", "qkv_proj"),
                 (r"attn\.(wo_a|wo_b)$", "out_proj"), (r"ffn\.shared_experts", "shared_expert"),

@@ -29,6 +29,7 @@ if not torch.cuda.is_available():
                 "kernels.indexer_fused",
                 "kernels.sparse_attention",
                 "kernels.sparse_attention_heads",  # after sparse_attention, whose helpers it takes
+                "kernels.ring_offsets",  # before kernels.compressor, which calls its ring_row
                 "kernels.compressor",
                 "kernels.kv_store",
                 "kernels.moe_align",  # before kernels.moe, which imports it
@@ -43,8 +44,8 @@ if not torch.cuda.is_available():
                 "kernels.fp8_w8a8",  # after fp8_gemv, whose launch helpers it calls
                 "kernels.fp8_linear_cublas",
                 "kernels.fp8_linear",
+                "kernels.gated_silu",
                 "kernels.norm_rope",
-                "kernels.ring_offsets",
                 "kernels.sampling",
             ):
                 if name in sys.modules:

@@ -24,7 +24,7 @@ from dsv4.model.block import Block
 from dsv4.model.deepseek_v4 import DeepseekV4
 from dsv4.model.fp8 import FP8Linear
 from dsv4.model.layers import linear_fp32
-from dsv4.model.moe import MXFP4_LAYOUTS, MoE
+from dsv4.model.moe import MXFP4_LAYOUTS, Expert, MoE
 from dsv4.runner.kv_cache import PagedKVCache
 from dsv4.runner.paged.attention import attention_layer
 from dsv4.runner.paged.collectives import ONE_RANK, PagedCollectives
@@ -89,7 +89,7 @@ class PagedForward:
         dev = self.device
         self._ops = {name: resolve(name, kernels, dev) for name in
                      ("hc_pre", "hc_pre_first_layer", "hc_post", "hc_head", "moe_experts",
-                      "norm_rope")}  # fmt: skip
+                      "norm_rope", "gated_silu")}  # fmt: skip
         self._route = resolve("route", kernels, dev)
         self._hash_route = resolve("hash_route", kernels, dev)
         # expert popularity (metrics.routing_stats): set before graphs are captured
@@ -220,8 +220,8 @@ class PagedForward:
         if lw.pool is not None:  # offloaded experts (one rank only): the layer's pool, never fused
             y = lw.pool.experts(u.contiguous(), ids, w, cfg.swiglu_limit,
                                 lookahead=self.switches.expert_prefetch)  # fmt: skip
-            if moe.shared_experts is not None:
-                y += moe.shared_experts(u).float()
+            if moe.shared_experts is not None:  # bf16 -> fp32 inside the add (exact)
+                y += self._shared_expert(moe.shared_experts, u)
             return self.collectives.after_moe(y).to(u.dtype)
         w, ids = self.collectives.local_experts(w, ids)  # global ids -> this rank's slots
         w13, w2, num_t = experts.w13, experts.w2, u.shape[0]
@@ -236,9 +236,16 @@ class PagedForward:
                                      limit=cfg.swiglu_limit,
                                      skip=self.collectives.skips_pairs,
                                      activations=self.switches.moe_activations)  # [T, D] fp32  # fmt: skip
-        if moe.shared_experts is not None and not fuse:
-            y += moe.shared_experts(u).float()
+        if moe.shared_experts is not None and not fuse:  # bf16 -> fp32 inside the add (exact)
+            y += self._shared_expert(moe.shared_experts, u)
         return self.collectives.after_moe(y).to(u.dtype)  # the sum over the ranks' experts
+
+    def _shared_expert(self, expert: Expert, u: torch.Tensor) -> torch.Tensor:
+        """`Expert.forward` through the expert's own linears (dense or FP8Linear), u [T, D] ->
+        [T, D]; its activation (torch: ~7 launches) is the resolved gated_silu op, one launch
+        with the same output bits (kernels/gated_silu.py)."""
+        h = self._ops["gated_silu"](expert.w1(u), expert.w3(u), expert.limit)  # [T, I]
+        return expert.w2(h)
 
     def _prefetch(self, moe: MoE, lw: LayerWeights, u: torch.Tensor, token_ids: torch.Tensor):
         """Pre-gating: the next layer's router on this layer's MoE input u [T, D] predicts its
