@@ -21,18 +21,36 @@ class Dsv4Error(Exception):
 
 
 class ConfigError(Dsv4Error):
-    """A configuration value is wrong: names the field, the value and the fix."""
+    """A configuration value is wrong: names the field, the value and the fix, and, where the
+    user set it, how: the flag (`flag`), the environment variable (`env_var`) or the YAML file
+    (`yaml_path`), as typed."""
 
     grpc_code = "INVALID_ARGUMENT"
 
-    def __init__(self, field_name: str, value: Any, fix: str, *, flag: str = "") -> None:
+    def __init__(
+        self,
+        field_name: str,
+        value: Any,
+        fix: str,
+        *,
+        flag: str = "",
+        env_var: str = "",
+        yaml_path: str = "",
+    ) -> None:
+        setting = f" (config field {field_name!r})"
         if flag:  # the value came from the command line: name what the user typed
-            super().__init__(f"{flag} {value!r}: {fix} (config field {field_name!r})")
+            message = f"{flag} {value!r}: {fix}{setting}"
+        elif env_var:  # ... from the environment: name the variable
+            message = f"{env_var}={value!r}: {fix}{setting if env_var != field_name else ''}"
+        elif yaml_path:  # ... from a YAML file: name the file and the key in it
+            message = f"YAML file {yaml_path}, {field_name} = {value!r}: {fix}"
         else:
-            super().__init__(f"config field {field_name!r} = {value!r}: {fix}")
+            message = f"config field {field_name!r} = {value!r}: {fix}"
+        super().__init__(message)
         self.field_name = field_name
         self.value = value
         self.fix = fix
+        self.flag, self.env_var, self.yaml_path = flag, env_var, yaml_path
 
 
 class UsageError(Dsv4Error):

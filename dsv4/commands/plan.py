@@ -252,8 +252,8 @@ def run_plan(args: argparse.Namespace) -> int:
     try:
         config, plan = plan_from_args(args)
     except ConfigError as exc:
-        if exc.field_name not in _FLAGS:
-            raise
+        if exc.field_name not in _FLAGS or exc.env_var or exc.yaml_path:
+            raise  # a setting the user gave no flag for: its message names the source
         raise UsageError(f"{_FLAGS[exc.field_name]} {exc.value}: {exc.fix}") from exc
     residency = plan_residency(plan, args.routing_stats) if args.routing_stats else None
     if residency is not None and args.residency_out and plan.fits:

@@ -39,26 +39,30 @@ def load_config(
     yaml_path: str | None = None,
     env: Mapping[str, str] | None = None,
 ) -> ServeConfig:
-    """Layer defaults < YAML < env < argv_overrides ({"cache.block_size": 64, ...})."""
-    layers = [
-        (f"YAML file {yaml_path}", yaml_layer(yaml_path) if yaml_path else {}),
-        ("environment", env_layer(env or {})),
-        ("command line", _known_keys(argv_overrides or {}, "command line")),
-    ]
-    merged: dict[str, tuple[Any, str]] = {}
-    for source, layer in layers:
-        for key, raw in layer.items():
-            merged[key] = (raw, source)
+    """Layer defaults < YAML < env < argv_overrides ({"cache.block_size": 64, ...}).
+
+    A bad value set by the YAML file or an environment variable raises a ConfigError naming
+    that file and key, or that variable, as the user wrote them (argv_overrides: the caller
+    names its flags, `dsv4.config.cli.config_from_args`)."""
+    merged: dict[str, tuple[Any, dict[str, str]]] = {}  # key -> (raw value, who set it)
+    for key, raw in (yaml_layer(yaml_path) if yaml_path else {}).items():
+        merged[key] = (raw, {"yaml_path": str(yaml_path)})
+    for key, raw in env_layer(env or {}).items():
+        merged[key] = (raw, {"env_var": SPECS[key].env_var})
+    for key, raw in _known_keys(argv_overrides or {}, "command line").items():
+        merged[key] = (raw, {})
     by_section: dict[str, dict[str, Any]] = {name: {} for name in SECTION_CLASSES}
-    for key, (raw, source) in merged.items():
-        spec = SPECS[key]
-        by_section[spec.section][spec.name] = coerce(spec, raw, source)
     try:
+        for key, (raw, _) in merged.items():
+            spec = SPECS[key]
+            by_section[spec.section][spec.name] = coerce(spec, raw)
         return ServeConfig(**{name: SECTION_CLASSES[name](**v) for name, v in by_section.items()})
     except ConfigError as exc:
-        if exc.field_name in merged:
-            exc.add_note(f"{exc.field_name} was set by the {merged[exc.field_name][1]}")
-        raise
+        raw, origin = merged.get(exc.field_name, (None, {}))
+        if not origin:
+            raise
+        shown = "<secret>" if SPECS[exc.field_name].is_secret else raw
+        raise ConfigError(exc.field_name, shown, exc.fix, **origin) from exc
 
 
 def yaml_layer(path: str | Path) -> dict[str, Any]:
@@ -85,9 +89,11 @@ def yaml_layer(path: str | Path) -> dict[str, Any]:
     for section, fields in data.items():
         if section not in SECTION_CLASSES:
             hint = _did_you_mean(str(section), SECTION_CLASSES)
-            raise ConfigError(str(section), fields, f"unknown config section{hint}")
+            fix = f"unknown config section{hint}"
+            raise ConfigError(str(section), fields, fix, yaml_path=str(path))
         if not isinstance(fields, dict):
-            raise ConfigError(str(section), fields, "a section must map field names to values")
+            fix = "a section must map field names to values"
+            raise ConfigError(str(section), fields, fix, yaml_path=str(path))
         for name, value in (fields or {}).items():
             flat[f"{section}.{name}"] = value
     return _known_keys(flat, f"YAML file {path}")
@@ -112,7 +118,7 @@ def env_layer(env: Mapping[str, str]) -> dict[str, Any]:
         if spec is None:
             hint = _did_you_mean(name, SPECS_BY_ENV)
             fix = f"unknown variable{hint}; every DSV4_* variable must name a config field"
-            raise ConfigError(name, raw, fix)
+            raise ConfigError(name, raw, fix, env_var=name)
         flat[spec.key] = raw
     return flat
 
@@ -131,8 +137,9 @@ def _did_you_mean(name: str, known: Mapping[str, Any]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-def coerce(spec: FieldSpec, raw: Any, source: str) -> Any:
-    """Turn a raw layer value (string from env/CLI, typed from YAML) into the field's type."""
+def coerce(spec: FieldSpec, raw: Any) -> Any:
+    """Turn a raw layer value (string from env/CLI, typed from YAML) into the field's type;
+    ConfigError naming the field (`load_config` names the layer that set it)."""
     shown = "<secret>" if spec.is_secret else raw
     expected = {bool: "true/false", int: "an integer", float: "a number"}.get(spec.type, "")
     try:
@@ -151,7 +158,7 @@ def coerce(spec: FieldSpec, raw: Any, source: str) -> Any:
         return raw
     except (ValueError, TypeError):
         expected = expected or ("a list of strings" if spec.type is tuple else "a string")
-        raise ConfigError(spec.key, shown, f"must be {expected} (from the {source})") from None
+        raise ConfigError(spec.key, shown, f"must be {expected}") from None
 
 
 def _to_bool(raw: Any) -> bool:

@@ -144,7 +144,7 @@ def test_errors_name_field_value_and_fix(case: str) -> None:
 def test_env_errors() -> None:
     with pytest.raises(ConfigError, match=r"DSV4_BLOCK_SIZ.*did you mean 'DSV4_BLOCK_SIZE'"):
         load_config({}, None, {"DSV4_BLOCK_SIZ": "64"})
-    with pytest.raises(ConfigError, match=r"'cache.block_size' = 'big'.*from the environment"):
+    with pytest.raises(ConfigError, match=r"DSV4_BLOCK_SIZE='big'.*'cache.block_size'"):
         load_config({}, None, {"DSV4_BLOCK_SIZE": "big"})
     assert load_config({}, None, {"HOME": "/root", "DSV4_CONFIG": ""}) == ServeConfig()
 
