@@ -227,13 +227,19 @@ def container_env(container: Obj, injected: Mapping[str, str] | None = None) -> 
     return env
 
 
-def effective_config(objs: list[Obj], workload: Obj, tmp_path: Path) -> ServeConfig:
-    """The ServeConfig the serving dsv4 container of `workload` builds: its mounted YAML, its env
-    and its `dsv4 <role> ...` arguments, through the same argparse glue as the entry points."""
-    container = main_container(workload)
+def effective_config(
+    objs: list[Obj], workload: Obj, tmp_path: Path, template: int = 0
+) -> ServeConfig:
+    """The ServeConfig the dsv4 container of `workload`'s pod template `template` builds (0: the
+    pod that serves; 1: a group's ranks > 0): its mounted YAML, its env and its `dsv4 <role> ...`
+    arguments, through the same argparse glue as the entry points."""
+    container = pod_templates(workload)[template]["spec"]["containers"][0]
     assert container["command"] == ["dsv4"], "dsv4 containers run the dsv4 console script"
     role, *flags = container["args"]
-    env = container_env(container, injected_env(workload))
+    injected = dict(injected_env(workload))
+    if injected:
+        injected["LWS_WORKER_INDEX"] = str(template)
+    env = container_env(container, injected)
     mount = next(m for m in container["volumeMounts"] if m["name"] == "config")
     config_path = tmp_path / "config.yaml"
     config_path.write_text(config_text(objs))

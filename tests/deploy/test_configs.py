@@ -13,8 +13,10 @@ from k8s_objects import (
     OVERLAYS,
     WORKER_ROLES,
     config_text,
+    container_env,
     effective_config,
     find,
+    injected_env,
     main_container,
     pod_spec,
     pod_templates,
@@ -92,6 +94,35 @@ def test_pod_config_loads_and_matches_its_manifest(rendered, overlay, component,
     assert config.worker.host == "0.0.0.0" and config.worker.port == ports["grpc"]
     assert config.worker.advertise_address == f"10.0.0.7:{ports['grpc']}"  # $(POD_IP):port
     assert config.worker.worker_id == "dsv4-pod-0"  # $(POD_NAME)
+
+
+def pod_gpus(container: dict, env: dict[str, str]) -> int:
+    """The GPUs a worker container gets: its device-plugin allocation (`nvidia.com/gpu`), else
+    (dev-single-node: every GPU visible under the nvidia RuntimeClass) `CUDA_VISIBLE_DEVICES`."""
+    resources = container["resources"]
+    limit = resources.get("limits", {}).get("nvidia.com/gpu")
+    if limit is not None:
+        assert resources["requests"].get("nvidia.com/gpu") == limit, "GPU requests == limits"
+        return int(limit)
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    assert visible, "a worker pod with no nvidia.com/gpu must name its GPUs"
+    return len(visible.split(","))
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("role", WORKER_ROLES)
+def test_each_worker_pod_gets_one_gpu_per_rank(rendered, overlay, role, tmp_path):
+    """A worker of T ranks runs one per GPU (cuda:0..T-1, docs/operations.md §2): a pod that
+    requests more GPUs than its config runs ranks holds idle cards; fewer cannot start."""
+    workload = pool(rendered[overlay], role)
+    for index, template in enumerate(pod_templates(workload)):
+        config = effective_config(rendered[overlay], workload, tmp_path, index)
+        container = template["spec"]["containers"][0]
+        injected = {**injected_env(workload), "LWS_WORKER_INDEX": str(index)}
+        gpus = pod_gpus(container, container_env(container, injected))
+        ranks = config.model.tensor_parallel_size
+        where = f"{overlay} {role} pod template {index}"
+        assert gpus == ranks, f"{where}: {gpus} GPUs for {ranks} tensor-parallel ranks"
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
