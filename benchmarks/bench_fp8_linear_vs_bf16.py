@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.bench_kernels_linear import GPU_SIZES
-from benchmarks.harness import PEAK_BYTES_PER_S, PEAK_FLOPS, warm_up_clocks
+from benchmarks.harness import PEAK_BYTES_PER_S, PEAK_FLOPS, RESULTS_DIR, warm_up_clocks
 from dsv4.ops.quant import fp8_block_dequantize, fp8_block_quantize
 from kernels import fp8_linear_cublas
 from kernels.fp8_linear import (
@@ -49,9 +49,7 @@ from kernels.fp8_linear import (
     fp8_linear_ref,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
-
-DEFAULT_OUT = ROOT / "benchmarks" / "results" / "kernels-fp8-linear-vs-bf16-h200.json"
+DEFAULT_OUT = RESULTS_DIR / "kernels-fp8-linear-vs-bf16-h200.json"
 ROWS = [1, 2, 4, 16, 64, 1024, 8192]
 DRY = {"rows": [1, 16], "linears": {"wq_a": (256, 512)}, "groups": (2, 128, 256)}
 L2_ROTATE_BYTES = 160e6  # > 2x the H200's 60 MB L2

@@ -13,20 +13,17 @@ FLOP/s / 790 TFLOP/s, counting each kernel's minimum (compulsory) traffic and wo
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import torch
 
-from benchmarks.harness import Case, bench_main, measure, start_run
+from benchmarks.harness import RESULTS_DIR, Case, bench_main, measure, start_run
 from dsv4.ops.kv_codec import encode_rows
 from kernels import metadata, mhc, routing
 from kernels.kv_store import kv_store, kv_store_ref, min_entry_bytes
 from kernels.norm_rope import norm_rope, norm_rope_ref, rope_ref
 from kernels.norm_rope import rope as rope_kernel
 
-ROOT = Path(__file__).resolve().parents[1]
-
-DEFAULT_OUT = ROOT / "benchmarks" / "results" / "kernels-h200.json"
+DEFAULT_OUT = RESULTS_DIR / "kernels-h200.json"
 M, ITERS, EPS = 4, 20, 1e-6
 
 

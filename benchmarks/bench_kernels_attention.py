@@ -25,17 +25,14 @@ import inspect
 import math
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import torch
 
-from benchmarks.harness import Case, bench_main, measure, start_run
+from benchmarks.harness import RESULTS_DIR, Case, bench_main, measure, start_run
 from dsv4.ops.kv_codec import encode_rows
 from kernels import indexer, indexer_select, sparse_attention
 
-ROOT = Path(__file__).resolve().parents[1]
-
-DEFAULT_OUT = ROOT / "benchmarks" / "results" / "kernels-attention-h200.json"
+DEFAULT_OUT = RESULTS_DIR / "kernels-attention-h200.json"
 L2_BYTES = 50e6
 GPU_SIZES = {"heads": 64, "head_dim": 512, "rope": 64, "window": 128, "topk": 512,
              "decode_tokens": [64, 128], "prefill_tokens": 2048,

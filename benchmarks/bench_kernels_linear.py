@@ -26,11 +26,10 @@ Bytes = the FP8 weight + scales + x + y; FLOPs = 2 T N K.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import torch
 
-from benchmarks.harness import Case, bench_main, measure, start_run
+from benchmarks.harness import RESULTS_DIR, Case, bench_main, measure, start_run
 from dsv4.ops.quant import fp8_block_dequantize, fp8_block_quantize
 from kernels.fp8_linear import (
     fp8_grouped_linear,
@@ -39,9 +38,7 @@ from kernels.fp8_linear import (
     fp8_linear_ref,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
-
-DEFAULT_OUT = ROOT / "benchmarks" / "results" / "kernels-linear-h200.json"
+DEFAULT_OUT = RESULTS_DIR / "kernels-linear-h200.json"
 GPU_SIZES = {"rows": [1, 16, 64, 1024, 8192], "groups": (8, 1024, 4096),
              "linears": {"wkv": (512, 4096), "wq_a": (1024, 4096), "wq_b": (32768, 1024),
                          "wo_b": (4096, 8192), "shared_w1": (2048, 4096),

@@ -30,18 +30,15 @@ bandwidth / 4.3 TB/s and FLOP/s / 790 TFLOP/s over compulsory traffic and work).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import torch
 
-from benchmarks.harness import Case, bench_main, measure, start_run
+from benchmarks.harness import RESULTS_DIR, Case, bench_main, measure, start_run
 from dsv4.ops.quant import fp8_block_quantize, mxfp4_quantize
 from kernels import compressor, moe, sampling
 from kernels.moe_align import moe_align, moe_align_ref
 
-ROOT = Path(__file__).resolve().parents[1]
-
-DEFAULT_OUT = ROOT / "benchmarks" / "results" / "kernels-moe-h200.json"
+DEFAULT_OUT = RESULTS_DIR / "kernels-moe-h200.json"
 GPU_SIZES = {"dim": 4096, "inter": 2048, "experts": 256, "k": 6, "moe_tokens": [8192, 64],
              "formats": ["bf16", "fp8", "mxfp4"], "decode": 64, "align_tokens": [1, 16, 64],
              "compressors": [(128, 512, "fp8_ue8m0"), (4, 512, "fp8_ue8m0"), (4, 128, "mxfp4")],

@@ -19,15 +19,12 @@ FLOPs = 6*T*K*D*I; bytes = the quantised weights of the experts hit + x + y.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 from benchmarks.bench_kernels_moe import bf16_experts, moe_step, quantize_experts
-from benchmarks.harness import Case, bench_main, measure, start_run
+from benchmarks.harness import RESULTS_DIR, Case, bench_main, measure, start_run
 from kernels import moe
 
-ROOT = Path(__file__).resolve().parents[1]
-
-DEFAULT_OUT = ROOT / "benchmarks" / "results" / "kernels-moe-dequant-h200.json"
+DEFAULT_OUT = RESULTS_DIR / "kernels-moe-dequant-h200.json"
 GPU_SIZES = {"dim": 4096, "inter": 2048, "experts": 256, "k": 6,
              "tokens": [64, 256, 1024, 4096, 8192], "formats": ["mxfp4", "fp8"]}  # fmt: skip
 DRY_SIZES = {"dim": 64, "inter": 32, "experts": 4, "k": 2, "tokens": [5],

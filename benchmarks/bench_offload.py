@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.harness import RESULTS_DIR
 from dsv4.config.model import ModelConfig, tiny_config
 from dsv4.model.deepseek_v4 import DeepseekV4
 from dsv4.model.inventory import model_tensors
@@ -41,9 +42,7 @@ from dsv4.ops.moe import swiglu
 from dsv4.ops.quant import mxfp4_dequantize
 from dsv4.plan import PlanRequest, WeightFormats, full_flash_config, plan_memory
 
-ROOT = Path(__file__).resolve().parents[1]
-
-DEFAULT_OUT = ROOT / "benchmarks" / "results" / "offload-h200.json"
+DEFAULT_OUT = RESULTS_DIR / "offload-h200.json"
 GIB = 1024**3
 # log2 of the UE8M0 scale of random e2m1 codes (rms ~2.9) giving ~N(0, 1/fan_in) weights.
 _SCALE_LOG2 = {"w1": -8, "w3": -8, "w2": -7}

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.harness import PEAK_FLOPS
+from benchmarks.harness import PEAK_FLOPS, RESULTS_DIR
 from dsv4.cache.layout import KVLayout
 from dsv4.cache.manager import KVCacheManager
 from dsv4.cache.packing import CacheOptions
@@ -49,9 +49,7 @@ from dsv4.runner.kv_cache import PagedKVCache
 from dsv4.runner.reference.cache_state import load_states, store_state
 from dsv4.scheduler.batch import ScheduledRequest
 
-ROOT = Path(__file__).resolve().parents[1]
-
-DEFAULT_OUT = ROOT / "benchmarks" / "results" / "prefill-h200.json"
+DEFAULT_OUT = RESULTS_DIR / "prefill-h200.json"
 GPU_LENGTHS = (8192, 32768, 131072)
 DRY_LENGTHS = (96, 200)
 

@@ -21,6 +21,10 @@ import torch
 
 PEAK_BYTES_PER_S = 4.3e12
 PEAK_FLOPS = 790e12
+# Where a run writes its records unless --out says otherwise: benchmarks/results under the
+# working directory (the repository root, where the docs run `python -m benchmarks.X`), never
+# a path built from this package's own location (an installed wheel's site-packages).
+RESULTS_DIR = Path("benchmarks") / "results"
 
 
 @dataclass
