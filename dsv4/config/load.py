@@ -118,7 +118,9 @@ def env_layer(env: Mapping[str, str]) -> dict[str, Any]:
         if spec is None:
             hint = _did_you_mean(name, SPECS_BY_ENV)
             fix = f"unknown variable{hint}; every DSV4_* variable must name a config field"
-            raise ConfigError(name, raw, fix, env_var=name)
+            # its value is not shown: a mistyped secret's name (DSV4_SHARED_SECRTE) must not
+            # put the secret into the error, the logs or a terminal
+            raise ConfigError(name, "<not shown>", fix, env_var=name)
         flat[spec.key] = raw
     return flat
 

@@ -82,3 +82,12 @@ def test_a_yaml_error_names_the_file_and_the_key(text, key, fix, tmp_path: Path,
     for command in ([*PLAN, "--config", str(path)], ["prefill", "--config", str(path)]):
         code, err = run(command, capsys)
         assert_user_error(code, err, f"YAML file {path}, {key}")
+
+
+def test_a_mistyped_variable_is_named_without_its_value() -> None:
+    """An unknown DSV4_* variable may be a secret under a misspelt name: the error names the
+    variable and the likely setting, never the value."""
+    with pytest.raises(ConfigError) as raised:
+        load_config({}, None, {"DSV4_SHARED_SECRTE": "hunter2-token"})
+    assert "DSV4_SHARED_SECRTE" in raised.value.message
+    assert "hunter2-token" not in raised.value.message
