@@ -7,8 +7,9 @@ Inputs and timing as benchmarks/bench_kernels_attention.py (V4-Flash shapes; inp
 so that CUDA-graph replays read HBM; medians of graph replays; roofline 4.3 TB/s / 790 TFLOP/s
 on compulsory bytes and FLOPs). Every pair runs on the same inputs in this process:
 - "sparse_attention_decode", T = 64 and 128: `sparse_attention_decode_all_heads` (variant
-  "all_heads", kernels/sparse_attention_heads.py) at each config of ATTN_TUNES against
-  `sparse_attention_decode` (autotuned head blocks: the baseline);
+  "all_heads", kernels/sparse_attention_heads.py) at each config of ATTN_TUNES, and the default
+  kernel at the split-K counts of DEFAULT_SPLITS, against `sparse_attention_decode`
+  (autotuned head blocks, its own split count: the baseline);
 - "indexer_logits+topk", keys fp8 and mxfp4: `indexer_logits_topk` with the variants (fast
   logits, radix top-k) against the same call with the default kernels; "indexer_logits" and
   "indexer_topk" time each half alone.
@@ -43,6 +44,9 @@ from kernels import sparse_attention_heads as heads
 # all_heads configs timed: (BLOCK_N, num_warps, num_stages), num_splits (None: one wave)
 ATTN_TUNES = [(heads.GPU_CONFIG, None), ((32, 8, 1), None), ((16, 8, 2), None),
               (heads.GPU_CONFIG, 1), (heads.GPU_CONFIG, 4)]  # fmt: skip
+# the default kernel's split-K counts timed against its own choice (about one wave of
+# programs: 2 splits at T = 64, 1 at T = 128 on 132 SMs): is a decode step latency-bound?
+DEFAULT_SPLITS = (1, 4, 8)
 KEY_FORMATS = {"fp8": "fp8_fp32scale", "mxfp4": "mxfp4"}
 
 
@@ -70,11 +74,16 @@ def _attention(dev, sz, dry, g) -> list[dict]:
         shape = f"T={t},H={h},D={d},cand={sz['window']}+{sz['topk']},fp8_ds_mla"
         base_us = time_us(_Rotate(sparse_attention.sparse_attention_decode, sets), dry, True)
         expect = sparse_attention.sparse_attention_decode_ref(*sets[0]).float()
+        variants = [(f"default splits={sp}",
+                     lambda *a, sp=sp: sparse_attention.sparse_attention_decode(*a, num_splits=sp))
+                    for sp in DEFAULT_SPLITS]  # fmt: skip
         for tune, splits in ATTN_TUNES:
             fn = lambda *a, tu=tune, sp=splits: heads.sparse_attention_decode_all_heads(  # noqa: E731
                 *a, tune=tu, num_splits=sp
             )
-            variant = f"all_heads n{tune[0]} w{tune[1]} s{tune[2]} splits={splits or 'auto'}"
+            variants.append((f"all_heads n{tune[0]} w{tune[1]} s{tune[2]} "
+                             f"splits={splits or 'auto'}", fn))  # fmt: skip
+        for variant, fn in variants:
             t_us = time_us(_Rotate(fn, sets), dry, True)
             records.append(_record("sparse_attention_decode", t, variant, shape, t_us, base_us,
                                    num_bytes, flops))  # fmt: skip
