@@ -114,7 +114,7 @@ class PagedForward:
             ids.extend(r.token_ids)
             if r.num_draft_tokens:
                 ids.extend(_drafts_of(r, drafts))
-        t = upload(tokens, ids, self.device)
+        t = upload(tokens, ids, self.device, self.geo)  # host tables in the one upload
         meta = StepMetadata(tokens.shape, tokens, t, self.geo, self.kernels, self.metadata)
         logits, x = self.run(meta, batch.chunk_plans)
         return PagedOutput(logits, x, tokens)
@@ -146,11 +146,11 @@ class PagedForward:
         return self.head_logits(self._sample_rows(meta, x)), x
 
     def head_logits(self, streams: torch.Tensor) -> torch.Tensor:
-        """Final streams [R, M, D] (contiguous) -> logits [R, V] fp32: hc_head, the final norm,
-        the lm head (the sample rows' here; prompt logprobs' rows too)."""
+        """Final streams [R, M, D] (any row stride, channels contiguous) -> logits [R, V] fp32:
+        hc_head, the final norm, the lm head (the sample rows' here; prompt logprobs' rows too)."""
         m, cfg = self.model, self.cfg
         h = self._ops["hc_head"](streams, m.hc_head_fn, m.hc_head_scale, m.hc_head_base,
-                                 cfg.hc_eps, cfg.rms_norm_eps)  # fmt: skip
+                                 cfg.hc_eps, cfg.rms_norm_eps)  # [R, D] bf16  # fmt: skip
         return m.head(m.norm(h)).float()
 
     def run_mtp(self, meta: StepMetadata, streams: torch.Tensor,
@@ -174,9 +174,15 @@ class PagedForward:
         return self.model.head(mtp.norm(h)).float(), x
 
     def _sample_rows(self, meta: StepMetadata, x: torch.Tensor) -> torch.Tensor:
+        """x [T, M, D] -> the sampling rows [R, M, D]: a strided view when they are evenly
+        spaced (one row, or a decode batch's 0..B-1: no upload, no gather launch), else a
+        gather through an uploaded index."""
         rows = meta.shape.sample_rows
         if rows is None:
             return x.contiguous()
+        step = rows[1] - rows[0] if len(rows) > 1 else 1
+        if rows and step > 0 and rows == tuple(range(rows[0], rows[-1] + 1, step)):
+            return x[rows[0] : rows[-1] + 1 : step]  # hc_head takes any row stride
         # non_blocking: a pageable upload without it waits for the stream (the step's last sync
         # before sampling); with it the rows are staged and the copy queues behind the layers
         index = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)

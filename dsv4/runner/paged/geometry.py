@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from dsv4.cache.layout import KVLayout
@@ -105,6 +106,12 @@ class CacheGeometry:
             self._window_pages[device] = (torch.tensor(rbi, device=device),
                                           torch.tensor(base, device=device))  # fmt: skip
         return self._window_pages[device]
+
+    def window_pages_host(self) -> tuple[np.ndarray, np.ndarray]:
+        """`window_pages` as host int64 arrays [L] each (an eager step's upload builds every
+        request's window bases from them with numpy)."""
+        rbi = np.asarray([g.window.ring_block_index for g in self.layers], dtype=np.int64)
+        return rbi, np.asarray([g.window_base for g in self.layers], dtype=np.int64)
 
     # ---- per layer ---------------------------------------------------------------------------
     def _ring(self, layer_id: int, kind: str) -> RingPage:

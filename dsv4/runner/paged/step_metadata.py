@@ -2,8 +2,10 @@
 
 The paged forward runs every token of a step in one flat batch [T] (decode tokens first, then
 the prefill chunks, as `ScheduledBatch` orders requests). Host-known facts (positions, lengths,
-block tables) cross to the device in ONE packed copy; everything derived from them is built on
-the device once per step (`StepMetadata`) and reused by every layer of a kind (#45863):
+block tables) cross to the device in ONE packed copy, with the per-step tables an eager step
+can build on the host (window bases per request, C4 lengths, the local block table: numpy, no
+device launches); the rest is built on the device once per step (`StepMetadata`; a captured
+decode step builds them all there, inside its graph) and reused by every layer of a kind (#45863):
 - `win_slots` [T_d, W]: ring-relative window slots (p' % R) of each decode token's window
   positions max(0, p-W+1)..p, -1 padded; a layer adds its ring page base per token;
 - `c128_slots` [T_d, N]: every visible ratio-128 entry as `block * SPB + i % E`; a layer adds
@@ -122,7 +124,11 @@ class StepTokens:
 
 @dataclass(frozen=True)
 class StepTensors:
-    """Device tensors of a step (one packed host->device copy)."""
+    """Device tensors of a step (one packed host->device copy).
+
+    The last three are built on the host by an eager step's `upload` (in the same copy);
+    None for the captured decode passes (graphs.py), whose `StepMetadata` derives them from
+    the static buffers on the device inside the graph."""
 
     token_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
@@ -132,27 +138,40 @@ class StepTensors:
     ring_ids: torch.Tensor  # [B, num_ring_blocks] int64
     starts: torch.Tensor  # [B] int64: each request's first position this step
     ends: torch.Tensor  # [B] int64: one past each request's last position this step
+    req_win_base: torch.Tensor | None = None  # [L, B] int32: each layer's ring page base
+    c4_lens: torch.Tensor | None = None  # [T] int32: (p + 1) // 4
+    local_block_table: torch.Tensor | None = None  # [B, nb] int32: rows 0..nb-1
 
 
-def upload(tokens: StepTokens, token_ids: list[int], device: torch.device) -> StepTensors:
+def upload(tokens: StepTokens, token_ids: list[int], device: torch.device,
+           geo: CacheGeometry | None = None) -> StepTensors:  # fmt: skip
+    """The step's tensors in ONE upload (`upload_packed`), each in the dtype its readers take
+    (no device casts). With `geo` the per-request window bases, C4 lengths and the local
+    block table cross too (host numpy instead of ~11 small device launches a step)."""
     reqs = tokens.requests
-    num_b, num_t = len(reqs), len(token_ids)
+    num_b = len(reqs)
     nb = max([len(r.block_table) for r in reqs] + [1])
     nr = len(reqs[0].ring_block_ids) if reqs else 0
-    tables = [list(r.block_table) + [0] * (nb - len(r.block_table)) for r in reqs]
-    qsl = [0] + [f + e - s for f, s, e in zip(tokens.first_token, tokens.starts, tokens.ends)]
-    host = torch.tensor(
-        [*token_ids, *tokens.host_positions, *tokens.request_of_tokens(), *qsl[: num_b + 1],
-         *itertools.chain.from_iterable(tables),
-         *itertools.chain.from_iterable(r.ring_block_ids for r in reqs), *tokens.starts,
-         *tokens.ends],
-        dtype=torch.int64,
-    )  # fmt: skip
-    dev = host.to(device, non_blocking=True)
-    cuts = [num_t, num_t, num_t, num_b + 1, num_b * nb, num_b * nr, num_b, num_b]
-    ids, pos, t2r, qsl_d, bt, rings, starts, ends = torch.split(dev, cuts)
-    return StepTensors(ids, pos, t2r.int(), qsl_d.int(), bt.int().view(num_b, nb),
-                       rings.view(num_b, nr), starts, ends)  # fmt: skip
+    tables = np.zeros((num_b, nb), dtype=np.int32)  # [B, nb] 0 padded
+    for b, r in enumerate(reqs):
+        tables[b, : len(r.block_table)] = r.block_table
+    rings = np.asarray([r.ring_block_ids for r in reqs], dtype=np.int64).reshape(num_b, nr)
+    starts = np.asarray(tokens.starts, dtype=np.int64)  # [B]
+    ends = np.asarray(tokens.ends, dtype=np.int64)  # [B]
+    t2r, idx = ragged(ends - starts)  # [T] flat tokens request-major, as the scheduler orders
+    positions = starts[t2r] + idx  # [T] int64
+    qsl = np.zeros(num_b + 1, dtype=np.int32)  # [B + 1] each request's first flat token
+    qsl[1:] = np.cumsum(ends - starts)
+    arrays = [np.asarray(token_ids, dtype=np.int64), positions, t2r.astype(np.int32), qsl,
+              tables, rings, starts, ends]  # fmt: skip
+    if geo is not None:
+        rbi, base = geo.window_pages_host()  # [L] int64 each
+        win = (rings[:, rbi] * geo.slots_per_block + base).T if num_b else rings[:, :0].T
+        arrays += [np.ascontiguousarray(win.reshape(len(rbi), num_b).astype(np.int32)),
+                   ((positions + 1) // 4).astype(np.int32),
+                   np.ascontiguousarray(np.broadcast_to(np.arange(nb, dtype=np.int32),
+                                                        (num_b, nb)))]  # fmt: skip
+    return StepTensors(*upload_packed(arrays, device))
 
 
 _ALIGN = 16  # bytes: every uploaded table starts 16-aligned, as a fresh allocation (Triton)
@@ -218,6 +237,16 @@ class StepMetadata:
 
     def __post_init__(self) -> None:
         geo, t = self.geo, self.t
+        if t.req_win_base is not None and t.c4_lens is not None:  # host-built (eager `upload`)
+            if t.req_win_base.shape[1] == 1 and self.shape.num_decode_tokens <= 1:
+                # one prefill (or one decode token): every token's base is the request's, a
+                # stride-0 view, no launch (readers index or cast it, never write; decode
+                # rows would be copied contiguous per layer, so several take the gather)
+                self.win_base = t.req_win_base.expand(-1, t.positions.shape[0])
+            else:  # [L, B] -> [L, T]: one gather
+                self.win_base = t.req_win_base.index_select(1, t.token_to_req)
+            self.c4_lens = t.c4_lens
+            return
         rbi, base = geo.window_pages(t.ring_ids.device)
         blocks = t.ring_ids[t.token_to_req.long()][:, rbi]  # [T, L]
         self.win_base = (blocks * geo.slots_per_block + base).T.int().contiguous()
@@ -226,6 +255,8 @@ class StepMetadata:
     @functools.cached_property
     def local_block_table(self) -> torch.Tensor:
         """[B, nb] int32 rows 0..nb-1: top-k through it yields local entry indices (prefill)."""
+        if self.t.local_block_table is not None:
+            return self.t.local_block_table
         bt = self.t.block_tables
         row = torch.arange(bt.shape[1], dtype=torch.int32, device=bt.device)
         return row.expand(bt.shape[0], -1).contiguous()
