@@ -11,9 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4.ops.kv_codec import decode_rows, encode_rows
+from dsv4.ops.kv_codec import decode_rows, encode_rows, round_trip
 from kernels.kv_store import (
     FORMATS,
+    RingSlots,
     kv_gather,
     kv_gather_ref,
     kv_store,
@@ -177,3 +178,134 @@ def test_kv_store_production_shape_gpu(fmt, dtype):
     assert torch.equal(
         _bits(kv_gather(cache, slots, **kw)), _bits(kv_gather_ref(cache, slots, **kw))
     )
+
+
+# ---------------------------------------------------------------- issue 25: fewer launches
+
+
+def _ring_case(num_reqs: int = 3, ring: int = 6, base_stride0: bool = False):
+    """A step of one decode request (1 token) and prefills of 3 and 9 tokens (9 > ring: the
+    first ones are overwritten in-step, so not stored), as `RingSlots` plus its torch slots."""
+    lens, starts = [1, 3, 9][:num_reqs], [17, 0, 4][:num_reqs]
+    req = torch.repeat_interleave(torch.arange(num_reqs), torch.tensor(lens))
+    pos = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)])  # [T] int64
+    ends = torch.tensor([s + n for s, n in zip(starts, lens)])  # [B] int64
+    if base_stride0:  # one request's base for every token, as a stride-0 view
+        req, pos, ends = req[-9:] * 0, pos[-9:], ends[-1:]
+        base = torch.tensor([3 * ring], dtype=torch.int32).expand(9)
+    else:
+        base = (req * ring + ring // 2).int()  # [T] each request's page
+    dev = [x.to(DEVICE) for x in (pos, req.int(), ends, base)]
+    keep = pos >= ends[req] - ring  # the formula store_window used in torch, per layer
+    slots = torch.where(keep, base.long() + pos % ring, -1).to(DEVICE)
+    return RingSlots(*dev, ring), slots
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("base_stride0", [False, True])
+def test_kv_store_ring_slots(fmt, dtype, base_stride0):
+    """`RingSlots` (slots computed in the kernel) store exactly what explicit slots store."""
+    ring_slots, slots = _ring_case(base_stride0=base_stride0)
+    assert torch.equal(ring_slots.slots(), slots)
+    dim, rope = 128, 64
+    rows = _rows(slots.shape[0], dim, dtype, seed=21)
+    entry = min_entry_bytes(fmt, dim, rope) + TAIL_BYTES
+    poison, _ = _poisoned_cache(48, entry, seed=22)
+    got, ref, plain = poison.clone(), poison.clone(), poison.clone()
+    kv_store(rows, got[:, :entry], ring_slots, fmt=fmt, rope_dim=rope)
+    kv_store_ref(rows, ref[:, :entry], ring_slots, fmt=fmt, rope_dim=rope)
+    kv_store(rows, plain[:, :entry], slots, fmt=fmt, rope_dim=rope)
+    assert torch.equal(got, ref) and torch.equal(got, plain)
+    assert not torch.equal(got, poison)
+
+
+def _workspace_case(fmt, out_dtype, fresh_dtype, dim=128, rope=64):
+    """A cache of valid records, a poisoned workspace, and the arguments of both workspace
+    launches of a chunk (entries + fresh rows; the window prefix through a ring-base table)."""
+    entry = min_entry_bytes(fmt, dim, rope) + TAIL_BYTES
+    _, cache = _poisoned_cache(40, entry, seed=31)
+    kv_store_ref(_rows(40, dim, torch.float32, seed=32), cache, torch.arange(40).to(DEVICE),
+                 fmt=fmt, rope_dim=rope)  # fmt: skip
+    g = torch.Generator().manual_seed(33)
+    ws = torch.randn(48, dim, generator=g).to(out_dtype).to(DEVICE)  # [M, D] poisoned rows
+    rows = torch.randperm(48, generator=g).to(DEVICE)  # disjoint destination rows
+    comp = dict(slots=torch.tensor([3, 0, 9, -1, 12], device=DEVICE), out_rows=rows[:5],
+                slot_offset=7, fresh=_rows(13, dim, fresh_dtype, seed=34),
+                fresh_rows=rows[5:18])  # fmt: skip
+    table = torch.tensor([4, 20, 11], dtype=torch.int32, device=DEVICE)  # [B] ring pages
+    win = dict(slots=torch.tensor([1, 5, 0, 2, 3, 1], device=DEVICE), out_rows=rows[18:24],
+               slot_base=(table, torch.tensor([0, 0, 2, 1, 1, 2], device=DEVICE)))  # fmt: skip
+    return cache, entry, ws, comp, win
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast")  # huge rows -> fp16 inf
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize(("out_dtype", "fresh_dtype"),
+                         [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),
+                          (torch.float32, torch.bfloat16), (torch.float16, torch.float32)])  # fmt: skip
+def test_kv_gather_workspace_form(fmt, out_dtype, fresh_dtype):
+    """Gathers into given rows with in-kernel slot offsets and fresh rows round-tripped in
+    registers equal the unfused path (gather, index_put_, store-then-gather on a scratch) and
+    the reference, bit for bit; rows not named stay as they were."""
+    dim, rope = 128, 64
+    cache, entry, ws, comp, win = _workspace_case(fmt, out_dtype, fresh_dtype)
+    kw = dict(fmt=fmt, dim=dim, rope_dim=rope, out_dtype=out_dtype)
+    got, ref = ws.clone(), ws.clone()
+    for case in (comp, win):
+        kv_gather(cache, out=got, **case, **kw)
+        kv_gather_ref(cache, out=ref, **case, **kw)
+    want = ws.clone()  # the unfused path
+    valid = comp["slots"] >= 0
+    at = torch.where(valid, comp["slots"] + comp["slot_offset"], -1)
+    want[comp["out_rows"]] = kv_gather(cache, at, **kw)
+    table, index = win["slot_base"]
+    want[win["out_rows"]] = kv_gather(cache, win["slots"] + table[index], **kw)
+    scratch = torch.zeros(13, entry, dtype=torch.uint8, device=DEVICE)
+    kv_store(comp["fresh"], scratch, torch.arange(13, device=DEVICE), fmt=fmt, rope_dim=rope)
+    want[comp["fresh_rows"]] = kv_gather(scratch, torch.arange(13, device=DEVICE), **kw)
+    assert torch.equal(_bits(got), _bits(want)) and torch.equal(_bits(got), _bits(ref))
+    named = torch.cat((comp["out_rows"], comp["fresh_rows"], win["out_rows"]))
+    untouched = torch.ones(ws.shape[0], dtype=torch.bool, device=DEVICE)
+    untouched[named] = False
+    assert torch.equal(_bits(got[untouched]), _bits(ws[untouched]))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fresh_rows_equal_store_then_gather(fmt, dtype):
+    """The in-register round trip of the codec's corner cases (no out, default rows N + f)
+    equals kv_store then kv_gather, and `kv_codec.round_trip`; empty calls launch nothing."""
+    dim, rope = 128, 64
+    x = _rows(23, dim, dtype, seed=41)
+    entry = min_entry_bytes(fmt, dim, rope)
+    _, cache = _poisoned_cache(23, entry, seed=42)
+    kw = dict(fmt=fmt, dim=dim, rope_dim=rope, out_dtype=dtype)
+    none = torch.empty(0, dtype=torch.int64, device=DEVICE)
+    got = kv_gather(cache, none, fresh=x, **kw)
+    kv_store(x, cache, torch.arange(23, device=DEVICE), fmt=fmt, rope_dim=rope)
+    want = kv_gather(cache, torch.arange(23, device=DEVICE), **kw)
+    assert torch.equal(_bits(got), _bits(want))
+    assert torch.equal(_bits(got), _bits(round_trip(x, fmt, entry, rope)))
+    assert torch.equal(_bits(kv_gather_ref(cache, none, fresh=x, **kw)), _bits(got))
+    out = torch.ones(2, dim, dtype=dtype, device=DEVICE)
+    assert kv_gather(cache, none, out=out, fresh=x[:0], **kw) is out and (out == 1).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_kv_gather_workspace_form_production_shape_gpu(fmt):
+    """A 1024-token chunk of D = 512 rows into a workspace beside 256 gathered entries."""
+    dim, rope, num_slots = 512, 64, 65536
+    entry = min_entry_bytes(fmt, dim, rope)
+    _, cache = _poisoned_cache(num_slots, entry, seed=51)
+    slots = _slots(256, num_slots, seed=52, dtype=torch.int64)
+    fresh = _rows(1024, dim, torch.bfloat16, seed=53)
+    rows = torch.randperm(1400, device=DEVICE)
+    kw = dict(fmt=fmt, dim=dim, rope_dim=rope, slot_offset=0, out_rows=rows[:256], fresh=fresh,
+              fresh_rows=rows[256:1280])  # fmt: skip
+    got = torch.zeros(1400, dim, dtype=torch.bfloat16, device=DEVICE)
+    ref = got.clone()
+    kv_gather(cache, slots, out=got, **kw)
+    kv_gather_ref(cache, slots, out=ref, **kw)
+    assert torch.equal(_bits(got), _bits(ref))
