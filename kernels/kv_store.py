@@ -10,33 +10,23 @@ Every byte of a record past its content, up to `cache.shape[1]`, is written as 0
 codec's zero-initialised records); bytes past `cache.shape[1]` (stride(0) may be larger) and
 rows with slot -1 are never touched.
 
-Issue 25 (launches of a prefill step): `kv_store` also takes `RingSlots`, the window ring's
-slot formula that its kernel evaluates per token (one launch a layer, no torch ops), and
-`kv_gather` has a workspace form: records gathered straight into given rows of a workspace,
-their slots offset in-kernel (a page base, or a per-token ring base), plus fresh rows encoded
-and decoded in registers as a store-then-gather would give them: a prefill chunk's workspace
-in one launch instead of ~8 torch ops and kernels.
-
 Kernels: one program per block of BLOCK_T tokens (store) or BLOCK_N slots (gather), the whole
-row in registers (the codec pieces: kernels/kv_record.py). An fp8 row is a [BLOCK_C, 64] tile
-of nope blocks (amax per block, then the codes) plus its rope bytes; a bf16/fp32 row is a byte
-vector whose byte k comes from element k // W (W bytes per element), so every store is one
-contiguous byte run per record. All roundings are integer ops (kernels/jit_helpers.py:
-`bf16_rne`, `pow2_ceil_exp`, `e4m3_bits`) and bf16 inputs/outputs travel as int16 bits, so the
-bytes equal the torch codec's on the GPU and under the interpreter alike (which truncates
-float -> bf16 casts).
+row in registers. An fp8 row is a [BLOCK_C, 64] tile of nope blocks (amax per block, then the
+codes) plus its rope bytes; a bf16/fp32 row is a byte vector whose byte k comes from element
+k // W (W bytes per element), so every store is one contiguous byte run per record. All
+roundings are integer ops (kernels/jit_helpers.py: `bf16_rne`, `pow2_ceil_exp`, `e4m3_bits`)
+and bf16 inputs/outputs travel as int16 bits, so the bytes equal the torch codec's on the GPU
+and under the interpreter alike (which truncates float -> bf16 casts).
 """
 
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 from dsv4.ops.kv_codec import decode_rows, encode_rows
-from kernels.kv_record import read_records, round_trip_rows, write_records
+from kernels.jit_helpers import bf16_rne, e4m3_bits, pow2, pow2_ceil_exp
 from kernels.registry import register_op
 from kernels.specialize import sizes_vary
 
@@ -54,23 +44,24 @@ def min_entry_bytes(fmt: str, dim: int, rope_dim: int) -> int:
     raise ValueError(f"unknown KV entry format {fmt!r}; use one of {FORMATS}")
 
 
-class RingSlots(NamedTuple):
-    """Window ring slots that `kv_store` computes in its kernel (issue 25: no torch op per
-    layer or ring size): token t's row goes to KV slot base[t] + positions[t] % ring, unless a
-    later token of its request in this step takes that ring row (positions[t] < ends[req] -
-    ring, req = token_to_req[t]): then it is not stored."""
+@triton.jit
+def _load_f32(ptr, mask, IN_BF16: tl.constexpr):
+    """fp32 values at `ptr` (fp32 rows, or bf16 rows viewed as int16: widened bit-exactly)."""
+    if IN_BF16:
+        bits = tl.load(ptr, mask=mask, other=0).to(tl.int32) << 16
+        val = bits.to(tl.float32, bitcast=True)
+    else:  # one return: the compiler checks every return's type, pruned branches too
+        val = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+    return val
 
-    positions: torch.Tensor  # [T] int64
-    token_to_req: torch.Tensor  # [T] int32 (-1 indexes the last request, as in torch)
-    ends: torch.Tensor  # [B] int64: one past each request's last position this step
-    base: torch.Tensor  # [T] int32: the layer's ring page (KV slot) of each token's request;
-    # any stride (a step of one request may pass its one base as a stride-0 view)
-    ring: int  # ring rows
 
-    def slots(self) -> torch.Tensor:
-        """[T] int64 KV slots, -1 = not stored (the kernel's formula in torch)."""
-        keep = self.positions >= self.ends[self.token_to_req.long()] - self.ring  # [T] bool
-        return torch.where(keep, self.base.long() + self.positions % self.ring, -1)
+@triton.jit
+def _load_bits(ptr, mask, W: tl.constexpr):
+    """Little-endian W-byte words at `ptr` (uint8) as int32."""
+    bits = tl.load(ptr, mask=mask, other=0).to(tl.int32)
+    for b in tl.static_range(1, W):
+        bits |= tl.load(ptr + b, mask=mask, other=0).to(tl.int32) << (8 * b)
+    return bits
 
 
 @triton.jit(**sizes_vary("T"))
@@ -91,31 +82,52 @@ def _store_kernel(
 ):  # fmt: skip
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     slot = tl.load(slot_ptr + t, mask=t < T, other=-1)
-    write_records(rows_ptr + t.to(tl.int64) * stride_row,
-                  cache_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_cache, slot >= 0,
-                  D, ROPE, ENTRY, USED, FMT, IN_BF16, BLOCK_C, BLOCK_B, BLOCK_Z)  # fmt: skip
+    ok = slot >= 0
+    src = rows_ptr + t.to(tl.int64) * stride_row  # [BLOCK_T] row starts
+    dst = cache_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_cache  # [BLOCK_T] record starts
+    k = tl.arange(0, BLOCK_B)
+    if FMT == 0:
+        NOPE: tl.constexpr = D - ROPE
+        NBLK: tl.constexpr = (NOPE + 63) // 64
+        col = tl.arange(0, BLOCK_C)[:, None] * 64 + tl.arange(0, 64)[None, :]  # [BLOCK_C, 64]
+        mk = ok[:, None, None] & (col < NOPE)[None, :, :]
+        x = _load_f32(src[:, None, None] + col[None, :, :], mk, IN_BF16)  # [BLOCK_T, BLOCK_C, 64]
+        amax = tl.max(tl.abs(x), axis=2)  # [BLOCK_T, BLOCK_C]
+        e = pow2_ceil_exp(tl.math.div_rn(tl.maximum(amax, 1e-4), 448.0))
+        codes = e4m3_bits(x * pow2(-e)[:, :, None])
+        tl.store(dst[:, None, None] + col[None, :, :], codes.to(tl.uint8), mask=mk)
+        # rope byte k = low (k even) or high byte of the bf16 of element NOPE + k // 2
+        mk_r = ok[:, None] & (k < 2 * ROPE)[None, :]
+        r = bf16_rne(_load_f32(src[:, None] + NOPE + k[None, :] // 2, mk_r, IN_BF16))
+        rb = (r.to(tl.int32, bitcast=True) >> (16 + 8 * (k[None, :] % 2))) & 0xFF
+        tl.store(dst[:, None] + NOPE + k[None, :], rb.to(tl.uint8), mask=mk_r)
+        c = tl.arange(0, BLOCK_C)
+        tl.store(dst[:, None] + (NOPE + 2 * ROPE) + c[None, :], (e + 127).to(tl.uint8),
+                 mask=ok[:, None] & (c < NBLK)[None, :])  # fmt: skip
+    else:
+        W: tl.constexpr = 2 if FMT == 1 else 4
+        mk = ok[:, None] & (k < D * W)[None, :]
+        x = _load_f32(src[:, None] + k[None, :] // W, mk, IN_BF16)  # [BLOCK_T, BLOCK_B]
+        if FMT == 1:
+            bits = bf16_rne(x).to(tl.int32, bitcast=True) >> 16
+        else:
+            bits = x.to(tl.int32, bitcast=True)
+        byte = (bits >> (8 * (k[None, :] % W))) & 0xFF
+        tl.store(dst[:, None] + k[None, :], byte.to(tl.uint8), mask=mk)
+    if ENTRY > USED:  # scale pad and record tail: zeros, as the codec's fresh records
+        z = tl.arange(0, BLOCK_Z)
+        tl.store(dst[:, None] + USED + z[None, :], tl.zeros([BLOCK_T, BLOCK_Z], tl.uint8),
+                 mask=ok[:, None] & (z < ENTRY - USED)[None, :])  # fmt: skip
 
 
-@triton.jit(**sizes_vary("T", "B"))
-def _ring_store_kernel(
-    # Pointers: rows [T, D]; positions [T] i64, token_to_req [T] i32, ends [B] i64, base [T] i32
-    # (`RingSlots`); cache [S, ENTRY] u8
-    rows_ptr, pos_ptr, req_ptr, end_ptr, base_ptr, cache_ptr,
-    T, B, ring, stride_base, stride_row, stride_cache,
-    D: tl.constexpr, ROPE: tl.constexpr, ENTRY: tl.constexpr, USED: tl.constexpr,
-    FMT: tl.constexpr, IN_BF16: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
-    BLOCK_B: tl.constexpr, BLOCK_Z: tl.constexpr,  # as `_store_kernel`'s
-):  # fmt: skip
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    in_t = t < T
-    pos = tl.load(pos_ptr + t, mask=in_t, other=0).to(tl.int64)
-    req = tl.load(req_ptr + t, mask=in_t, other=0).to(tl.int64)
-    req = tl.where(req < 0, req + B, req)
-    keep = in_t & (pos >= tl.load(end_ptr + req, mask=in_t, other=0) - ring)
-    base = tl.load(base_ptr + t.to(tl.int64) * stride_base, mask=keep, other=0).to(tl.int64)
-    slot = base + pos % ring  # positions >= 0: C's % is torch's
-    write_records(rows_ptr + t.to(tl.int64) * stride_row, cache_ptr + slot * stride_cache, keep,
-                  D, ROPE, ENTRY, USED, FMT, IN_BF16, BLOCK_C, BLOCK_B, BLOCK_Z)  # fmt: skip
+@triton.jit
+def _store_out(ptr, x, mask, OUT_BF16: tl.constexpr):
+    """fp32 values into the output row (bf16 output as int16 bits, rounded to nearest even)."""
+    if OUT_BF16:
+        bits = bf16_rne(x).to(tl.int32, bitcast=True) >> 16
+        tl.store(ptr, bits.to(tl.int16), mask=mask)
+    else:
+        tl.store(ptr, x.to(ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit(**sizes_vary("N"))
@@ -135,51 +147,34 @@ def _gather_kernel(
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     in_n = n < N
     slot = tl.load(slot_ptr + n, mask=in_n, other=-1)
-    read_records(cache_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_cache, slot >= 0,
-                 out_ptr + n.to(tl.int64) * stride_out, in_n,
-                 D, ROPE, FMT, OUT_BF16, BLOCK_C, BLOCK_E)  # fmt: skip
-
-
-@triton.jit(**sizes_vary("N", "F"))
-def _workspace_gather_kernel(
-    # Pointers: cache [S, >= record] u8; slots [N] (-1 = zeros), out_rows [N]; base table [*]
-    # (any stride) and its index [N]; fresh rows [F, D] (fp32, or bf16 as int16), fresh_rows
-    # [F]; out [M, D] (bf16 as int16)
-    cache_ptr, slot_ptr, dst_ptr, base_ptr, base_idx_ptr, fresh_ptr, fresh_dst_ptr, out_ptr,
-    N, F, slot_offset, stride_base, stride_cache, stride_fresh, stride_out,
-    D: tl.constexpr, ROPE: tl.constexpr, FMT: tl.constexpr, IN_BF16: tl.constexpr,
-    OUT_BF16: tl.constexpr,
-    HAS_DST: tl.constexpr, HAS_BASE: tl.constexpr, HAS_FRESH_DST: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr,  # as `_gather_kernel`'s
-):  # fmt: skip
-    # programs [0, cdiv(N)) decode cached records, the rest round-trip fresh rows
-    pid = tl.program_id(0)
-    num_cached = tl.cdiv(N, BLOCK_N)
-    if pid < num_cached:
-        n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        in_n = n < N
-        slot = tl.load(slot_ptr + n, mask=in_n, other=-1).to(tl.int64)
-        ok = slot >= 0
-        slot += slot_offset
-        if HAS_BASE:
-            at = tl.load(base_idx_ptr + n, mask=ok, other=0).to(tl.int64)
-            slot += tl.load(base_ptr + at * stride_base, mask=ok, other=0).to(tl.int64)
-        if HAS_DST:
-            row = tl.load(dst_ptr + n, mask=in_n, other=0).to(tl.int64)
-        else:
-            row = n.to(tl.int64)
-        read_records(cache_ptr + tl.where(ok, slot, 0) * stride_cache, ok,
-                     out_ptr + row * stride_out, in_n, D, ROPE, FMT, OUT_BF16, BLOCK_C,
-                     BLOCK_E)  # fmt: skip
+    ok = slot >= 0
+    src = cache_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_cache  # [BLOCK_N]
+    dst = out_ptr + n.to(tl.int64) * stride_out  # [BLOCK_N]
+    j = tl.arange(0, BLOCK_E)
+    if FMT == 0:
+        NOPE: tl.constexpr = D - ROPE
+        c = tl.arange(0, BLOCK_C)
+        col = c[:, None] * 64 + tl.arange(0, 64)[None, :]  # [BLOCK_C, 64]
+        mk = ok[:, None, None] & (col < NOPE)[None, :, :]
+        codes = tl.load(src[:, None, None] + col[None, :, :], mask=mk, other=0)
+        e = tl.load(src[:, None] + (NOPE + 2 * ROPE) + c[None, :],
+                    mask=ok[:, None] & (c * 64 < NOPE)[None, :], other=0)  # fmt: skip
+        scale = (e.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # 2^(e-127); 0 where masked
+        nope = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, :, None]
+        _store_out(dst[:, None, None] + col[None, :, :], nope,
+                   in_n[:, None, None] & (col < NOPE)[None, :, :], OUT_BF16)  # fmt: skip
+        mk_r = ok[:, None] & (j < ROPE)[None, :]
+        rope = _load_bits(src[:, None] + NOPE + 2 * j[None, :], mk_r, 2) << 16
+        _store_out(dst[:, None] + NOPE + j[None, :], rope.to(tl.float32, bitcast=True),
+                   in_n[:, None] & (j < ROPE)[None, :], OUT_BF16)  # fmt: skip
     else:
-        f = (pid - num_cached) * BLOCK_N + tl.arange(0, BLOCK_N)
-        in_f = f < F
-        if HAS_FRESH_DST:
-            row = tl.load(fresh_dst_ptr + f, mask=in_f, other=0).to(tl.int64)
-        else:
-            row = (N + f).to(tl.int64)
-        round_trip_rows(fresh_ptr + f.to(tl.int64) * stride_fresh, out_ptr + row * stride_out,
-                        in_f, D, ROPE, FMT, IN_BF16, OUT_BF16, BLOCK_C, BLOCK_E)  # fmt: skip
+        W: tl.constexpr = 2 if FMT == 1 else 4
+        mk = ok[:, None] & (j < D)[None, :]
+        bits = _load_bits(src[:, None] + W * j[None, :], mk, W)
+        if FMT == 1:
+            bits = bits << 16
+        _store_out(dst[:, None] + j[None, :], bits.to(tl.float32, bitcast=True),
+                   in_n[:, None] & (j < D)[None, :], OUT_BF16)  # fmt: skip
 
 
 def _block_rows(num_rows: int, width: int, on_gpu: bool) -> int:
@@ -199,37 +194,16 @@ def _check(cache, slots, fmt, dim, rope_dim):
         assert 0 <= rope_dim < dim, (dim, rope_dim)
 
 
-def _blocks(fmt: str, dim: int, rope_dim: int) -> tuple[int, int, int]:
-    """(BLOCK_C nope blocks, BLOCK_E row or rope elements, register width) of a decoded row."""
-    if fmt == "fp8_ue8m0":
-        block_c = triton.next_power_of_2(-(-(dim - rope_dim) // 64))
-        block_e = triton.next_power_of_2(max(1, rope_dim))
-        return block_c, block_e, block_c * 64 + block_e
-    block_e = triton.next_power_of_2(dim)
-    return 1, block_e, block_e * _ELEM_BYTES[fmt]
-
-
 def kv_store(
-    rows: torch.Tensor,
-    cache: torch.Tensor,
-    slots: torch.Tensor | RingSlots,
-    *,
-    fmt: str,
-    rope_dim: int = 64,
+    rows: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, *, fmt: str, rope_dim: int = 64
 ) -> None:
     """rows [T, D] bf16/fp32 (stride(1) == 1) -> records of `cache` [num_slots, entry_bytes]
     uint8 at rows `slots` [T] int32/int64 (-1 = skip; no duplicates, all < num_slots), byte
-    for byte as `kv_codec.encode_rows(rows, fmt, cache.shape[1], rope_dim)`. `slots` may be a
-    `RingSlots` instead (contiguous tensors): the kernel computes each row's slot."""
-    ring = slots if isinstance(slots, RingSlots) else None
+    for byte as `kv_codec.encode_rows(rows, fmt, cache.shape[1], rope_dim)`."""
     num_rows, dim = rows.shape
-    _check(cache, slots if ring is None else ring.base, fmt, dim, rope_dim)
+    _check(cache, slots, fmt, dim, rope_dim)
     assert rows.dtype in (torch.bfloat16, torch.float32) and rows.stride(1) == 1, rows.dtype
-    if ring is not None:
-        assert all(x.dim() == 1 for x in ring[:4]), "RingSlots: 1-D tensors"
-        assert all(x.is_contiguous() for x in ring[:3]), "RingSlots: dense positions and ends"
-        assert ring.positions.shape[0] == ring.token_to_req.shape[0] == num_rows, rows.shape
-    assert (slots if ring is None else ring.base).shape[0] == num_rows, rows.shape
+    assert slots.shape[0] == num_rows, (slots.shape, rows.shape)
     if num_rows == 0:
         return
     nope = dim - rope_dim
@@ -242,17 +216,13 @@ def kv_store(
         block_b = width = triton.next_power_of_2(used)
     block_t = _block_rows(num_rows, width, rows.is_cuda)
     is_bf16 = rows.dtype == torch.bfloat16
-    meta = dict(D=dim, ROPE=rope_dim, ENTRY=cache.shape[1], USED=used, FMT=FORMATS.index(fmt),
-                IN_BF16=is_bf16, BLOCK_T=block_t, BLOCK_C=block_c, BLOCK_B=block_b,
-                BLOCK_Z=triton.next_power_of_2(max(1, cache.shape[1] - used)), num_warps=4)  # fmt: skip
-    grid, src = (triton.cdiv(num_rows, block_t),), rows.view(torch.int16) if is_bf16 else rows
-    if ring is None:
-        _store_kernel[grid](src, slots, cache, num_rows, rows.stride(0), cache.stride(0), **meta)
-    else:
-        _ring_store_kernel[grid](src, ring.positions, ring.token_to_req, ring.ends, ring.base,
-                                   cache, num_rows, ring.ends.shape[0], ring.ring,
-                                   ring.base.stride(0), rows.stride(0), cache.stride(0),
-                                   **meta)  # fmt: skip
+    _store_kernel[(triton.cdiv(num_rows, block_t),)](
+        rows.view(torch.int16) if is_bf16 else rows, slots, cache,
+        num_rows, rows.stride(0), cache.stride(0),
+        D=dim, ROPE=rope_dim, ENTRY=cache.shape[1], USED=used, FMT=FORMATS.index(fmt),
+        IN_BF16=is_bf16, BLOCK_T=block_t, BLOCK_C=block_c, BLOCK_B=block_b,
+        BLOCK_Z=triton.next_power_of_2(max(1, cache.shape[1] - used)), num_warps=4,
+    )  # fmt: skip
 
 
 def kv_gather(
@@ -263,60 +233,30 @@ def kv_gather(
     dim: int,
     rope_dim: int = 64,
     out_dtype: torch.dtype = torch.bfloat16,
-    slot_offset: int = 0,
-    slot_base: tuple[torch.Tensor, torch.Tensor] | None = None,
-    out: torch.Tensor | None = None,
-    out_rows: torch.Tensor | None = None,
-    fresh: torch.Tensor | None = None,
-    fresh_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Records of `cache` [num_slots, entry_bytes] uint8 at `slots` [N] int32/int64 -> rows
     [N, dim] in out_dtype, decoded as `kv_codec.decode_rows`; rows with slot < 0 are zeros.
-    fp8_ue8m0 and bf16 rows are exact in bf16 (e4m3 x 2^k, bf16 rope).
-
-    Workspace form (a prefill chunk's workspace in one launch, issue 25): a valid slot is
-    slots[n] + slot_offset (+ table[index[n]] with slot_base = (table [*] any stride, index
-    [N])); row n is
-    written to out [M, dim] (out_dtype, stride(1) == 1) at out_rows[n] (default n, a new
-    [N + F, dim] when out is None); fresh rows [F, dim] bf16/fp32 go to out_rows fresh_rows[f]
-    (default N + f) as `kv_store` then `kv_gather` would give them (the cache untouched).
-    Returns out."""
+    fp8_ue8m0 and bf16 rows are exact in bf16 (e4m3 x 2^k, bf16 rope)."""
     _check(cache, slots, fmt, dim, rope_dim)
     assert out_dtype in (torch.bfloat16, torch.float16, torch.float32), out_dtype
-    num_rows, num_fresh = slots.shape[0], 0 if fresh is None else fresh.shape[0]
-    if fresh is not None:
-        assert fresh.shape[1] == dim and fresh.stride(1) == 1, fresh.shape
-        assert fresh.dtype in (torch.bfloat16, torch.float32), fresh.dtype
-    if out is None:
-        out = torch.empty(num_rows + num_fresh, dim, dtype=out_dtype, device=cache.device)
-    assert out.dtype == out_dtype and out.shape[1] == dim and out.stride(1) == 1, out.shape
-    if num_rows + num_fresh == 0:
+    num_rows = slots.shape[0]
+    out = torch.empty(num_rows, dim, dtype=out_dtype, device=cache.device)  # [N, dim]
+    if num_rows == 0:
         return out
-    block_c, block_e, width = _blocks(fmt, dim, rope_dim)
-    block_n = _block_rows(num_rows + num_fresh, width, cache.is_cuda)
+    if fmt == "fp8_ue8m0":
+        block_c = triton.next_power_of_2(-(-(dim - rope_dim) // 64))
+        block_e = triton.next_power_of_2(max(1, rope_dim))
+        width = block_c * 64 + block_e
+    else:
+        block_c, block_e = 1, triton.next_power_of_2(dim)
+        width = block_e * _ELEM_BYTES[fmt]
+    block_n = _block_rows(num_rows, width, cache.is_cuda)
     is_bf16 = out_dtype == torch.bfloat16
-    dst = out.view(torch.int16) if is_bf16 else out
-    meta = dict(D=dim, ROPE=rope_dim, FMT=FORMATS.index(fmt), OUT_BF16=is_bf16,
-                BLOCK_N=block_n, BLOCK_C=block_c, BLOCK_E=block_e, num_warps=4)  # fmt: skip
-    plain = slot_offset == 0 and slot_base is None and out_rows is None and fresh is None
-    if plain:
-        _gather_kernel[(triton.cdiv(num_rows, block_n),)](
-            cache, slots, dst, num_rows, cache.stride(0), out.stride(0), **meta
-        )
-        return out
-    table, index = slot_base if slot_base is not None else (slots, slots)  # unread if absent
-    for rows_of in (slots, out_rows, index, fresh_rows):  # [N] / [F] index vectors, dense
-        assert rows_of is None or (rows_of.dim() == 1 and rows_of.is_contiguous()), rows_of
-    in_bf16 = fresh is not None and fresh.dtype == torch.bfloat16
-    fresh_src = slots if fresh is None else fresh.view(torch.int16) if in_bf16 else fresh
-    grid = (triton.cdiv(num_rows, block_n) + triton.cdiv(num_fresh, block_n),)
-    _workspace_gather_kernel[grid](
-        cache, slots, slots if out_rows is None else out_rows, table, index, fresh_src,
-        slots if fresh_rows is None else fresh_rows, dst,
-        num_rows, num_fresh, slot_offset, table.stride(0), cache.stride(0),
-        0 if fresh is None else fresh.stride(0), out.stride(0),
-        IN_BF16=in_bf16, HAS_DST=out_rows is not None, HAS_BASE=slot_base is not None,
-        HAS_FRESH_DST=fresh_rows is not None, **meta,
+    _gather_kernel[(triton.cdiv(num_rows, block_n),)](
+        cache, slots, out.view(torch.int16) if is_bf16 else out,
+        num_rows, cache.stride(0), out.stride(0),
+        D=dim, ROPE=rope_dim, FMT=FORMATS.index(fmt), OUT_BF16=is_bf16,
+        BLOCK_N=block_n, BLOCK_C=block_c, BLOCK_E=block_e, num_warps=4,
     )  # fmt: skip
     return out
 
@@ -326,37 +266,18 @@ def kv_gather(
 
 def kv_store_ref(rows, cache, slots, *, fmt, rope_dim=64):
     """`encode_rows` of the kept rows, assigned to their cache rows (the torch path)."""
-    if isinstance(slots, RingSlots):
-        slots = slots.slots()
     keep = slots >= 0
     kept = slots[keep].long()
     if kept.numel():  # NOTE: encode_rows cannot reshape an empty batch
         cache[kept] = encode_rows(rows[keep], fmt, cache.shape[1], rope_dim)
 
 
-def kv_gather_ref(cache, slots, *, fmt, dim, rope_dim=64, out_dtype=torch.bfloat16,
-                  slot_offset=0, slot_base=None, out=None, out_rows=None, fresh=None,
-                  fresh_rows=None):  # fmt: skip
-    """Index, `decode_rows`, zeros where slot < 0, cast; into `out` rows, then the fresh rows'
-    `encode_rows` + `decode_rows` (the workspace form, see `kv_gather`)."""
-    num_rows, num_fresh = slots.shape[0], 0 if fresh is None else fresh.shape[0]
-    if out is None:
-        out = torch.empty(num_rows + num_fresh, dim, dtype=out_dtype, device=cache.device)
-    if num_rows:
-        valid = slots >= 0  # [N]
-        at = slots.long() + slot_offset
-        if slot_base is not None:
-            table, index = slot_base
-            at = at + table[torch.where(valid, index, 0).long()].long()
-        rows = decode_rows(cache[torch.where(valid, at, 0)], fmt, dim, rope_dim)  # [N, dim] fp32
-        rows = torch.where(valid[:, None], rows, 0.0).to(out_dtype)
-        out[slice(0, num_rows) if out_rows is None else out_rows.long()] = rows
-    if num_fresh:  # NOTE: encode_rows cannot reshape an empty batch
-        records = encode_rows(fresh, fmt, cache.shape[1], rope_dim)
-        rows = decode_rows(records, fmt, dim, rope_dim).to(out_dtype)
-        at = slice(num_rows, num_rows + num_fresh) if fresh_rows is None else fresh_rows.long()
-        out[at] = rows
-    return out
+def kv_gather_ref(cache, slots, *, fmt, dim, rope_dim=64, out_dtype=torch.bfloat16):
+    """Index, `decode_rows`, zeros where slot < 0, cast."""
+    if slots.shape[0] == 0:
+        return torch.empty(0, dim, dtype=out_dtype, device=cache.device)
+    rows = decode_rows(cache[slots.clamp(min=0).long()], fmt, dim, rope_dim)  # [N, dim] fp32
+    return torch.where((slots >= 0)[:, None], rows, 0.0).to(out_dtype)
 
 
 register_op("kv_store", kv_store, kv_store_ref, family="kv_store")

@@ -31,7 +31,6 @@ if not torch.cuda.is_available():
                 "kernels.sparse_attention_heads",  # after sparse_attention, whose helpers it takes
                 "kernels.ring_offsets",  # before kernels.compressor, which calls its ring_row
                 "kernels.compressor",
-                "kernels.kv_record",  # before kernels.kv_store, whose kernels call its codec
                 "kernels.kv_store",
                 "kernels.moe_align",  # before kernels.moe, which imports it
                 "kernels.expert_slots",  # after moe_align, whose sort it calls

@@ -86,18 +86,18 @@ def attention_layer(attn: Attention, lw: LayerWeights, fs: ForwardState, x: torc
 
 def _workspace(fs: ForwardState, g, chunk, kv: torch.Tensor) -> torch.Tensor:
     """The chunk's bf16 workspace [rows, d]: cached entries and window prefix, then the fresh
-    rows through the cache's format, each written straight into its rows (issue 25: one launch,
-    plus one for a window prefix; the layer's page offsets are added in-kernel)."""
+    rows through the cache's format."""
     meta = fs.meta
     ws = kv.new_empty(chunk.num_rows, kv.shape[1])
-    # entries at comp_base + comp_src, and the chunk's own rows as later chunks and decode
-    # steps read them back (chunk invariance)
-    kv_rows.gather_into(meta.geo, ws, chunk.comp_src, chunk.comp_dst, meta.kernels,
-                        slot_offset=g.comp_base, fresh=kv[chunk.token_lo : chunk.token_hi],
-                        fresh_rows=chunk.query_dst)  # fmt: skip
-    # the window prefix: ring-relative slots plus the ring page of the row's request
-    kv_rows.gather_into(meta.geo, ws, chunk.win_src, chunk.win_dst, meta.kernels,
-                        slot_base=(meta.win_base[g.layer_id], chunk.win_token))  # fmt: skip
+    if chunk.comp_src.numel():
+        ws[chunk.comp_dst] = kv_rows.gather(meta.geo, chunk.comp_src + g.comp_base, kv.dtype,
+                                            meta.kernels)  # fmt: skip
+    if chunk.win_src.numel():
+        slots = meta.win_base[g.layer_id][chunk.win_token].long() + chunk.win_src
+        ws[chunk.win_dst] = kv_rows.gather(meta.geo, slots, kv.dtype, meta.kernels)
+    # the chunk's own rows as later chunks and decode steps read them back (chunk invariance)
+    ws[chunk.query_dst] = kv_rows.round_trip(meta.geo, kv[chunk.token_lo : chunk.token_hi],
+                                             meta.kernels)  # fmt: skip
     return ws
 
 

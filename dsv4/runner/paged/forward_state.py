@@ -16,7 +16,6 @@ from dsv4.runner.paged.compress import CompressorTables, compressor_tables
 from dsv4.runner.paged.geometry import LayerGeometry
 from dsv4.runner.paged.prefill import ChunkTables, chunk_tables, chunks_of
 from dsv4.runner.paged.step_metadata import StepMetadata
-from kernels.kv_store import RingSlots
 
 
 @dataclass(frozen=True)
@@ -57,6 +56,7 @@ class ForwardState:
     _rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     _comp: dict[int, CompressorTables] = field(default_factory=dict)
     _chunks: dict[int, tuple[ChunkTables, ...]] = field(default_factory=dict)
+    _window: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     def rope(self, ratio: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) [T, rope/2] of every token for layers of `ratio` (plain or YaRN)."""
@@ -94,9 +94,12 @@ class ForwardState:
 
     def store_window(self, g: LayerGeometry, kv: torch.Tensor) -> None:
         """Every token's K=V row into its window ring slot; a prefill token only if no later
-        token of its request in this step reuses the slot (`RingSlots`: the store kernel
-        computes the slots from the step's tensors and the layer's ring bases, one launch)."""
+        token of its request in this step reuses the slot."""
         t = self.meta.t
-        ring = RingSlots(t.positions, t.token_to_req, t.ends, self.meta.win_base[g.layer_id],
-                         g.window.slots)  # fmt: skip
-        kv_rows.store(self.meta.geo, ring, kv, self.meta.kernels)
+        ring = g.window.slots
+        if ring not in self._window:  # shared by every layer with this ring size
+            keep = t.positions >= t.ends[t.token_to_req.long()] - ring  # [T] bool
+            self._window[ring] = keep, t.positions % ring  # [T] int64 ring row of each token
+        keep, row = self._window[ring]
+        slots = self.meta.win_base[g.layer_id].long() + row
+        kv_rows.store(self.meta.geo, torch.where(keep, slots, -1), kv, self.meta.kernels)
