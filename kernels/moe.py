@@ -81,11 +81,12 @@ SWAP_AB_DEFAULT = False
 # MXFP4 at decode sizes through kernels/moe_gemv.py (moe_gemv.use_gemv); False: the in-register
 # MMA kernel below at every size (tune GEMV overrides either way).
 GEMV_DEFAULT = True
-# The halves MMA kernel's upcast on the GPU (kernels/moe_mxfp4.py): through fp32 bits (True,
-# timed on H100s and H200s) or straight into bf16 bits with inline PTX (False: 0.31 warp
-# instructions a weight byte against 0.48 compiled for sm_90; not run on a card yet, so not
-# served); tune HALVES_FP32 picks either.
-HALVES_FP32_DEFAULT = True
+# The halves MMA kernel's upcast on the GPU (kernels/moe_mxfp4.py): straight into bf16 bits
+# with inline PTX (False, served: 0.31 warp instructions a weight byte against 0.48 compiled for
+# sm_90; on an H100, the same outputs and 1.18x at 1024 tokens, 1.10x at 8192, 1.20-1.22x at
+# 16-64: benchmarks/results/moe-mxfp4-bf16-upcast-h100.json) or through fp32 bits (True, the
+# baseline); tune HALVES_FP32 picks either.
+HALVES_FP32_DEFAULT = False
 # a tune of the MMA kernel: no GEMV
 _MMA_KEYS = {"SWAP_AB", "BLOCK_K", "GROUP_M", "num_stages", "DOT_SCALED", "HALVES_FP32"}
 
