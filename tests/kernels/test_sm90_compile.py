@@ -14,6 +14,9 @@ from dsv4.ops.expert_slots import COUNTERS
 from tests.kernels.sm90_build import RECORDED, Launch, compile_recorded, launch_of
 
 
+# every recorded constexpr set of every kernel through Triton's compiler and ptxas: minutes on a
+# 2-core machine (~300 s on a slow one), so past the suite's per-test default
+@pytest.mark.timeout(1200)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the kernels compile as they run")
 def test_recorded_launches_compile_for_sm90(request):
     launches = [launch for kept in RECORDED.values() for launch in kept]
