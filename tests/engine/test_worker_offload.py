@@ -334,12 +334,13 @@ def test_offload_benchmark_times_mtp_steps_per_expected_token(tmp_path) -> None:
     out = tmp_path / "mtp.json"
     argv = ["--shape", "tiny", "--device", "cpu", "--no-check", "--runs", "paged",
             "--mtp-k", "2", "--offload-share", "0.15", "--batches", "2", "--steps", "2",
-            "--routings", "uniform", "--prompt-len", "8", "--ttft-prompt", "16",
+            "--routings", "uniform", "--prompt-len", "8", "--ttft-prompt", "0",
             "--out", str(out)]  # fmt: skip
     assert main(argv) == 0
     records = json.loads(out.read_text())["records"]
     tpot = [r for r in records if r["name"] == "full_depth_tpot"]
     assert len(tpot) == 1 and all(r["mtp_k"] == 2 for r in records)
+    assert len(records) == 1  # --ttft-prompt 0: decode only (it once failed the whole call)
     (r,) = tpot
     assert r["tokens_per_step"] == pytest.approx(1 + 0.837 + 0.672)
     assert r["time_us"] == pytest.approx(r["step_time_us"] / r["tokens_per_step"])
@@ -418,12 +419,40 @@ def test_kv_budget_leaves_the_step_workspaces_and_stays_inside_a_device_budget()
     the KV cache once took 90% of that and the first 8K-token step found no room for its
     1 GiB dequantise scratch. The plan's buffers are held back now, and a
     `model.device_memory_gib` budget caps the cache as well."""
-    from dsv4.worker.kv_budget import kv_budget_bytes
+    from dsv4.worker.kv_budget import FREE_HEADROOM_BYTES, kv_budget_bytes
 
     gib = 1 << 30
     free, reserve = int(12.8 * gib), int(1.5 * gib)
-    assert kv_budget_bytes(free, 0.9, 0) == int(free * 0.9)
-    assert kv_budget_bytes(free, 0.9, reserve) == int(free * 0.9) - reserve
+    card, held = 80 * gib, 66 * gib
+    assert kv_budget_bytes(free, 0.9, 0, card, held) == int(card * 0.9) - held
+    assert kv_budget_bytes(free, 0.9, reserve, card, held) == int(card * 0.9) - held - reserve
     capped = kv_budget_bytes(free, 0.9, reserve, within_bytes=68 * gib, held_bytes=58 * gib)
-    assert capped == int(68 * gib * 0.9) - 58 * gib - reserve < int(free * 0.9) - reserve
-    assert kv_budget_bytes(free, 0.9, 20 * gib) == 0  # never negative: one request then refuses
+    assert capped == int(68 * gib * 0.9) - 58 * gib - reserve < int(card * 0.9) - held - reserve
+    # another process holds most of the card: no more than what is free, less a headroom
+    crowded = kv_budget_bytes(2 * gib, 0.9, reserve, card, 20 * gib)
+    assert crowded == 2 * gib - reserve - FREE_HEADROOM_BYTES
+    # never negative: one request then refuses
+    assert kv_budget_bytes(free, 0.9, 20 * gib, card, held) == 0
+
+
+def test_kv_budget_is_a_share_of_the_card_not_of_what_the_weights_left() -> None:
+    """The H200 run it comes from (43-layer V4-Flash, offload, `cache.memory_fraction` 0.94):
+    the plan kept 222 of 256 experts a layer resident within 94% of the card, then the cache
+    took 94% of the ~9.6 GiB left free: 8.2 GiB of KV for one 1280-token request, 98% of the
+    card in use. As a share of the card (what the plan and `dsv4 up --memory-fraction F/N`
+    count), the worker ends at 94%; workers sharing a card get the same cache whatever order
+    they start in."""
+    from dsv4.worker.kv_budget import kv_budget_bytes
+
+    gib = 1 << 30
+    card, held, reserve = int(140.4 * gib), int(130.3 * gib), int(0.34 * gib)
+    free = card - held - int(0.5 * gib)  # the CUDA context is outside torch's reserved bytes
+    budget = kv_budget_bytes(free, 0.94, reserve, within_bytes=card, held_bytes=held)
+    assert budget == int(card * 0.94) - held - reserve
+    assert held + budget + reserve <= 0.94 * card < held + int(free * 0.94)
+    # two workers sharing the card at 0.45 each: the second's cache does not shrink by the first's
+    weights = 12 * gib
+    first = kv_budget_bytes(card - weights, 0.45, reserve, within_bytes=card, held_bytes=weights)
+    left = card - 2 * weights - first - reserve
+    second = kv_budget_bytes(left, 0.45, reserve, within_bytes=card, held_bytes=weights)
+    assert first == second == int(card * 0.45) - weights - reserve
