@@ -143,10 +143,32 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _at_least(low: int):
+    """An argparse type: an integer >= `low`, refused in one line."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = low - 1
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{text!r}: give an integer >= {low}")
+        return value
+
+    return parse
+
+
+def _batches(text: str) -> str:
+    """--batches: a comma list of decode batches >= 1 (kept as text, as the runs read it)."""
+    for part in text.split(","):
+        _at_least(1)(part.strip())
+    return text
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", default="flash", choices=("flash", "tiny"))
-    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--layers", type=_at_least(1), default=4)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--forward", default="paged", choices=("paged", "reference"),
                         help="the token check's forward")  # fmt: skip
@@ -155,7 +177,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--host-memory-gib", type=float, default=64.0)
     parser.add_argument("--memory-fraction", type=_fraction, default=0.9,
                         help="cache.memory_fraction: the share of the device the plan may use")  # fmt: skip
-    parser.add_argument("--new-tokens", type=int, default=8)
+    parser.add_argument("--new-tokens", type=_at_least(1), default=8)
     parser.add_argument("--no-baseline", action="store_true",
                         help="no resident token check, no reference-forward timing")  # fmt: skip
     parser.add_argument("--no-check", action="store_true",
@@ -169,19 +191,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--runs", default="",
                         help="timed runs, from paged,paged_prefetch,reference ('': all that the "
                              "--no-* flags leave)")  # fmt: skip
-    parser.add_argument("--staging-experts", type=int, default=32,
+    parser.add_argument("--staging-experts", type=_at_least(0), default=32,
                         help="the staging runs' prefill buffer (features.expert_staging)")  # fmt: skip
-    parser.add_argument("--max-seqs", type=int, default=0,
+    parser.add_argument("--max-seqs", type=_at_least(0), default=0,
                         help="the timed runtimes' max sequences (0: the largest batch)")  # fmt: skip
-    parser.add_argument("--batches", default="1,16")
+    parser.add_argument("--batches", type=_batches, default="1,16")
     parser.add_argument("--routings", default="uniform,zipf1")
-    parser.add_argument("--prompt-len", type=int, default=64, help="the TPOT runs' prompts")
-    parser.add_argument("--steps", type=int, default=16, help="timed decode steps")
-    parser.add_argument("--ttft-prompt", type=int, default=1024)
+    parser.add_argument(
+        "--prompt-len", type=_at_least(1), default=64, help="the TPOT runs' prompts"
+    )
+    parser.add_argument("--steps", type=_at_least(1), default=16, help="timed decode steps")
+    parser.add_argument("--ttft-prompt", type=_at_least(0), default=1024,
+                        help="full_depth_ttft's prompt; 0: none")  # fmt: skip
     parser.add_argument("--warm-up", default="all", choices=("all", "powers"),
                         help="scheduler.warm_up of every runtime (powers: the measured prompt "
                              "lengths are powers of two or --prompt-len)")  # fmt: skip
-    parser.add_argument("--prefill-prompt", type=int, default=0,
+    parser.add_argument("--prefill-prompt", type=_at_least(0), default=0,
                         help="full_depth_prefill's prompt (tok_s); 0: none")  # fmt: skip
     parser.add_argument("--mtp-k", type=int, default=0, choices=(0, 1, 2, 3),
                         help="timed runs speculate with the MTP layer, K drafts a step")  # fmt: skip

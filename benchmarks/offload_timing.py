@@ -172,7 +172,8 @@ def measure(values: dict, args) -> dict[tuple[str, int], dict]:
     per_step = tokens_per_spec_step(args)
     out = {("full_depth_tpot", b): tpot(runtime, b, args.prompt_len, args.steps, per_step)
            for b in (int(b) for b in args.batches.split(","))}  # fmt: skip
-    out[("full_depth_ttft", 1)] = ttft(runtime, args.ttft_prompt)
+    if args.ttft_prompt:  # 0: no TTFT record (a call that times decode batches only)
+        out[("full_depth_ttft", 1)] = ttft(runtime, args.ttft_prompt)
     if args.prefill_prompt:
         first = ttft(runtime, args.prefill_prompt)
         out[("full_depth_prefill", 1)] = {**first,
