@@ -314,20 +314,23 @@ def test_pooled_experts_on_the_gpu_equal_resident_with_graphs(fmt, prefetch) -> 
 
 
 @pytest.mark.gpu
-def test_the_gpu_pool_serves_the_adopted_pinned_store_rows() -> None:
+@pytest.mark.parametrize("layout", ["stored", "halves128"])
+def test_the_gpu_pool_serves_the_adopted_pinned_store_rows(layout) -> None:
     """The load-time split on the GPU (cold blobs in registered host memory) becomes the pool
-    without a copy: the copy kernel reads the store's blobs at their row stride; logits equal
-    all-resident bit for bit."""
+    without a copy (halves128: re-packed in place on the card): the copy kernel reads the
+    store's blobs at their row stride; logits equal all-resident bit for bit."""
     kernels = KernelBackendConfig(default="triton")
     model = dict(seed=9, dtype=torch.bfloat16, device="cuda", expert_weights="checkpoint")
-    resident = random_model(FP4, **model)
-    split = random_model(FP4, **model, offload=ExpertOffload(6, 1))
+    cfg = FP4.with_overrides(moe_intermediate_size=128) if layout == "halves128" else FP4
+    resident = random_model(cfg, **model)
+    split = random_model(cfg, **model, offload=ExpertOffload(6, 1))
     store = split.layers[0].ffn.expert_store
     blob = store.host[min(store.host)]
-    options = PoolOptions((6,), cache_slots=1, max_decode_tokens=2)
+    options = PoolOptions((6,), cache_slots=1, max_decode_tokens=2, mxfp4_layout=layout)
     pool = pool_experts(split, options, "cuda", kernels)
     assert pool.layers[0].host[0].data_ptr() == blob.data_ptr()
-    steps, _ = _lockstep(resident, split, kernels=kernels, kv="fp8", index="mxfp4")
+    switches = {"switches": PagedSwitches(mxfp4_layout=layout)}
+    steps, _ = _lockstep(resident, split, switches, kernels=kernels, kv="fp8", index="mxfp4")
     assert all(torch.equal(a, b) for a, b in steps)
     pool.mirror()
     assert pool.stats().fetches > 0

@@ -20,7 +20,7 @@ from dsv4.model.offload import offload_model
 from dsv4.model.offload_load import ExpertOffload
 from dsv4.model.tiny import random_model, write_checkpoint
 from dsv4.model.weights import load_model
-from dsv4.ops.quant import HALVES_MAX_SCALE_BYTE, halves_scales_fit
+from dsv4.ops.quant import HALVES_MAX_SCALE_BYTE, halves_scales_fit, repack_halves
 from dsv4.runner.paged import PoolOptions, pool_experts
 from dsv4.runner.paged.forward_state import PagedSwitches
 from dsv4.runner.paged.pool_storage import expert_rows_of
@@ -83,8 +83,16 @@ def test_pooled_halves_from_the_offload_split_equal_all_resident() -> None:
     split = random_model(FP4, seed=4, expert_weights="checkpoint",
                          offload=ExpertOffload(5, 2, order))  # fmt: skip
     options = PoolOptions((5,), order, 1, 2, mxfp4_layout="halves128")
+    store = split.layers[0].ffn.expert_store
+    cold = sorted(store.host)
+    stored = store.parts(cold[0])["w1"][0].clone()  # [I, H/2] as the checkpoint packs it
+    blob = store.host[cold[0]]
     pool = pool_experts(split, options, "cpu", KernelBackendConfig())
     assert {layer.weights.format for layer in pool.layers} == {"mxfp4_halves128"}
+    # the store's pinned blobs became the pool's host rows, re-packed in place (no host copy)
+    host_w13 = pool.layers[0].host[0]
+    assert host_w13.data_ptr() == blob.data_ptr()
+    assert torch.equal(host_w13[0, : stored.shape[0]], repack_halves(stored, 128))
     steps, _ = _lockstep(resident, split, {"switches": PagedSwitches(mxfp4_layout="halves128")})
     assert _formats(resident) == {"mxfp4_halves128"}
     assert steps and all(torch.equal(a, b) for a, b in steps)

@@ -356,7 +356,7 @@ def pool_experts(model: DeepseekV4, options: PoolOptions, device: torch.device |
         storage = empty_rows(like, len(resident) + slots, device)
         for part in storage:  # free slots hold zeros, not garbage: a prefill-sized GEMM that
             part[len(resident) :].zero_()  # dequantises every row then reads finite codes
-        adopted = adopt_host_rows(moe, source, cold)
+        adopted = adopt_host_rows(moe, source, cold, device)
         host = adopted or empty_rows(like, len(cold), torch.device("cpu"),
                                      pin=device.type == "cuda")  # fmt: skip
         with torch.no_grad():
