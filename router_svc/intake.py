@@ -26,13 +26,14 @@ import dataclasses
 import json
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 from tokenizers import Tokenizer
 
 from dsv4.errors import InvalidRequest, ResourceExhausted
 from dsv4.types import GenerateRequest
 
+T = TypeVar("T")
 INLINE_PROMPT_CHARS = 2048  # at most 8 KiB: tokenized on the event loop
 MAX_UTF8_BYTES_PER_CHAR = 4
 # Below this temperature softmax(logits / T) is one-hot to within fp32 for any logit gap above
@@ -105,16 +106,22 @@ class TokenizerPool:
         self.num_admitted = 0
 
     async def encode(self, text: str) -> Sequence[int]:
+        return await self.run(lambda: self._encode(text), "or send prompt_token_ids")
+
+    async def run(self, work: Callable[[], T], fix: str = "") -> T:
+        """`work` (tokenizer calls that release the GIL: /tokenize and /detokenize's long
+        texts too) on the pool's threads, within the same bound as `encode`; `fix`: what
+        else a refused caller can do."""
         if self.num_admitted >= self.max_admitted:
             raise ResourceExhausted(
-                f"the router is tokenizing {self.num_admitted} long prompts already: retry "
-                "later, or send prompt_token_ids",
+                f"the router is tokenizing {self.num_admitted} long texts already: retry "
+                f"later{', ' + fix if fix else ''}",
                 retry_after_s=1.0,
             )
         self.num_admitted += 1
         try:
             loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self._executor, self._encode, text)
+            return await loop.run_in_executor(self._executor, work)
         finally:
             self.num_admitted -= 1
 

@@ -101,6 +101,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     def limiter(self) -> TokenBucketLimiter:
         return self._limiter
 
+    @property
+    def tokenizer_pool(self) -> TokenizerPool:
+        """The bounded pool long prompts are tokenized in (the HTTP front's /tokenize too)."""
+        return self._tokenizer_pool
+
     # ---- Generate -----------------------------------------------------------------------------
 
     async def Generate(

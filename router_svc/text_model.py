@@ -46,14 +46,22 @@ class TextModel:
     max_token_bytes: int = 0
     tokenizer: Tokenizer | None = field(default=None, repr=False, compare=False)
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """`codec.encode(text)` that lets go of the GIL: `Tokenizer.encode` holds it for the
         whole call, `encode_batch` releases it, so a thread tokenizing a long prompt does not
-        stall the router's event loop. Same ids (no special tokens added)."""
-        if self.tokenizer is None:
-            assert self.codec is not None, "no tokenizer: text prompts are refused before this"
-            return self.codec.encode(text)
-        return self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
+        stall the router's event loop. Same ids; `add_special_tokens` (vLLM's /tokenize
+        option) lets the tokenizer's post-processor add its own (a BOS, ...), as
+        `Tokenizer.encode` does; prompts are fed without them."""
+        assert self.codec is not None, "no tokenizer: text prompts are refused before this"
+        tokenizer = self.tokenizer or self.codec.tokenizer
+        return tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    def prompt_text(self, ids: list[int]) -> str:
+        """`codec.prompt_text(ids)` (special tokens spelled out) that lets go of the GIL, as
+        `encode` does: `decode_batch` releases it, `decode` does not."""
+        assert self.codec is not None, "no tokenizer: ids are refused before this"
+        tokenizer = self.tokenizer or self.codec.tokenizer
+        return tokenizer.decode_batch([ids], skip_special_tokens=False)[0]
 
 
 def text_model(

@@ -2,7 +2,8 @@
 
 Reading path: `app` (routes, status, SSE) -> `body` (a body read in time and parsed as JSON) ->
 `protocol` (request bodies, error objects) -> `chat` (chat template) -> `call` (the gRPC
-Generate path run in-process) -> `responses` (OpenAI response objects and stream chunks).
+Generate path run in-process) -> `responses` (OpenAI response objects and stream chunks);
+`tokenize` serves vLLM's /tokenize, /detokenize and /version beside them.
 """
 
 from router_svc.http.app import HttpFront

@@ -3,8 +3,11 @@
 Routes: POST /v1/completions, POST /v1/chat/completions (SSE with `stream: true`), GET
 /v1/models, GET /v1/models/{id} (404 `model_not_found` for another id), GET /health (200 while
 some request could be routed, else 503: the readiness the gRPC health service reports as
-"dsv4.v1.Router"), GET /metrics (the router's Prometheus registry). /v1 routes need
-`Authorization: Bearer KEY` when router.api_keys is set.
+"dsv4.v1.Router"), GET /metrics (the router's Prometheus registry), and vLLM's POST /tokenize,
+POST /detokenize and GET /version (tokenize.py). /v1 routes, /tokenize and /detokenize need
+`Authorization: Bearer KEY` when router.api_keys is set: vLLM keys /v1 alone, but these two
+spend the router's tokenizer on bodies up to router.max_message_bytes, and every client of a
+keyed router holds a key. /health, /metrics and /version do no work a client chooses: open.
 
 A generation request is checked (API key, its body read within BODY_READ_TIMEOUT_S and parsed
 (body.py), its shape, model name, and choices no more than the router admits at once), chat
@@ -40,6 +43,7 @@ from router_svc.http.choices import choice_protos, first_chunks, merged_events, 
 from router_svc.http.logprobs import token_texts
 from router_svc.http.protocol import ApiError, OpenAIRequest, bad_request, parse_request, shown
 from router_svc.http.responses import SSE_DONE, Reply, sse_event
+from router_svc.http.tokenize import Tokenization, parse_detokenize, parse_tokenize, version_route
 from router_svc.pool import WorkerPool
 from router_svc.servicer import RouterServicer
 from router_svc.text_model import TextModel
@@ -75,6 +79,10 @@ async def _openai_errors(request: web.Request, handler: Any) -> web.StreamRespon
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
+        if exc.status == 413:  # aiohttp's text names the size, not the setting that sets it
+            return error_response(ApiError(413, f"{(exc.text or exc.reason).rstrip('.')} "
+                                           "(router.max_message_bytes): send a smaller body",
+                                           param="body"))  # fmt: skip
         return error_response(
             ApiError(exc.status, f"{exc.reason}: {request.method} {request.path}")
         )
@@ -124,6 +132,7 @@ class HttpFront:
         self._metrics, self._registry = metrics, registry
         self._text, self._chat = text, chat
         self._token_text = token_texts(text.codec)  # logprobs' token strings, cached
+        self._tokens = Tokenization(text, chat, servicer.tokenizer_pool)
         self._runner: web.AppRunner | None = None
         self.port = 0
         self.body_timeout_s = BODY_READ_TIMEOUT_S  # a request body's read, then 408
@@ -142,6 +151,9 @@ class HttpFront:
         app.router.add_get("/v1/models/{model:.+}", self.model)  # ids hold "/" (paths)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.prometheus)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
+        app.router.add_get("/version", version_route)
         return app
 
     async def start(self) -> None:
@@ -191,6 +203,18 @@ class HttpFront:
         except Dsv4Error:
             return None
 
+    def _check_model(self, asked: str) -> str | None:
+        """The served model's name (or None, as `_model_name`); 404 when the request names
+        another (no name: the served one, as in vLLM)."""
+        served = self._model_name()
+        if asked and served is not None and asked != served:
+            raise ApiError(404, f"model {shown(asked)} is not served here: use {served!r} "
+                           "(GET /v1/models)", param="model", code="model_not_found")  # fmt: skip
+        return served
+
+    def _max_model_len(self) -> int:
+        return self._servicer.model_info().max_model_len
+
     def _model_object(self, request: web.Request) -> dict[str, Any]:
         self._check_key(request, "GetModelInfo")
         try:
@@ -221,6 +245,24 @@ class HttpFront:
     async def prometheus(self, request: web.Request) -> web.Response:
         body = generate_latest(self._registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        self._check_key(request, "Tokenize")
+        asked = parse_tokenize(await self._body(request))
+        self._check_model(asked.model)
+        try:
+            return web.json_response(await self._tokens.tokenize(asked, self._max_model_len))
+        except Dsv4Error as exc:  # no worker reported max_model_len yet (503), pool full (429)
+            raise _api_error(exc) from exc
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        self._check_key(request, "Detokenize")
+        model, tokens = parse_detokenize(await self._body(request))
+        self._check_model(model)
+        try:
+            return web.json_response(await self._tokens.detokenize(tokens))
+        except Dsv4Error as exc:  # the pool full (429)
+            raise _api_error(exc) from exc
 
     # ---- generation ----------------------------------------------------------------------------
 
@@ -279,11 +321,7 @@ class HttpFront:
     async def _answer(
         self, request: web.Request, parsed: OpenAIRequest, *, is_chat: bool
     ) -> web.StreamResponse:
-        served = self._model_name()
-        if parsed.model and served is not None and parsed.model != served:
-            raise ApiError(404, f"model {shown(parsed.model)} is not served here: use "
-                           f"{served!r} (GET /v1/models)", param="model",
-                           code="model_not_found")  # fmt: skip
+        served = self._check_model(parsed.model)
         self._check_admissible(parsed)
         request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
         prompts = list(parsed.batch) or [self._prompt(parsed)]

@@ -81,6 +81,8 @@ _CHAT_OFF_ONLY = (
     ("chat_template", (None,)), ("continue_final_message", (None, False)),
     ("documents", (None,)),
 )  # fmt: skip
+# What the template would render differently: its own options, and tools (templates list them)
+_TEMPLATE_OFF_ONLY = (("tools", (None, [])), *_CHAT_OFF_ONLY)
 
 
 class ApiError(Exception):
@@ -355,6 +357,33 @@ def _template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
+@dataclass(frozen=True)
+class ChatPrompt:
+    """What a chat request gives the chat template: checked once here for /v1/chat/completions
+    and /tokenize alike, so both render the same prompt from the same body."""
+
+    messages: tuple[dict[str, Any], ...]
+    add_generation_prompt: bool  # vLLM's field (default true): the template opens the answer
+    chat_template_kwargs: Mapping[str, Any]  # vLLM's field: more template variables
+
+
+def parse_chat_prompt(body: dict[str, Any]) -> ChatPrompt:
+    """The template's input of a chat body; what this server cannot render (a request's own
+    template, tools, ...) is refused unless off, as on /v1/chat/completions."""
+    _refuse_unless_off(body, _TEMPLATE_OFF_ONLY)
+    opens_answer = _typed(body, "add_generation_prompt", (bool,), "true or false")
+    return ChatPrompt(_messages(body), opens_answer is not False, _template_kwargs(body))
+
+
+def _refuse_unless_off(
+    body: dict[str, Any], pairs: tuple[tuple[str, tuple[Any, ...]], ...]
+) -> None:
+    for name, off in pairs:
+        if body.get(name) not in off:
+            raise bad_request(name, f"{name} = {shown(body[name])} is not supported by this "
+                              "server: leave it unset")  # fmt: skip
+
+
 def parse_request(body: Any, *, is_chat: bool) -> OpenAIRequest:
     """Check one request body's shape; raises ApiError(400) naming the parameter."""
     if not isinstance(body, dict):
@@ -364,10 +393,7 @@ def parse_request(body: Any, *, is_chat: bool) -> OpenAIRequest:
     n = 1 if n is None else n
     if not 1 <= n <= MAX_CHOICES:
         raise bad_request("n", f"n = {n}: must be in [1, {MAX_CHOICES}] (choices of each prompt)")
-    for name, off in (*_OFF_ONLY, *(_CHAT_OFF_ONLY if is_chat else ())):
-        if body.get(name) not in off:
-            raise bad_request(name, f"{name} = {shown(body[name])} is not supported by this "
-                              "server: leave it unset")  # fmt: skip
+    _refuse_unless_off(body, (*_OFF_ONLY, *(_CHAT_OFF_ONLY if is_chat else ())))
     for name, off in _NOT_ON_CHAT if is_chat else ():
         if body.get(name) not in off:
             raise bad_request(name, f"{name} is not supported on /v1/chat/completions: leave "
@@ -394,13 +420,11 @@ def parse_request(body: Any, *, is_chat: bool) -> OpenAIRequest:
     if echo_only:
         sampling.max_new_tokens = 1  # the engine samples one token at least
     prompt_logprobs = _prompt_logprobs(body, sampling, echo=echo)
-    opens_answer = (
-        _typed(body, "add_generation_prompt", (bool,), "true or false") if is_chat else None
-    )
+    chat = parse_chat_prompt(body) if is_chat else ChatPrompt((), True, {})
     return OpenAIRequest(
         model=model,
         prompt=prompts[0] if len(prompts) == 1 else None,
-        messages=_messages(body) if is_chat else (),
+        messages=chat.messages,
         sampling=sampling,
         stream=stream,
         include_usage=include_usage,
@@ -409,8 +433,8 @@ def parse_request(body: Any, *, is_chat: bool) -> OpenAIRequest:
         echo=echo,
         echo_only=echo_only,
         prompt_logprobs=prompt_logprobs,
-        add_generation_prompt=opens_answer is not False,
-        chat_template_kwargs=_template_kwargs(body) if is_chat else {},
+        add_generation_prompt=chat.add_generation_prompt,
+        chat_template_kwargs=chat.chat_template_kwargs,
         priority=_int(body, "priority", clamped) or 0,
         clamped=clamped,
     )

@@ -55,11 +55,13 @@ async def scripted_cluster(
     pool_settings: PoolSettings = FAST_PROBES,
     metadata: tuple[tuple[str, str], ...] = (),
     registry: WorkerRegistry | None = None,
+    text: TextModel | None = None,
     **config: Any,
 ) -> AsyncIterator[ScriptedCluster]:
     """`config`: ServeConfig overrides with "__" for "." (router__max_inflight_requests=2).
     `registry`: discovery (default: static lists of the workers); workers started by the
-    caller (to publish their addresses first) are not started again."""
+    caller (to publish their addresses first) are not started again. `text`: the
+    router's tokenizer (default: the tiny one; `TextModel(None)`: a router without one)."""
     for worker in (*prefills, *decodes):
         if not worker.is_serving:
             await worker.start()
@@ -71,7 +73,7 @@ async def scripted_cluster(
         load_config(overrides),
         registry=registry,
         pool_settings=pool_settings,
-        text_model=tiny_text_model(),
+        text_model=text if text is not None else tiny_text_model(),
     )
     try:
         await server.start()
