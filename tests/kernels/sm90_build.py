@@ -21,6 +21,7 @@ import os
 import pickle
 import subprocess
 import sys
+import time
 from dataclasses import astuple, dataclass
 from pathlib import Path
 
@@ -35,6 +36,7 @@ _TORCH_TO_TRITON = {
 _LAUNCH_OPTIONS = ("num_warps", "num_stages")
 MAX_VARIANTS = 8  # constexpr sets kept per kernel and value of its FMT / HALVES constexprs
 MAX_KERNEL_VARIANTS = 32  # and per kernel: kernels.moe_gemm's GEMMs take five FMT values
+MAX_COMPILE_WORKERS = 4
 
 
 @dataclass(frozen=True)
@@ -145,17 +147,37 @@ def sass_lines(only: str, timeout_s: float = 600.0) -> list[str]:
     return [line for line in child.stdout.splitlines() if line.startswith(only)]
 
 
-def compile_recorded(launches: list[Launch], timeout_s: float = 600.0) -> list[str]:
-    """Compile every launch for sm_90 in a child process; returns one line per failure."""
+def compile_recorded(launches: list[Launch], timeout_s: float = 900.0,
+                     workers: int = 0) -> list[str]:  # fmt: skip
+    """Compile every launch for sm_90 in child processes, `workers` of them side by side (0:
+    one a core, at most `MAX_COMPILE_WORKERS`: each compile is one core's work, and the suite
+    runs this test alone on the machine); returns one line per failure."""
     env, root = _compiler_env()
-    child = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve())],
-        input=pickle.dumps([astuple(launch) for launch in launches]),
-        capture_output=True, env=env, cwd=root, timeout=timeout_s, check=False,
-    )  # fmt: skip
-    if child.returncode != 0:
-        return [f"the compile process failed ({child.returncode}): {child.stderr[-3000:]!r}"]
-    return pickle.loads(child.stdout)
+    workers = max(1, min(workers or os.cpu_count() or 1, MAX_COMPILE_WORKERS, len(launches)))
+    children = []
+    for i in range(workers):  # every child gets its share before any is waited for
+        child = subprocess.Popen([sys.executable, str(Path(__file__).resolve())],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, env=env, cwd=root)  # fmt: skip
+        children.append(child)
+        assert child.stdin is not None  # a child reads its whole input before compiling
+        child.stdin.write(pickle.dumps([astuple(launch) for launch in launches[i::workers]]))
+        child.stdin.close()
+        child.stdin = None  # closed: communicate() only reads
+    deadline, failures = time.monotonic() + timeout_s, []
+    try:
+        for child in children:
+            out, err = child.communicate(timeout=max(deadline - time.monotonic(), 1.0))
+            if child.returncode != 0:
+                failures.append(f"the compile process failed ({child.returncode}): {err[-3000:]!r}")
+            else:
+                failures += pickle.loads(out)
+    finally:
+        for child in children:  # a timeout or error: none outlives the check
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+    return failures
 
 
 # constexprs that only the interpreter sets (`not x.is_cuda` at every launch): fp32 operands
