@@ -16,6 +16,7 @@ from kernels.indexer import indexer_logits
 from kernels.indexer_fused import indexer_logits_topk
 from kernels.indexer_select import indexer_select_all, indexer_topk
 from kernels.kv_store import kv_gather, kv_store
+from kernels.kv_workspace import kv_workspace
 from kernels.mhc import hc_head, hc_post, hc_pre, hc_pre_first_layer
 from kernels.metadata import (
     c4_global_topk_slots,
@@ -64,6 +65,7 @@ __all__ = [
     "indexer_topk",
     "kv_gather",
     "kv_store",
+    "kv_workspace",
     "moe_align",
     "moe_experts",
     "norm_rope",

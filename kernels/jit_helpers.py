@@ -1,5 +1,6 @@
 """`@triton.jit` helpers that more than one kernel module calls (one home, no kernel module
-imports another for them): bf16 / e4m3 / power-of-two bit tricks, the e2m1 decode, the
+imports another for them): bf16 / e4m3 / power-of-two bit tricks, the KV cache's fp8 blocks
+(kernels/kv_store.py and kv_workspace.py encode and decode them alike), the e2m1 decode, the
 grouped tile order of the GEMMs and the FP8 linears' split-K epilogue (store_split: the
 partials stored for a reduce launch, or added in-launch by the tile's last program, whose
 counters and REDUCE knob are in kernels/fp8_splitk.py)."""
@@ -58,6 +59,24 @@ def e4m3_bits(v):
     normal = ((ab + 0x7FFFF + ((ab >> 20) & 1)) >> 20) - 960
     code = tl.where(a < 0.015625, sub, tl.minimum(normal, 126))
     return code | (((bits >> 31) & 1) << 7)
+
+
+@triton.jit
+def kv_fp8_encode(x):
+    """KV nope blocks x [N, BLOCK_C, 64] fp32 (kernels/kv_store.py's fp8_ue8m0) -> (e4m3 codes
+    [N, BLOCK_C, 64] int32 in 0..255, exponents e [N, BLOCK_C] int32: scale 2^e, stored as the
+    UE8M0 byte e + 127; 2^ceil(log2(max(amax, 1e-4) / 448)) per block)."""
+    amax = tl.max(tl.abs(x), axis=2)  # [N, BLOCK_C]
+    e = pow2_ceil_exp(tl.math.div_rn(tl.maximum(amax, 1e-4), 448.0))
+    return e4m3_bits(x * pow2(-e)[:, :, None]), e
+
+
+@triton.jit
+def kv_fp8_decode(codes, e):
+    """`kv_fp8_encode`'s inverse: e4m3 codes [N, BLOCK_C, 64] uint8, UE8M0 bytes e [N, BLOCK_C]
+    int32 -> fp32 values code * 2^(e - 127) (0 where e is 0: masked scales)."""
+    scale = (e << 23).to(tl.float32, bitcast=True)  # [N, BLOCK_C]
+    return codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, :, None]
 
 
 @triton.jit

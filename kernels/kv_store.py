@@ -14,7 +14,7 @@ Kernels: one program per block of BLOCK_T tokens (store) or BLOCK_N slots (gathe
 row in registers. An fp8 row is a [BLOCK_C, 64] tile of nope blocks (amax per block, then the
 codes) plus its rope bytes; a bf16/fp32 row is a byte vector whose byte k comes from element
 k // W (W bytes per element), so every store is one contiguous byte run per record. All
-roundings are integer ops (kernels/jit_helpers.py: `bf16_rne`, `pow2_ceil_exp`, `e4m3_bits`)
+roundings are integer ops (kernels/jit_helpers.py: `bf16_rne`, `kv_fp8_encode`, `e4m3_bits`)
 and bf16 inputs/outputs travel as int16 bits, so the bytes equal the torch codec's on the GPU
 and under the interpreter alike (which truncates float -> bf16 casts).
 """
@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from dsv4.ops.kv_codec import decode_rows, encode_rows
-from kernels.jit_helpers import bf16_rne, e4m3_bits, pow2, pow2_ceil_exp
+from kernels.jit_helpers import bf16_rne, kv_fp8_decode, kv_fp8_encode
 from kernels.registry import register_op
 from kernels.specialize import sizes_vary
 
@@ -45,7 +45,7 @@ def min_entry_bytes(fmt: str, dim: int, rope_dim: int) -> int:
 
 
 @triton.jit
-def _load_f32(ptr, mask, IN_BF16: tl.constexpr):
+def load_f32(ptr, mask, IN_BF16: tl.constexpr):
     """fp32 values at `ptr` (fp32 rows, or bf16 rows viewed as int16: widened bit-exactly)."""
     if IN_BF16:
         bits = tl.load(ptr, mask=mask, other=0).to(tl.int32) << 16
@@ -56,12 +56,63 @@ def _load_f32(ptr, mask, IN_BF16: tl.constexpr):
 
 
 @triton.jit
-def _load_bits(ptr, mask, W: tl.constexpr):
+def load_bits(ptr, mask, W: tl.constexpr):
     """Little-endian W-byte words at `ptr` (uint8) as int32."""
     bits = tl.load(ptr, mask=mask, other=0).to(tl.int32)
     for b in tl.static_range(1, W):
         bits |= tl.load(ptr + b, mask=mask, other=0).to(tl.int32) << (8 * b)
     return bits
+
+
+@triton.jit
+def store_out(ptr, x, mask, OUT_BF16: tl.constexpr):
+    """fp32 values into the output row (bf16 output as int16 bits, rounded to nearest even)."""
+    if OUT_BF16:
+        bits = bf16_rne(x).to(tl.int32, bitcast=True) >> 16
+        tl.store(ptr, bits.to(tl.int16), mask=mask)
+    else:
+        tl.store(ptr, x.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def store_records(
+    src, dst, ok,  # [BLOCK_T] row starts (rows_ptr + t * stride), record starts, store or not
+    D: tl.constexpr, ROPE: tl.constexpr, ENTRY: tl.constexpr, USED: tl.constexpr,
+    FMT: tl.constexpr, IN_BF16: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK_Z: tl.constexpr,
+):  # fmt: skip
+    """Rows `src` -> their records at `dst` where `ok` (kv_store's and kv_workspace's)."""
+    k = tl.arange(0, BLOCK_B)
+    if FMT == 0:
+        NOPE: tl.constexpr = D - ROPE
+        NBLK: tl.constexpr = (NOPE + 63) // 64
+        col = tl.arange(0, BLOCK_C)[:, None] * 64 + tl.arange(0, 64)[None, :]  # [BLOCK_C, 64]
+        mk = ok[:, None, None] & (col < NOPE)[None, :, :]
+        x = load_f32(src[:, None, None] + col[None, :, :], mk, IN_BF16)  # [BLOCK_T, BLOCK_C, 64]
+        codes, e = kv_fp8_encode(x)
+        tl.store(dst[:, None, None] + col[None, :, :], codes.to(tl.uint8), mask=mk)
+        # rope byte k = low (k even) or high byte of the bf16 of element NOPE + k // 2
+        mk_r = ok[:, None] & (k < 2 * ROPE)[None, :]
+        r = bf16_rne(load_f32(src[:, None] + NOPE + k[None, :] // 2, mk_r, IN_BF16))
+        rb = (r.to(tl.int32, bitcast=True) >> (16 + 8 * (k[None, :] % 2))) & 0xFF
+        tl.store(dst[:, None] + NOPE + k[None, :], rb.to(tl.uint8), mask=mk_r)
+        c = tl.arange(0, BLOCK_C)
+        tl.store(dst[:, None] + (NOPE + 2 * ROPE) + c[None, :], (e + 127).to(tl.uint8),
+                 mask=ok[:, None] & (c < NBLK)[None, :])  # fmt: skip
+    else:
+        W: tl.constexpr = 2 if FMT == 1 else 4
+        mk = ok[:, None] & (k < D * W)[None, :]
+        x = load_f32(src[:, None] + k[None, :] // W, mk, IN_BF16)  # [BLOCK_T, BLOCK_B]
+        if FMT == 1:
+            bits = bf16_rne(x).to(tl.int32, bitcast=True) >> 16
+        else:
+            bits = x.to(tl.int32, bitcast=True)
+        byte = (bits >> (8 * (k[None, :] % W))) & 0xFF
+        tl.store(dst[:, None] + k[None, :], byte.to(tl.uint8), mask=mk)
+    if ENTRY > USED:  # scale pad and record tail: zeros, as the codec's fresh records
+        z = tl.arange(0, BLOCK_Z)
+        tl.store(dst[:, None] + USED + z[None, :], tl.zeros([BLOCK_T, BLOCK_Z], tl.uint8),
+                 mask=ok[:, None] & (z < ENTRY - USED)[None, :])  # fmt: skip
 
 
 @triton.jit(**sizes_vary("T"))
@@ -82,52 +133,10 @@ def _store_kernel(
 ):  # fmt: skip
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     slot = tl.load(slot_ptr + t, mask=t < T, other=-1)
-    ok = slot >= 0
     src = rows_ptr + t.to(tl.int64) * stride_row  # [BLOCK_T] row starts
     dst = cache_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_cache  # [BLOCK_T] record starts
-    k = tl.arange(0, BLOCK_B)
-    if FMT == 0:
-        NOPE: tl.constexpr = D - ROPE
-        NBLK: tl.constexpr = (NOPE + 63) // 64
-        col = tl.arange(0, BLOCK_C)[:, None] * 64 + tl.arange(0, 64)[None, :]  # [BLOCK_C, 64]
-        mk = ok[:, None, None] & (col < NOPE)[None, :, :]
-        x = _load_f32(src[:, None, None] + col[None, :, :], mk, IN_BF16)  # [BLOCK_T, BLOCK_C, 64]
-        amax = tl.max(tl.abs(x), axis=2)  # [BLOCK_T, BLOCK_C]
-        e = pow2_ceil_exp(tl.math.div_rn(tl.maximum(amax, 1e-4), 448.0))
-        codes = e4m3_bits(x * pow2(-e)[:, :, None])
-        tl.store(dst[:, None, None] + col[None, :, :], codes.to(tl.uint8), mask=mk)
-        # rope byte k = low (k even) or high byte of the bf16 of element NOPE + k // 2
-        mk_r = ok[:, None] & (k < 2 * ROPE)[None, :]
-        r = bf16_rne(_load_f32(src[:, None] + NOPE + k[None, :] // 2, mk_r, IN_BF16))
-        rb = (r.to(tl.int32, bitcast=True) >> (16 + 8 * (k[None, :] % 2))) & 0xFF
-        tl.store(dst[:, None] + NOPE + k[None, :], rb.to(tl.uint8), mask=mk_r)
-        c = tl.arange(0, BLOCK_C)
-        tl.store(dst[:, None] + (NOPE + 2 * ROPE) + c[None, :], (e + 127).to(tl.uint8),
-                 mask=ok[:, None] & (c < NBLK)[None, :])  # fmt: skip
-    else:
-        W: tl.constexpr = 2 if FMT == 1 else 4
-        mk = ok[:, None] & (k < D * W)[None, :]
-        x = _load_f32(src[:, None] + k[None, :] // W, mk, IN_BF16)  # [BLOCK_T, BLOCK_B]
-        if FMT == 1:
-            bits = bf16_rne(x).to(tl.int32, bitcast=True) >> 16
-        else:
-            bits = x.to(tl.int32, bitcast=True)
-        byte = (bits >> (8 * (k[None, :] % W))) & 0xFF
-        tl.store(dst[:, None] + k[None, :], byte.to(tl.uint8), mask=mk)
-    if ENTRY > USED:  # scale pad and record tail: zeros, as the codec's fresh records
-        z = tl.arange(0, BLOCK_Z)
-        tl.store(dst[:, None] + USED + z[None, :], tl.zeros([BLOCK_T, BLOCK_Z], tl.uint8),
-                 mask=ok[:, None] & (z < ENTRY - USED)[None, :])  # fmt: skip
-
-
-@triton.jit
-def _store_out(ptr, x, mask, OUT_BF16: tl.constexpr):
-    """fp32 values into the output row (bf16 output as int16 bits, rounded to nearest even)."""
-    if OUT_BF16:
-        bits = bf16_rne(x).to(tl.int32, bitcast=True) >> 16
-        tl.store(ptr, bits.to(tl.int16), mask=mask)
-    else:
-        tl.store(ptr, x.to(ptr.dtype.element_ty), mask=mask)
+    store_records(src, dst, slot >= 0, D, ROPE, ENTRY, USED, FMT, IN_BF16, BLOCK_T, BLOCK_C,
+                  BLOCK_B, BLOCK_Z)  # fmt: skip
 
 
 @triton.jit(**sizes_vary("N"))
@@ -159,25 +168,23 @@ def _gather_kernel(
         codes = tl.load(src[:, None, None] + col[None, :, :], mask=mk, other=0)
         e = tl.load(src[:, None] + (NOPE + 2 * ROPE) + c[None, :],
                     mask=ok[:, None] & (c * 64 < NOPE)[None, :], other=0)  # fmt: skip
-        scale = (e.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # 2^(e-127); 0 where masked
-        nope = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, :, None]
-        _store_out(dst[:, None, None] + col[None, :, :], nope,
-                   in_n[:, None, None] & (col < NOPE)[None, :, :], OUT_BF16)  # fmt: skip
+        store_out(dst[:, None, None] + col[None, :, :], kv_fp8_decode(codes, e.to(tl.int32)),
+                  in_n[:, None, None] & (col < NOPE)[None, :, :], OUT_BF16)  # fmt: skip
         mk_r = ok[:, None] & (j < ROPE)[None, :]
-        rope = _load_bits(src[:, None] + NOPE + 2 * j[None, :], mk_r, 2) << 16
-        _store_out(dst[:, None] + NOPE + j[None, :], rope.to(tl.float32, bitcast=True),
-                   in_n[:, None] & (j < ROPE)[None, :], OUT_BF16)  # fmt: skip
+        rope = load_bits(src[:, None] + NOPE + 2 * j[None, :], mk_r, 2) << 16
+        store_out(dst[:, None] + NOPE + j[None, :], rope.to(tl.float32, bitcast=True),
+                  in_n[:, None] & (j < ROPE)[None, :], OUT_BF16)  # fmt: skip
     else:
         W: tl.constexpr = 2 if FMT == 1 else 4
         mk = ok[:, None] & (j < D)[None, :]
-        bits = _load_bits(src[:, None] + W * j[None, :], mk, W)
+        bits = load_bits(src[:, None] + W * j[None, :], mk, W)
         if FMT == 1:
             bits = bits << 16
-        _store_out(dst[:, None] + j[None, :], bits.to(tl.float32, bitcast=True),
-                   in_n[:, None] & (j < D)[None, :], OUT_BF16)  # fmt: skip
+        store_out(dst[:, None] + j[None, :], bits.to(tl.float32, bitcast=True),
+                  in_n[:, None] & (j < D)[None, :], OUT_BF16)  # fmt: skip
 
 
-def _block_rows(num_rows: int, width: int, on_gpu: bool) -> int:
+def block_rows(num_rows: int, width: int, on_gpu: bool) -> int:
     """Rows per program: ~4K elements on the GPU, fewer for small batches (more programs);
     up to 8K under the interpreter, where each program costs Python overhead."""
     per_prog = max(1, (4096 if on_gpu else 8192) // triton.next_power_of_2(width))
@@ -214,7 +221,7 @@ def kv_store(
     else:
         block_c, used = 1, dim * _ELEM_BYTES[fmt]
         block_b = width = triton.next_power_of_2(used)
-    block_t = _block_rows(num_rows, width, rows.is_cuda)
+    block_t = block_rows(num_rows, width, rows.is_cuda)
     is_bf16 = rows.dtype == torch.bfloat16
     _store_kernel[(triton.cdiv(num_rows, block_t),)](
         rows.view(torch.int16) if is_bf16 else rows, slots, cache,
@@ -250,7 +257,7 @@ def kv_gather(
     else:
         block_c, block_e = 1, triton.next_power_of_2(dim)
         width = block_e * _ELEM_BYTES[fmt]
-    block_n = _block_rows(num_rows, width, cache.is_cuda)
+    block_n = block_rows(num_rows, width, cache.is_cuda)
     is_bf16 = out_dtype == torch.bfloat16
     _gather_kernel[(triton.cdiv(num_rows, block_n),)](
         cache, slots, out.view(torch.int16) if is_bf16 else out,

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from dsv4.runner.paged import forward as paged_forward
+from dsv4.runner.paged.forward_state import ForwardState, PagedSwitches
 from dsv4.runner.paged.step_metadata import StepMetadata, StepTokens, upload
 from tests.engine.conftest import greedy_request, make_core, run_to_completion
 from tests.engine.test_engine_core import prompts
@@ -35,6 +36,8 @@ def device_formulas(meta: StepMetadata) -> dict[str, torch.Tensor]:
     positions = torch.tensor(tokens.host_positions)
     rbi, base = geo.window_pages(torch.device("cpu"))
     blocks = rings[t2r][:, rbi]  # [T, L]
+    ring = geo.layers[0].window.slots  # the window store's ring slots (ForwardState's formula)
+    keep = positions >= torch.tensor(tokens.ends)[t2r] - ring
     return {
         "token_to_req": t2r.int(), "query_start_loc": torch.tensor(qsl).int(),
         "block_tables": tables.int(), "ring_ids": rings, "positions": positions,
@@ -42,6 +45,7 @@ def device_formulas(meta: StepMetadata) -> dict[str, torch.Tensor]:
         "win_base": (blocks * geo.slots_per_block + base).T.int().contiguous(),
         "c4_lens": ((positions + 1) // 4).int(),
         "local_block_table": torch.arange(nb, dtype=torch.int32).expand(len(reqs), -1),
+        "win_rel": torch.where(keep, positions % ring, -1).int(),
     }  # fmt: skip
 
 
@@ -133,3 +137,9 @@ def test_upload_without_geometry_keeps_the_device_path(tiny) -> None:
     assert metas[0].t.c4_lens is None and metas[1].t.c4_lens is not None
     for name in ("win_base", "c4_lens", "local_block_table"):
         assert torch.equal(getattr(metas[0], name), getattr(metas[1], name)), name
+    # the window store's ring slots: the device formula without the host table
+    assert metas[0].t.win_rel is None and metas[1].t.win_rel is not None
+    g = forward.geo.layers[0]
+    (rel0, ok0), (rel1, ok1) = (ForwardState(m, (), PagedSwitches(), None).window_slots(g)
+                                for m in metas)  # fmt: skip
+    assert rel0.dtype == rel1.dtype == torch.int32 and torch.equal(rel0, rel1) and ok0 == ok1

@@ -34,8 +34,9 @@ _spec.loader.exec_module(lc)
 STATIC = GraphOptions(max_batch=4, max_model_len=2048, capture=False)
 # launches of one build, as on CUDA: cos, sin (the kernels read the entries' blocks)
 MAX_COMPRESSOR_LAUNCHES = 2
-# window candidates' gather, entry blocks' gather + offset; C128: its columns (lt, add, where, cat)
-MAX_CHUNK_LAUNCHES = {0: 3, 4: 3, 128: 7}
+# window candidates' gather; C128: its columns (lt, add, where, cat); the entries' blocks are
+# read on the host (were a gather + an offset on the device)
+MAX_CHUNK_LAUNCHES = {0: 1, 4: 1, 128: 5}
 
 
 def reference_compressor_tables(meta, ratio: int, all_tokens: bool) -> CompressorTables:
@@ -91,9 +92,14 @@ def reference_chunk_tables(meta, ratio: int, chunk) -> ChunkTables:
         k = torch.arange(max(int(n_comp.max()), 1), device=dev)
         vis = k[None, :] < ((p + 1) // 128)[:, None]
         cand = torch.cat((cand, torch.where(vis, base[treq][:, None] + k, -1)), dim=1)
-    return ChunkTables(lo, hi, chunk.num_requests * m, comp_src, r_comp * m + i_comp, win_src,
-                       first_tok[r_win], r_win * m + big_n + j_win, own0 + p, base[treq],
-                       cand.int())  # fmt: skip
+    comp_dst, win_dst, query_dst = r_comp * m + i_comp, r_win * m + big_n + j_win, own0 + p
+    ws_src = torch.full((2, chunk.num_requests * m), -1, dtype=torch.int32, device=dev)
+    ws_src[0, comp_dst] = comp_src.int()  # kv_workspace's sources: (slot, tok) of each row
+    ws_src[0, win_dst], ws_src[1, win_dst] = win_src.int(), first_tok[r_win].int()
+    ws_src[1, query_dst] = torch.arange(lo, hi, dtype=torch.int32, device=dev)
+    return ChunkTables(lo, hi, chunk.num_requests * m, comp_src, comp_dst, win_src,
+                       first_tok[r_win], win_dst, query_dst, base[treq], cand.int(),
+                       ws_src)  # fmt: skip
 
 
 def assert_same_tables(new, old) -> None:

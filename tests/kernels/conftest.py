@@ -32,6 +32,7 @@ if not torch.cuda.is_available():
                 "kernels.ring_offsets",  # before kernels.compressor, which calls its ring_row
                 "kernels.compressor",
                 "kernels.kv_store",
+                "kernels.kv_workspace",  # after kv_store, whose encoder and decoder it calls
                 "kernels.moe_align",  # before kernels.moe, which imports it
                 "kernels.expert_slots",  # after moe_align, whose sort it calls
                 "kernels.fp8_dequant",  # before kernels.moe and the fp8 linears, which import it

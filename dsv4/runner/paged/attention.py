@@ -5,8 +5,10 @@ Order inside a layer (each step reads only what an earlier step of this list wro
 2. the compressors: the step's new entries / indexer keys into the cache, state rows saved;
 3. C4: the indexer's top-k over the cached keys (or the IndexCache source layer's top-k);
 4. prefill chunks: workspaces gathered from the cache (entries, window prefix) + fresh rows
-   round-tripped through the cache's entry format (what a later chunk would gather);
-5. every token's K=V row into the window ring (prefill: only the last R of a request);
+   round-tripped through the cache's entry format (what a later chunk would gather), one
+   `kv_workspace` launch a chunk;
+5. every token's K=V row into the window ring (prefill: only the last R of a request), in the
+   first workspace launch when no workspace reads a slot it stores (a fresh prompt's);
 6. decode tokens attend straight on the cache (window ring rows incl. their own, entries);
    prefill tokens attend on their chunk's workspace;
 7. inverse rope of the output, grouped low-rank projection.
@@ -85,8 +87,21 @@ def attention_layer(attn: Attention, lw: LayerWeights, fs: ForwardState, x: torc
 
 
 def _workspace(fs: ForwardState, g, chunk, kv: torch.Tensor) -> torch.Tensor:
-    """The chunk's bf16 workspace [rows, d]: cached entries and window prefix, then the fresh
-    rows through the cache's format."""
+    """The chunk's workspace [rows, d] in kv's dtype: cached entries and window prefix, then the
+    fresh rows through the cache's format; one launch (`kernels.kv_workspace`, which may also
+    store the layer's window rows: `ForwardState.claim_window_store`) when the op is there."""
+    meta, geo = fs.meta, fs.meta.geo
+    fused = kv_rows.workspace_op(meta.kernels, kv.device)
+    if fused is None:
+        return _gathered_workspace(fs, g, chunk, kv)
+    return fused(kv, geo.kv_bytes, chunk.ws_src, meta.win_base[g.layer_id],
+                 fs.claim_window_store(g), fmt=geo.kv_format,
+                 rope_dim=geo.layout.model.qk_rope_head_dim, comp_base=g.comp_base)  # fmt: skip
+
+
+def _gathered_workspace(fs: ForwardState, g, chunk, kv: torch.Tensor) -> torch.Tensor:
+    """`_workspace` without the fused op (the reference path): gathers, round trip, index_puts
+    (padding rows left uninitialised: no candidate names them)."""
     meta = fs.meta
     ws = kv.new_empty(chunk.num_rows, kv.shape[1])
     if chunk.comp_src.numel():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from dsv4.config.index_pattern import IndexPattern
@@ -56,7 +57,8 @@ class ForwardState:
     _rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     _comp: dict[int, CompressorTables] = field(default_factory=dict)
     _chunks: dict[int, tuple[ChunkTables, ...]] = field(default_factory=dict)
-    _window: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    _window: dict[int, tuple[torch.Tensor, bool]] = field(default_factory=dict)
+    _stored: set[int] = field(default_factory=set)  # layers a workspace launch stored rows of
 
     def rope(self, ratio: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) [T, rope/2] of every token for layers of `ratio` (plain or YaRN)."""
@@ -92,14 +94,50 @@ class ForwardState:
             self._chunks[ratio] = chunks
         return self._chunks[ratio]
 
+    def window_slots(self, g: LayerGeometry) -> tuple[torch.Tensor, bool]:
+        """([T] int32 ring-relative slot of every token's K=V row, -1 for a prefill token whose
+        slot a later token of its request in this step reuses; whether no prefill workspace of
+        the step reads one of those slots), shared by every layer with this ring size."""
+        t, ring = self.meta.t, g.window.slots
+        if ring not in self._window:
+            if t.win_rel is not None and ring == self.meta.geo.layers[0].window.slots:
+                rel = t.win_rel  # built on the host, in the step's upload
+            else:
+                keep = t.positions >= t.ends[t.token_to_req.long()] - ring  # [T] bool
+                rel = torch.where(keep, t.positions % ring, -1).int()
+            self._window[ring] = rel, self._no_stored_slot_read(ring)
+        return self._window[ring]
+
+    def _no_stored_slot_read(self, ring: int) -> bool:
+        """A prefill request's workspace reads its window prefix (min(start, W - 1) positions
+        before `start`) and the step stores its last `ring` positions: the two share a ring slot
+        iff there is a prefix and the positions from its first to `end` outnumber the slots."""
+        tokens = self.meta.tokens
+        if tokens is None:  # a captured (decode) step: no workspaces
+            return False
+        d, w = tokens.num_decode_requests, self.meta.geo.layout.model.sliding_window
+        starts = np.asarray(tokens.starts[d:], dtype=np.int64)  # [prefills]
+        ends = np.asarray(tokens.ends[d:], dtype=np.int64)
+        prefix = np.minimum(starts, w - 1)
+        return bool(np.all((prefix == 0) | (ends - starts + prefix <= ring)))
+
+    def claim_window_store(self, g: LayerGeometry) -> torch.Tensor | None:
+        """The ring-relative store slots [T] int32 for a workspace launch of layer `g` to store
+        the step's window rows with (`kernels.kv_workspace`: its reads and stores run side by
+        side, so only when no workspace reads a stored slot); the first claim of a layer gets
+        them, and `store_window` then stores nothing. None: `store_window` stores."""
+        rel, fusable = self.window_slots(g)
+        if not fusable or g.layer_id in self._stored:
+            return None
+        self._stored.add(g.layer_id)
+        return rel
+
     def store_window(self, g: LayerGeometry, kv: torch.Tensor) -> None:
         """Every token's K=V row into its window ring slot; a prefill token only if no later
-        token of its request in this step reuses the slot."""
-        t = self.meta.t
-        ring = g.window.slots
-        if ring not in self._window:  # shared by every layer with this ring size
-            keep = t.positions >= t.ends[t.token_to_req.long()] - ring  # [T] bool
-            self._window[ring] = keep, t.positions % ring  # [T] int64 ring row of each token
-        keep, row = self._window[ring]
-        slots = self.meta.win_base[g.layer_id].long() + row
-        kv_rows.store(self.meta.geo, torch.where(keep, slots, -1), kv, self.meta.kernels)
+        token of its request in this step reuses the slot (unless a workspace launch of the
+        layer stored them: `claim_window_store`)."""
+        if g.layer_id in self._stored:
+            return
+        rel, _ = self.window_slots(g)
+        kv_rows.store_window(self.meta.geo, rel, self.meta.win_base[g.layer_id], kv,
+                             self.meta.kernels)  # fmt: skip

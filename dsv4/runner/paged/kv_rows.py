@@ -5,6 +5,11 @@ slots into a bf16 (model dtype) workspace; `round_trip` gives fresh rows as a la
 will (a prefill chunk attends to its own rows through it: chunk-size invariance). All go
 through `kernels.kv_store` when that op is registered and selected (one launch each), else
 through the byte codecs of `dsv4.ops.kv_codec` (the reference).
+
+`kernels.kv_workspace` does a prefill chunk's whole workspace (and the window ring store) in
+one launch; `workspace_op` is None when it is not registered, and the paged attention then
+builds workspaces with the three above (the reference path, bit for bit the same rows).
+`store_window` stores through it (a store alone) when registered, else through `store`.
 """
 
 from __future__ import annotations
@@ -21,6 +26,26 @@ def _kernel(name: str, kernels: KernelBackendConfig, device: torch.device):
     if name not in op_names():
         return None
     return resolve(name, kernels, device)
+
+
+def workspace_op(kernels: KernelBackendConfig, device: torch.device):
+    """`kernels.kv_workspace` (or its torch reference, as selected); None: not registered."""
+    return _kernel("kv_workspace", kernels, device)
+
+
+def store_window(geo: CacheGeometry, rel: torch.Tensor, base: torch.Tensor, rows: torch.Tensor,
+                 kernels: KernelBackendConfig) -> None:  # fmt: skip
+    """rows [T, D] -> the window ring's KV slots base + rel (rel [T] int32 ring-relative, -1 =
+    not stored; base [T] int32 each token's ring page)."""
+    if rows.shape[0] == 0:
+        return
+    fn = workspace_op(kernels, rows.device)
+    if fn is None:
+        store(geo, torch.where(rel >= 0, base.long() + rel, -1), rows, kernels)
+        return
+    no_rows = torch.empty(2, 0, dtype=torch.int32, device=rows.device)  # a store alone
+    fn(rows, geo.kv_bytes, no_rows, base, rel, fmt=geo.kv_format,
+       rope_dim=geo.layout.model.qk_rope_head_dim)  # fmt: skip
 
 
 def store(geo: CacheGeometry, slots: torch.Tensor, rows: torch.Tensor,

@@ -9,12 +9,13 @@ window, then all visible C128 entries or the C4 top-k) are workspace rows. The t
 depend only on the ratio, so all layers of a kind share them (#45863); each layer adds its own
 page offsets when it gathers (`comp_base`, its window ring page).
 
-All but the entries' cache blocks is arithmetic on what the host knows (starts, ends, flat
-token offsets): built with numpy, it crosses in one upload (`upload_packed`) and the device
-only gathers, 1-7 launches a table. As device formulas it was 21-33 launches a table, each
-paid for on the host (a 1024-token step of the Flash slice: 79); the host arrays stay small
-(the [T_c, W] window candidates cross as one [T_c + R (W - 1)] sequence whose W-wide windows
-they are).
+All of it is arithmetic on what the host knows (starts, ends, flat token offsets, the
+requests' block tables): built with numpy, it crosses in one upload (`upload_packed`) and the
+device only gathers, 1-5 launches a table. As device formulas it was 21-33 launches a table,
+each paid for on the host (a 1024-token step of the Flash slice: 79); the host arrays stay
+small (the [T_c, W] window candidates cross as one [T_c + R (W - 1)] sequence whose W-wide
+windows they are). `ws_src` maps every workspace row to its source for the one-launch
+workspace (`kernels.kv_workspace`); the other row lists serve the gathers it replaced.
 """
 
 from __future__ import annotations
@@ -41,6 +42,10 @@ class ChunkTables:
     query_dst: torch.Tensor  # [T_c] int64 workspace row of each chunk token's own K=V row
     ws_base: torch.Tensor  # [T_c] int64 first workspace row of the token's request
     candidates: torch.Tensor  # [T_c, W (+ N128)] int32 workspace rows, -1 padded
+    # [2, num_rows] int32 (slot, tok) of each workspace row (kernels.kv_workspace): (comp_src,
+    # -1) an entry, (win_src, win_token) a window-prefix row, (-1, flat token) a fresh row,
+    # (-1, -1) padding
+    ws_src: torch.Tensor
 
 
 def chunk_tables(meta: StepMetadata, ratio: int, chunk: PrefillChunk) -> ChunkTables:
@@ -66,9 +71,13 @@ def chunk_tables(meta: StepMetadata, ratio: int, chunk: PrefillChunk) -> ChunkTa
     r_comp, i_comp = ragged(n_comp)  # [n1]: each compressed entry's request, its index i
     r_win, j_win = ragged(prefix)  # [n2]: each window-prefix row's request, its offset j
     epb = meta.geo.layout.block_size // max(ratio, 1)
-    # [4, n1] each entry's block table cell (request, column), row in the block, comp_dst
-    comp = np.stack((r_comp + first, np.minimum(i_comp // epb, t.block_tables.shape[1] - 1),
-                     i_comp % epb, row0[r_comp] + i_comp))  # fmt: skip
+    nb = t.block_tables.shape[1]  # the uploaded block table's width (0 padded)
+    blocks = np.zeros((nr, nb), dtype=np.int64)  # [R, nb] the chunk's rows of it
+    for i, r in enumerate(tokens.requests[reqs]):
+        blocks[i, : len(r.block_table)] = r.block_table
+    # [2, n1] each entry's `block * SPB + i % E` (comp_src) and workspace row (comp_dst)
+    comp = np.stack((blocks[r_comp, np.minimum(i_comp // epb, nb - 1)] * meta.geo.slots_per_block
+                     + i_comp % epb, row0[r_comp] + i_comp))  # fmt: skip
     # [3, n2] each window-prefix row's ring slot (win_src), a token of its request, its row
     win = np.stack((((starts - prefix)[r_win] + j_win) % ring_slots, first_tok[r_win],
                     row0[r_win] + big_n + j_win))  # fmt: skip
@@ -88,23 +97,26 @@ def chunk_tables(meta: StepMetadata, ratio: int, chunk: PrefillChunk) -> ChunkTa
     per_tok = np.repeat(np.stack((row0 + big_n + prefix - tok_start, row0, seq_start - tok_start,
                                   starts - tok_start)), lens, axis=1)  # [4, T_c]  # fmt: skip
     per_tok[[0, 2, 3]] += np.arange(hi - lo)
-    host = [comp, win, per_tok[:3], window_seq]
+    ws_src = np.full((2, nr * m), -1, dtype=np.int32)
+    assert not comp.size or comp[0].max() < 2**31, "KV slots past int32"
+    ws_src[0, comp[1]] = comp[0]
+    ws_src[:, win[2]] = win[:2]
+    ws_src[1, per_tok[0]] = np.arange(lo, hi)
+    host = [comp, win, per_tok[:3], window_seq, ws_src]
     if ratio == 128:  # then every visible entry k < (p + 1) // 128: row base + k
         width = max(int(n_comp.max()), 1)
         visible = np.stack(((per_tok[3] + 1) // 128, per_tok[1])).astype(np.int32)  # [2, T_c]
         host += [np.arange(width, dtype=np.int32), visible]
     on_dev = upload_packed(host, dev)  # the one upload
-    (comp_req, comp_col, comp_off, comp_dst), (win_src, win_token, win_dst) = on_dev[:2]
-    (query_dst, ws_base, row), seq = on_dev[2:4]
-    blocks = t.block_tables[comp_req, comp_col]  # [n1] int32 each entry's cache block
-    comp_src = torch.add(comp_off, blocks, alpha=meta.geo.slots_per_block)  # [n1] int64
+    (comp_src, comp_dst), (win_src, win_token, win_dst) = on_dev[:2]
+    (query_dst, ws_base, row), seq, ws_src = on_dev[2:5]
     cand = seq.unfold(0, w, 1)[row]  # [T_c, W] int32
     if ratio == 128:
-        k, (visible, base) = on_dev[4:]
+        k, (visible, base) = on_dev[5:]
         c128 = torch.where(k < visible[:, None], base[:, None] + k, -1)  # [T_c, width] int32
         cand = torch.cat((cand, c128), dim=1)
     return ChunkTables(lo, hi, nr * m, comp_src, comp_dst, win_src, win_token, win_dst,
-                       query_dst, ws_base, cand)  # fmt: skip
+                       query_dst, ws_base, cand, ws_src)  # fmt: skip
 
 
 def chunks_of(meta: StepMetadata, batch_plans, ratio: int) -> tuple[PrefillChunk, ...]:

@@ -141,13 +141,15 @@ class StepTensors:
     req_win_base: torch.Tensor | None = None  # [L, B] int32: each layer's ring page base
     c4_lens: torch.Tensor | None = None  # [T] int32: (p + 1) // 4
     local_block_table: torch.Tensor | None = None  # [B, nb] int32: rows 0..nb-1
+    win_rel: torch.Tensor | None = None  # [T] int32: p % R, -1 if a later token takes the slot
 
 
 def upload(tokens: StepTokens, token_ids: list[int], device: torch.device,
            geo: CacheGeometry | None = None) -> StepTensors:  # fmt: skip
     """The step's tensors in ONE upload (`upload_packed`), each in the dtype its readers take
-    (no device casts). With `geo` the per-request window bases, C4 lengths and the local
-    block table cross too (host numpy instead of ~11 small device launches a step)."""
+    (no device casts). With `geo` the per-request window bases, C4 lengths, the local block
+    table and the window store's ring slots cross too (host numpy instead of ~16 small device
+    launches a step)."""
     reqs = tokens.requests
     num_b = len(reqs)
     nb = max([len(r.block_table) for r in reqs] + [1])
@@ -167,10 +169,13 @@ def upload(tokens: StepTokens, token_ids: list[int], device: torch.device,
     if geo is not None:
         rbi, base = geo.window_pages_host()  # [L] int64 each
         win = (rings[:, rbi] * geo.slots_per_block + base).T if num_b else rings[:, :0].T
+        ring = geo.layers[0].window.slots
+        win_rel = np.where(positions >= ends[t2r] - ring, positions % ring, -1)  # [T]
         arrays += [np.ascontiguousarray(win.reshape(len(rbi), num_b).astype(np.int32)),
                    ((positions + 1) // 4).astype(np.int32),
                    np.ascontiguousarray(np.broadcast_to(np.arange(nb, dtype=np.int32),
-                                                        (num_b, nb)))]  # fmt: skip
+                                                        (num_b, nb))),
+                   win_rel.astype(np.int32)]  # fmt: skip
     return StepTensors(*upload_packed(arrays, device))
 
 
@@ -264,10 +269,16 @@ class StepMetadata:
     # ---- decode candidate tables --------------------------------------------------------------
     def decode_candidates(self, ratio: int) -> torch.Tensor:
         """[T_d, W (+ N128)] int32 candidate table of the decode tokens for layers of `ratio`
-        (C4 layers append their own top-k)."""
-        if self.switches.shared and ratio in self._shared:
+        (C4 layers append their own top-k). Shared: one window table for every ratio (ratio 0's
+        entry: its table is the window's), not one build per ratio kind (2 launches each)."""
+        shared = self.switches.shared
+        if shared and ratio in self._shared:
             return self._shared[ratio]
-        table = self._window_slots()
+        table = self._shared.get(0) if shared else None
+        if table is None:
+            table = self._window_slots()
+        if shared:
+            self._shared[0] = table
         if ratio == 128:
             table = torch.cat((table, self._c128_slots()), dim=1)
         if self.switches.shared:
