@@ -60,6 +60,7 @@ import triton.language as tl
 from dsv4.ops.moe import swiglu
 from dsv4.ops.w4a8 import w4a8_swiglu, w4a8_weight
 from kernels import moe_gemv, moe_mxfp4, moe_w4a8
+from kernels.jit_helpers import bf16_rne
 from kernels.moe_align import moe_align, moe_align_ref
 from kernels.moe_dequant import gemms_through_scratch, use_dequant
 from kernels.moe_gemm import (
@@ -92,9 +93,10 @@ _MMA_KEYS = {"SWAP_AB", "BLOCK_K", "GROUP_M", "num_stages", "DOT_SCALED", "HALVE
 
 
 @triton.jit(**sizes_vary("T"))
-def _moe_combine_kernel(rows_ptr, w_ptr, y_ptr, T, D, TOPK: tl.constexpr, BLOCK_T: tl.constexpr,
-                    BLOCK_D: tl.constexpr):  # fmt: skip
-    """y[t] = sum_k w[t, k] * rows[t*K + k] in fp32, k ascending."""
+def _moe_combine_kernel(rows_ptr, w_ptr, s_ptr, y_ptr, T, D, TOPK: tl.constexpr,
+                        SHARED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+    """y[t] = sum_k w[t, k] * rows[t*K + k] in fp32, k ascending; with SHARED + s[t] in fp32,
+    then stored as bf16 (y's dtype: the shared expert's)."""
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mk = (t < T)[:, None] & (d < D)[None, :]
@@ -104,7 +106,12 @@ def _moe_combine_kernel(rows_ptr, w_ptr, y_ptr, T, D, TOPK: tl.constexpr, BLOCK_
         w = tl.load(w_ptr + pair, mask=t < T, other=0.0)
         r = tl.load(rows_ptr + pair[:, None] * D + d[None, :], mask=mk, other=0.0)
         acc += w[:, None] * r.to(tl.float32)
-    tl.store(y_ptr + t.to(tl.int64)[:, None] * D + d[None, :], acc, mask=mk)
+    if SHARED:  # after the sum, as the unfused `y += shared`; then to nearest even (the
+        # interpreter's cast truncates; on the GPU rounding twice changes nothing)
+        acc += tl.load(s_ptr + t.to(tl.int64)[:, None] * D + d[None, :], mask=mk).to(tl.float32)
+        acc = bf16_rne(acc)
+    tl.store(y_ptr + t.to(tl.int64)[:, None] * D + d[None, :],
+             acc.to(y_ptr.dtype.element_ty), mask=mk)  # fmt: skip
 
 
 def _config(num_pairs: int, num_experts: int, on_gpu: bool, format: str = "bf16") -> dict:
@@ -133,17 +140,22 @@ def moe_experts(
     skip: bool = False,
     tune: dict | None = None,
     activations: str = "bf16",
+    shared: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Routed experts: x [T, D] bf16, expert_ids [T, K] int, weights [T, K] fp32, w13/w2 (and
-    scales) in `format` (see the module doc) -> y [T, D] fp32 = sum_k w * expert(x). `skip`:
+    scales) in `format` (see the module doc) -> y [T, D] fp32 = sum_k w * expert(x); with
+    `shared` [T, D] (x's dtype, the shared expert's output) y = x.dtype(sum + shared) in fp32,
+    what `y += shared; y.to(x.dtype)` gave, in the combine's launch (decode: 2 fewer). `skip`:
     pairs with a negative id add nothing and cost no GEMM tile (an expert-parallel rank's
     pairs of the other ranks' experts). `tune`: config overrides (BLOCK_M/N/K, GROUP_M,
     num_warps, num_stages, SWAP_AB, DEQUANT, CHUNK_EXPERTS, DOT_SCALED; GEMV and
     moe_gemv.gemv_config's keys). `activations` "fp8": W4A8 above the GEMV's sizes
     (`uses_w4a8`, kernels/moe_w4a8.py)."""
-    y = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
     if expert_ids.numel() == 0:
-        return y
+        y = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+        return y if shared is None else (y + shared.float()).to(x.dtype)
+    # the combine stores every element: no zero fill (one launch fewer)
+    y = torch.empty(x.shape, dtype=torch.float32 if shared is None else x.dtype, device=x.device)
     # skipped pairs' rows are never written: zeros, so that the combine adds exactly 0 for them
     # whatever their weight (0 * an uninitialised NaN would not be 0)
     rows = None
@@ -151,7 +163,7 @@ def moe_experts(
         rows = torch.zeros(expert_ids.numel(), x.shape[1], dtype=torch.bfloat16, device=x.device)
     rows = expert_rows(x, expert_ids, w13, w2, format, w13_scale, w2_scale, limit,
                        rows=rows, skip=skip, tune=tune, activations=activations)  # fmt: skip
-    return _combine(rows, weights, y, expert_ids.shape[1])
+    return _combine(rows, weights, y, expert_ids.shape[1], shared)
 
 
 def expert_rows(x: torch.Tensor, expert_ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -275,18 +287,22 @@ def combine_rows(
     """y [T, D] fp32 = sum_k weights[t, k] * rows[t*K + k], k ascending (`expert_rows`' rows;
     `logical_ids` [T, K] only order the reference's sum)."""
     num_tokens, topk = weights.shape
-    y = torch.zeros(num_tokens, rows.shape[1], dtype=torch.float32, device=rows.device)
-    return _combine(rows, weights, y, topk) if num_tokens else y
+    y = torch.empty(num_tokens, rows.shape[1], dtype=torch.float32, device=rows.device)
+    return _combine(rows, weights, y, topk) if num_tokens else y  # it stores every element
 
 
-def _combine(rows: torch.Tensor, weights: torch.Tensor, y: torch.Tensor, topk: int):
-    """y [T, D] fp32 = sum_k weights[t, k] * rows[t*K + k] (`_moe_combine_kernel`)."""
+def _combine(rows: torch.Tensor, weights: torch.Tensor, y: torch.Tensor, topk: int,
+             shared: torch.Tensor | None = None):  # fmt: skip
+    """y [T, D] (fp32, or shared's dtype) = sum_k weights[t, k] * rows[t*K + k] (+ shared [T, D]
+    in fp32) (`_moe_combine_kernel`)."""
+    assert shared is None or (shared.shape == y.shape and shared.is_contiguous()
+                              and shared.dtype == y.dtype == torch.bfloat16)  # fmt: skip
     num_tokens, dim = y.shape
     block_t, block_d = (4, 1024) if y.is_cuda else (triton.next_power_of_2(num_tokens), 4096)
     block_d = min(block_d, triton.next_power_of_2(dim))
     _moe_combine_kernel[(triton.cdiv(num_tokens, block_t), triton.cdiv(dim, block_d))](
-        rows, weights.float().contiguous(), y, num_tokens, dim,
-        TOPK=topk, BLOCK_T=block_t, BLOCK_D=block_d,
+        rows, weights.float().contiguous(), y if shared is None else shared, y, num_tokens, dim,
+        TOPK=topk, SHARED=shared is not None, BLOCK_T=block_t, BLOCK_D=block_d,
     )  # fmt: skip
     return y
 
@@ -338,11 +354,13 @@ def moe_experts_ref(
     *,
     skip: bool = False,
     activations: str = "bf16",
+    shared: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reference (and the slow path): the model's loop over experts of `swiglu`, with each
     expert's weights dequantised first, to x's dtype (an fp32 model on CPU stays fp32).
     `skip`: pairs with a negative id add nothing. `activations` "fp8": W4A8 numerics
-    (dsv4/ops/w4a8.py) where `uses_w4a8` says the kernel runs them."""
+    (dsv4/ops/w4a8.py) where `uses_w4a8` says the kernel runs them. `shared`: added after the
+    sum, the result in x's dtype (`moe_experts`)."""
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     ids = expert_ids.long()
     w4a8 = uses_w4a8(ids.numel(), w13.shape[0], format, activations)
@@ -352,7 +370,7 @@ def moe_experts_ref(
         token_idx, slot = torch.where(ids == e)
         y = _expert_ref(x[token_idx], e, w13, w2, format, w13_scale, w2_scale, limit, w4a8)
         out.index_add_(0, token_idx, y.float() * weights[token_idx, slot].unsqueeze(-1))
-    return out
+    return out if shared is None else (out + shared.float()).to(x.dtype)
 
 
 def expert_rows_ref(x, expert_ids, w13, w2, format="bf16", w13_scale=None, w2_scale=None,

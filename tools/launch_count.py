@@ -28,6 +28,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # launches outside a registered 
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import json
 import linecache
@@ -51,67 +52,26 @@ import dsv4.runner.paged.forward as paged_forward
 from dsv4.commands.cluster import service_config
 from dsv4.config.model import tiny_config
 from dsv4.model.tiny import write_model_spec
+from dsv4.runner.paged.decode_graphs import GraphOptions
 from dsv4.scheduler.request import Request
-from dsv4.worker.build import build_worker_runtime
+from dsv4.worker import build as worker_build
 from kernels import registry
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/launch_rules.py
+from launch_rules import (
+    ATTENTION_SIDE,
+    FACTORIES,
+    FUNCTION_RULES,
+    MODULE_RULES,
+    MULTI_KERNEL,
+    NO_LAUNCH,
+    OP_COMPONENTS,
+    SYNC_OPS,
+    TOKEN_PARALLEL,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# registered op -> component; None: its frames decide (a linear, a KV row store or gather)
-# (ops not named here: "other")
-OP_COMPONENTS = {"hc_pre": "hc_pre", "hc_pre_first_layer": "hc_pre", "hc_post": "hc_post",
-                 "hc_head": "head", "norm_rope": "norm_rope", "rope": "rope",
-                 "compressor_step": "compressor", "ring_offsets": "compressor",
-                 "indexer_select_all": "indexer", "indexer_logits": "indexer",
-                 "indexer_topk": "indexer", "indexer_logits_topk": "indexer",
-                 "sparse_attention_prefill": "sparse_attention",
-                 "sparse_attention_decode": "sparse_attention", "route": "router",
-                 "hash_route": "router", "moe_align": "moe_align", "expert_rows": "experts_gemm",
-                 "combine_rows": "moe_combine", "moe_experts": "moe_combine", "sample": "sampler",
-                 "c128_index_table": "metadata", "c4_global_topk_slots": "metadata",
-                 "token_to_req_indices": "metadata", "window_slot_table": "metadata",
-                 "fp8_linear": None, "fp8_grouped_linear": None, "kv_store": None,
-                 "kv_gather": None, "gated_silu": None}  # fmt: skip
-MODULE_RULES = ((r"\.compressor\b", "compressor"), (r"\.indexer\.", "indexer"),
-                (r"attn\.(wq_a|wq_b|wkv|q_norm|kv_norm)$", "qkv_proj"),
-                (r"attn\.(wo_a|wo_b)$", "out_proj"), (r"ffn\.shared_experts", "shared_expert"),
-                (r"ffn\.gate$", "router"), (r"^embed$", "embed"), (r"^(head|norm)$", "head"),
-                (r"(attn|ffn)_norm$", "norm_rope"))  # fmt: skip
-# dsv4/ file -> "function[:text on its current line]=component ..." ("*": any function), the
-# first match of the innermost frame that has one
-FUNCTION_RULES = {
-    "runner/paged/forward.py": "_moe:gate_weight=router _moe:shared_experts=shared_expert "
-    "_moe=moe_other _block:hc_post=hc_post run:repeat_interleave=hc_pre _sample_rows=head "
-    "head_logits=head __call__=metadata",
-    "runner/paged/forward_state.py": "prefill_chunks=chunk_tables store_window=kv_store "
-    "compressor_tables=compressor rope=metadata",
-    "runner/paged/attention.py": "_workspace=workspace _topk=indexer "
-    "attention_layer:_project_out=out_proj attention_layer=sparse_attention",
-    "runner/paged/step_metadata.py": "*=metadata", "runner/paged/geometry.py": "*=metadata",
-    "runner/paged/prefill.py": "*=chunk_tables", "runner/paged/compress.py": "*=compressor",
-    "runner/paged/indexer.py": "*=indexer", "model/attention.py": "_project_out=out_proj",
-    "model/moe.py": "route=router", "model/block.py": "*:hc_=hc_pre",
-    "runner/sampler.py": "*=sampler", "runner/logprobs.py": "*=sampler",
-}  # fmt: skip
-# token-parallel: rows independent of each other and of the cache (piecewise graphs per token
-# bucket could capture them); attention side: cache tables, cache reads/writes, attention
-TOKEN_PARALLEL = ("embed", "hc_pre", "hc_post", "norm_rope", "qkv_proj", "rope", "out_proj",
-                  "router", "moe_align", "experts_gemm", "moe_combine", "moe_other",
-                  "shared_expert", "head")  # fmt: skip
-ATTENTION_SIDE = ("compressor", "indexer", "chunk_tables", "workspace", "kv_store",
-                  "sparse_attention")  # fmt: skip
-NO_LAUNCH = {"view", "_unsafe_view", "_reshape_alias", "as_strided", "slice", "select", "t",
-             "transpose", "unsqueeze", "squeeze", "expand", "detach", "alias", "permute",
-             "view_as_real", "split", "split_with_sizes", "unbind", "chunk", "narrow",
-             "lift_fresh", "empty", "empty_strided", "empty_like", "new_empty", "set_",
-             "resize_", "diagonal", "unfold", "sym_size", "sym_stride", "sym_numel",
-             "_local_scalar_dense", "is_nonzero", "equal", "record_stream"}  # fmt: skip
-SYNC_OPS = {"nonzero", "_unique", "_unique2", "unique_dim", "unique_consecutive", "masked_select",
-            "bincount", "_local_scalar_dense", "is_nonzero", "equal"}  # fmt: skip
-# one count here, several kernels on CUDA (cub radix sorts and scans, nonzero's count + select)
-MULTI_KERNEL = {"aten::sort", "aten::argsort", "aten::topk", "aten::cumsum", "aten::nonzero"}
-FACTORIES = {"empty", "zeros", "ones", "full", "arange", "tensor", "as_tensor", "empty_strided",
-             "rand", "randn", "randint", "linspace", "eye", "randperm"}  # fmt: skip
 H100 = SimpleNamespace(multi_processor_count=132, major=9, minor=0)  # get_device_properties
 _CALL_IMPL = torch.nn.Module._call_impl.__code__
 _IS_CUDA = torch._C.TensorBase.__dict__["is_cuda"]  # Tensor.is_cuda's descriptor
@@ -351,9 +311,11 @@ def _launch_hook(c: LaunchCounter, original):
 
 
 @contextlib.contextmanager
-def patched(c: LaunchCounter):
+def patched(c: LaunchCounter, decode_batch: int = 0):
     """Registered ops dry (in the registry and every module that imported them), launches
-    hooked, autotuning untimed (its first config), an H100 behind torch.cuda; undone on exit."""
+    hooked, autotuning untimed (its first config), an H100 behind torch.cuda; `decode_batch`:
+    the worker's decode graphs as static passes of that batch (`_static_passes`); undone on
+    exit."""
     with contextlib.ExitStack() as undo:
 
         def swap(owner, attr, value):
@@ -377,7 +339,22 @@ def patched(c: LaunchCounter):
         swap(torch.cuda, "get_device_capability", lambda *a, **k: (9, 0))
         swap(torch.cuda, "current_device", lambda: 0)
         swap(torch.cuda, "is_current_stream_capturing", lambda: False)
+        if decode_batch:
+            swap(worker_build, "paged_options", _static_passes(worker_build.paged_options,
+                                                               decode_batch))  # fmt: skip
         yield
+
+
+def _static_passes(paged_options, batch: int):
+    """The worker's `paged_options` with its decode graphs (off on a CPU device) as one batch
+    bucket's static passes run eagerly: the code a graph of that bucket captures."""
+
+    def options(config):
+        return dataclasses.replace(paged_options(config), graphs=GraphOptions(
+            max_batch=batch, max_model_len=config.model.max_model_len, capture=False,
+            greedy_argmax=config.features.greedy_in_graph))  # fmt: skip
+
+    return options
 
 
 FORMATS = ("bf16", "checkpoint")  # checkpoint: MXFP4 experts (halves128) + FP8 linears
@@ -395,35 +372,52 @@ def model_config(ratios: tuple[int, ...], experts: int, fmt: str):
     return tiny_config().with_overrides(**over)
 
 
-def count_step(fmt: str, prompt_len: int, ratios: tuple[int, ...], experts: int) -> dict:
-    """The record of one fresh `prompt_len`-token prefill step (`summarize`)."""
-    cfg = model_config(ratios, experts, fmt)
+def count_step(fmt: str, prompt_len: int, ratios: tuple[int, ...], experts: int,
+               decode_batch: int = 0) -> dict:  # fmt: skip
+    """The record of one fresh `prompt_len`-token prefill step, or with `decode_batch` B of one
+    decode step of B requests after their prefill: the static pass a decode graph captures
+    (`GraphOptions(capture=False)`: run eagerly) with its input upload and in-graph argmax."""
+    cfg, b = model_config(ratios, experts, fmt), decode_batch
     c = LaunchCounter()
-    with tempfile.TemporaryDirectory(prefix="launches-") as work, patched(c):
+    with tempfile.TemporaryDirectory(prefix="launches-") as work, patched(c, b):
         spec = write_model_spec(Path(work) / fmt, cfg)
         flags = ("--model", f"random:{spec}", "--device", "cpu", "--dtype", "bf16",
                  "--kernels", "triton", "--kv-dtype", "fp8", "--indexer-key-dtype", "mxfp4",
                  "--max-model-len", str(max(prompt_len + 64, 512)), "--num-blocks", "64",
-                 "--max-num-batched-tokens", str(max(prompt_len, 512)), "--role", "prefill",
-                 "--expert-weights", fmt, "--linear-weights", fmt, "--forward", "paged")  # fmt: skip
-        core = build_worker_runtime(service_config(flags, {}), with_transport=False).engine.core
+                 "--max-num-batched-tokens", str(max(prompt_len * max(b, 1), 512)),
+                 "--role", "colocated" if b else "prefill", "--expert-weights", fmt,
+                 "--linear-weights", fmt, "--forward", "paged")  # fmt: skip
+        c.counting = bool(b)  # a decode step's set-up (the passes' warm-up, the prefill) runs
+        with c.quiet():  # the references, not the interpreter
+            runtime = worker_build.build_worker_runtime(service_config(flags, {}),
+                                                        with_transport=False)  # fmt: skip
+            core = runtime.engine.core
+            gen = torch.Generator().manual_seed(prompt_len)
+            for i in range(max(b, 1)):
+                prompt = torch.randint(2, cfg.vocab_size, (prompt_len,), generator=gen).tolist()
+                core.add_request(Request(f"launches-{i}", tuple(prompt), eos_token_id=None,
+                                         max_new_tokens=3 if b else 1))  # fmt: skip
+            if b:
+                core.step(ahead=False)
+        for p in getattr(core.runner.forward.graphs, "passes", {}).values():
+            c.mark(p.inputs.host, False)  # the static inputs' pinned host buffer
         model = core.runner.forward.paged.model
         c.names = {id(m): n for n, m in model.named_modules()}
         c.layers = {id(b): str(i) for i, b in enumerate(model.layers)}
-        gen = torch.Generator().manual_seed(prompt_len)
-        prompt = tuple(torch.randint(2, cfg.vocab_size, (prompt_len,), generator=gen).tolist())
-        core.add_request(Request("launches", prompt, max_new_tokens=1, eos_token_id=None))
         batch = core.scheduler.schedule()
-        assert [r.num_tokens for r in batch.requests if r.is_prefill] == [prompt_len]
-        with Residency(c), Launches(c):
+        assert [r.num_tokens for r in batch.requests if r.is_prefill] == ([] if b else [prompt_len])
+        assert len(batch.requests) == max(b, 1)
+        # a decode step: the forward, whose greedy tokens stay on the device (no cuda.Event)
+        step = core.runner.forward.run if b else core.runner.execute
+        with Residency(c), Launches(c), torch.no_grad():
             c.counting = True
             try:
-                core.runner.execute(batch)  # warm: lazily built tables, autotuner choices
+                step(batch)  # warm: lazily built tables, autotuner choices
                 c.events.clear(), c.syncs.clear(), c.mismatches.clear()
-                core.runner.execute(batch)  # rewrites the same KV rows, as the benchmark does
+                step(batch)  # rewrites the same KV rows, as the benchmark does
             finally:
                 c.counting = False
-    return summarize(c, fmt, prompt_len, ratios, experts)
+    return summarize(c, fmt, prompt_len, ratios, experts) | ({"decode_batch": b} if b else {})
 
 
 def summarize(c: LaunchCounter, fmt: str, prompt_len: int, ratios, experts: int) -> dict:
@@ -455,7 +449,9 @@ def summarize(c: LaunchCounter, fmt: str, prompt_len: int, ratios, experts: int)
 
 def report(rec: dict, top: int = 15) -> str:
     regions = rec["regions"]
-    lines = [f"{rec['format']}, {rec['prompt_len']} tokens, layers {rec['layers']}: "
+    step = (f"decode batch {rec['decode_batch']} after {rec['prompt_len']}-token prompts"
+            if rec.get("decode_batch") else f"{rec['prompt_len']} tokens")  # fmt: skip
+    lines = [f"{rec['format']}, {step}, layers {rec['layers']}: "
              f"{rec['launches']} launches ({rec['kernels']} aten kernels, {rec['triton']} "
              f"Triton), memcpys {rec['memcpy']}, host syncs {rec['host_syncs']}",
              f"{'component':18s}" + "".join(f"{r:>8s}" for r in regions) + f"{'total':>8s}"]  # fmt: skip
@@ -476,6 +472,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--layers", default="0,4,128,4", help="compress ratio of each layer")
     ap.add_argument("--experts", type=int, default=256, help="routed experts (V4-Flash: 256)")
+    ap.add_argument("--decode-batch", type=int, default=0,
+                    help="count one decode step of this batch (its graph's code) after the "
+                    "prompts' prefill; 0: the prefill step")  # fmt: skip
     ap.add_argument("--formats", default="bf16,checkpoint", help=f"comma list of {FORMATS}")
     ap.add_argument("--out", type=Path, help="write the records as JSON")
     args = ap.parse_args(argv)
@@ -483,7 +482,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown := set(formats) - set(FORMATS):
         ap.error(f"unknown formats {sorted(unknown)}: pick from {FORMATS}")
     ratios = tuple(int(r) for r in args.layers.split(","))
-    records = [count_step(fmt, args.prompt_len, ratios, args.experts) for fmt in formats]
+    records = [count_step(fmt, args.prompt_len, ratios, args.experts, args.decode_batch)
+               for fmt in formats]  # fmt: skip
     print("\n\n".join(map(report, records)))
     if args.out:
         args.out.write_text(json.dumps(records, indent=1) + "\n")

@@ -153,6 +153,49 @@ def test_shared_expert_is_one_expert():
     torch.testing.assert_close(shared_expert(x, w13[0], w2[0]), ref, atol=2e-2, rtol=2e-2)
 
 
+def _shared_case(num_tokens, dim, inter, num_experts, k, fmt, seed, skip=False):
+    """(moe_experts' args, a shared expert's output [T, D] bf16): elements far larger than the
+    routed sum (the rounding is theirs), far smaller, zeros, bf16's largest magnitudes."""
+    weights = _weights(num_experts, dim, inter, fmt, seed)
+    g = torch.Generator().manual_seed(seed + 2)
+    x = (torch.randn(num_tokens, dim, generator=g) * 2).bfloat16().to(DEVICE)
+    ids, w = routing(num_tokens, num_experts, k, seed)
+    if skip:  # an expert-parallel rank's pairs of other ranks' experts
+        ids = torch.where(ids % 2 == 0, ids, -1)
+    s = torch.randn(num_tokens, dim, generator=g) * torch.tensor([1.0, 1e-3, 300.0, 0.0]).repeat(
+        dim // 4)  # fmt: skip
+    if num_tokens:  # bf16's largest finite value: + a positive sum, rounds up to inf or down
+        s[0, :2] = torch.tensor([3.3895e38, -3.3895e38])
+    args = (x, ids, w, weights[0], weights[1], fmt, weights[2], weights[3], 10.0)
+    return args, s.bfloat16().to(DEVICE)
+
+
+@pytest.mark.parametrize("num_tokens", [0, 1, 5])
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "mxfp4"])
+@pytest.mark.parametrize("skip", [False, True])
+def test_shared_joins_the_combine_bit_for_bit(num_tokens, fmt, skip):
+    """`shared`: the combine adds it after the routed sum and rounds to bf16 in its own launch,
+    the bits of `y += shared; y.to(bf16)` (what the paged forward did in two more launches);
+    the reference likewise over its own sum."""
+    args, s = _shared_case(num_tokens, 64, 32, 4, 2, fmt, 7, skip)
+    for op in (moe_experts, moe_experts_ref):
+        y = op(*args, skip=skip)
+        y += s
+        fused = op(*args, skip=skip, shared=s)
+        assert fused.dtype == torch.bfloat16 and torch.equal(fused, y.to(torch.bfloat16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
+@pytest.mark.parametrize("num_tokens", [1, 64])
+def test_shared_joins_the_combine_production_shapes_gpu(fmt, num_tokens):
+    """V4-Flash decode: D 4096, I 2048, E 256, K 6; the fused combine's bits on the GPU."""
+    args, s = _shared_case(num_tokens, 4096, 2048, 256, 6, fmt, 8)
+    y = moe_experts(*args)
+    y += s
+    assert torch.equal(moe_experts(*args, shared=s), y.to(torch.bfloat16))
+
+
 @pytest.mark.parametrize("block_m", [1, 4, 16])
 def test_moe_align_invariants(block_m):
     ids, _ = routing(7, 5, 3, 8)

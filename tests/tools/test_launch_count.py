@@ -118,3 +118,21 @@ def test_a_prefill_step_aligns_in_three_launches_and_syncs_once():
     rec = lc.count_step("bf16", 400, SLICE, experts=8)
     assert {rec["components"]["moe_align"][f"layer{i}"] for i in range(4)} == {3}
     assert rec["sync_calls"] == {"Tensor.tolist": 1}
+
+
+def test_a_decode_step_counts_the_static_pass_without_syncs():
+    """`--decode-batch 1`: the step a decode graph captures, after the prompt's prefill. Its
+    inputs cross in one upload, nothing syncs; per layer the combine adds the shared expert and
+    rounds (no zero fill, no add, no cast: kernels/moe.py), and the window candidate table is
+    built once for every ratio kind (layer 0's), not again in the C4 and C128 layers."""
+    rec = lc.count_step("bf16", PROMPT, SLICE, experts=8, decode_batch=1)
+    assert rec["decode_batch"] == 1 and rec["regions"][-1] == "step"
+    assert "other" not in rec["components"] and not rec["value_mismatches"]
+    assert rec["host_syncs"] == 0 and rec["memcpy"].get("memcpy HtoD") == 1
+    comps = rec["components"]
+    for layer in ("layer0", "layer1", "layer2", "layer3"):
+        assert comps["moe_combine"][layer] == 1 and comps["shared_expert"][layer] == 4
+        assert comps["experts_gemm"][layer] == 2 and comps["hc_post"][layer] == 2
+    assert "moe_other" not in comps
+    # the C128 layer: only its own columns and their cat; the second C4 layer nothing
+    assert comps["metadata"]["layer2"] == 2 and comps["metadata"]["layer3"] == 0

@@ -237,11 +237,19 @@ class PagedForward:
             shared = torch.full((num_t, 1), w13.shape[0], dtype=ids.dtype, device=ids.device)
             ids, w = torch.cat((ids, shared), 1), torch.cat((w, torch.ones_like(w[:, :1])), 1)
             w13, w2 = experts.w13_all, experts.w2_all
+        # one rank: the shared expert's output [T, D] joins the routed sum in the combine's
+        # launch, which rounds to u's dtype (the add and the cast below, 2 launches fewer)
+        shared = None
+        if moe.shared_experts is not None and not fuse and self.collectives is ONE_RANK:
+            shared = self._shared_expert(moe.shared_experts, u)
         y = self._ops["moe_experts"](u.contiguous(), ids, w, w13, w2, experts.format,
                                      experts.w13_scale, experts.w2_scale,
                                      limit=cfg.swiglu_limit,
                                      skip=self.collectives.skips_pairs,
-                                     activations=self.switches.moe_activations)  # [T, D] fp32  # fmt: skip
+                                     activations=self.switches.moe_activations,
+                                     shared=shared)  # [T, D] fp32 (u's dtype with shared)  # fmt: skip
+        if shared is not None:
+            return y
         if moe.shared_experts is not None and not fuse:  # bf16 -> fp32 inside the add (exact)
             y += self._shared_expert(moe.shared_experts, u)
         return self.collectives.after_moe(y).to(u.dtype)  # the sum over the ranks' experts
