@@ -43,7 +43,13 @@ from router_svc.http.choices import choice_protos, first_chunks, merged_events, 
 from router_svc.http.logprobs import token_texts
 from router_svc.http.protocol import ApiError, OpenAIRequest, bad_request, parse_request, shown
 from router_svc.http.responses import SSE_DONE, Reply, sse_event
-from router_svc.http.tokenize import Tokenization, parse_detokenize, parse_tokenize, version_route
+from router_svc.http.tokenize import (
+    Tokenization,
+    parse_detokenize,
+    parse_tokenize,
+    render_chat,
+    version_route,
+)
 from router_svc.pool import WorkerPool
 from router_svc.servicer import RouterServicer
 from router_svc.text_model import TextModel
@@ -283,12 +289,8 @@ class HttpFront:
         if self._text.codec is None:
             raise bad_request("messages", "this router has no tokenizer, which chat needs: "
                               "set model.tokenizer, or use /v1/completions with token ids")  # fmt: skip
-        try:
-            return self._chat.render(list(parsed.messages),
-                                     add_generation_prompt=parsed.add_generation_prompt,
-                                     variables=parsed.chat_template_kwargs)  # fmt: skip
-        except Dsv4Error as exc:
-            raise bad_request("messages", exc.message) from exc
+        return render_chat(self._chat, parsed.messages, parsed.add_generation_prompt,
+                           parsed.chat_template_kwargs)  # fmt: skip
 
     def _check_admissible(self, parsed: OpenAIRequest) -> None:
         """Each choice is admitted as its own request (choices.py): a request of more choices

@@ -47,6 +47,17 @@ INLINE_TOKEN_IDS = 2048
 _CHAT_ONLY = ("add_generation_prompt", "chat_template_kwargs")
 
 
+def render_chat(template: ChatTemplate, messages, add_generation_prompt: bool,
+                variables) -> str:  # fmt: skip
+    """The chat template applied as /v1/chat/completions applies it; a template error is the
+    request's 400 on `messages`."""
+    try:
+        return template.render(list(messages), add_generation_prompt=add_generation_prompt,
+                               variables=variables)  # fmt: skip
+    except Dsv4Error as exc:
+        raise bad_request("messages", exc.message) from exc
+
+
 def package_version() -> str:
     try:
         return version("dsv4-serve")
@@ -190,12 +201,8 @@ class Tokenization:
 
     def _render(self, chat: ChatPrompt) -> str:
         """The prompt the chat route renders for the same messages and options."""
-        try:
-            return self._chat.render(list(chat.messages),
-                                     add_generation_prompt=chat.add_generation_prompt,
-                                     variables=chat.chat_template_kwargs)  # fmt: skip
-        except Dsv4Error as exc:
-            raise bad_request("messages", exc.message) from exc
+        return render_chat(self._chat, chat.messages, chat.add_generation_prompt,
+                           chat.chat_template_kwargs)  # fmt: skip
 
     async def detokenize(self, tokens: list[int]) -> dict[str, Any]:
         codec = self._codec("tokens", "/detokenize")
