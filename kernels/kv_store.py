@@ -21,6 +21,8 @@ and under the interpreter alike (which truncates float -> bf16 casts).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -62,6 +64,23 @@ def load_bits(ptr, mask, W: tl.constexpr):
     for b in tl.static_range(1, W):
         bits |= tl.load(ptr + b, mask=mask, other=0).to(tl.int32) << (8 * b)
     return bits
+
+
+@triton.jit
+def load_fp8_records(rec, ok, NOPE: tl.constexpr, ROPE: tl.constexpr, BLOCK_C: tl.constexpr,
+                     BLOCK_E: tl.constexpr):  # fmt: skip
+    """fp8_ue8m0 records at `rec` [N] (read where `ok`) -> (e4m3 codes [N, BLOCK_C, 64] uint8,
+    UE8M0 bytes [N, BLOCK_C] int32, rope [N, BLOCK_E] fp32 (its bf16 bits widened)); masked
+    rows and columns read as 0 (kv_gather's and kv_workspace's)."""
+    c = tl.arange(0, BLOCK_C)
+    col = c[:, None] * 64 + tl.arange(0, 64)[None, :]  # [BLOCK_C, 64]
+    codes = tl.load(rec[:, None, None] + col[None, :, :],
+                    mask=ok[:, None, None] & (col < NOPE)[None, :, :], other=0)  # fmt: skip
+    e = tl.load(rec[:, None] + (NOPE + 2 * ROPE) + c[None, :],
+                mask=ok[:, None] & (c * 64 < NOPE)[None, :], other=0)  # fmt: skip
+    j = tl.arange(0, BLOCK_E)
+    rope = load_bits(rec[:, None] + NOPE + 2 * j[None, :], ok[:, None] & (j < ROPE)[None, :], 2)
+    return codes, e.to(tl.int32), (rope << 16).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -162,18 +181,12 @@ def _gather_kernel(
     j = tl.arange(0, BLOCK_E)
     if FMT == 0:
         NOPE: tl.constexpr = D - ROPE
-        c = tl.arange(0, BLOCK_C)
-        col = c[:, None] * 64 + tl.arange(0, 64)[None, :]  # [BLOCK_C, 64]
-        mk = ok[:, None, None] & (col < NOPE)[None, :, :]
-        codes = tl.load(src[:, None, None] + col[None, :, :], mask=mk, other=0)
-        e = tl.load(src[:, None] + (NOPE + 2 * ROPE) + c[None, :],
-                    mask=ok[:, None] & (c * 64 < NOPE)[None, :], other=0)  # fmt: skip
-        store_out(dst[:, None, None] + col[None, :, :], kv_fp8_decode(codes, e.to(tl.int32)),
+        col = tl.arange(0, BLOCK_C)[:, None] * 64 + tl.arange(0, 64)[None, :]  # [BLOCK_C, 64]
+        codes, e, rope = load_fp8_records(src, ok, NOPE, ROPE, BLOCK_C, BLOCK_E)
+        store_out(dst[:, None, None] + col[None, :, :], kv_fp8_decode(codes, e),
                   in_n[:, None, None] & (col < NOPE)[None, :, :], OUT_BF16)  # fmt: skip
-        mk_r = ok[:, None] & (j < ROPE)[None, :]
-        rope = load_bits(src[:, None] + NOPE + 2 * j[None, :], mk_r, 2) << 16
-        store_out(dst[:, None] + NOPE + j[None, :], rope.to(tl.float32, bitcast=True),
-                  in_n[:, None] & (j < ROPE)[None, :], OUT_BF16)  # fmt: skip
+        store_out(dst[:, None] + NOPE + j[None, :], rope, in_n[:, None] & (j < ROPE)[None, :],
+                  OUT_BF16)  # fmt: skip
     else:
         W: tl.constexpr = 2 if FMT == 1 else 4
         mk = ok[:, None] & (j < D)[None, :]
@@ -201,6 +214,34 @@ def _check(cache, slots, fmt, dim, rope_dim):
         assert 0 <= rope_dim < dim, (dim, rope_dim)
 
 
+@dataclass(frozen=True)
+class RecordTiles:
+    """A format's tile sizes: fp8 nope blocks (`block_c`), a record's content bytes (`used`),
+    the store's record tile (`block_b` bytes) and the decode's row tile (`block_e` elements),
+    and each one's register width (what `block_rows` divides)."""
+
+    block_c: int
+    block_b: int
+    block_e: int
+    used: int
+    store_width: int
+    gather_width: int
+
+
+def record_tiles(fmt: str, dim: int, rope_dim: int) -> RecordTiles:
+    """The tiles of kv_store's, kv_gather's and kv_workspace's kernels for rows of `dim`."""
+    if fmt == "fp8_ue8m0":
+        blocks = -(-(dim - rope_dim) // 64)
+        block_c = triton.next_power_of_2(blocks)
+        block_b = triton.next_power_of_2(max(1, 2 * rope_dim))
+        block_e = triton.next_power_of_2(max(1, rope_dim))
+        return RecordTiles(block_c, block_b, block_e, dim - rope_dim + 2 * rope_dim + blocks,
+                           block_c * 64 + block_b, block_c * 64 + block_e)  # fmt: skip
+    used, block_e = dim * _ELEM_BYTES[fmt], triton.next_power_of_2(dim)
+    block_b = triton.next_power_of_2(used)
+    return RecordTiles(1, block_b, block_e, used, block_b, block_e * _ELEM_BYTES[fmt])
+
+
 def kv_store(
     rows: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, *, fmt: str, rope_dim: int = 64
 ) -> None:
@@ -213,22 +254,15 @@ def kv_store(
     assert slots.shape[0] == num_rows, (slots.shape, rows.shape)
     if num_rows == 0:
         return
-    nope = dim - rope_dim
-    if fmt == "fp8_ue8m0":
-        block_c = triton.next_power_of_2(-(-nope // 64))
-        block_b = triton.next_power_of_2(max(1, 2 * rope_dim))
-        used, width = nope + 2 * rope_dim + -(-nope // 64), block_c * 64 + block_b
-    else:
-        block_c, used = 1, dim * _ELEM_BYTES[fmt]
-        block_b = width = triton.next_power_of_2(used)
-    block_t = block_rows(num_rows, width, rows.is_cuda)
+    tiles = record_tiles(fmt, dim, rope_dim)
+    block_t = block_rows(num_rows, tiles.store_width, rows.is_cuda)
     is_bf16 = rows.dtype == torch.bfloat16
     _store_kernel[(triton.cdiv(num_rows, block_t),)](
         rows.view(torch.int16) if is_bf16 else rows, slots, cache,
         num_rows, rows.stride(0), cache.stride(0),
-        D=dim, ROPE=rope_dim, ENTRY=cache.shape[1], USED=used, FMT=FORMATS.index(fmt),
-        IN_BF16=is_bf16, BLOCK_T=block_t, BLOCK_C=block_c, BLOCK_B=block_b,
-        BLOCK_Z=triton.next_power_of_2(max(1, cache.shape[1] - used)), num_warps=4,
+        D=dim, ROPE=rope_dim, ENTRY=cache.shape[1], USED=tiles.used, FMT=FORMATS.index(fmt),
+        IN_BF16=is_bf16, BLOCK_T=block_t, BLOCK_C=tiles.block_c, BLOCK_B=tiles.block_b,
+        BLOCK_Z=triton.next_power_of_2(max(1, cache.shape[1] - tiles.used)), num_warps=4,
     )  # fmt: skip
 
 
@@ -250,20 +284,14 @@ def kv_gather(
     out = torch.empty(num_rows, dim, dtype=out_dtype, device=cache.device)  # [N, dim]
     if num_rows == 0:
         return out
-    if fmt == "fp8_ue8m0":
-        block_c = triton.next_power_of_2(-(-(dim - rope_dim) // 64))
-        block_e = triton.next_power_of_2(max(1, rope_dim))
-        width = block_c * 64 + block_e
-    else:
-        block_c, block_e = 1, triton.next_power_of_2(dim)
-        width = block_e * _ELEM_BYTES[fmt]
-    block_n = block_rows(num_rows, width, cache.is_cuda)
+    tiles = record_tiles(fmt, dim, rope_dim)
+    block_n = block_rows(num_rows, tiles.gather_width, cache.is_cuda)
     is_bf16 = out_dtype == torch.bfloat16
     _gather_kernel[(triton.cdiv(num_rows, block_n),)](
         cache, slots, out.view(torch.int16) if is_bf16 else out,
         num_rows, cache.stride(0), out.stride(0),
         D=dim, ROPE=rope_dim, FMT=FORMATS.index(fmt), OUT_BF16=is_bf16,
-        BLOCK_N=block_n, BLOCK_C=block_c, BLOCK_E=block_e, num_warps=4,
+        BLOCK_N=block_n, BLOCK_C=tiles.block_c, BLOCK_E=tiles.block_e, num_warps=4,
     )  # fmt: skip
     return out
 

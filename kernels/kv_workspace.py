@@ -33,13 +33,14 @@ import triton.language as tl
 from dsv4.ops.kv_codec import decode_rows, round_trip
 from kernels.jit_helpers import bf16_rne, kv_fp8_decode, kv_fp8_encode
 from kernels.kv_store import (
-    _ELEM_BYTES,
     FORMATS,
     _check,
     block_rows,
     kv_store_ref,
     load_bits,
     load_f32,
+    load_fp8_records,
+    record_tiles,
     store_out,
     store_records,
 )
@@ -68,25 +69,20 @@ def _workspace_rows(
     j = tl.arange(0, BLOCK_E)
     if FMT == 0:
         NOPE: tl.constexpr = D - ROPE
-        c = tl.arange(0, BLOCK_C)
-        col = c[:, None] * 64 + tl.arange(0, 64)[None, :]  # [BLOCK_C, 64]
+        col = tl.arange(0, BLOCK_C)[:, None] * 64 + tl.arange(0, 64)[None, :]  # [BLOCK_C, 64]
         in_nope = (col < NOPE)[None, :, :]
-        codes = tl.load(rec[:, None, None] + col[None, :, :], mask=cached[:, None, None] & in_nope,
-                        other=0)  # [BLOCK_N, BLOCK_C, 64] uint8  # fmt: skip
-        e = tl.load(rec[:, None] + (NOPE + 2 * ROPE) + c[None, :],
-                    mask=cached[:, None] & (c * 64 < NOPE)[None, :], other=0)  # fmt: skip
+        # [BLOCK_N, BLOCK_C, 64] uint8, [BLOCK_N, BLOCK_C] int32, [BLOCK_N, BLOCK_E] fp32
+        codes, e, rope = load_fp8_records(rec, cached, NOPE, ROPE, BLOCK_C, BLOCK_E)
         x = load_f32(row[:, None, None] + col[None, :, :], fresh[:, None, None] & in_nope, IN_BF16)
         own_codes, own_e = kv_fp8_encode(x)  # what kv_store writes for the fresh rows
         codes = tl.where(cached[:, None, None], codes, own_codes.to(tl.uint8))
-        e = tl.where(cached[:, None], e.to(tl.int32), own_e + 127)
+        e = tl.where(cached[:, None], e, own_e + 127)
         store_out(dst[:, None, None] + col[None, :, :], kv_fp8_decode(codes, e),
                   in_n[:, None, None] & in_nope, IN_BF16)  # fmt: skip
         in_rope = (j < ROPE)[None, :]
-        rope = load_bits(rec[:, None] + NOPE + 2 * j[None, :], cached[:, None] & in_rope, 2) << 16
         own = bf16_rne(load_f32(row[:, None] + NOPE + j[None, :], fresh[:, None] & in_rope,
                                 IN_BF16))  # fmt: skip
-        store_out(dst[:, None] + NOPE + j[None, :],
-                  tl.where(cached[:, None], rope.to(tl.float32, bitcast=True), own),
+        store_out(dst[:, None] + NOPE + j[None, :], tl.where(cached[:, None], rope, own),
                   in_n[:, None] & in_rope, IN_BF16)  # fmt: skip
     else:
         W: tl.constexpr = 2 if FMT == 1 else 4
@@ -163,20 +159,10 @@ def kv_workspace(
     num_st = 0 if store is None else num_t
     if num_ws + num_st == 0:
         return out
-    nope, on_gpu = dim - rope_dim, rows.is_cuda
-    if fmt == "fp8_ue8m0":
-        block_c = triton.next_power_of_2(-(-nope // 64))
-        block_e = triton.next_power_of_2(max(1, rope_dim))
-        block_b = triton.next_power_of_2(max(1, 2 * rope_dim))
-        used = nope + 2 * rope_dim + -(-nope // 64)
-        width, st_width = block_c * 64 + block_e, block_c * 64 + block_b
-    else:
-        block_c, block_e, used = 1, triton.next_power_of_2(dim), dim * _ELEM_BYTES[fmt]
-        block_b = triton.next_power_of_2(used)
-        width, st_width = block_e * _ELEM_BYTES[fmt], block_b
+    tiles, on_gpu = record_tiles(fmt, dim, rope_dim), rows.is_cuda
     # each workspace row holds both paths' tiles: half kv_gather's rows a program
-    block_n = block_rows(num_ws, 2 * width, on_gpu)
-    block_t = block_rows(num_st, st_width, on_gpu)
+    block_n = block_rows(num_ws, 2 * tiles.gather_width, on_gpu)
+    block_t = block_rows(num_st, tiles.store_width, on_gpu)
     grid_ws = triton.cdiv(num_ws, block_n)
     is_bf16 = rows.dtype == torch.bfloat16
     _workspace_kernel[(grid_ws + triton.cdiv(num_st, block_t),)](
@@ -184,9 +170,10 @@ def kv_workspace(
         src if store is None else store, out.view(torch.int16) if is_bf16 else out,
         num_ws, num_st, grid_ws, comp_base, rows.stride(0), cache.stride(0), src.stride(0),
         win_base.stride(0), out.stride(0),
-        D=dim, ROPE=rope_dim, ENTRY=cache.shape[1], USED=used, FMT=FORMATS.index(fmt),
-        IN_BF16=is_bf16, BLOCK_N=block_n, BLOCK_T=block_t, BLOCK_C=block_c, BLOCK_E=block_e,
-        BLOCK_B=block_b, BLOCK_Z=triton.next_power_of_2(max(1, cache.shape[1] - used)),
+        D=dim, ROPE=rope_dim, ENTRY=cache.shape[1], USED=tiles.used, FMT=FORMATS.index(fmt),
+        IN_BF16=is_bf16, BLOCK_N=block_n, BLOCK_T=block_t, BLOCK_C=tiles.block_c,
+        BLOCK_E=tiles.block_e, BLOCK_B=tiles.block_b,
+        BLOCK_Z=triton.next_power_of_2(max(1, cache.shape[1] - tiles.used)),
         num_warps=4,
     )  # fmt: skip
     return out
