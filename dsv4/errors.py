@@ -85,6 +85,18 @@ class Unavailable(Dsv4Error):
     grpc_code = "UNAVAILABLE"
 
 
+class PortInUse(Unavailable):
+    """Another process holds a port this process was told to listen on. Where a launcher
+    picked that port itself (free when it looked, then handed over: any process may take it in
+    between), it starts the service again on fresh ports. `dsv4` exits with `exit_code`."""
+
+    exit_code = 75  # sysexits' EX_TEMPFAIL: a temporary failure, worth another try
+
+    def __init__(self, host: str, port: int, what: str, fix: str) -> None:
+        super().__init__(f"cannot {what} on {host}:{port} (already in use): {fix}")
+        self.host, self.port = host, port
+
+
 class RankFailed(Unavailable):
     """A rank process of this worker's model replica exited or stopped answering: the worker
     cannot step any more and goes down (health NOT_SERVING, then exit)."""

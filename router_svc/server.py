@@ -29,10 +29,11 @@ from grpc_reflection.v1alpha import reflection
 
 from dsv4.config import ServeConfig, add_config_args, config_from_args
 from dsv4.discovery import WorkerRegistry, make_registry
-from dsv4.errors import ConfigError, Dsv4Error, Unavailable
+from dsv4.errors import ConfigError, Dsv4Error
 from dsv4.rpc.v1 import router_pb2, router_pb2_grpc
 from dsv4.serving.logs import configure_logging
 from dsv4.serving.metrics import MetricsExporter, RouterMetrics, new_registry
+from dsv4.serving.ports import listen_failure
 from dsv4.serving.rpc_guard import MalformedMessageInterceptor, require_shared_secret
 from dsv4.serving.tasks import TaskOwner
 from dsv4.types import WorkerRole
@@ -192,11 +193,12 @@ class RouterServer:
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         names = (ROUTER_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)
         reflection.enable_server_reflection(names, server)
-        bind = f"{self._cfg.router.host}:{self._cfg.router.port}"
+        r = self._cfg.router
         try:
-            self.port = self._bind(server, bind)
+            self.port = self._bind(server, f"{r.host}:{r.port}")
         except RuntimeError as exc:
-            raise Unavailable(f"router cannot listen on {bind} ({exc}): pick a free port") from exc
+            raise listen_failure(r.host, r.port, "serve the router's gRPC", "pick a free --port",
+                                 str(exc)) from exc  # fmt: skip
         await self._health.set(ROUTER_SERVICE_NAME, _NOT_SERVING)
         await self.pool.start()
         await server.start()
@@ -292,4 +294,4 @@ def main(argv: Sequence[str] | None = None) -> int:
         return asyncio.run(_run_until_signal(cfg))
     except Dsv4Error as exc:
         logger.error("router: %s", exc)
-        return 1
+        return getattr(exc, "exit_code", 1)  # PortInUse's: a launcher may start it again

@@ -18,16 +18,12 @@ from pathlib import Path
 
 import pytest
 
+from dsv4.serving.ports import free_port
+
 logger = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 10.0
 STOP_TIMEOUT_S = 5.0
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class RedisServer:
@@ -38,7 +34,7 @@ class RedisServer:
         if path is None:
             raise FileNotFoundError("redis-server is not installed (apt-get install redis-server)")
         self.executable = path
-        self.port = _free_port()
+        self.port = free_port()
         self._dir = tempfile.TemporaryDirectory(prefix="dsv4-redis-")
         self._process: subprocess.Popen[bytes] | None = None
 

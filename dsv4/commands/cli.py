@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"dsv4 {args.command}: error: {missing}", file=sys.stderr)
             return 2
         print(f"dsv4 {args.command}: error: {_one_line(exc)}", file=sys.stderr)
-        return 1 if _is_bug(exc) else 2
+        return 1 if _is_bug(exc) else getattr(exc, "exit_code", 2)
     except KeyboardInterrupt:
         return 130
 

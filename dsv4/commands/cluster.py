@@ -40,8 +40,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from dsv4.commands.placement import CUDA_VISIBLE, Placement, visible_devices
-from dsv4.errors import ConfigError, Unavailable, UsageError
-from dsv4.serving.ports import free_port, owns_listener, reserve_port
+from dsv4.errors import ConfigError, PortInUse, Unavailable, UsageError
+from dsv4.serving.ports import bind_problem, free_port, owns_listener, reserve_port
 
 if TYPE_CHECKING:
     from dsv4.config import ServeConfig
@@ -50,6 +50,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "dsv4"
 HEALTH_POLL_INTERVAL_S = 0.2
+START_TRIES = 3  # starts of a cluster whose picked ports other processes took first
 AUTO_PORTS = -1
 ROUTER_HEALTH_NAME = "dsv4.v1.Router"  # SERVING once some request can be routed (readiness)
 SECRET_ENV = "DSV4_SHARED_SECRET"  # the env twin of --shared-secret
@@ -182,7 +183,22 @@ class LocalCluster:
     def start(self, ready_timeout_s: float | None = None) -> None:
         """Start every service and wait until all are SERVING (`ready_timeout_s`, default the
         spec's); raises `StartFailed` (with the failing service's log tail) after stopping
-        whatever started."""
+        whatever started. A service that found a port the launcher picked taken (`PortInUse`:
+        another process bound it between the pick and the service's bind) costs one more start
+        on fresh ports, up to START_TRIES; a port the spec fixed is the user's to free."""
+        for attempt in range(1, START_TRIES + 1):
+            try:
+                return self._start_once(ready_timeout_s)
+            except StartFailed as exc:
+                fixed_taken = [
+                    p for p in self.spec.fixed_ports() if bind_problem(self.spec.host, p)
+                ]
+                if exc.exit_code != PortInUse.exit_code or fixed_taken or attempt == START_TRIES:
+                    raise
+                logger.warning("%s: %s; starting again on fresh ports (try %d of %d)",
+                               exc.service_name, exc.reason, attempt + 1, START_TRIES)  # fmt: skip
+
+    def _start_once(self, ready_timeout_s: float | None) -> None:
         spec = self.spec
         if ready_timeout_s is None:
             ready_timeout_s = spec.ready_timeout_s

@@ -5,19 +5,33 @@ from __future__ import annotations
 
 import errno
 import os
+import random
 import socket
 from pathlib import Path
 
-from dsv4.errors import Unavailable
+from dsv4.errors import PortInUse, Unavailable
 
 _HANDED_OUT: set[int] = set()
 _LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp's st column
+EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
+LOWEST_PICKED_PORT = 10000  # above the ports well-known servers (and users' configs) favour
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port free now and never handed out before by this process: two services started
-    back to back must not both get a port that neither has bound yet."""
-    for _ in range(100):
+    """A port free now and never handed out before by this process (two services started back
+    to back must not both get a port that neither has bound yet), below the kernel's ephemeral
+    range where there is room. The service binds the port seconds later, after its imports;
+    meanwhile any connection opened on this host gets an ephemeral port as its local end, and
+    one did take a worker's metrics port. Below that range only a bind by number can."""
+    low = _ephemeral_range()[0]
+    if low - LOWEST_PICKED_PORT >= 1024:
+        pick = random.SystemRandom()
+        for _ in range(200):
+            port = pick.randrange(LOWEST_PICKED_PORT, low)
+            if port not in _HANDED_OUT and not bind_problem(host, port):
+                _HANDED_OUT.add(port)
+                return port
+    for _ in range(100):  # a host whose ephemeral range starts low: one the kernel picks
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             sock.bind((host, 0))
             port = sock.getsockname()[1]
@@ -25,6 +39,16 @@ def free_port(host: str = "127.0.0.1") -> int:
             _HANDED_OUT.add(port)
             return port
     raise Unavailable("no fresh free port after 100 tries")
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The ports the kernel gives connections' local ends (Linux's default where /proc says
+    nothing)."""
+    try:
+        low, high = (int(n) for n in Path(EPHEMERAL_RANGE).read_text().split())
+    except (OSError, ValueError):
+        return 32768, 60999
+    return low, high
 
 
 def reserve_port(port: int) -> None:
@@ -54,6 +78,15 @@ def bind_problem(host: str, port: int) -> str:
                 continue
         return ""  # a server binds every address it can; one is enough
     return problems[0] if problems else f"{host}:{port} resolves to no address"
+
+
+def listen_failure(host: str, port: int, what: str, fix: str, detail: str) -> Unavailable:
+    """The error for a server that could not listen on `host:port` (gRPC says only that the
+    bind failed): `PortInUse` when another process holds the port now, else `Unavailable`
+    with the server's own `detail`."""
+    if port and bind_problem(host, port).endswith("already in use"):
+        return PortInUse(host, port, what, fix)
+    return Unavailable(f"cannot {what} on {host}:{port} ({detail}): {fix}")
 
 
 def owns_listener(pid: int, port: int) -> bool | None:

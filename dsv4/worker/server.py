@@ -31,7 +31,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from dsv4.config import ServeConfig
-from dsv4.errors import Dsv4Error, to_grpc_status
+from dsv4.errors import to_grpc_status
+from dsv4.serving.ports import listen_failure
 from dsv4.serving.rpc_guard import MalformedMessageInterceptor
 
 logger = logging.getLogger(__name__)
@@ -112,17 +113,22 @@ def bind_port(server: grpc.aio.Server, config: ServeConfig, host: str, port: int
     """Bind host:port (port 0: a free one), TLS when configured; returns the bound port."""
     address = f"{host}:{port}"
     s = config.security
-    if s.tls_cert_path:
-        credentials = grpc.ssl_server_credentials(
-            [(Path(s.tls_key_path).read_bytes(), Path(s.tls_cert_path).read_bytes())],
-            root_certificates=Path(s.tls_ca_path).read_bytes() if s.tls_ca_path else None,
-            require_client_auth=s.require_client_cert,
-        )
-        bound = server.add_secure_port(address, credentials)
-    else:
-        bound = server.add_insecure_port(address)
+    detail = "the bind failed"
+    try:
+        if s.tls_cert_path:
+            credentials = grpc.ssl_server_credentials(
+                [(Path(s.tls_key_path).read_bytes(), Path(s.tls_cert_path).read_bytes())],
+                root_certificates=Path(s.tls_ca_path).read_bytes() if s.tls_ca_path else None,
+                require_client_auth=s.require_client_cert,
+            )
+            bound = server.add_secure_port(address, credentials)
+        else:
+            bound = server.add_insecure_port(address)
+    except RuntimeError as exc:  # grpcio raises where older versions returned 0
+        detail, bound = str(exc), 0
     if not bound:
-        raise Dsv4Error(f"cannot bind the gRPC server to {address}: is the port in use?")
+        raise listen_failure(host, port, "serve gRPC", "pick a free worker.port (--worker-port)",
+                             detail)  # fmt: skip
     return bound
 
 

@@ -21,6 +21,7 @@ on the workers.
 
 from __future__ import annotations
 
+import errno
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -32,7 +33,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from dsv4.config import ServeConfig
-from dsv4.errors import Dsv4Error, Unavailable, to_grpc_status
+from dsv4.errors import Dsv4Error, PortInUse, Unavailable, to_grpc_status
 from dsv4.serving.metrics import RouterMetrics
 from dsv4.types import StreamChunk
 from router_svc.admission import AUTHORIZATION_KEY, check_api_key
@@ -176,6 +177,9 @@ class HttpFront:
             await site.start()
         except OSError as exc:
             await runner.cleanup()
+            if exc.errno == errno.EADDRINUSE:
+                raise PortInUse(r.host, r.http_port, "listen for HTTP",
+                                "pick a free router.http_port") from exc  # fmt: skip
             raise Unavailable(
                 f"router cannot listen for HTTP on {r.host}:{r.http_port} ({exc}): pick a free "
                 "router.http_port"

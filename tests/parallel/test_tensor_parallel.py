@@ -15,7 +15,6 @@ World size 1 must match exactly.
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ from dsv4.config.model import tiny_config
 from dsv4.errors import ConfigError
 from dsv4.model.tiny import random_model
 from dsv4.parallel import ParallelGroup, check_shardable, launch_env, shard_model
+from dsv4.serving.ports import free_port
 from tests.parallel.tp_worker import SEED, RankReport, Workload, run_workload
 
 pytestmark = pytest.mark.timeout(180)
@@ -36,12 +36,6 @@ REPO = Path(__file__).resolve().parents[2]
 WORLD = 2
 ATOL = 1e-4
 RANKS_TIMEOUT_S = 120.0  # both ranks, start-up included; the group timeout inside is 60 s
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def start_ranks(out: Path) -> list[subprocess.Popen]:

@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,18 +19,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from dsv4.config import load_config
 from dsv4.discovery.static import StaticWorkerRegistry
 from dsv4.rpc.v1 import router_pb2_grpc
+from dsv4.serving.ports import free_port
 from router_svc.server import RouterServer, main
 from tests.router_fakes.harness import FAST_PROBES, generate_request, tiny_text_model
 from tests.router_fakes.scripted_workers import ScriptedDecodeWorker, ScriptedPrefillWorker
 
 REPO = Path(__file__).resolve().parents[2]
 WITH_SECRET = {**os.environ, "DSV4_SHARED_SECRET": "router-process-test-secret"}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_main_serves_until_sigterm_and_exits_cleanly() -> None:

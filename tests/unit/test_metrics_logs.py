@@ -109,7 +109,7 @@ def test_default_metrics_port_falls_back_to_a_free_one_and_vllm_names_carry_the_
     from prometheus_client import generate_latest
 
     from dsv4.engine.core import EngineLoad
-    from dsv4.errors import Unavailable
+    from dsv4.errors import PortInUse
     from dsv4.serving.metrics import DEFAULT_PORT, DEFAULT_PORTS, EngineGauges
 
     router = new_registry()
@@ -130,7 +130,7 @@ def test_default_metrics_port_falls_back_to_a_free_one_and_vllm_names_carry_the_
             text = urllib.request.urlopen(exporter.url, timeout=5).read().decode()
         finally:
             exporter.stop()
-        with pytest.raises(Unavailable, match=r"pick a free metrics\.prometheus_port"):
+        with pytest.raises(PortInUse, match=r"pick a free metrics\.prometheus_port"):
             MetricsExporter(registry, "127.0.0.1", taken.getsockname()[1]).start()  # user's: no
     assert 'vllm:kv_cache_usage_perc{model_name="m"} 0.25' in text
     assert 'vllm:num_requests_waiting{model_name="m"} 3.0' in text

@@ -12,7 +12,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,8 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
+
+from dsv4.serving.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 GENERATED = REPO / "dsv4" / "rpc" / "v1"
@@ -122,12 +123,6 @@ def test_base_set_covers_every_import_of_the_router_and_the_load_generator() -> 
         assert dists & provided, f"the router imports {module} ({dists}): add it to the base set"
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 # Runs `dsv4 router` as if torch, Triton, NIXL, safetensors and transformers were not installed.
 _WITHOUT_HEAVY = """
 import importlib.abc, sys
@@ -177,7 +172,7 @@ def _serve_and_stop(
 
 def test_router_starts_without_torch_triton_or_nixl() -> None:
     code = _WITHOUT_HEAVY.format(heavy=HEAVY)
-    stderr = _serve_and_stop([sys.executable, "-c", code], _free_port(), REPO)
+    stderr = _serve_and_stop([sys.executable, "-c", code], free_port(), REPO)
     assert "serving dsv4.v1.Router" in stderr
 
 
@@ -241,5 +236,5 @@ def test_fresh_venv_with_the_router_extra_serves(tmp_path: Path) -> None:
     assert not installed & {canonicalize_name(m) for m in HEAVY}, installed
     # Outside the source tree and without PYTHONPATH: the installed copy is what runs.
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    stderr = _serve_and_stop([str(venv / "bin" / "dsv4")], _free_port(), tmp_path, env)
+    stderr = _serve_and_stop([str(venv / "bin" / "dsv4")], free_port(), tmp_path, env)
     assert "serving dsv4.v1.Router" in stderr
