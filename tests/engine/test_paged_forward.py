@@ -111,8 +111,11 @@ def _lockstep_logits(*cores) -> list[list[torch.Tensor]]:
 def test_paged_triton_kernels_match_reference_ops() -> None:
     """The same paged steps with every op on its Triton kernel (interpreter on CPU) and on its
     torch reference: bf16 model and caches, a short run that crosses the C4 top-k and a C128
-    window boundary, both fed the same tokens."""
-    cfg = tiny_config().with_overrides(num_nextn_predict_layers=0)
+    window boundary, both fed the same tokens. Three layers: the tiny model's fourth repeats
+    C4 (the interpreter's time goes with the layers)."""
+    cfg = tiny_config().with_overrides(
+        num_nextn_predict_layers=0, num_hidden_layers=3, compress_ratios=(0, 4, 128)
+    )
     model = random_model(cfg, seed=5, dtype=torch.bfloat16)
     gen = torch.Generator().manual_seed(2)
     prompt = torch.randint(2, cfg.vocab_size, (130,), generator=gen).tolist()
@@ -135,10 +138,14 @@ def test_paged_issue25_variants_match_default_kernels() -> None:
     """fp8 KV rows and MXFP4 indexer keys, every op on its Triton kernel (interpreter on CPU):
     the all-heads decode attention and the indexer variants switched on against the default
     kernels, fed the same tokens through C4 top-k steps (more entries than k)."""
-    cfg = tiny_config().with_overrides(num_nextn_predict_layers=0, index_topk=4)
+    # Two layers (the hash-routed window layer, one C4 layer) and 44 tokens (11 entries for
+    # k = 4): the interpreter's time goes with both.
+    cfg = tiny_config().with_overrides(
+        num_nextn_predict_layers=0, index_topk=4, num_hidden_layers=2, compress_ratios=(0, 4)
+    )
     model = random_model(cfg, seed=5, dtype=torch.bfloat16)
     gen = torch.Generator().manual_seed(2)
-    prompt = torch.randint(2, cfg.vocab_size, (70,), generator=gen).tolist()
+    prompt = torch.randint(2, cfg.vocab_size, (44,), generator=gen).tolist()
     cores = []
     for on in (False, True):
         switches = PagedSwitches(attention_all_heads=on, indexer_variants=on)
