@@ -39,6 +39,7 @@ from kernels.routing import hash_route, route
 from kernels.sampling import sample
 from kernels.sparse_attention import sparse_attention_decode, sparse_attention_prefill
 from kernels.sparse_attention_heads import sparse_attention_decode_all_heads
+from kernels.step_tables import compressor_tables
 
 __all__ = [
     "KernelBackendConfig",
@@ -46,6 +47,7 @@ __all__ = [
     "c128_index_table",
     "combine_rows",
     "compressor_step",
+    "compressor_tables",
     "copy_fetched",
     "copy_wait_end",
     "copy_wait_start",

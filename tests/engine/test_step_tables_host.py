@@ -22,6 +22,7 @@ from dsv4.runner.paged.compress import CompressorTables, _device_tables, paged_a
 from dsv4.runner.paged.decode_graphs import GraphOptions
 from dsv4.runner.paged.forward_state import PagedSwitches
 from dsv4.runner.paged.prefill import ChunkTables
+from kernels.backend import KernelBackendConfig
 from tests.engine.conftest import greedy_request, make_core, run_to_completion
 from tests.engine.test_engine_core import prompts
 from tests.engine.test_speculative import mtp_model  # noqa: F401  (fixture)
@@ -34,6 +35,8 @@ _spec.loader.exec_module(lc)
 STATIC = GraphOptions(max_batch=4, max_model_len=2048, capture=False)
 # launches of one build, as on CUDA: cos, sin (the kernels read the entries' blocks)
 MAX_COMPRESSOR_LAUNCHES = 2
+# a static pass: cos, sin (its one Triton launch is counted by tools/launch_count.py)
+MAX_STATIC_COMPRESSOR_LAUNCHES = 2
 # window candidates' gather; C128: its columns (lt, add, where, cat); the entries' blocks are
 # read on the host (were a gather + an offset on the device)
 MAX_CHUNK_LAUNCHES = {0: 1, 4: 1, 128: 5}
@@ -211,11 +214,14 @@ def test_static_decode_keeps_the_device_formulas(tiny, monkeypatch) -> None:
     """The static decode passes (what CUDA graphs replay: no host positions) build every-token
     tables from the device tensors alone: no upload, no sync; eager prefill steps beside."""
     rec = Recorder(monkeypatch)
-    core = make_core(tiny, budget=64, paged={}, graphs=STATIC, max_num_seqs=4)
+    on_kernel = KernelBackendConfig(overrides={"compressor_tables": "triton"})
+    core = make_core(tiny, budget=64, paged={}, graphs=STATIC, max_num_seqs=4, kernels=on_kernel)
     _run(core, tiny.cfg.vocab_size)
     static = [r for r in rec.comp if not r[2]]
     assert static and all(all_tokens for _, all_tokens, *_ in static)
     assert all(uploads == 0 and syncs == 0 for *_, uploads, syncs in static), static
+    # kernels.step_tables (one Triton launch), then cos and sin (the torch formulas made 31)
+    assert all(launches <= MAX_STATIC_COMPRESSOR_LAUNCHES for *_, launches, _, _ in static), static
     assert any(r[2] for r in rec.comp)  # the prefill steps took the host path
 
 

@@ -48,6 +48,7 @@ if not torch.cuda.is_available():
                 "kernels.gated_silu",
                 "kernels.norm_rope",
                 "kernels.sampling",
+                "kernels.step_tables",
             ):
                 if name in sys.modules:
                     importlib.reload(sys.modules[name])

@@ -8,9 +8,9 @@ candidate positions, where their entry goes and its rope angle. Per compressor t
 the ring slots to element offsets of that layer's state page and the entries' block-table
 columns to cache rows (`kernels.ring_offsets.PagedAddress`), add ape to the gate and read kv and
 gate as the two halves of the projection: a call is the GEMM and the two compressor launches.
-An eager step builds the tables on the host (numpy) and uploads them once (2 launches, cos and
-sin, where the device formulas made ~36); a captured step, whose replays bring new positions,
-keeps those.
+An eager step builds the tables on the host (numpy) and uploads them once; a captured step,
+whose replays bring new positions, builds them on the device in one launch
+(`kernels.step_tables`). Both add two launches: the angles' cos and sin.
 
 A token's state row is saved only if no later token of its request in the same step reuses the
 ring slot (p >= end - slots): the save kernel writes rows in parallel.
@@ -28,7 +28,6 @@ from dsv4.config.model import ModelConfig
 from dsv4.model.compressor import Compressor
 from dsv4.model.layers import linear_fp32
 from dsv4.model.rope import inv_freq
-from dsv4.ops.rope import rope_cos_sin
 from dsv4.runner.paged.geometry import CompressorGeometry
 from dsv4.runner.paged.step_metadata import StepMetadata, ragged, upload_packed
 from dsv4.runner.paged.weights import CompressorWeights
@@ -102,28 +101,21 @@ def _host_inv_freq(cfg: ModelConfig, ratio: int) -> np.ndarray:
 
 
 def _device_tables(meta: StepMetadata, ratio: int) -> CompressorTables:
-    """Every token a program, from the step's device tensors only (captured decode steps)."""
+    """Every token a program, from the step's device tensors only (captured decode steps): one
+    launch (`kernels.step_tables`) and the angles' cos and sin."""
     t = meta.t
     cfg = meta.geo.layout.model
     dev = t.positions.device
     num_cand = cfg.overlap(ratio) * ratio
-    slots = num_cand + meta.geo.layout.options.num_speculative_tokens
-    idx = torch.arange(t.positions.shape[0], device=dev, dtype=torch.int32)
-    tok = idx.long()
-    req = t.token_to_req[tok].long()
-    p = t.positions[tok]
-    cand = p[:, None] - num_cand + 1 + torch.arange(num_cand, device=dev)
-    cand_slots = torch.where(cand >= 0, cand % slots, -1)
-    entry = ((p + 1) // ratio - 1).clamp(min=0)
-    epb = meta.geo.layout.block_size // ratio
-    col = (entry // epb).clamp(max=t.block_tables.shape[1] - 1)
-    cos, sin = rope_cos_sin(entry * ratio, inv_freq(cfg, ratio, dev))
-    treq = t.token_to_req.long()
-    keep = t.positions >= t.ends[treq] - slots
-    save = torch.where(keep, t.positions % slots, -1)
-    nis = (p - t.starts[req] + 1).int()
-    return CompressorTables(ratio, True, idx, req, nis, cand_slots, col, entry % epb,
-                            cos.contiguous(), sin.contiguous(), save, t.positions % ratio)  # fmt: skip
+    fn = resolve("compressor_tables", meta.kernels, dev)
+    tab = fn(t.positions, t.token_to_req, t.starts, t.ends, inv_freq(cfg, ratio, dev),
+             ratio=ratio, num_cand=num_cand,
+             slots=num_cand + meta.geo.layout.options.num_speculative_tokens,
+             entries_per_block=meta.geo.layout.block_size // ratio,
+             max_col=t.block_tables.shape[1] - 1)  # fmt: skip
+    return CompressorTables(ratio, True, tab.tokens, tab.reqs, tab.num_in_step, tab.cand_slots,
+                            tab.entry_col, tab.entry_row, tab.angles.cos(), tab.angles.sin(),
+                            tab.save_slots, tab.phase)  # fmt: skip
 
 
 def paged_address(meta: StepMetadata, g: CompressorGeometry,
