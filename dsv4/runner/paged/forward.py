@@ -23,7 +23,7 @@ from dsv4.errors import ConfigError
 from dsv4.model.block import Block
 from dsv4.model.deepseek_v4 import DeepseekV4
 from dsv4.model.fp8 import FP8Linear
-from dsv4.model.layers import linear_fp32
+from dsv4.model.layers import RMSNorm, linear_fp32
 from dsv4.model.moe import MXFP4_LAYOUTS, Expert, MoE
 from dsv4.runner.kv_cache import PagedKVCache
 from dsv4.runner.paged.attention import attention_layer
@@ -151,7 +151,7 @@ class PagedForward:
         m, cfg = self.model, self.cfg
         h = self._ops["hc_head"](streams, m.hc_head_fn, m.hc_head_scale, m.hc_head_base,
                                  cfg.hc_eps, cfg.rms_norm_eps)  # [R, D] bf16  # fmt: skip
-        return m.head(m.norm(h)).float()
+        return m.head(self._norm(m.norm, h)).float()
 
     def run_mtp(self, meta: StepMetadata, streams: torch.Tensor,
                 select: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
@@ -165,13 +165,13 @@ class PagedForward:
         if self.routing_stats is not None:
             self.routing_stats.begin_step(meta.t)
         ids = meta.t.token_ids
-        e = mtp.e_proj(mtp.enorm(self.model.embed(ids)))  # [T, D]
-        x = mtp.h_proj(mtp.hnorm(streams)) + e.unsqueeze(-2)  # [T, M, D]
+        e = mtp.e_proj(self._norm(mtp.enorm, self.model.embed(ids)))  # [T, D]
+        x = mtp.h_proj(self._norm(mtp.hnorm, streams)) + e.unsqueeze(-2)  # [T, M, D]
         x = self._block(mtp, self.weights[-1], fs, x, ids, False)
         rows = x[select] if select is not None else self._sample_rows(meta, x)
         h = self._ops["hc_head"](rows.contiguous(), mtp.hc_head_fn, mtp.hc_head_scale,
                                  mtp.hc_head_base, cfg.hc_eps, cfg.rms_norm_eps)  # fmt: skip
-        return self.model.head(mtp.norm(h)).float(), x
+        return self.model.head(self._norm(mtp.norm, h)).float(), x
 
     def _sample_rows(self, meta: StepMetadata, x: torch.Tensor) -> torch.Tensor:
         """x [T, M, D] -> the sampling rows [R, M, D]: a strided view when they are evenly
@@ -195,6 +195,10 @@ class PagedForward:
         return [(layers[i + 1].ffn, self.weights[i + 1])
                 if i + 1 < len(layers) and self.weights[i + 1].pool is not None else None
                 for i in range(len(layers))]  # fmt: skip
+
+    def _norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+        """The model's RMSNorm `norm` on x [..., D] in one launch (its torch form is 9)."""
+        return self._ops["norm_rope"](x, norm.weight, norm.eps)
 
     def _block(self, block: Block, lw: LayerWeights, fs: ForwardState, x, token_ids, first,
                ahead: tuple[MoE, LayerWeights] | None = None):  # fmt: skip
