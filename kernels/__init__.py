@@ -39,7 +39,7 @@ from kernels.routing import hash_route, route
 from kernels.sampling import sample
 from kernels.sparse_attention import sparse_attention_decode, sparse_attention_prefill
 from kernels.sparse_attention_heads import sparse_attention_decode_all_heads
-from kernels.step_tables import compressor_tables
+from kernels.step_tables import compressor_tables, window_tables
 
 __all__ = [
     "KernelBackendConfig",
@@ -85,4 +85,5 @@ __all__ = [
     "sparse_attention_prefill",
     "token_to_req_indices",
     "window_slot_table",
+    "window_tables",
 ]

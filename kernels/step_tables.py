@@ -1,4 +1,5 @@
-"""A captured decode step's compressor tables in one launch.
+"""A captured decode step's per-token tables in two launches: the compressor tables of a ratio
+(`compressor_tables`) and the window's (`window_tables`).
 
 A graph-captured step has its positions on the device only (a replay brings new ones), so the
 tables every compressor of one ratio reads are built there each step: per token t at position p
@@ -18,7 +19,16 @@ As torch ops these were ~33 launches per ratio and step, the largest group of a 
 step's 259 (two ratios: 85 compressor launches). Integer math and one fp32 product per angle:
 kernel and reference agree exactly; the caller takes cos and sin of the angles in torch (the
 same two kernels, hence the same bits, as the host-built tables of an eager step).
-Positions are >= 0 (padding rows of a graph sit at position 0), token_to_req in [0, B).
+
+The window tables: per layer l and token t of request r at position p, with R the window ring's
+slots, SPB the KV slots of a ring block and (rbi[l], base[l]) layer l's window page,
+
+    win_base[l, t] = ring_ids[r, rbi[l]] · SPB + base[l]          (int32, the page's first slot)
+    c4_lens[t]     = (p + 1) // 4                                  (visible ratio-4 entries)
+    win_rel[t]     = p mod R if p >= ends[r] - R else -1           (the window store's slot)
+
+(16 torch launches a step: a gather, a transpose, casts, the mask). Positions are >= 0 (padding
+rows of a graph sit at position 0), token_to_req in [0, B).
 """
 
 from __future__ import annotations
@@ -132,4 +142,75 @@ def compressor_tables_ref(
     )  # fmt: skip
 
 
+class WindowTableTensors(NamedTuple):
+    win_base: torch.Tensor  # [L, T] int32
+    c4_lens: torch.Tensor  # [T] int32
+    win_rel: torch.Tensor  # [T] int32
+
+
+@triton.jit(**sizes_vary("T", "L"))
+def _window_tables_kernel(
+    pos_ptr, t2r_ptr, ends_ptr, ring_ptr, rbi_ptr, base_ptr,  # [T], [T], [B], [B, NR], [L], [L]
+    win_ptr, lens_ptr, rel_ptr,  # [L, T], [T], [T] int32
+    T, L, stride_ring, spb,
+    RING: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_L: tl.constexpr,
+):  # fmt: skip
+    i = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T] tokens
+    ok = i < T
+    p = tl.load(pos_ptr + i, mask=ok, other=0).to(tl.int64)
+    req = tl.load(t2r_ptr + i, mask=ok, other=0).to(tl.int64)
+    end = tl.load(ends_ptr + req, mask=ok, other=0).to(tl.int64)
+    tl.store(lens_ptr + i, ((p + 1) // 4).to(tl.int32), mask=ok)
+    tl.store(rel_ptr + i, tl.where(p >= end - RING, p % RING, -1).to(tl.int32), mask=ok)
+    for l0 in range(0, L, BLOCK_L):
+        layer = l0 + tl.arange(0, BLOCK_L)  # [BLOCK_L]
+        lok = layer < L
+        rbi = tl.load(rbi_ptr + layer, mask=lok, other=0)
+        base = tl.load(base_ptr + layer, mask=lok, other=0)
+        both = lok[:, None] & ok[None, :]  # [BLOCK_L, BLOCK_T]
+        block = tl.load(ring_ptr + req[None, :] * stride_ring + rbi[:, None], mask=both, other=0)
+        tl.store(win_ptr + layer[:, None].to(tl.int64) * T + i[None, :],
+                 (block * spb + base[:, None]).to(tl.int32), mask=both)  # fmt: skip
+
+
+def window_tables(
+    positions: torch.Tensor, token_to_req: torch.Tensor, ends: torch.Tensor,
+    ring_ids: torch.Tensor, rbi: torch.Tensor, base: torch.Tensor, *, slots_per_block: int,
+    ring: int,
+) -> WindowTableTensors:  # fmt: skip
+    """positions [T] int >= 0, token_to_req [T] int, ends [B] int, ring_ids [B, NR] int64, rbi
+    and base [L] int64 (every layer's window page) -> the window tables above, one launch."""
+    assert positions.is_contiguous() and token_to_req.is_contiguous()
+    assert ends.stride(0) == 1 and ring_ids.stride(1) == 1 and ring_ids.dtype == torch.int64
+    assert rbi.is_contiguous() and base.is_contiguous() and rbi.shape == base.shape
+    t, num_l, dev = positions.shape[0], rbi.shape[0], positions.device
+    out = WindowTableTensors(torch.empty(num_l, t, dtype=torch.int32, device=dev),
+                             torch.empty(t, dtype=torch.int32, device=dev),
+                             torch.empty(t, dtype=torch.int32, device=dev))  # fmt: skip
+    if t:
+        block_t = 32
+        _window_tables_kernel[(triton.cdiv(t, block_t),)](
+            positions, token_to_req, ends, ring_ids, rbi, base, *out, t, num_l,
+            ring_ids.stride(0), slots_per_block, RING=ring, BLOCK_T=block_t,
+            BLOCK_L=min(triton.next_power_of_2(max(num_l, 1)), 16), num_warps=4,
+        )  # fmt: skip
+    return out
+
+
+def window_tables_ref(
+    positions: torch.Tensor, token_to_req: torch.Tensor, ends: torch.Tensor,
+    ring_ids: torch.Tensor, rbi: torch.Tensor, base: torch.Tensor, *, slots_per_block: int,
+    ring: int,
+) -> WindowTableTensors:  # fmt: skip
+    """The formulas above as torch ops (the captured step's tables before this kernel)."""
+    req = token_to_req.long()
+    blocks = ring_ids[req][:, rbi]  # [T, L]
+    keep = positions >= ends[req] - ring
+    return WindowTableTensors(
+        (blocks * slots_per_block + base).T.int().contiguous(), ((positions + 1) // 4).int(),
+        torch.where(keep, positions % ring, -1).int(),
+    )  # fmt: skip
+
+
 register_op("compressor_tables", compressor_tables, compressor_tables_ref, family="step_tables")
+register_op("window_tables", window_tables, window_tables_ref, family="step_tables")

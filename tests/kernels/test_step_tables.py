@@ -1,5 +1,6 @@
-"""compressor_tables (one launch) against its torch formulas, and against the host-built tables
-an eager step uploads (the values a captured step must reproduce on the device)."""
+"""compressor_tables and window_tables (one launch each) against their torch formulas, and the
+compressor tables against the host-built ones an eager step uploads (the values a captured step
+must reproduce on the device)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.step_tables import compressor_tables, compressor_tables_ref
+from kernels.step_tables import (
+    compressor_tables,
+    compressor_tables_ref,
+    window_tables,
+    window_tables_ref,
+)
 from tests.kernels.conftest import DEVICE
 
 # (ratio, candidate positions, draft slots, entries per block): V4-Flash's C4 (overlap 2) and
@@ -93,4 +99,34 @@ def test_compressor_tables_served_batch_gpu(shape) -> None:
     kw = dict(ratio=ratio, num_cand=num_cand, slots=num_cand + drafts, entries_per_block=epb,
               max_col=(1 << 20) // (epb * ratio))  # fmt: skip
     for g, w in zip(compressor_tables(*args, **kw), compressor_tables_ref(*args, **kw)):
+        assert torch.equal(g, w)
+
+
+def _window_args(num_reqs: int, num_layers: int, seed: int) -> tuple[list, dict]:
+    pos, t2r, _, ends = _step(num_reqs, seed)
+    gen = torch.Generator().manual_seed(seed)
+    ring_ids = torch.randint(0, 5000, (num_reqs, 9), generator=gen)
+    rbi = torch.randint(0, 9, (num_layers,), generator=gen)
+    base = torch.randint(0, 300, (num_layers,), generator=gen)
+    args = [x.to(DEVICE) for x in (pos, t2r, ends, ring_ids, rbi, base)]
+    return args, dict(slots_per_block=384, ring=16)
+
+
+@pytest.mark.parametrize("num_layers", [1, 4, 43])  # 43: V4-Flash, several layer blocks
+@pytest.mark.parametrize("num_reqs", [1, 6])
+def test_window_tables_match_reference(num_layers, num_reqs) -> None:
+    args, kw = _window_args(num_reqs, num_layers, num_layers + num_reqs)
+    got, want = window_tables(*args, **kw), window_tables_ref(*args, **kw)
+    for name, g, w in zip(want._fields, got, want):
+        assert g.dtype == w.dtype == torch.int32 and g.shape == w.shape, name
+        assert torch.equal(g, w), name
+    assert bool((got.win_rel == -1).any()) == (num_reqs > 1)  # the 40-token request's early rows
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
+def test_window_tables_served_batch_gpu() -> None:
+    args, kw = _window_args(128, 43, 0)
+    args = [a.cuda() for a in args]
+    for g, w in zip(window_tables(*args, **kw), window_tables_ref(*args, **kw)):
         assert torch.equal(g, w)

@@ -100,9 +100,8 @@ class ForwardState:
         the step reads one of those slots), shared by every layer with this ring size."""
         t, ring = self.meta.t, g.window.slots
         if ring not in self._window:
-            if t.win_rel is not None and ring == self.meta.geo.layers[0].window.slots:
-                rel = t.win_rel  # built on the host, in the step's upload
-            else:
+            rel = self.meta.win_rel if ring == self.meta.geo.layers[0].window.slots else None
+            if rel is None:  # another ring size, or an upload without the window tables
                 keep = t.positions >= t.ends[t.token_to_req.long()] - ring  # [T] bool
                 rel = torch.where(keep, t.positions % ring, -1).int()
             self._window[ring] = rel, self._no_stored_slot_read(ring)

@@ -11,7 +11,9 @@ decode step builds them all there, inside its graph) and reused by every layer o
 - `c128_slots` [T_d, N]: every visible ratio-128 entry as `block * SPB + i % E`; a layer adds
   its page offset (comp_base) at the kernel;
 - `win_base` [L, T]: each layer's ring page base of every token's request (KV slots);
-- `c4_lens` [T]: visible ratio-4 entries (p + 1) // 4 per token.
+- `c4_lens` [T]: visible ratio-4 entries (p + 1) // 4 per token;
+- `win_rel` [T]: each token's slot in the window ring (the window store's);
+a captured step builds the last three in one launch (`kernels.step_tables.window_tables`).
 With `shared` off (#45863's baseline) the tables are rebuilt for every layer that reads them;
 with `cached_token_to_req` off (#47474's baseline) every builder rebuilds token->request on the
 host and copies it over.
@@ -238,6 +240,9 @@ class StepMetadata:
     switches: MetadataSwitches
     win_base: torch.Tensor = field(init=False)  # [L, T] int32
     c4_lens: torch.Tensor = field(init=False)  # [T] int32
+    # [T] int32 each token's slot in the first layer's window ring (the window store's; -1: a
+    # later token of the step takes it); None where the step's upload left it out
+    win_rel: torch.Tensor | None = field(init=False)
     _shared: dict[int, torch.Tensor] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
@@ -250,12 +255,20 @@ class StepMetadata:
                 self.win_base = t.req_win_base.expand(-1, t.positions.shape[0])
             else:  # [L, B] -> [L, T]: one gather
                 self.win_base = t.req_win_base.index_select(1, t.token_to_req)
-            self.c4_lens = t.c4_lens
+            self.c4_lens, self.win_rel = t.c4_lens, t.win_rel
             return
-        rbi, base = geo.window_pages(t.ring_ids.device)
-        blocks = t.ring_ids[t.token_to_req.long()][:, rbi]  # [T, L]
-        self.win_base = (blocks * geo.slots_per_block + base).T.int().contiguous()
-        self.c4_lens = ((t.positions + 1) // 4).int()
+        dev = t.positions.device  # a captured step: from the device tensors, one launch
+        rbi, base = geo.window_pages(dev)
+        self.win_base, self.c4_lens, self.win_rel = resolve("window_tables", self.kernels, dev)(
+            t.positions,
+            t.token_to_req,
+            t.ends,
+            t.ring_ids,
+            rbi,
+            base,
+            slots_per_block=geo.slots_per_block,
+            ring=geo.layers[0].window.slots,
+        )
 
     @functools.cached_property
     def local_block_table(self) -> torch.Tensor:
