@@ -55,8 +55,9 @@ def attention_layer(attn: Attention, lw: LayerWeights, fs: ForwardState, x: torc
     chunks = fs.prefill_chunks(ratio)
     workspaces = [_workspace(fs, g, c, kv) for c in chunks]
     fs.store_window(g, kv)
-    out = torch.empty_like(q)
     n_dec = meta.shape.num_decode_tokens
+    # a decode-only step takes the decode kernel's output as is (no [T, H, hd] copy a layer)
+    out = None if 0 < n_dec == num_t else torch.empty_like(q)
     scale = hd**-0.5
     sink = lw.attn_sink  # [H] fp32
     if n_dec:
@@ -67,11 +68,15 @@ def attention_layer(attn: Attention, lw: LayerWeights, fs: ForwardState, x: torc
                      and h <= 64)  # fmt: skip
         op = "sparse_attention_decode_all_heads" if all_heads else "sparse_attention_decode"
         decode = resolve(op, meta.kernels, x.device)
-        out[:n_dec] = decode(
+        o_dec = decode(
             q[:n_dec].contiguous(), meta.geo.kv_rows, table, sink, scale,
             rope_dim=cfg.qk_rope_head_dim, win_base=meta.win_base[layer_id, :n_dec].contiguous(),
             num_win=cfg.sliding_window, comp_base=g.comp_base,
         )  # fmt: skip
+        if out is None:
+            out = o_dec
+        else:
+            out[:n_dec] = o_dec
     prefill = resolve("sparse_attention_prefill", meta.kernels, x.device)
     for chunk, ws in zip(chunks, workspaces):
         lo, hi = chunk.token_lo, chunk.token_hi
