@@ -115,13 +115,21 @@ class StaticInputs:
 
     FIELDS = ("token_ids", "positions", "token_to_req", "query_start_loc", "block_tables",
               "ring_ids", "starts", "ends", "select", "prev_rows")  # fmt: skip
+    # held as int32 pairs in the int64 words (the readers' dtype: no cast launch a replay)
+    INT32 = frozenset(("token_to_req", "query_start_loc", "block_tables"))
 
     def __init__(self, max_batch: int, query_len: int, max_blocks: int,
                  scratch_blocks: Sequence[int], num_ring_blocks: int,
                  device: torch.device) -> None:  # fmt: skip
         b, q, nb, nr = max_batch, query_len, max_blocks, num_ring_blocks
         self.max_batch, self.query_len, self.max_blocks, self.num_ring = b, q, nb, nr
-        sizes = (b * q, b * q, b * q, b + 1, b * nb, b * nr, b, b, b, b)
+        counts = (b * q, b * q, b * q, b + 1, b * nb, b * nr, b, b, b, b)  # elements
+        self.counts = dict(zip(self.FIELDS, counts))
+        # int64 words a field takes, even: every field starts 16-byte aligned, as a fresh
+        # allocation does (Triton specialises its pointers on that)
+        sizes = [
+            2 * math.ceil(n / (4 if f in self.INT32 else 2)) for f, n in zip(self.FIELDS, counts)
+        ]
         self.offsets = dict(zip(self.FIELDS, itertools.accumulate((0, *sizes))))
         total = sum(sizes)
         pin = device.type == "cuda"
@@ -143,11 +151,20 @@ class StaticInputs:
         self._field(t, "select")[:] = rows * q + q - 1
         self.template = t
 
-    def _field(self, flat, name: str):
+    def _field(self, flat: np.ndarray, name: str) -> np.ndarray:
+        """The field's elements in the int64 host array `flat` (a view: writes land there)."""
         i = self.FIELDS.index(name)
         lo = self.offsets[name]
         hi = self.offsets[self.FIELDS[i + 1]] if i + 1 < len(self.FIELDS) else len(flat)
-        return flat[lo:hi]
+        words = flat[lo:hi]
+        return (words.view(np.int32) if name in self.INT32 else words)[: self.counts[name]]
+
+    def _dev(self, name: str, n: int) -> torch.Tensor:
+        """The first n elements of the field in the device buffer (a view)."""
+        lo = self.offsets[name]
+        if name in self.INT32:
+            return self.dev[lo : lo + math.ceil(n / 2)].view(torch.int32)[:n]
+        return self.dev[lo : lo + n]
 
     def write(self, rows: Sequence[StepRow], padding_start: int = 0) -> None:
         """Host: the template, then the real rows; one copy to the device (in stream order).
@@ -181,22 +198,17 @@ class StaticInputs:
             self.copied.record()
 
     def tensors(self, batch: int) -> tuple[StepTensors, torch.Tensor]:
-        """Views of the device buffer for a bucket (the dtype casts run inside the graph):
-        the step tensors and `select` [batch] int64, the flat row each MTP row reports."""
+        """Views of the device buffer for a bucket, in their readers' dtypes (no launch): the
+        step tensors and `select` [batch] int64, the flat row each MTP row reports."""
         q, nb, nr = self.query_len, self.max_blocks, self.num_ring
-        o, d = self.offsets, self.dev
-        n = batch * q
-        select = d[o["select"] : o["select"] + batch]
+        n, f = batch * q, self._dev
         return StepTensors(
-            token_ids=d[o["token_ids"] : o["token_ids"] + n],
-            positions=d[o["positions"] : o["positions"] + n],
-            token_to_req=d[o["token_to_req"] : o["token_to_req"] + n].int(),
-            query_start_loc=d[o["query_start_loc"] : o["query_start_loc"] + batch + 1].int(),
-            block_tables=d[o["block_tables"] : o["block_tables"] + batch * nb].int().view(batch, nb),
-            ring_ids=d[o["ring_ids"] : o["ring_ids"] + batch * nr].view(batch, nr),
-            starts=d[o["starts"] : o["starts"] + batch],
-            ends=d[o["ends"] : o["ends"] + batch],
-        ), select  # fmt: skip
+            token_ids=f("token_ids", n), positions=f("positions", n),
+            token_to_req=f("token_to_req", n), query_start_loc=f("query_start_loc", batch + 1),
+            block_tables=f("block_tables", batch * nb).view(batch, nb),
+            ring_ids=f("ring_ids", batch * nr).view(batch, nr),
+            starts=f("starts", batch), ends=f("ends", batch),
+        ), f("select", batch)  # fmt: skip
 
     def feed_tokens(self, batch: int, previous: torch.Tensor) -> None:
         """Device side, in stream order after `write`'s copy: token_ids[i] = previous[
@@ -204,9 +216,8 @@ class StaticInputs:
         `previous` [>= max prev_row + 1] int64: the last step's greedy tokens, never on the
         host (async scheduling)."""
         assert self.query_len == 1
-        o = self.offsets
-        rows = self.dev[o["prev_rows"] : o["prev_rows"] + batch]
-        self.dev[o["token_ids"] : o["token_ids"] + batch].copy_(previous.index_select(0, rows))
+        rows = self._dev("prev_rows", batch)
+        self._dev("token_ids", batch).copy_(previous.index_select(0, rows))
 
 
 # (shape, step tensors, select [B], streams [T, M, D] or None) -> outputs (tensors)
