@@ -383,7 +383,7 @@ def count_step(fmt: str, prompt_len: int, ratios: tuple[int, ...], experts: int,
         spec = write_model_spec(Path(work) / fmt, cfg)
         flags = ("--model", f"random:{spec}", "--device", "cpu", "--dtype", "bf16",
                  "--kernels", "triton", "--kv-dtype", "fp8", "--indexer-key-dtype", "mxfp4",
-                 "--max-model-len", str(max(prompt_len + 64, 512)), "--num-blocks", "64",
+                 "--max-model-len", str(max(prompt_len + 64, 512)), "--num-blocks", str(16 * max(b, 4)),
                  "--max-num-batched-tokens", str(max(prompt_len * max(b, 1), 512)),
                  "--role", "colocated" if b else "prefill", "--expert-weights", fmt,
                  "--linear-weights", fmt, "--forward", "paged")  # fmt: skip
