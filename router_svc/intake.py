@@ -98,15 +98,19 @@ class TokenizerPool:
     """Tokenizes long prompts in `max_threads` threads; owned by the RouterServer (`close()`)."""
 
     def __init__(
-        self, encode: Callable[[str], Sequence[int]], max_threads: int = 2, max_waiting: int = 8
+        self,
+        encode: Callable[[str, bool], Sequence[int]],
+        max_threads: int = 2,
+        max_waiting: int = 8,
     ) -> None:
         self._encode = encode
         self._executor = ThreadPoolExecutor(max_threads, thread_name_prefix="router-tokenize")
         self.max_admitted = max_threads + max_waiting
         self.num_admitted = 0
 
-    async def encode(self, text: str) -> Sequence[int]:
-        return await self.run(lambda: self._encode(text), "or send prompt_token_ids")
+    async def encode(self, text: str, add_special_tokens: bool = True) -> Sequence[int]:
+        return await self.run(lambda: self._encode(text, add_special_tokens),
+                              "or send prompt_token_ids")  # fmt: skip
 
     async def run(self, work: Callable[[], T], fix: str = "") -> T:
         """`work` (tokenizer calls that release the GIL: /tokenize and /detokenize's long

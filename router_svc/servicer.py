@@ -204,11 +204,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         tokenizing, and long prompts are tokenized in the bounded pool, off the event loop."""
         limits = self._limits()
         text = self._deps.text
-        tokenize = text.encode if text.codec is not None else None
+        special = not request.HasField("add_special_tokens") or request.add_special_tokens
+        tokenize = (lambda t: text.encode(t, special)) if text.codec is not None else None
         if tokenize is not None and request.WhichOneof("input") == "prompt":
             check_prompt_bytes(request.prompt, limits.max_model_len, text.max_token_bytes)
             if len(request.prompt) > INLINE_PROMPT_CHARS:
-                ids = await self._tokenizer_pool.encode(request.prompt)
+                ids = await self._tokenizer_pool.encode(request.prompt, special)
                 tokenize = lambda _text: ids  # noqa: E731
         validated = wire.generate_request_from_proto(
             request, limits, tokenize=tokenize, deadline_unix_ms=deadline.expires_at_unix_ms

@@ -139,6 +139,9 @@ class OpenAIRequest:
     add_generation_prompt: bool = True  # chat: vLLM's field, the template opens the answer
     chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)  # chat: vLLM's field
     priority: int = 0  # vLLM's field: lower is served first (the gRPC field: larger first)
+    # vLLM's field: a text prompt gets the tokenizer's special tokens (its BOS); chat's default
+    # is false, the template wrote them
+    add_special_tokens: bool = True
     # integers clamped to int32 for the proto: param -> (clamped, as sent), so the router's
     # range message echoes what the client sent
     clamped: Mapping[str, tuple[int, int]] = field(default_factory=dict)
@@ -169,6 +172,7 @@ class OpenAIRequest:
         msg = router_pb2.GenerateRequest(request_id=request_id)
         if isinstance(prompt, str):
             msg.prompt = prompt
+            msg.add_special_tokens = self.add_special_tokens
         else:
             msg.prompt_token_ids.ids.extend(prompt)
         msg.sampling.CopyFrom(self.sampling)
@@ -421,6 +425,7 @@ def parse_request(body: Any, *, is_chat: bool) -> OpenAIRequest:
         sampling.max_new_tokens = 1  # the engine samples one token at least
     prompt_logprobs = _prompt_logprobs(body, sampling, echo=echo)
     chat = parse_chat_prompt(body) if is_chat else ChatPrompt((), True, {})
+    special = _typed(body, "add_special_tokens", (bool,), "true or false")
     return OpenAIRequest(
         model=model,
         prompt=prompts[0] if len(prompts) == 1 else None,
@@ -436,6 +441,7 @@ def parse_request(body: Any, *, is_chat: bool) -> OpenAIRequest:
         add_generation_prompt=chat.add_generation_prompt,
         chat_template_kwargs=chat.chat_template_kwargs,
         priority=_int(body, "priority", clamped) or 0,
+        add_special_tokens=not is_chat if special is None else special,
         clamped=clamped,
     )
 

@@ -19,6 +19,7 @@ import aiohttp
 import pytest
 from tokenizers import processors
 
+from dsv4.rpc.v1 import common_pb2, router_pb2
 from dsv4.serving.ports import free_port
 from dsv4.text.tokenizer import BOS_TOKEN, build_tokenizer
 from router_svc.text_model import TextModel, text_model
@@ -106,6 +107,44 @@ def test_add_special_tokens_follows_vllm_defaults_with_a_bos_adding_tokenizer() 
             status, more = await post(root(url) + "/tokenize",
                                       {"messages": CHAT, "add_special_tokens": True})  # fmt: skip
             assert status == 200 and more["tokens"] == [0, *chat["tokens"]], more
+
+    run(body())
+
+
+def test_generation_feeds_what_tokenize_answers_with_a_bos_adding_tokenizer() -> None:
+    """/v1/completions feeds the post-processor's BOS (vLLM's default), chat feeds the
+    template's one BOS, `add_special_tokens` overrides either; a long prompt (the tokenizer
+    pool's path) too. Before, text prompts were fed without it while /tokenize showed it."""
+    tokenizer = build_tokenizer(1000)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{BOS_TOKEN} $A", special_tokens=[(BOS_TOKEN, 0)]
+    )
+    long = "Errors should never pass silently. " * 120  # over INLINE_PROMPT_CHARS
+
+    async def body() -> None:
+        async with front(text=text_model(tokenizer, source="bos")) as (c, url):
+            log = c.prefills[0].log.requests
+            for route, sent in (
+                ("/completions", {"prompt": "hi"}),
+                ("/completions", {"prompt": long}),
+                ("/completions", {"prompt": "hi", "add_special_tokens": False}),
+                ("/chat/completions", {"messages": CHAT}),
+                ("/chat/completions", {"messages": CHAT, "add_special_tokens": True}),
+            ):
+                status, answer = await post(url + route, {**sent, "max_tokens": 1})
+                assert status == 200, answer
+                asked = {k: v for k, v in sent.items() if k != "max_tokens"}
+                status, tokenized = await post(root(url) + "/tokenize", asked)
+                assert status == 200 and list(log[-1].prompt_token_ids) == tokenized["tokens"]
+            fed = [list(r.prompt_token_ids[:2]) for r in log[-5:]]
+            assert [f[0] == 0 for f in fed] == [True, True, False, True, True], fed
+            assert fed[3][1] != 0 and fed[4][:2] == [0, 0]  # chat: the template's BOS alone
+            for extra, first in (({}, [0]), ({"add_special_tokens": False}, [])):  # gRPC: unset
+                sampling = common_pb2.SamplingParams(max_new_tokens=1)
+                sent = router_pb2.GenerateRequest(prompt="hi", sampling=sampling, **extra)
+                assert [m async for m in c.stub.Generate(sent)][-1].finish_reason
+                plain = tokenizer.encode("hi", add_special_tokens=False).ids
+                assert list(log[-1].prompt_token_ids) == [*first, *plain]
 
     run(body())
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from dsv4.rpc.v1 import common_pb2 as dsv4_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x64sv4/v1/router.proto\x12\x07\x64sv4.v1\x1a\x14\x64sv4/v1/common.proto\"\xac\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12-\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x11.dsv4.v1.TokenIdsH\x00\x12)\n\x08sampling\x18\x04 \x01(\x0b\x32\x17.dsv4.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x42\x07\n\x05input\"\xdc\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12,\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x15.dsv4.v1.FinishReason\x12\x1d\n\x05usage\x18\x04 \x01(\x0b\x32\x0e.dsv4.v1.Usage\x12(\n\x08logprobs\x18\x05 \x03(\x0b\x32\x16.dsv4.v1.TokenLogprobs\x12\x30\n\x0fprompt_logprobs\x18\x06 \x01(\x0b\x32\x17.dsv4.v1.PromptLogprobs\"\x15\n\x13GetModelInfoRequest\"\xe9\x01\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x1c\n\x14max_new_tokens_limit\x18\x04 \x01(\x05\x12\x14\n\x0c\x65os_token_id\x18\x05 \x01(\x05\x12\x14\n\x0c\x62os_token_id\x18\x06 \x01(\x05\x12\x1b\n\x13num_prefill_workers\x18\x07 \x01(\x05\x12\x1a\n\x12num_decode_workers\x18\x08 \x01(\x05\x12\x1a\n\x12speculative_method\x18\t \x01(\t2\xc5\x01\n\x06Router\x12\x41\n\x08Generate\x12\x18.dsv4.v1.GenerateRequest\x1a\x19.dsv4.v1.GenerateResponse0\x01\x12\x36\n\x05\x41\x62ort\x12\x15.dsv4.v1.AbortRequest\x1a\x16.dsv4.v1.AbortResponse\x12@\n\x0cGetModelInfo\x12\x1c.dsv4.v1.GetModelInfoRequest\x1a\x12.dsv4.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x64sv4/v1/router.proto\x12\x07\x64sv4.v1\x1a\x14\x64sv4/v1/common.proto\"\xe4\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12-\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x11.dsv4.v1.TokenIdsH\x00\x12)\n\x08sampling\x18\x04 \x01(\x0b\x32\x17.dsv4.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x06 \x01(\x08H\x01\x88\x01\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokens\"\xdc\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12,\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x15.dsv4.v1.FinishReason\x12\x1d\n\x05usage\x18\x04 \x01(\x0b\x32\x0e.dsv4.v1.Usage\x12(\n\x08logprobs\x18\x05 \x03(\x0b\x32\x16.dsv4.v1.TokenLogprobs\x12\x30\n\x0fprompt_logprobs\x18\x06 \x01(\x0b\x32\x17.dsv4.v1.PromptLogprobs\"\x15\n\x13GetModelInfoRequest\"\xe9\x01\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x1c\n\x14max_new_tokens_limit\x18\x04 \x01(\x05\x12\x14\n\x0c\x65os_token_id\x18\x05 \x01(\x05\x12\x14\n\x0c\x62os_token_id\x18\x06 \x01(\x05\x12\x1b\n\x13num_prefill_workers\x18\x07 \x01(\x05\x12\x1a\n\x12num_decode_workers\x18\x08 \x01(\x05\x12\x1a\n\x12speculative_method\x18\t \x01(\t2\xc5\x01\n\x06Router\x12\x41\n\x08Generate\x12\x18.dsv4.v1.GenerateRequest\x1a\x19.dsv4.v1.GenerateResponse0\x01\x12\x36\n\x05\x41\x62ort\x12\x15.dsv4.v1.AbortRequest\x1a\x16.dsv4.v1.AbortResponse\x12@\n\x0cGetModelInfo\x12\x1c.dsv4.v1.GetModelInfoRequest\x1a\x12.dsv4.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,13 +33,13 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'dsv4.rpc.v1.router_pb2', _g
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST']._serialized_start=56
-  _globals['_GENERATEREQUEST']._serialized_end=228
-  _globals['_GENERATERESPONSE']._serialized_start=231
-  _globals['_GENERATERESPONSE']._serialized_end=451
-  _globals['_GETMODELINFOREQUEST']._serialized_start=453
-  _globals['_GETMODELINFOREQUEST']._serialized_end=474
-  _globals['_MODELINFO']._serialized_start=477
-  _globals['_MODELINFO']._serialized_end=710
-  _globals['_ROUTER']._serialized_start=713
-  _globals['_ROUTER']._serialized_end=910
+  _globals['_GENERATEREQUEST']._serialized_end=284
+  _globals['_GENERATERESPONSE']._serialized_start=287
+  _globals['_GENERATERESPONSE']._serialized_end=507
+  _globals['_GETMODELINFOREQUEST']._serialized_start=509
+  _globals['_GETMODELINFOREQUEST']._serialized_end=530
+  _globals['_MODELINFO']._serialized_start=533
+  _globals['_MODELINFO']._serialized_end=766
+  _globals['_ROUTER']._serialized_start=769
+  _globals['_ROUTER']._serialized_end=966
 # @@protoc_insertion_point(module_scope)
