@@ -12,6 +12,9 @@
 #   fdecode the decode step with bf16 / FP8 linears / FP8 linears + MXFP4 experts (A/B, ~5 min);
 #   e2e     the end-to-end run (disaggregated, colocated, transformers);
 #   tests   the GPU tests of the captured decode passes;
+#   newtests   the GPU tests of the kernels and paths changed since the last card run (the
+#           step tables, the one-launch workspace, the MoE combine, the pool's in-place re-pack,
+#           the decode graphs' int32 input fields);
 #   pool    the expert pool (issue 22): its GPU tests (registered host rows, the copy kernel and
 #           the prefetch stream inside captured graphs), then offload_serve_check on the
 #           4-layer slice (paged, paged + prefetch, reference; uniform and zipf1).
@@ -213,6 +216,14 @@ timeout "${T_TESTS:-80}" python3 -m pytest -q -p no:cacheprovider -m gpu \
     tests/engine/test_decode_graphs.py tests/engine/test_paged_speculative.py > "$logs/gpu-tests.txt" 2>&1
 echo "gpu tests rc=$?" | tee -a "$logs/gpu-tests.txt"
 tail -5 "$logs/gpu-tests.txt"
+}
+has newtests && {  # kernels and paths changed since the last card run (sessions 21-22)
+run_into "${T_NEW_TESTS:-240}" "$logs/new-tests.txt" python3 -m pytest -q -p no:cacheprovider \
+    -m gpu tests/kernels/test_step_tables.py tests/kernels/test_kv_workspace.py \
+    tests/kernels/test_kv_store.py tests/kernels/test_moe.py tests/engine/test_paged_forward.py \
+    tests/engine/test_chunk_invariance.py tests/engine/test_decode_graphs.py \
+    tests/engine/test_expert_pool.py
+tail -5 "$logs/new-tests.txt"
 }
 # the end-to-end part's workers logs and summary (only when it ran)
 if has e2e; then
