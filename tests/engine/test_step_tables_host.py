@@ -225,6 +225,22 @@ def test_static_decode_keeps_the_device_formulas(tiny, monkeypatch) -> None:
     assert any(r[2] for r in rec.comp)  # the prefill steps took the host path
 
 
+def test_static_decode_on_the_step_table_kernels_gives_the_reference_tokens(tiny) -> None:
+    """The static decode passes with kernels.step_tables' Triton launches (interpreter) give the
+    tokens of the same passes on the torch formulas: the kernels' tables, in the engine."""
+    outputs = []
+    for backend in ("ref", "triton"):
+        kernels = KernelBackendConfig(
+            overrides={"compressor_tables": backend, "window_tables": backend}
+        )
+        core = make_core(tiny, budget=64, paged={}, graphs=STATIC, max_num_seqs=4,
+                         kernels=kernels)  # fmt: skip
+        for rid, prompt in prompts(tiny.cfg.vocab_size).items():
+            core.add_request(greedy_request(rid, prompt, 8))
+        outputs.append(run_to_completion(core))
+    assert outputs[0] == outputs[1]
+
+
 def test_tables_with_drafts_equal_the_device_formulas(mtp_model, monkeypatch) -> None:  # noqa: F811
     """MTP k = 2: decodes of 1 + k tokens a request, a state ring of c*r + k slots."""
     rec = Recorder(monkeypatch)
