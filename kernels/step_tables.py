@@ -55,6 +55,17 @@ class CompressorTableTensors(NamedTuple):
     phase: torch.Tensor  # [T] int64
 
 
+@triton.jit
+def _token_block(pos_ptr, t2r_ptr, T, BLOCK_T: tl.constexpr):
+    """The program's BLOCK_T tokens: (flat index int32, in range, position, request) [BLOCK_T]
+    (positions and requests as int64)."""
+    i = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    ok = i < T
+    p = tl.load(pos_ptr + i, mask=ok, other=0).to(tl.int64)
+    req = tl.load(t2r_ptr + i, mask=ok, other=0).to(tl.int64)
+    return i, ok, p, req
+
+
 @triton.jit(**sizes_vary("T", "max_col"))
 def _compressor_tables_kernel(
     pos_ptr, t2r_ptr, starts_ptr, ends_ptr, freq_ptr,  # [T] int, [T] int, [B], [B], [HALF] fp32
@@ -63,10 +74,7 @@ def _compressor_tables_kernel(
     RATIO: tl.constexpr, NUM_CAND: tl.constexpr, SLOTS: tl.constexpr, EPB: tl.constexpr,
     HALF: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr,
 ):  # fmt: skip
-    i = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T] tokens
-    ok = i < T
-    p = tl.load(pos_ptr + i, mask=ok, other=0).to(tl.int64)
-    req = tl.load(t2r_ptr + i, mask=ok, other=0).to(tl.int64)
+    i, ok, p, req = _token_block(pos_ptr, t2r_ptr, T, BLOCK_T)
     start = tl.load(starts_ptr + req, mask=ok, other=0).to(tl.int64)
     end = tl.load(ends_ptr + req, mask=ok, other=0).to(tl.int64)
     entry = tl.maximum((p + 1) // RATIO - 1, 0)
@@ -155,10 +163,7 @@ def _window_tables_kernel(
     T, L, stride_ring, spb,
     RING: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_L: tl.constexpr,
 ):  # fmt: skip
-    i = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T] tokens
-    ok = i < T
-    p = tl.load(pos_ptr + i, mask=ok, other=0).to(tl.int64)
-    req = tl.load(t2r_ptr + i, mask=ok, other=0).to(tl.int64)
+    i, ok, p, req = _token_block(pos_ptr, t2r_ptr, T, BLOCK_T)
     end = tl.load(ends_ptr + req, mask=ok, other=0).to(tl.int64)
     tl.store(lens_ptr + i, ((p + 1) // 4).to(tl.int32), mask=ok)
     tl.store(rel_ptr + i, tl.where(p >= end - RING, p % RING, -1).to(tl.int32), mask=ok)
