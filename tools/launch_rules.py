@@ -16,6 +16,7 @@ OP_COMPONENTS = {"hc_pre": "hc_pre", "hc_pre_first_layer": "hc_pre", "hc_post": 
                  "combine_rows": "moe_combine", "moe_experts": "moe_combine", "sample": "sampler",
                  "c128_index_table": "metadata", "c4_global_topk_slots": "metadata",
                  "token_to_req_indices": "metadata", "window_slot_table": "metadata",
+                 "window_tables": "metadata", "compressor_tables": "compressor",
                  "fp8_linear": None, "fp8_grouped_linear": None, "kv_store": None,
                  "kv_gather": None, "kv_workspace": None, "gated_silu": None}  # fmt: skip
 MODULE_RULES = ((r"\.compressor\b", "compressor"), (r"\.indexer\.", "indexer"),
