@@ -42,6 +42,8 @@ import triton.language as tl
 from kernels.registry import register_op
 from kernels.specialize import sizes_vary
 
+BLOCK_T_TOKENS = 32  # tokens a program of either kernel
+
 
 class CompressorTableTensors(NamedTuple):
     tokens: torch.Tensor  # [T] int32: 0..T-1 (every token a program)
@@ -120,11 +122,10 @@ def compressor_tables(
     t, half = positions.shape[0], freq.shape[0]
     out = _empty_tables(t, num_cand, half, positions.device)
     if t:
-        block_t = 32
-        _compressor_tables_kernel[(triton.cdiv(t, block_t),)](
+        _compressor_tables_kernel[(triton.cdiv(t, BLOCK_T_TOKENS),)](
             positions, token_to_req, starts, ends, freq, *out, t, max_col,
             RATIO=ratio, NUM_CAND=num_cand, SLOTS=slots, EPB=entries_per_block, HALF=half,
-            BLOCK_T=block_t, BLOCK_C=triton.next_power_of_2(num_cand),
+            BLOCK_T=BLOCK_T_TOKENS, BLOCK_C=triton.next_power_of_2(num_cand),
             BLOCK_H=triton.next_power_of_2(half), num_warps=4,
         )  # fmt: skip
     return out
@@ -193,10 +194,9 @@ def window_tables(
                              torch.empty(t, dtype=torch.int32, device=dev),
                              torch.empty(t, dtype=torch.int32, device=dev))  # fmt: skip
     if t:
-        block_t = 32
-        _window_tables_kernel[(triton.cdiv(t, block_t),)](
+        _window_tables_kernel[(triton.cdiv(t, BLOCK_T_TOKENS),)](
             positions, token_to_req, ends, ring_ids, rbi, base, *out, t, num_l,
-            ring_ids.stride(0), slots_per_block, RING=ring, BLOCK_T=block_t,
+            ring_ids.stride(0), slots_per_block, RING=ring, BLOCK_T=BLOCK_T_TOKENS,
             BLOCK_L=min(triton.next_power_of_2(max(num_l, 1)), 16), num_warps=4,
         )  # fmt: skip
     return out
