@@ -190,10 +190,11 @@ class LocalCluster:
             try:
                 return self._start_once(ready_timeout_s)
             except StartFailed as exc:
-                fixed_taken = [
-                    p for p in self.spec.fixed_ports() if bind_problem(self.spec.host, p)
-                ]
-                if exc.exit_code != PortInUse.exit_code or fixed_taken or attempt == START_TRIES:
+                if (
+                    exc.exit_code != PortInUse.exit_code
+                    or attempt == START_TRIES
+                    or any(bind_problem(self.spec.host, p) for p in self.spec.fixed_ports())
+                ):
                     raise
                 logger.warning("%s: %s; starting again on fresh ports (try %d of %d)",
                                exc.service_name, exc.reason, attempt + 1, START_TRIES)  # fmt: skip

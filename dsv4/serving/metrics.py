@@ -31,7 +31,6 @@ docs/operations.md §10 lists every name.
 
 from __future__ import annotations
 
-import errno
 import logging
 import threading
 from collections.abc import Callable, Iterator, Mapping
@@ -50,7 +49,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import start_http_server
 from prometheus_client.registry import Collector
 
-from dsv4.errors import PortInUse, Unavailable
+from dsv4.serving.ports import listen_failure
 
 logger = logging.getLogger(__name__)
 disable_created_metrics()  # no `*_created` series: every process of ours starts fresh anyway
@@ -384,16 +383,11 @@ class MetricsExporter:
         try:
             self._server, self._thread = self._bind(self.port)
         except OSError as exc:
-            if exc.errno == errno.EADDRINUSE and not self.is_default:
-                raise PortInUse(
-                    self.host, self.port, "serve metrics",
-                    "pick a free metrics.prometheus_port, or 0 to turn metrics off",
-                ) from exc  # fmt: skip
             if not self.is_default:
-                raise Unavailable(
-                    f"cannot serve metrics on {self.host}:{self.port} ({exc}): pick a free "
-                    "metrics.prometheus_port, or 0 to turn metrics off"
-                ) from exc
+                raise listen_failure(
+                    self.host, self.port, "serve metrics",
+                    "pick a free metrics.prometheus_port, or 0 to turn metrics off", exc,
+                ) from exc  # fmt: skip
             logger.info("metrics: default port %d is taken, using a free one", self.port)
             self._server, self._thread = self._bind(0)
         self.port = self._server.server_port

@@ -80,13 +80,15 @@ def bind_problem(host: str, port: int) -> str:
     return problems[0] if problems else f"{host}:{port} resolves to no address"
 
 
-def listen_failure(host: str, port: int, what: str, fix: str, detail: str) -> Unavailable:
-    """The error for a server that could not listen on `host:port` (gRPC says only that the
-    bind failed): `PortInUse` when another process holds the port now, else `Unavailable`
-    with the server's own `detail`."""
-    if port and bind_problem(host, port).endswith("already in use"):
+def listen_failure(host: str, port: int, what: str, fix: str,
+                   cause: BaseException | str) -> Unavailable:  # fmt: skip
+    """The error for a server that could not listen on `host:port`: `PortInUse` when another
+    process holds the port (the OSError says so; gRPC says only that the bind failed, so the
+    port is probed), else `Unavailable` with the server's own `cause`."""
+    in_use = isinstance(cause, OSError) and cause.errno == errno.EADDRINUSE
+    if in_use or (port and bind_problem(host, port).endswith("already in use")):
         return PortInUse(host, port, what, fix)
-    return Unavailable(f"cannot {what} on {host}:{port} ({detail}): {fix}")
+    return Unavailable(f"cannot {what} on {host}:{port} ({cause}): {fix}")
 
 
 def owns_listener(pid: int, port: int) -> bool | None:

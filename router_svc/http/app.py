@@ -21,7 +21,6 @@ on the workers.
 
 from __future__ import annotations
 
-import errno
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -33,8 +32,9 @@ from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from dsv4.config import ServeConfig
-from dsv4.errors import Dsv4Error, PortInUse, Unavailable, to_grpc_status
+from dsv4.errors import Dsv4Error, to_grpc_status
 from dsv4.serving.metrics import RouterMetrics
+from dsv4.serving.ports import listen_failure
 from dsv4.types import StreamChunk
 from router_svc.admission import AUTHORIZATION_KEY, check_api_key
 from router_svc.http.body import BODY_READ_TIMEOUT_S, check_unicode, read_json
@@ -177,13 +177,8 @@ class HttpFront:
             await site.start()
         except OSError as exc:
             await runner.cleanup()
-            if exc.errno == errno.EADDRINUSE:
-                raise PortInUse(r.host, r.http_port, "listen for HTTP",
-                                "pick a free router.http_port") from exc  # fmt: skip
-            raise Unavailable(
-                f"router cannot listen for HTTP on {r.host}:{r.http_port} ({exc}): pick a free "
-                "router.http_port"
-            ) from exc
+            raise listen_failure(r.host, r.http_port, "listen for HTTP",
+                                 "pick a free router.http_port", exc) from exc  # fmt: skip
         self._runner = runner
         self.port = runner.addresses[0][1]
 

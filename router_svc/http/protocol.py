@@ -197,6 +197,12 @@ def _typed(body: dict[str, Any], name: str, kinds: tuple[type, ...], what: str) 
     return value
 
 
+def flag(body: dict[str, Any], name: str, default: bool) -> bool:
+    """A true / false parameter (`default` when unset)."""
+    value = _typed(body, name, (bool,), "true or false")
+    return default if value is None else value
+
+
 def _int(
     body: dict[str, Any], name: str, clamped: dict[str, tuple[int, int]], param: str = ""
 ) -> int | None:
@@ -425,7 +431,6 @@ def parse_request(body: Any, *, is_chat: bool) -> OpenAIRequest:
         sampling.max_new_tokens = 1  # the engine samples one token at least
     prompt_logprobs = _prompt_logprobs(body, sampling, echo=echo)
     chat = parse_chat_prompt(body) if is_chat else ChatPrompt((), True, {})
-    special = _typed(body, "add_special_tokens", (bool,), "true or false")
     return OpenAIRequest(
         model=model,
         prompt=prompts[0] if len(prompts) == 1 else None,
@@ -441,7 +446,7 @@ def parse_request(body: Any, *, is_chat: bool) -> OpenAIRequest:
         add_generation_prompt=chat.add_generation_prompt,
         chat_template_kwargs=chat.chat_template_kwargs,
         priority=_int(body, "priority", clamped) or 0,
-        add_special_tokens=not is_chat if special is None else special,
+        add_special_tokens=flag(body, "add_special_tokens", not is_chat),
         clamped=clamped,
     )
 

@@ -35,7 +35,7 @@ from aiohttp import web
 from dsv4.errors import Dsv4Error
 from dsv4.text.tokenizer import TextCodec
 from router_svc.http.chat import ChatTemplate
-from router_svc.http.protocol import ChatPrompt, bad_request, parse_chat_prompt, shown
+from router_svc.http.protocol import ChatPrompt, bad_request, flag, parse_chat_prompt, shown
 from router_svc.intake import INLINE_PROMPT_CHARS, TokenizerPool, check_prompt_bytes
 from router_svc.text_model import TextModel
 
@@ -98,15 +98,6 @@ def _model(body: dict[str, Any]) -> str:
     return model or ""
 
 
-def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise bad_request(name, f"{name} = {shown(value)}: must be true or false")
-    return value
-
-
 def parse_tokenize(body: Any) -> TokenizeRequest:
     """Check a /tokenize body's shape; raises ApiError(400) naming the parameter."""
     body = _object(body)
@@ -125,11 +116,11 @@ def parse_tokenize(body: Any) -> TokenizeRequest:
             if body.get(name) is not None:
                 raise bad_request(name, f"{name} applies to messages, not to a prompt: leave "
                                   "it unset")  # fmt: skip
-        return TokenizeRequest(model, prompt, None, _flag(body, "add_special_tokens", True),
-                               _flag(body, "return_token_strs", False))  # fmt: skip
+        return TokenizeRequest(model, prompt, None, flag(body, "add_special_tokens", True),
+                               flag(body, "return_token_strs", False))  # fmt: skip
     chat = parse_chat_prompt(body)  # the template writes its special tokens: none added
-    return TokenizeRequest(model, None, chat, _flag(body, "add_special_tokens", False),
-                           _flag(body, "return_token_strs", False))  # fmt: skip
+    return TokenizeRequest(model, None, chat, flag(body, "add_special_tokens", False),
+                           flag(body, "return_token_strs", False))  # fmt: skip
 
 
 def parse_detokenize(body: Any) -> tuple[str, list[int]]:
