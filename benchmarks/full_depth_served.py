@@ -1,7 +1,8 @@
 """The whole V4-Flash served by `dsv4 up` on one card (issue 22 item 4), measured by `dsv4 loadtest`.
 
     python -m benchmarks.full_depth_served --out $OUT/full-depth-served.json        # a GPU host
-    python -m benchmarks.full_depth_served --shape tiny --device cpu --out /tmp/s.json  # rehearsal
+    python -m benchmarks.full_depth_served --shape tiny --layers 4 --device cpu \
+        --device-memory-gib 0.05 --host-memory-gib 1 --out /tmp/s.json            # CPU rehearsal
 
 `dsv4 up --model random:DIR` (DIR: the 43-layer V4-Flash config, MXFP4 experts and FP8 linears
 served as stored) with `--layout auto`: the launcher plans the card, prints its plan line (why

@@ -39,7 +39,7 @@ import torch
 
 from benchmarks import engine_setup as es
 from benchmarks.attribution import attribute, launches_and_syncs
-from dsv4.commands.cluster import service_config
+from dsv4.commands.service_args import service_config
 from dsv4.model.tiny import write_model_spec
 from dsv4.scheduler.batch import RequestStepOutput, StepOutput
 from dsv4.scheduler.request import Request

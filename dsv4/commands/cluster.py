@@ -7,8 +7,9 @@ grpc.health.v1 SERVING, and `stop()`s them: SIGTERM, then SIGKILL after `grace_s
 the children also get SIGTERM if the launcher itself dies (PR_SET_PDEATHSIG), so a killed test
 run leaves nothing behind. Discovery is the static --prefill/--decode lists unless `--redis`.
 `--model tiny` writes the deterministic tiny checkpoint once into the cache dir (every process
-then loads the same bytes). Flags `dsv4 up` does not know are passed to every service (for
-example `--num-blocks 64`).
+then loads the same bytes; `dsv4.commands.tiny_checkpoint`). Flags `dsv4 up` does not know are
+passed to every service (for example `--num-blocks 64`); `dsv4.commands.service_args` reads
+them as the services will.
 
 With a `placement` (`dsv4 up --gpus`, `dsv4.commands.placement`) each worker process gets its
 own cards as CUDA_VISIBLE_DEVICES (the launcher's entries at those indices); without one every
@@ -23,7 +24,6 @@ the operator's tools (deploy/scripts/drain.py), removed at `stop()`.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import logging
 import os
@@ -34,17 +34,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
 
 from dsv4.commands.placement import CUDA_VISIBLE, Placement, visible_devices
-from dsv4.errors import ConfigError, PortInUse, Unavailable, UsageError
+from dsv4.commands.service_args import channel_credentials, configured_secret, split_secret
+from dsv4.errors import PortInUse, Unavailable
 from dsv4.serving.ports import bind_problem, free_port, owns_listener, reserve_port
-
-if TYPE_CHECKING:
-    from dsv4.config import ServeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +50,6 @@ START_TRIES = 3  # starts of a cluster whose picked ports other processes took f
 AUTO_PORTS = -1
 ROUTER_HEALTH_NAME = "dsv4.v1.Router"  # SERVING once some request can be routed (readiness)
 SECRET_ENV = "DSV4_SHARED_SECRET"  # the env twin of --shared-secret
-SECRET_FLAG = "--shared-secret"
 # How `dsv4.commands.cli.main` starts a service's one error line: "dsv4 prefill: error: ..."
 _ERROR_LINE = re.compile(r"^dsv4 [\w-]+: (?:error: )?")
 
@@ -363,7 +358,7 @@ def is_serving(
     address: str, service_name: str = "", timeout_s: float = 1.0, *, credentials: object = None
 ) -> bool:
     """grpc.health.v1 says SERVING for `service_name` ("" = the process); `credentials`:
-    grpc.ChannelCredentials for a TLS port (see `channel_credentials`)."""
+    grpc.ChannelCredentials for a TLS port (see `service_args.channel_credentials`)."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -379,110 +374,3 @@ def is_serving(
         except grpc.RpcError:
             return False
     return reply.status == health_pb2.HealthCheckResponse.SERVING
-
-
-def split_secret(service_args: tuple[str, ...]) -> tuple[tuple[str, ...], str]:
-    """(`service_args` without `--shared-secret S`, S or ""): the services get S in their
-    environment instead, where `ps` does not show it."""
-    kept: list[str] = []
-    secret = ""
-    args = iter(service_args)
-    for arg in args:
-        if arg == SECRET_FLAG:
-            secret = next(args, "")
-        elif arg.startswith(SECRET_FLAG + "="):
-            secret = arg.partition("=")[2]
-        else:
-            kept.append(arg)
-    return tuple(kept), secret
-
-
-def configured_secret(service_args: tuple[str, ...]) -> str:
-    """The shared secret the services would read from the environment or a `--config` YAML."""
-    return service_config(service_args, os.environ).security.shared_secret
-
-
-def service_config(service_args: tuple[str, ...], env: Mapping[str, str]) -> ServeConfig:
-    """The config a service started with `service_args` and `env` reads (argparse: a repeated
-    flag's last value wins; flags it does not know are left aside), before `resolve_auto`;
-    `UsageError` for a value the service would refuse to parse."""
-    from dsv4.config import config_from_args
-
-    args, _ = _service_parser().parse_known_args(list(service_args))
-    return config_from_args(args, env)
-
-
-def unknown_service_flags(service_args: tuple[str, ...]) -> list[str]:
-    """The `service_args` no service knows (each would exit 2 on them)."""
-    return _service_parser().parse_known_args(list(service_args))[1]
-
-
-def _service_parser() -> argparse.ArgumentParser:
-    from dsv4.config import add_config_args
-
-    parser = RaisingParser(add_help=False)
-    add_config_args(parser)
-    return parser
-
-
-class RaisingParser(argparse.ArgumentParser):
-    """argparse whose errors are a `UsageError` (one line), not the usage and an exit."""
-
-    def error(self, message: str) -> NoReturn:  # type: ignore[override]
-        raise UsageError(message)
-
-
-def channel_credentials(service_args: tuple[str, ...]) -> object:
-    """Client credentials matching the services' security flags (None: plaintext): the CA of
-    `--tls-ca`, and with `--require-client-cert` the services' own key pair as client cert."""
-    import grpc
-
-    s = service_config(service_args, {}).security
-    if not s.tls_cert_path:
-        return None
-    root = Path(s.tls_ca_path).read_bytes() if s.tls_ca_path else None
-    if not s.require_client_cert:
-        return grpc.ssl_channel_credentials(root)
-    key, cert = Path(s.tls_key_path).read_bytes(), Path(s.tls_cert_path).read_bytes()
-    return grpc.ssl_channel_credentials(root, key, cert)
-
-
-def tiny_ratios(layers: str) -> tuple[int, ...]:
-    """`--layers` (compress ratios, e.g. "0,4,128,4") as the tiny model takes them;
-    `UsageError` naming the flag otherwise."""
-    from dsv4.model.tiny import shape_config
-
-    try:
-        ratios = tuple(int(r) for r in layers.split(","))
-        shape_config("tiny", "fp8", "fp4").with_overrides(
-            num_hidden_layers=len(ratios), compress_ratios=ratios
-        )
-    except ValueError:
-        raise UsageError(f"--layers {layers}: give compress ratios such as 0,4,128,4") from None
-    except ConfigError as exc:
-        raise UsageError(f"--layers {layers}: {exc.fix}") from None
-    return ratios
-
-
-def ensure_tiny_checkpoint(cache_dir: Path, layers: str, seed: int = 0) -> Path:
-    """The tiny checkpoint for `layers` (compress ratios, e.g. "0,4,128,4"), written once."""
-    ratios = tiny_ratios(layers) if layers else ()
-    name = f"tiny-seed{seed}" + (f"-layers{'_'.join(map(str, ratios))}" if ratios else "")
-    out = cache_dir / name
-    if (out / "config.json").exists():
-        return out
-    from dsv4.model.tiny import shape_config, write_checkpoint
-
-    cfg = shape_config("tiny", "fp8", "fp4")
-    if ratios:
-        cfg = cfg.with_overrides(num_hidden_layers=len(ratios), compress_ratios=ratios)
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=cache_dir))
-    write_checkpoint(staging, cfg, seed=seed)
-    try:
-        staging.rename(out)  # atomic: a concurrent writer's copy wins, ours is dropped
-    except OSError:
-        import shutil
-
-        shutil.rmtree(staging, ignore_errors=True)
-    return out

@@ -37,7 +37,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from dsv4.commands.cluster import ClusterSpec, service_config
+from dsv4.commands.cluster import ClusterSpec
 from dsv4.commands.placement import (
     GpuRequest,
     Placement,
@@ -45,6 +45,7 @@ from dsv4.commands.placement import (
     gpu_names,
     place_workers,
 )
+from dsv4.commands.service_args import service_config
 from dsv4.config import ServeConfig
 from dsv4.config.model import ModelConfig
 from dsv4.config.resolve import resolve_auto

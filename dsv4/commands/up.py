@@ -33,13 +33,12 @@ from dsv4.commands.cluster import (
     DEFAULT_CACHE_DIR,
     ClusterSpec,
     LocalCluster,
-    RaisingParser,
     StartFailed,
-    ensure_tiny_checkpoint,
-    unknown_service_flags,
 )
 from dsv4.commands.layout import LAYOUTS, LayoutChoice, plan_layout
 from dsv4.commands.placement import parse_gpus
+from dsv4.commands.service_args import RaisingParser, unknown_service_flags
+from dsv4.commands.tiny_checkpoint import ensure_tiny_checkpoint
 from dsv4.errors import Dsv4Error, UsageError
 from dsv4.plan import PlanDoesNotFit
 from dsv4.serving.ports import bind_problem

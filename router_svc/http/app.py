@@ -28,7 +28,6 @@ from contextlib import AsyncExitStack, aclosing
 from typing import Any
 
 from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from dsv4.config import ServeConfig
@@ -41,8 +40,9 @@ from router_svc.http.body import BODY_READ_TIMEOUT_S, check_unicode, read_json
 from router_svc.http.call import InProcessCall
 from router_svc.http.chat import ChatTemplate
 from router_svc.http.choices import choice_protos, first_chunks, merged_events, whole_answer
+from router_svc.http.errors import ApiError, ServerLog, api_error, bad_request, openai_errors, shown
 from router_svc.http.logprobs import token_texts
-from router_svc.http.protocol import ApiError, OpenAIRequest, bad_request, parse_request, shown
+from router_svc.http.protocol import OpenAIRequest, parse_request
 from router_svc.http.responses import SSE_DONE, Reply, sse_event
 from router_svc.http.tokenize import (
     Tokenization,
@@ -55,62 +55,8 @@ from router_svc.pool import WorkerPool
 from router_svc.servicer import RouterServicer
 from router_svc.text_model import TextModel
 
-logger = logging.getLogger(__name__)
-
 REQUEST_ID_HEADER = "X-Request-Id"
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-
-
-def error_response(exc: ApiError) -> web.Response:
-    headers = {}
-    if exc.retry_after_s is not None:
-        headers["Retry-After"] = str(max(1, int(exc.retry_after_s)))
-    response = web.json_response(exc.body(), status=exc.status, headers=headers)
-    if exc.status == 408:  # the body's rest may still come: never read it as the next request
-        response.force_close()
-    return response
-
-
-def _api_error(exc: BaseException) -> ApiError:
-    code, message = to_grpc_status(exc)
-    return ApiError.from_grpc(code.name, message, getattr(exc, "retry_after_s", None))
-
-
-@web.middleware
-async def _openai_errors(request: web.Request, handler: Any) -> web.StreamResponse:
-    """Every refusal as an OpenAI error object, aiohttp's own 404 / 405 / 413 included."""
-    try:
-        return await handler(request)
-    except ApiError as exc:
-        return error_response(exc)
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        if exc.status == 413:  # aiohttp's text names the size, not the setting that sets it
-            return error_response(ApiError(413, f"{(exc.text or exc.reason).rstrip('.')} "
-                                           "(router.max_message_bytes): send a smaller body",
-                                           param="body"))  # fmt: skip
-        return error_response(
-            ApiError(exc.status, f"{exc.reason}: {request.method} {request.path}")
-        )
-    except Exception as exc:  # a bug: still an error object, and a traceback in the log
-        logger.exception("HTTP %s %s failed", request.method, request.path)
-        return error_response(ApiError(500, f"internal error: {type(exc).__name__}: {exc}"))
-
-
-class _ServerLog(logging.LoggerAdapter):  # type: ignore[type-arg]
-    """aiohttp's server logger for this front: a request it could not parse (a header line
-    too long, a bad character, a broken chunk) is the client's fault, answered 400 by aiohttp,
-    and logged as one WARNING line, not an ERROR with a traceback any client could fill the
-    log with; every other exception keeps its traceback."""
-
-    def exception(self, msg: object, *args: Any, exc_info: Any = True, **kw: Any) -> None:
-        if isinstance(exc_info, HttpProcessingError) and 400 <= (exc_info.code or 0) < 500:
-            message = " ".join(str(exc_info.message).split())[:200]
-            said = str(msg) % args if args else str(msg)  # "Error handling request from PEER"
-            self.warning("%s: answered %d: %s", said, exc_info.code, message)
-            return
-        self.logger.exception(msg, *args, exc_info=exc_info, **kw)
 
 
 def peer_of(request: web.Request) -> str:
@@ -150,7 +96,7 @@ class HttpFront:
 
     def app(self) -> web.Application:
         app = web.Application(
-            middlewares=[_openai_errors], client_max_size=self._cfg.router.max_message_bytes
+            middlewares=[openai_errors], client_max_size=self._cfg.router.max_message_bytes
         )
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
@@ -169,7 +115,7 @@ class HttpFront:
         runner = web.AppRunner(
             self.app(), handler_cancellation=True, access_log=None,
             shutdown_timeout=self._cfg.worker.drain_timeout_s,
-            logger=_ServerLog(logging.getLogger("aiohttp.server"), {}),
+            logger=ServerLog(logging.getLogger("aiohttp.server"), {}),
         )  # fmt: skip
         await runner.setup()
         site = web.TCPSite(runner, r.host, r.http_port, reuse_port=False)
@@ -198,7 +144,7 @@ class HttpFront:
         except Dsv4Error as exc:
             self._metrics.rejections.labels(reason="api_key").inc()
             self._metrics.requests.labels(method=method, code="UNAUTHENTICATED").inc()
-            raise _api_error(exc) from exc
+            raise api_error(exc) from exc
 
     def _model_name(self) -> str | None:
         """The served model's name; None before any worker reported (the call then fails in
@@ -225,7 +171,7 @@ class HttpFront:
         try:
             info = self._servicer.model_info()
         except Dsv4Error as exc:
-            raise _api_error(exc) from exc
+            raise api_error(exc) from exc
         # max_model_len as vLLM lists it; vocab_size is ours (clients ignore unknown keys), so a
         # load generator can draw in-vocabulary token-id prompts without the tokenizer.
         return {"id": info.model_name, "object": "model", "created": 0, "owned_by": "dsv4",
@@ -258,7 +204,7 @@ class HttpFront:
         try:
             return web.json_response(await self._tokens.tokenize(asked, self._max_model_len))
         except Dsv4Error as exc:  # no worker reported max_model_len yet (503), pool full (429)
-            raise _api_error(exc) from exc
+            raise api_error(exc) from exc
 
     async def detokenize(self, request: web.Request) -> web.Response:
         self._check_key(request, "Detokenize")
@@ -267,7 +213,7 @@ class HttpFront:
         try:
             return web.json_response(await self._tokens.detokenize(tokens))
         except Dsv4Error as exc:  # the pool full (429)
-            raise _api_error(exc) from exc
+            raise api_error(exc) from exc
 
     # ---- generation ----------------------------------------------------------------------------
 
@@ -358,7 +304,7 @@ class HttpFront:
             self._servicer.charge_rate_limit(metadata, peer_of(request), parsed.num_choices)
         except Dsv4Error as exc:
             self._metrics.requests.labels(method="Generate", code=to_grpc_status(exc)[0].name).inc()
-            raise _api_error(exc) from exc
+            raise api_error(exc) from exc
         calls = [InProcessCall(self._servicer, proto, metadata=metadata, peer=peer_of(request),
                                rate_limit_paid=True, counts_prompt=i % parsed.n == 0)
                  for i, proto in enumerate(choice_protos(parsed, prompts, request_id))]  # fmt: skip

@@ -19,7 +19,7 @@ from typing import Any
 
 from aiohttp import web
 
-from router_svc.http.protocol import ApiError, bad_request
+from router_svc.http.errors import ApiError, bad_request
 
 # No router setting holds it (router.* lives in dsv4/config): a body of router.max_message_bytes
 # (16 MiB by default) arrives in well under this on any link a serving client uses.

@@ -20,7 +20,7 @@ from typing import Any
 from dsv4 import wire
 from dsv4.rpc.v1 import router_pb2
 from dsv4.types import StreamChunk
-from router_svc.http.protocol import ApiError
+from router_svc.http.errors import ApiError
 from router_svc.servicer import RETRY_PUSHBACK_KEY, RouterServicer
 
 MAX_BUFFERED_CHUNKS = 16  # chunks written but not yet sent: Generate waits beyond this

@@ -25,7 +25,8 @@ from typing import Any, TypeVar
 
 from dsv4.rpc.v1 import router_pb2
 from dsv4.types import StreamChunk
-from router_svc.http.protocol import ApiError, OpenAIRequest
+from router_svc.http.errors import ApiError
+from router_svc.http.protocol import OpenAIRequest
 from router_svc.http.responses import Reply, sse_event, usage_object
 
 T = TypeVar("T")

@@ -1,4 +1,4 @@
-"""OpenAI request bodies -> `dsv4.v1.Router` GenerateRequest protos, and errors -> HTTP.
+"""OpenAI request bodies -> `dsv4.v1.Router` GenerateRequest protos.
 
 Only shapes and types are checked here; values (temperature range, max_tokens against the
 context, stop strings, penalty and logit_bias ranges, vocabulary) are checked by the router's own
@@ -20,10 +20,8 @@ echo the prompt alone (the engine still samples one token, left out of the answe
 `prompt_logprobs: N` its own field per choice; chat refuses both (400 naming them). Chat takes
 vLLM's `add_generation_prompt` (default true) and `chat_template_kwargs` (more template
 variables). Integers beyond int32 are clamped for the proto, and the router's message about
-them echoes the value sent (`OpenAIRequest.as_sent`).
-
-Errors: `ApiError(status, message, param, code)`, rendered as
-`{"error": {"message", "type", "param", "code"}}`; gRPC code names map through `HTTP_STATUS`.
+them echoes the value sent (`OpenAIRequest.as_sent`). A refusal is a 400 `ApiError` naming the
+parameter (router_svc/http/errors.py).
 """
 
 from __future__ import annotations
@@ -35,31 +33,11 @@ from typing import Any
 
 from dsv4.rpc.v1 import common_pb2, router_pb2
 from dsv4.types import MAX_LOGPROBS
+from router_svc.http.errors import ApiError, bad_request, shown
 
 INT32_MAX = 2**31 - 1
 MAX_CHOICES = 64  # prompts x n: each choice is its own Generate call (admission counts each)
-HTTP_STATUS = {
-    "INVALID_ARGUMENT": 400, "FAILED_PRECONDITION": 400, "OUT_OF_RANGE": 400,
-    "UNAUTHENTICATED": 401, "PERMISSION_DENIED": 403, "NOT_FOUND": 404,
-    "RESOURCE_EXHAUSTED": 429, "CANCELLED": 499, "UNAVAILABLE": 503, "DEADLINE_EXCEEDED": 504,
-}  # fmt: skip
-ERROR_TYPE = {
-    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-    404: "not_found_error", 429: "rate_limit_error", 503: "service_unavailable_error",
-    504: "timeout_error",
-}  # fmt: skip
-# The router's validation names proto fields; the client sent OpenAI ones.
-_PARAM_OF_FIELD = {
-    "sampling.max_new_tokens": "max_tokens", "sampling.temperature": "temperature",
-    "sampling.top_p": "top_p", "sampling.top_k": "top_k", "sampling.stop_token_ids":
-    "stop_token_ids", "sampling.stop": "stop", "prompt": "prompt", "prompt_token_ids": "prompt",
-    "request_id": "X-Request-Id", "sampling.presence_penalty": "presence_penalty",
-    "sampling.frequency_penalty": "frequency_penalty",
-    "sampling.repetition_penalty": "repetition_penalty", "sampling.logit_bias": "logit_bias",
-    "sampling.logprobs": "logprobs", "sampling.prompt_logprobs": "prompt_logprobs",
-}  # fmt: skip
 _INTEGER = re.compile(r"-?[0-9]{1,12}")
-_FIELD_AT_START = re.compile(r"(sampling\.\w+|prompt_token_ids|prompt|request_id)\b")
 # Parameters whose only supported value is "off": (name, the values that mean off). OpenAI's,
 # then vLLM's extensions that change the answer on vLLM (min_tokens, min_p, guided decoding,
 # ...): a vLLM client sends them, and ignoring them would answer something else without a word.
@@ -83,42 +61,6 @@ _CHAT_OFF_ONLY = (
 )  # fmt: skip
 # What the template would render differently: its own options, and tools (templates list them)
 _TEMPLATE_OFF_ONLY = (("tools", (None, [])), *_CHAT_OFF_ONLY)
-
-
-class ApiError(Exception):
-    """An error answered as an OpenAI error object with HTTP `status`."""
-
-    def __init__(
-        self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-        retry_after_s: float | None = None,
-    ) -> None:  # fmt: skip
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-        self.code, self.retry_after_s = code, retry_after_s
-
-    @classmethod
-    def from_grpc(cls, code_name: str, message: str, retry_after_s: float | None = None):
-        """The router's status (a grpc.StatusCode name) as the HTTP error a client expects."""
-        match = _FIELD_AT_START.match(message)
-        param = _PARAM_OF_FIELD.get(match.group(1)) if match else None
-        if match and param:  # "sampling.max_new_tokens = 0: ..." -> "max_tokens = 0: ..."
-            message = param + message[match.end() :]
-        status = HTTP_STATUS.get(code_name, 500)
-        return cls(
-            status, message, param=param, code=code_name.lower(), retry_after_s=retry_after_s
-        )
-
-    def body(self) -> dict[str, Any]:
-        client_fault = 400 <= self.status < 500
-        kind = ERROR_TYPE.get(
-            self.status, "invalid_request_error" if client_fault else "server_error"
-        )
-        error = {"message": self.message, "type": kind, "param": self.param, "code": self.code}
-        return {"error": error}
-
-
-def bad_request(param: str, message: str) -> ApiError:
-    return ApiError(400, message, param=param, code="invalid_argument")
 
 
 @dataclass(frozen=True)
@@ -178,14 +120,6 @@ class OpenAIRequest:
         msg.sampling.CopyFrom(self.sampling)
         msg.priority = -self.priority  # int32 clamped: its negation is one too
         return msg
-
-
-def shown(value: Any) -> str:
-    """A value for an error message: short, and never a walk of a (deep) list or object."""
-    if isinstance(value, list | dict):
-        return "[...]" if isinstance(value, list) else "{...}"
-    text = repr(value)
-    return text if len(text) <= 40 else f"{text[:37]}..."
 
 
 def _typed(body: dict[str, Any], name: str, kinds: tuple[type, ...], what: str) -> Any:

@@ -35,7 +35,8 @@ from aiohttp import web
 from dsv4.errors import Dsv4Error
 from dsv4.text.tokenizer import TextCodec
 from router_svc.http.chat import ChatTemplate
-from router_svc.http.protocol import ChatPrompt, bad_request, flag, parse_chat_prompt, shown
+from router_svc.http.errors import bad_request, shown
+from router_svc.http.protocol import ChatPrompt, flag, parse_chat_prompt
 from router_svc.intake import INLINE_PROMPT_CHARS, TokenizerPool, check_prompt_bytes
 from router_svc.text_model import TextModel
 

@@ -12,7 +12,8 @@ import asyncio
 
 import grpc
 
-from dsv4.commands.cluster import ensure_tiny_checkpoint, free_port
+from dsv4.commands.cluster import free_port
+from dsv4.commands.tiny_checkpoint import ensure_tiny_checkpoint
 from tests.e2e.e2e_cluster import assert_no_worker_leaks, generate, greedy, log_tails
 from tests.engine.test_chunk_invariance import lossy_prompts
 from tests.model.test_served_vs_transformers import NEW_TOKENS, served_tokens

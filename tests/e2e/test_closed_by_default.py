@@ -19,7 +19,8 @@ import pytest
 from e2e_cluster import assert_no_worker_leaks, generate, greedy
 
 from dsv4 import wire
-from dsv4.commands.cluster import free_port, split_secret
+from dsv4.commands.cluster import free_port
+from dsv4.commands.service_args import split_secret
 from dsv4.rpc.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from dsv4.types import DecodeRequest, GenerateRequest
 from tests.services.worker_cluster import PROMPTS, WORKER_ARGS, start_cluster, tiny_checkpoint

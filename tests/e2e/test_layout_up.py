@@ -18,7 +18,8 @@ import pytest
 from e2e_cluster import generate, greedy
 
 from dsv4 import wire
-from dsv4.commands.cluster import free_port, service_config
+from dsv4.commands.cluster import free_port
+from dsv4.commands.service_args import service_config
 from dsv4.config.resolve import resolve_auto
 from dsv4.rpc.v1 import worker_pb2, worker_pb2_grpc
 from dsv4.types import WorkerRole

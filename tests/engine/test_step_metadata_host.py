@@ -5,7 +5,7 @@ engine's own steps: one prefill alone (the stride-0 window bases), several prefi
 decodes beside chunked prefills. The head's sample rows (a strided view when evenly spaced)
 give the logits of the gather bit for bit.
 
-Launches are counted as on CUDA by tools/launch_count.py's counters: the device formulas made
+Launches are counted as on CUDA by tools/launch_counter.py's counters: the device formulas made
 13 launches a step (3 casts, 7 for the window bases, 3 for the C4 lengths)."""
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ prompts with a window prefix shorter and longer than the window, decodes beside 
 drafts (the ring keeps k more slots), ratios 4 and 128, boundary-only and every-token
 compressor programs, and the static decode passes (no host positions: the device formulas).
 
-Their launches are bounded, counted as on CUDA by tools/launch_count.py's counters: the old
+Their launches are bounded, counted as on CUDA by tools/launch_counter.py's counters: the old
 formulas made ~36 launches per compressor ratio kind and 21-33 per chunk table."""
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from tests.engine.test_engine_core import prompts
 from tests.engine.test_speculative import mtp_model  # noqa: F401  (fixture)
 
 ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("launch_count", ROOT / "tools/launch_count.py")
+_spec = importlib.util.spec_from_file_location("launch_counter", ROOT / "tools/launch_counter.py")
 lc = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(lc)
 
@@ -116,7 +116,7 @@ def assert_same_tables(new, old) -> None:
 
 
 def counted(build, *args, **kwargs):
-    """(what `build` returns, its launch_count events and syncs) as on CUDA: the step's device
+    """(what `build` returns, its launch_counter events and syncs) as on CUDA: the step's device
     tensors are older than the count, so device-resident; host arrays are not."""
     c = lc.LaunchCounter()
     with lc.Residency(c), lc.Launches(c):

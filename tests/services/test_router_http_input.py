@@ -27,7 +27,7 @@ import pytest
 
 from dsv4.serving.ports import free_port
 from router_svc.http.body import check_unicode
-from router_svc.http.protocol import ApiError
+from router_svc.http.errors import ApiError
 from tests.router_fakes.harness import ScriptedCluster, scripted_cluster
 from tests.router_fakes.scripted_workers import ScriptedDecodeWorker, ScriptedPrefillWorker
 

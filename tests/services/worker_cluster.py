@@ -14,12 +14,9 @@ import grpc
 
 from dsv4 import wire
 from dsv4.cache.layout import KVLayout
-from dsv4.commands.cluster import (
-    ClusterSpec,
-    LocalCluster,
-    ensure_tiny_checkpoint,
-    service_config,
-)
+from dsv4.commands.cluster import ClusterSpec, LocalCluster
+from dsv4.commands.service_args import service_config
+from dsv4.commands.tiny_checkpoint import ensure_tiny_checkpoint
 from dsv4.rpc.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from dsv4.types import (
     DecodeRequest,

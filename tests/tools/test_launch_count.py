@@ -1,6 +1,7 @@
-"""tools/launch_count.py: the counting rules on hand-made tensor code, then the tiny model's
-prefill step: deterministic, every launch in a layer or the step with a named component, the
-known per-layer structure, layers of a kind that add the same launches, syncs reported."""
+"""tools/launch_count.py: the counting rules (tools/launch_counter.py) on hand-made tensor code,
+then the tiny model's prefill step: deterministic, every launch in a layer or the step with a
+named component, the known per-layer structure, layers of a kind that add the same launches,
+syncs reported."""
 
 from __future__ import annotations
 
@@ -12,9 +13,18 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("launch_count", ROOT / "tools/launch_count.py")
-lc = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(lc)
+
+
+def _load(name: str):
+    """A tools/ script as a module (tools/ is no package)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / f"tools/{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+lc = _load("launch_count")
+counters = _load("launch_counter")
 
 SLICE = (0, 4, 128, 4)  # the V4-Flash slice's layer kinds
 PROMPT = 160  # crosses a C128 window and C4 entries; fewer than top-k 512: no indexer top-k
@@ -23,10 +33,10 @@ PROMPT = 160  # crosses a C128 window and C4 entries; fewer than top-k 512: no i
 def test_counting_rules_on_host_tables_uploads_and_device_ops():
     """Host tables cost nothing, uploads a memcpy (and a sync when blocking), device ops a
     launch each (views none, a same-dtype contiguous copy a memcpy), scalar reads a sync."""
-    c = lc.LaunchCounter()
+    c = counters.LaunchCounter()
     dev = torch.device("cpu")  # the step's device, as the forward passes it
     weight = torch.arange(8.0)  # older than the step: a device tensor (weights, cache)
-    with lc.Residency(c), lc.Launches(c):
+    with counters.Residency(c), counters.Launches(c):
         c.counting = True
         host = torch.tensor([3, 1, 2]) * 2  # host table and host math
         assert not host.is_cuda and weight.is_cuda

@@ -17,7 +17,8 @@ from dsv4.rpc.v1 import common_pb2
 from dsv4.runner.sampler import Sampler
 from dsv4.scheduler.request import Request
 from dsv4.types import RequestLimits, SamplingParams
-from router_svc.http.protocol import ApiError, parse_request
+from router_svc.http.errors import ApiError
+from router_svc.http.protocol import parse_request
 from tests.leak import assert_no_leaks
 
 LIMITS = RequestLimits(vocab_size=400, max_model_len=64, default_max_new_tokens=16)

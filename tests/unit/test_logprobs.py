@@ -31,8 +31,9 @@ from dsv4.types import (
     TokenLogprobs,
     Usage,
 )
+from router_svc.http.errors import ApiError
 from router_svc.http.logprobs import clamped, token_texts
-from router_svc.http.protocol import ApiError, parse_request
+from router_svc.http.protocol import parse_request
 from router_svc.http.responses import Reply
 from router_svc.output import OutputTracker
 from tests.leak import assert_no_leaks

@@ -17,7 +17,8 @@ from dsv4.config import ModelSection
 from dsv4.errors import CheckpointError, InvalidRequest
 from dsv4.text.tokenizer import build_tokenizer
 from router_svc.http.chat import load_chat_template
-from router_svc.http.protocol import ApiError, parse_request
+from router_svc.http.errors import ApiError
+from router_svc.http.protocol import parse_request
 from router_svc.text_model import TINY_VOCAB_SIZE, load_text_model
 
 # Uses what transformers' environment adds to plain jinja2: trim/lstrip of blocks, loop

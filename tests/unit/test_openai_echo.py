@@ -11,7 +11,8 @@ import json
 import pytest
 
 from dsv4.types import FinishReason, PromptLogprobs, StreamChunk, TokenLogprobs, Usage
-from router_svc.http.protocol import ApiError, parse_request
+from router_svc.http.errors import ApiError
+from router_svc.http.protocol import parse_request
 from router_svc.http.responses import Reply
 
 STRINGS = {5: "He", 6: "llo", 7: "!", 9: " w"}

@@ -23,9 +23,9 @@ from dsv4.commands.cluster import (
     StartFailed,
     _Service,
     error_line,
-    service_config,
 )
 from dsv4.commands.layout import PROCESS_HOST_BYTES, check_host_memory
+from dsv4.commands.service_args import service_config
 from dsv4.errors import UsageError
 from dsv4.serving.ports import bind_problem, owns_listener
 
