@@ -22,7 +22,9 @@
 #   cand    issue 21's candidates: GPU parity tests of the MXFP4 and FP8 kernels, then the MXFP4
 #           MoE candidates and the FP8 linear candidates against bf16 (one process each);
 #   attn    issue 25's attention / indexer variants: GPU parity tests, then their A/B;
-#   probes  issue 25's e2e_probe records (benchmarks.e2e, both modes);
+#   probes  issue 25's e2e_probe records (benchmarks.e2e, both modes), in the formats `dsv4 up`
+#           serves on a GPU (MXFP4 experts, FP8 linears; PROBE_ARGS replaces them: two bf16
+#           copies of the slice do not fit one H100 for the disaggregated mode);
 #   halves  the halves128 GEMV (issue 21): its GPU parity test, then "stored" against
 #           "gemv_halves128" and "halves128_served" (bench_kernels_moe_mxfp4 --paths);
 #   full    issue 22 at full depth: offload_serve_check --layers 43, timing only, the card
@@ -113,7 +115,8 @@ tail -25 "$logs/attn-bench.log" | cut -c1-200
 }
 has probes && {
 run_into "${T_PROBES:-330}" "$logs/probes.log" python3 -m benchmarks.e2e \
-    --out "$out/e2e-probes-h200.json" --work-dir /tmp/e2e ${PROBE_ARGS:-}
+    --out "$out/e2e-probes-$card.json" --work-dir /tmp/e2e \
+    ${PROBE_ARGS:---expert-weights checkpoint --linear-weights checkpoint}
 tail -8 "$logs/probes.log" | cut -c1-300
 }
 has halves && {
