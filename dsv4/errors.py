@@ -79,6 +79,21 @@ class OutOfBlocks(ResourceExhausted):
     """The KV block pool cannot satisfy an allocation."""
 
 
+class DeviceOutOfMemory(ResourceExhausted):
+    """The card ran out of memory while a worker started (another process holds memory on it,
+    or the start-up asks more than the plan counted): a resource the operator can free, not a
+    bug, so one line with torch's figures and what to lower."""
+
+    @classmethod
+    def at_startup(cls, exc: BaseException) -> DeviceOutOfMemory:
+        # torch's text: "CUDA out of memory. Tried to allocate X. GPU 0 has a total capacity of
+        # Y of which Z is free. Process P has W memory in use. Including non-PyTorch memory, ..."
+        # (the figures first, then allocator details and advice): the figures are the line
+        figures = str(exc).split(" Including non-PyTorch memory")[0].split(" Of the allocated")[0]
+        return cls(f"out of device memory while starting: {' '.join(figures.split())} Free the "
+                   "card, or lower --memory-fraction, --num-blocks or --max-num-seqs")  # fmt: skip
+
+
 class Unavailable(Dsv4Error):
     """No healthy worker, a peer died, or a transfer could not be completed."""
 

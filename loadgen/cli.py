@@ -26,6 +26,7 @@ from loadgen.config import (
     DATASET_NAMES,
     LoadtestConfig,
     LoadtestConfigError,
+    WorkloadSpec,
     build_requests,
     config_from_args,
     rate_from_text,
@@ -66,6 +67,16 @@ positive_int = _int_at_least(1)
 non_negative_int = _int_at_least(0)
 
 
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"{text} must be a finite number >= 0")
+    return value
+
+
 def positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -100,7 +111,7 @@ def add_loadtest_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="default: ask GetModelInfo, else 129280",
     )
-    g.add_argument("--temperature", type=float, default=None, help="default: server's")
+    g.add_argument("--temperature", type=non_negative_float, default=None, help="default: server's")
     g.add_argument(
         "--ignore-eos",
         action=argparse.BooleanOptionalAction,
@@ -192,6 +203,25 @@ async def _model_info(config: LoadtestConfig, client: Any) -> ModelInfoView | No
     return info
 
 
+def _check_lengths(wl: WorkloadSpec, max_model_len: int) -> None:
+    """A synthetic workload whose every request is longer than the server's context is refused
+    before its prompts are drawn: the server would refuse each one, and prompts of 10**8
+    tokens took minutes and gigabytes to draw (the run looked hung)."""
+    if wl.dataset_name not in ("random", "shared-prefix"):
+        return
+    prefix = wl.prefix_len if wl.dataset_name == "shared-prefix" else 0
+    shortest = prefix + wl.input_len.low + wl.output_len.low
+    if shortest > max_model_len:
+        flags = f"--prefix-len {prefix} / " if prefix else ""
+        flags += (
+            f"--random-input-len {wl.input_len.mean} / --random-output-len {wl.output_len.mean}"
+        )
+        raise LoadtestConfigError(
+            f"{flags}: every request has at least {shortest} tokens (prompt + output), more "
+            f"than the server's max_model_len {max_model_len}: give shorter ones"
+        )
+
+
 def _warn_in_flight(config: LoadtestConfig, num_requests: int, err: IO[str]) -> None:
     cap = config.max_concurrency or num_requests
     if config.client.backend == "grpc" and min(cap, num_requests) > IN_FLIGHT_WARNING_THRESHOLD:
@@ -212,6 +242,8 @@ async def _run(
         model_id = config.model_id or (info.model_name if info else "") or config.client.model
         vocab_size = _resolve_vocab_size(config, info, err)
         wl = config.workload
+        if info is not None and info.max_model_len > 0:
+            _check_lengths(wl, info.max_model_len)  # before drawing the prompts
         requests = build_requests(wl, wl.num_prompts, vocab_size, config.arrivals.seed)
         if not requests:
             raise LoadtestConfigError(f"the {wl.dataset_name} workload produced no requests")

@@ -123,6 +123,13 @@ def config_from_args(args: argparse.Namespace) -> LoadtestConfig:
     for flag, path in (("--result-json", args.result_json), ("--plot", args.plot),
                        ("--per-request-jsonl", args.per_request_jsonl)):  # fmt: skip
         _check_output(flag, path)
+    if args.save_result and not args.result_json:
+        _check_result_dir(args.result_dir, args.result_filename)
+    if not (math.isfinite(args.trace_time_scale) and args.trace_time_scale >= 0):
+        raise LoadtestConfigError(
+            f"--trace-time-scale {args.trace_time_scale}: give a finite number >= 0 "
+            "(0.5 replays the trace 2x faster)"
+        )
     _check_tls_ca(args.tls_ca)
     backend = BACKEND_ALIASES.get(args.backend, args.backend)
     endpoint = resolve_endpoint(
@@ -231,6 +238,28 @@ def _check_output(flag: str, path: str | None) -> None:
         raise LoadtestConfigError(f"{flag} {path}: folder {folder} does not exist")
     if os.path.isdir(path) or not os.access(folder, os.W_OK):
         raise LoadtestConfigError(f"{flag} {path}: cannot write a file there")
+
+
+def _check_result_dir(result_dir: str, filename: str | None) -> None:
+    """--save-result's file goes into --result-dir (created after the run, as vLLM does): that
+    it can be created and written there is checked before the run, not after it."""
+    folder = Path(result_dir).absolute()
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK):
+        raise LoadtestConfigError(
+            f"--result-dir {result_dir}: cannot make or write a folder there "
+            f"({existing} is not a writable folder)"
+        )
+    if not filename:
+        return
+    parent = (folder / filename).parent
+    if parent != folder and not parent.is_dir():
+        raise LoadtestConfigError(
+            f"--result-filename {filename}: folder {parent} does not exist "
+            "(only --result-dir is made)"
+        )
+    if folder.is_dir():
+        _check_output("--result-filename", str(folder / filename))
 
 
 def _check_tls_ca(path: str | None) -> None:

@@ -44,6 +44,19 @@ def load_tokenizer(path: str | Path) -> Any:
         raise ValueError(f"--tokenizer {path}: cannot load {file} ({exc})") from None
 
 
+def read_dataset_text(path: str | Path) -> str:
+    """The text of --dataset-path; ValueError naming the flag for a file that is not there, not
+    readable or not UTF-8 (a bare errno or codec line named neither the flag nor the file)."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ValueError(f"--dataset-path {path}: cannot read it ({exc.strerror})") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(
+            f"--dataset-path {path}: not UTF-8 text ({exc.reason} at byte {exc.start})"
+        ) from None
+
+
 def estimate_num_tokens(text: str) -> int:
     """Rough token count when no tokenizer is given: ceil(chars / 4), at least 1."""
     return max(1, math.ceil(len(text) / CHARS_PER_TOKEN_ESTIMATE))
@@ -63,14 +76,19 @@ def load_sharegpt(
     the prompt is sent as text and lengths are estimated. Entries with fewer than two turns, or
     outside vLLM's length filters, are skipped. Raises ValueError on a malformed file.
     """
-    entries = json.loads(Path(path).read_text(encoding="utf-8"))
+    try:
+        entries = json.loads(read_dataset_text(path))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--dataset-path {path}: not a ShareGPT JSON file ({exc})") from None
     if not isinstance(entries, list):
-        raise ValueError(f"{path}: ShareGPT file must hold a JSON list")
+        raise ValueError(f"--dataset-path {path}: a ShareGPT file must hold a JSON list")
     pairs = []
     for entry in entries:
         turns = entry.get("conversations") if isinstance(entry, dict) else None
         if not isinstance(turns, list) or len(turns) < 2:
             continue
+        if not all(isinstance(turn, dict) for turn in turns[:2]):
+            continue  # a turn that is not {"from": ..., "value": ...}: skipped as malformed
         pairs.append((str(turns[0].get("value", "")), str(turns[1].get("value", ""))))
     order = np.random.default_rng(seed).permutation(len(pairs))
     out: list[LoadRequest] = []
@@ -106,14 +124,23 @@ def load_sharegpt(
 def _parse_trace_line(line: str, line_no: int, path: str | Path) -> dict:
     try:
         row = json.loads(line)
-        return {
+        if not isinstance(row, dict):
+            raise TypeError(f"expected a JSON object, not a {type(row).__name__}")
+        parsed = {
             "timestamp_ms": float(row.get("timestamp", 0.0)),
             "input_length": int(row["input_length"]),
             "output_length": max(1, int(row.get("output_length", 1))),
             "hash_ids": [int(h) for h in row.get("hash_ids", [])],
         }
+        if not math.isfinite(parsed["timestamp_ms"]):
+            raise ValueError(f"timestamp {parsed['timestamp_ms']} is not a finite number")
+        if parsed["input_length"] < 1 or any(h < 0 for h in parsed["hash_ids"]):
+            raise ValueError("input_length must be >= 1 and hash_ids >= 0")
+        return parsed
     except (ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"{path}:{line_no}: bad Mooncake trace line: {exc}") from exc
+        raise ValueError(
+            f"--dataset-path {path}:{line_no}: bad Mooncake trace line: {exc}"
+        ) from exc
 
 
 def load_mooncake_trace(
@@ -132,10 +159,9 @@ def load_mooncake_trace(
     `input_length`; tokens past the last hash id are random and private to the request.
     """
     rows = []
-    with Path(path).open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if line.strip():
-                rows.append(_parse_trace_line(line, line_no, path))
+    for line_no, line in enumerate(read_dataset_text(path).splitlines(), start=1):
+        if line.strip():
+            rows.append(_parse_trace_line(line, line_no, path))
     rows.sort(key=lambda r: r["timestamp_ms"])
     if num_prompts is not None:
         rows = rows[:num_prompts]

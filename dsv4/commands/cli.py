@@ -8,6 +8,8 @@ router stay light. Every user error ends as one line on stderr that names the fl
 from __future__ import annotations
 
 import argparse
+import errno
+import io
 import json
 import logging
 import os
@@ -46,6 +48,8 @@ def _cmd_make_tiny(args: argparse.Namespace) -> int:
         from dsv4.commands.generate import parse_ints
 
         ratios = parse_ints("--layers", args.layers, "compress ratios such as 0,4,128,4")
+        if not ratios:  # ",,," used to write a model of no layers
+            raise UsageError(f"--layers {args.layers!r}: give compress ratios such as 0,4,128,4")
         try:
             cfg = cfg.with_overrides(num_hidden_layers=len(ratios), compress_ratios=ratios)
         except ConfigError as exc:
@@ -217,8 +221,51 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _ClosedStdout(io.TextIOBase):
+    """sys.stdout where the launcher closed fd 1 (`dsv4 plan >&-`): a write is an OSError that
+    `main` reports as one line, as `cat` does, instead of output silently lost (Python sets
+    sys.stdout to None there, and `print` drops what it is given)."""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        raise OSError(errno.EBADF, "stdout is closed: give it a file, a pipe or >/dev/null")
+
+    def fileno(self) -> int:
+        return 1
+
+
+def _reopen_closed_std_fds() -> None:
+    """/dev/null on each of fds 0-2 the launcher left closed (`<&-`, `>&-`, `2>&-`): else the
+    next file or socket this process opens takes that number, and whatever writes to "stdout"
+    or "stderr" (a C library, a child process) writes into it. With sys.stderr None, an error
+    line would go to stdout (`print(file=None)` is stdout); with stdout closed, see above."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR)  # the lowest free number: this fd, or dup it
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+            if fd == 0:
+                sys.stdin = open(fd, closefd=False)  # noqa: SIM115 (the process's stdin)
+            elif fd == 1:
+                sys.stdout = _ClosedStdout()
+            else:
+                sys.stderr = open(fd, "w", closefd=False)  # noqa: SIM115 (the process's stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    _reopen_closed_std_fds()
+    try:
+        return _run(list(sys.argv[1:] if argv is None else argv))
+    except KeyboardInterrupt:  # Ctrl-C: also while the parser imports the commands' modules
+        return 130
+
+
+def _run(argv: list[str]) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra and not getattr(args, "accepts_extra_args", False):
@@ -256,8 +303,6 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(f"dsv4 {args.command}: error: {_one_line(exc)}", file=sys.stderr)
         return 1 if _is_bug(exc) else getattr(exc, "exit_code", 2)
-    except KeyboardInterrupt:
-        return 130
 
 
 def _missing_extra(exc: BaseException) -> str | None:

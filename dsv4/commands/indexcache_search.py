@@ -220,6 +220,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--calib {args.calib}: no such file; give a text file or 'stdlib'")
     if args.out and not Path(args.out).resolve().parent.is_dir():
         raise UsageError(f"--out {args.out}: its directory does not exist")
+    if args.out and Path(args.out).is_dir():
+        raise UsageError(f"--out {args.out}: a directory; give a file name for the JSON report")
     try:
         device = torch.device(args.device)
     except RuntimeError as exc:
@@ -244,9 +246,13 @@ def run(args: argparse.Namespace) -> int:
         **greedy_search(model, batch, args.budget),
     }
     text = json.dumps(report, indent=1)
+    print(text, flush=True)  # first: a failed --out write must not lose the search's result
     if args.out:
-        Path(args.out).write_text(text + "\n")
-    print(text)
+        try:
+            Path(args.out).write_text(text + "\n")
+        except OSError as exc:
+            raise UsageError(f"--out {args.out}: cannot write the report ({exc.strerror}); "
+                             "it is on stdout") from None  # fmt: skip
     return 0
 
 

@@ -175,7 +175,7 @@ def worker_config(args: argparse.Namespace) -> tuple[ServeConfig, ModelConfig]:
     """(the worker's ServeConfig from the flags (over --config and DSV4_*), resolved as its
     start-up resolves it on a CUDA card (`dsv4.worker.build.build_worker_runtime`), the model's
     config: --model's or --shape's)."""
-    forced: dict[str, Any] = {"model.path": args.model} if args.model else {}
+    forced: dict[str, Any] = {"model.path": args.model} if args.model is not None else {}
     if args.spec_tokens is not None:
         if args.spec_tokens < 0:
             raise UsageError(f"--spec-tokens {args.spec_tokens}: give 0 (MTP off) to 3")
@@ -183,7 +183,7 @@ def worker_config(args: argparse.Namespace) -> tuple[ServeConfig, ModelConfig]:
         if args.spec_tokens:
             forced["speculative.num_speculative_tokens"] = args.spec_tokens
     config = config_from_args(args, os.environ, forced=forced)
-    model_cfg = planned_model_config(config) if args.model else shape_config(args.shape)
+    model_cfg = planned_model_config(config) if args.model is not None else shape_config(args.shape)
     return resolve_auto(config, has_cuda=True, hostname="plan", pid=0, model=model_cfg), model_cfg
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import signal
 import sys
 import time
@@ -140,6 +141,10 @@ def _check_up_args(args: argparse.Namespace) -> None:
             f"--model {args.model}: no config.json there; give a checkpoint dir, random:DIR "
             "(dsv4 make-tiny DIR --config-only) or tiny"
         )
+    for flag, folder in (("--cache-dir", args.cache_dir if args.model == "tiny" else None),
+                         ("--log-dir", args.log_dir or None)):  # fmt: skip
+        if folder is not None:
+            _check_folder(flag, folder)
     if args.layers and args.model != "tiny":
         raise UsageError(f"--layers {args.layers}: only for --model tiny (a checkpoint has its "
                          "own layers; dsv4 make-tiny DIR --layers writes one)")  # fmt: skip
@@ -147,6 +152,18 @@ def _check_up_args(args: argparse.Namespace) -> None:
     if unknown:
         raise UsageError(f"unrecognized arguments: {' '.join(unknown)} (dsv4 {args.command} "
                          "passes flags it does not know to every service; see dsv4 decode -h)")  # fmt: skip
+
+
+def _check_folder(flag: str, folder: str) -> None:
+    """A folder `up` makes and writes (the tiny checkpoint's, the logs'): one that cannot be
+    was a bare errno line with no flag; an empty one wrote into the current directory."""
+    if not folder.strip():
+        raise UsageError(f"{flag} '': give a folder (. for the current one)")
+    path = Path(folder).absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK):
+        raise UsageError(f"{flag} {folder}: cannot make or write a folder there ({existing} is "
+                         "not a writable folder)")  # fmt: skip
 
 
 def check_ports(spec: ClusterSpec) -> None:

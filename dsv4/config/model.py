@@ -85,6 +85,12 @@ class ModelConfig:
     fp8_block_size: int = 128
 
     def __post_init__(self) -> None:
+        # A zero, negative or absurd size used to pass here and fail later as a bug's line (a
+        # tensor of negative dimension, a 0-layer model that served): refused where it is read.
+        for name, least in _SIZE_FIELDS:
+            value = getattr(self, name)
+            if not least <= value < _SIZE_LIMIT:
+                raise ConfigError(name, value, f"{name} must be in [{least}, 2**31)")
         if len(self.compress_ratios) != self.num_hidden_layers:
             raise ConfigError(
                 "compress_ratios",
@@ -183,6 +189,8 @@ class ModelConfig:
     def from_file(cls, path: str | Path) -> ModelConfig:
         """Read config.json (or the dir holding it). Whatever is wrong with the file is a
         ConfigError naming it: a user's checkpoint, not a bug of ours."""
+        if not str(path).strip():  # Path("") is the current directory
+            raise ConfigError("model", str(path), "give --model a checkpoint dir")
         path = Path(path)
         if path.is_dir():
             path = path / "config.json"
@@ -245,6 +253,20 @@ class ModelConfig:
         out["expert_dtype"] = self.expert_dtype
         return out
 
+
+# The integer sizes and counts of a config.json with the least each may be (the rest are >= 1);
+# every one stays below 2**31, the largest a tensor dimension or an int32 index can hold.
+_SIZE_LIMIT = 2**31
+_SIZE_FIELDS = tuple(
+    (name, 0 if name in ("n_shared_experts", "num_hash_layers", "num_nextn_predict_layers",
+                         "qk_rope_head_dim", "hc_sinkhorn_iters") else 1)
+    for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                 "head_dim", "qk_rope_head_dim", "q_lora_rank", "o_groups", "o_lora_rank",
+                 "sliding_window", "index_n_heads", "index_head_dim", "index_topk",
+                 "n_routed_experts", "n_shared_experts", "num_experts_per_tok",
+                 "moe_intermediate_size", "num_hash_layers", "hc_mult", "hc_sinkhorn_iters",
+                 "num_nextn_predict_layers", "max_position_embeddings", "fp8_block_size")
+)  # fmt: skip
 
 _PLAIN_FIELDS = (
     "vocab_size",

@@ -81,6 +81,8 @@ class ModelSection(Section):
     )  # fmt: skip
 
     def check(self) -> None:
+        if not self.path.removeprefix(RANDOM_PREFIX).strip():  # "" read ./config.json
+            self.fail("path", "give a checkpoint dir, random:DIR or tiny")
         if not _DEVICE.fullmatch(self.device):
             self.fail("device", "use auto, cpu, cuda or cuda:N")
         if self.host_memory_gib and self.tensor_parallel_size > 1:

@@ -36,7 +36,7 @@ from dsv4.config import ServeConfig, request_limits, resolve_auto
 from dsv4.config.model import ModelConfig
 from dsv4.engine.async_engine import AsyncEngine
 from dsv4.engine.core import EngineOptions, build_engine_core
-from dsv4.errors import CheckpointError
+from dsv4.errors import CheckpointError, ConfigError, DeviceOutOfMemory
 from dsv4.model.fp8 import set_linear_activations_
 from dsv4.model.offload_load import ExpertOffload
 from dsv4.runner.paged.collectives import ONE_RANK
@@ -158,6 +158,7 @@ def build_worker_runtime(
     """Load the model, size the KV cache, build the engine and (optionally) the transport,
     registering the cache's backing tensor with it."""
     model_cfg = planned_model_config(config)  # config.json only, before any weight
+    _check_device(config.model.device)
     # with the model's config: kv_dtype auto is fp8 only for its 512-wide heads
     config = resolve_auto(config, has_cuda=torch.cuda.is_available(),
                           hostname=socket.gethostname(), pid=os.getpid(), model=model_cfg)  # fmt: skip
@@ -169,10 +170,24 @@ def build_worker_runtime(
     try:
         return _build(config, ranks, offload, with_transport=with_transport, name=name,
                       reserve_bytes=reserve)  # fmt: skip
-    except BaseException:
+    except BaseException as exc:
         if ranks is not None:
             ranks.close("start-up failed")
+        if isinstance(exc, torch.OutOfMemoryError):
+            raise DeviceOutOfMemory.at_startup(exc) from exc
         raise
+
+
+def _check_device(device: str) -> None:
+    """An explicit `cuda[:N]` must name a card this process sees: torch's own refusal is an
+    AssertionError ("Torch not compiled with CUDA enabled"), reported as a bug's line."""
+    if not device.startswith("cuda"):
+        return
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    index = int(device.partition(":")[2] or 0)
+    if index >= count:
+        raise ConfigError("model.device", device, f"this host has {count} CUDA device(s) "
+                          "visible: give --device cpu (or auto), or a card it has")  # fmt: skip
 
 
 def start_ranks(config: ServeConfig):

@@ -51,7 +51,8 @@ class RefusingClient:
 
 
 def test_every_failed_request_shows_one_example_of_the_servers_message():
-    code, out, _ = _run("--temperature", "-1", client_factory=lambda o: RefusingClient())
+    # (a negative --temperature is refused before the run; this server refuses what it gets)
+    code, out, _ = _run("--temperature", "3", client_factory=lambda o: RefusingClient())
     assert code == 1
     lines = out.splitlines()
     at = lines.index(next(x for x in lines if x.startswith("  INVALID_ARGUMENT:")))
