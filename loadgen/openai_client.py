@@ -33,9 +33,11 @@ from loadgen.client import (
 from loadgen.target import (
     REACH_TIMEOUT_S,
     LoadtestConfigError,
+    TargetUnreachable,
     check_tcp_reachable,
     not_http_message,
     sniff_protocol,
+    unreachable_message,
 )
 from loadgen.workloads import LoadRequest
 
@@ -111,7 +113,15 @@ class OpenAIClient:
             timeout = self._aiohttp.ClientTimeout(total=REACH_TIMEOUT_S)
             async with self._session.get(self.options.models_url, timeout=timeout) as response:
                 listing = await response.json(content_type=None) if response.status == 200 else {}
-        except (TimeoutError, ValueError):  # before ClientError: a timeout is one of those too
+        except TimeoutError:  # before ClientError: a timeout is one of those too
+            if self.model:  # requests name --model: the run itself tells what the server does
+                return None
+            # else the line would read "lists no model", which it never said: it did not answer
+            reason = (
+                f"accepted a connection but did not answer GET /v1/models in {REACH_TIMEOUT_S:g} s"
+            )
+            raise TargetUnreachable(unreachable_message(self.options.target, reason)) from None
+        except ValueError:  # an answer that is not JSON: no listing to read
             return None
         except self._aiohttp.ClientError:
             if await sniff_protocol(self.options.target) == "http2":  # a gRPC port

@@ -173,3 +173,30 @@ def test_a_bad_request_rate_says_what_to_give(rate, says, capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert f"argument --request-rate: {says}" in err and "rate_from_text" not in err, err
+
+
+async def _start_silent() -> tuple[int, Callable]:
+    """Accepts connections and never answers (a wedged server, a port forward to nothing)."""
+    held: list[asyncio.StreamWriter] = []
+
+    async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+
+    server = await asyncio.start_server(hold, "127.0.0.1", 0)
+
+    async def stop() -> None:
+        for writer in held:
+            writer.close()
+        server.close()
+        await server.wait_closed()
+
+    return server.sockets[0].getsockname()[1], stop
+
+
+def test_openai_backend_on_a_silent_server_says_it_did_not_answer():
+    # it used to say the server "lists no model: pass --model", which it never said
+    with serve_in_thread(_start_silent) as port:
+        code, out, err = _run("--backend", "openai", "--target", f"127.0.0.1:{port}")
+    assert (code, out) == (2, "")
+    assert err.count("\n") == 1 and "lists no model" not in err
+    assert "did not answer GET /v1/models" in err and f"127.0.0.1:{port}" in err
