@@ -108,6 +108,14 @@ def _add_train_tiny(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_cmd_train_tiny)
 
 
+# (config field, the line for a worker given it)
+_ROUTER_LISTEN_FLAGS = (
+    ("router.port", "--port is the router's port; a worker listens on --worker-port"),
+    ("router.host", "--host is the router's address; a worker binds --worker-host"),
+    ("router.http_port", "--http-port is the router's HTTP front; give it to dsv4 router or up"),
+)
+
+
 def _cmd_worker(role: str) -> Handler:
     def run(args: argparse.Namespace) -> int:
         import os
@@ -117,6 +125,11 @@ def _cmd_worker(role: str) -> Handler:
         from dsv4.errors import UsageError
         from dsv4.serving.logs import configure_logging
 
+        # the router's listening flags are in every service's config, but a worker listens on
+        # --worker-host / --worker-port: `dsv4 decode --port N` served on another port, silently
+        for dest, line in _ROUTER_LISTEN_FLAGS:
+            if getattr(args, dest, None) is not None:
+                raise UsageError(line)
         chosen = getattr(args, "worker.role", None)
         allowed = (role, "colocated") if role == "decode" else (role,)
         if chosen is not None and chosen not in allowed:

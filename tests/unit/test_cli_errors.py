@@ -74,6 +74,11 @@ BAD = [
     (["prefill", "--role", "colocated"], "--role"),
     (["decode", "--role", "potato"], "--role"),
     (["decode", "--config", "/nonexistent.yaml"], "/nonexistent.yaml"),
+    # the router's listening flags: a worker listens on --worker-host / --worker-port (it used
+    # to take them and serve elsewhere, silently)
+    (["decode", "--port", "5000"], "a worker listens on --worker-port"),
+    (["prefill", "--host", "0.0.0.0"], "a worker binds --worker-host"),
+    (["decode", "--role", "colocated", "--http-port", "8000"], "--http-port is the router's"),
     (["loadtest", "--request-rate", "abc"], "--request-rate"),
     (["loadtest", "--num-prompts", "x"], "--num-prompts"),
     (["loadtest", "--num-prompts", "-3"], "--num-prompts"),
