@@ -240,15 +240,23 @@ def _check_output(flag: str, path: str | None) -> None:
         raise LoadtestConfigError(f"{flag} {path}: cannot write a file there")
 
 
+def folder_blocker(folder: Path) -> Path | None:
+    """Where making or writing the absolute `folder` fails, checked before any work: its
+    nearest existing path (itself or an ancestor) when that is not a writable folder; None when
+    the folder is, or can be made. `dsv4 up`'s --cache-dir / --log-dir checks use it too."""
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    return None if existing.is_dir() and os.access(existing, os.W_OK) else existing
+
+
 def _check_result_dir(result_dir: str, filename: str | None) -> None:
     """--save-result's file goes into --result-dir (created after the run, as vLLM does): that
     it can be created and written there is checked before the run, not after it."""
     folder = Path(result_dir).absolute()
-    existing = next(p for p in (folder, *folder.parents) if p.exists())
-    if not existing.is_dir() or not os.access(existing, os.W_OK):
+    blocker = folder_blocker(folder)
+    if blocker is not None:
         raise LoadtestConfigError(
             f"--result-dir {result_dir}: cannot make or write a folder there "
-            f"({existing} is not a writable folder)"
+            f"({blocker} is not a writable folder)"
         )
     if not filename:
         return

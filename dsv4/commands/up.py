@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import signal
 import sys
 import time
@@ -159,10 +158,11 @@ def _check_folder(flag: str, folder: str) -> None:
     was a bare errno line with no flag; an empty one wrote into the current directory."""
     if not folder.strip():
         raise UsageError(f"{flag} '': give a folder (. for the current one)")
-    path = Path(folder).absolute()
-    existing = next(p for p in (path, *path.parents) if p.exists())
-    if not existing.is_dir() or not os.access(existing, os.W_OK):
-        raise UsageError(f"{flag} {folder}: cannot make or write a folder there ({existing} is "
+    from loadgen.config import folder_blocker
+
+    blocker = folder_blocker(Path(folder).absolute())
+    if blocker is not None:
+        raise UsageError(f"{flag} {folder}: cannot make or write a folder there ({blocker} is "
                          "not a writable folder)")  # fmt: skip
 
 
